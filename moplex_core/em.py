@@ -1,0 +1,301 @@
+"""Dataset-level EM for a mixture of k Plackett-Luce models (paper Algorithm 2, DESIGN.md 5.3).
+
+The engine knows rankings and posteriors; everything about *how* a cluster scores a response lives
+behind the `Scorer` protocol (free item utilities, a linear model, k LoRA adapters on an LM).
+
+One iteration t:
+    alpha_c   = mean_i gamma_ic                                  (M-step, mixing weights)
+    theta     = argmin - sum_ic w_ic log P_c(sigma_i),  w = gamma * [gamma >= gamma_min]
+    gamma_ic  = softmax_c(log alpha_c + log P_c(sigma_i))        (E-step, whole training set)
+    LL_t      = mean_i logsumexp_c(log alpha_c + log P_c(sigma_i))
+
+The first M-step starts from symmetry-breaking responsibilities (a seeded Dirichlet, or k-means over
+the rankings' Fisher-score features), since scorers start equal (LoRA B = 0 makes every adapter the
+reference). Every iteration can be checkpointed to ``<dir>/restart-RR/iter-NNNN/`` and a killed run
+resumes at the last finished iteration with identical results.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Protocol
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+
+from moplex_core.pl import RankingIndex, log_likelihood, prepare_rankings
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Rankings:
+    """n rankings as tier codes (moplex_core.pl) with an optional top-l prefix and ids."""
+
+    tiers: torch.Tensor  # int64 [n, M]
+    ranked_prefix: torch.Tensor | None = None  # int64 [n]
+    example_ids: tuple[str, ...] | None = None
+
+    def __len__(self) -> int:
+        return self.tiers.shape[0]
+
+    def index(self) -> RankingIndex:
+        return prepare_rankings(self.tiers, self.ranked_prefix)
+
+    def subset(self, idx: np.ndarray | torch.Tensor) -> Rankings:
+        idx = torch.as_tensor(idx, dtype=torch.int64)
+        return Rankings(
+            self.tiers[idx],
+            None if self.ranked_prefix is None else self.ranked_prefix[idx],
+            None if self.example_ids is None else tuple(self.example_ids[i] for i in idx.tolist()),
+        )
+
+
+class Scorer(Protocol):
+    """Scores of responses under each of k clusters, and a weighted M-step.
+
+    ``inputs`` is whatever the scorer needs to score the n examples (item ids, features, an LM
+    cache); the engine passes it through untouched. ``iteration`` lets a scorer make per-iteration
+    choices (anchor sampling) that must agree between the E-step and the M-step.
+    """
+
+    k: int
+
+    def score(self, inputs: Any, iteration: int) -> torch.Tensor:
+        """Scores float64 [n, k, M], no gradient."""
+        ...
+
+    def fit(self, inputs: Any, rankings: Rankings, weights: torch.Tensor, iteration: int) -> None:
+        """Minimise - sum_ic weights_ic log P_c(sigma_i). weights: float64 [n, k], zero = skip."""
+        ...
+
+    def ranking_features(self, inputs: Any, rankings: Rankings) -> torch.Tensor:
+        """One feature vector per ranking, float64 [n, d], for the k-means initialisation."""
+        ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+@dataclass(frozen=True)
+class EMConfig:
+    k: int = 2
+    max_iter: int = 50
+    tol: float = 1e-6
+    """Stop when |LL_t - LL_{t-1}| <= tol * |LL_{t-1}| (LL per ranking)."""
+    gamma_min: float = 1e-3
+    """M-step skips (example, cluster) pairs whose responsibility is below this."""
+    init: Literal["kmeans", "dirichlet"] = "kmeans"
+    dirichlet_concentration: float = 1.0
+    restarts: int = 1
+    """Independent runs from different initialisations; the best final log-likelihood is kept."""
+    hard: bool = False
+    """Hard EM (gamma is the one-hot argmax), as in MaxMin-RLHF."""
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.k < 1:
+            raise ValueError(f"EM needs k >= 1 clusters, got k={self.k}")
+        if self.max_iter < 1 or self.restarts < 1:
+            raise ValueError("max_iter and restarts must be >= 1")
+        if not 0 <= self.gamma_min < 1:
+            raise ValueError(f"gamma_min must be in [0, 1), got {self.gamma_min}")
+
+
+@dataclass
+class EMState:
+    """Everything needed to continue a run after ``iteration`` finished."""
+
+    restart: int
+    iteration: int
+    gamma: torch.Tensor  # float64 [n, k]
+    alpha: torch.Tensor  # float64 [k], the weights used in this iteration's E-step
+    history: list[float] = field(default_factory=list)  # LL per ranking, one per iteration
+    converged: bool = False
+    scorer_state: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def log_likelihood(self) -> float:
+        return self.history[-1]
+
+
+@dataclass
+class EMResult:
+    best: EMState
+    restarts: list[EMState]
+
+
+def posteriors(
+    scorer: Scorer, inputs: Any, rankings: Rankings, alpha: torch.Tensor, iteration: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """E-step: (gamma float64 [n, k], per-ranking mixture log-likelihood float64 [n])."""
+    scores = scorer.score(inputs, iteration)  # [n, k, M]
+    logp = log_likelihood(scores, rankings.index().expand(scores.shape[1]))  # [n, k]
+    joint = torch.log(alpha).unsqueeze(0) + logp
+    ll = torch.logsumexp(joint, dim=1)
+    return torch.exp(joint - ll.unsqueeze(1)), ll
+
+
+def initial_responsibilities(
+    config: EMConfig, scorer: Scorer, inputs: Any, rankings: Rankings, seed: int
+) -> torch.Tensor:
+    """Symmetry-breaking start, float64 [n, k]."""
+    n, k = len(rankings), config.k
+    if k == 1:
+        return torch.ones(n, 1, dtype=torch.float64)
+    if config.init == "dirichlet":
+        # Normalised Gamma(c, 1) draws from a generator seeded here, never the global RNG.
+        rng = np.random.default_rng(seed)
+        g = rng.gamma(config.dirichlet_concentration, size=(n, k))
+        return torch.as_tensor(g / g.sum(1, keepdims=True), dtype=torch.float64)
+    from sklearn.cluster import KMeans
+
+    features = scorer.ranking_features(inputs, rankings).numpy()
+    features = features / (np.linalg.norm(features, axis=1, keepdims=True) + 1e-12)
+    labels = KMeans(k, n_init=4, random_state=seed).fit_predict(features)
+    # Soft one-hot: confident but not certain, so the first M-step still sees every cluster.
+    gamma = torch.full((n, k), 0.1 / max(k - 1, 1), dtype=torch.float64)
+    gamma[torch.arange(n), torch.as_tensor(labels)] = 0.9
+    return gamma
+
+
+def fit_mixture(
+    make_scorer: Callable[[], Scorer],
+    inputs: Any,
+    rankings: Rankings,
+    config: EMConfig,
+    checkpoint_dir: Path | None = None,
+    on_iteration: Callable[[EMState], None] | None = None,
+) -> tuple[EMResult, Scorer]:
+    """Fit the mixture with ``config.restarts`` restarts; return the result and the best scorer.
+
+    With ``checkpoint_dir`` every iteration is saved and a rerun resumes from the last finished one.
+    """
+    finished: list[EMState] = []
+    best: tuple[EMState, Scorer] | None = None
+    for restart in range(config.restarts):
+        scorer = make_scorer()
+        state = _run_restart(scorer, inputs, rankings, config, restart, checkpoint_dir, on_iteration)
+        finished.append(state)
+        if best is None or state.log_likelihood > best[0].log_likelihood:
+            best = (state, scorer)
+    return EMResult(best[0], finished), best[1]
+
+
+def _run_restart(
+    scorer: Scorer,
+    inputs: Any,
+    rankings: Rankings,
+    config: EMConfig,
+    restart: int,
+    checkpoint_dir: Path | None,
+    on_iteration: Callable[[EMState], None] | None,
+) -> EMState:
+    seed = config.seed + 1000 * restart
+    restart_dir = None if checkpoint_dir is None else Path(checkpoint_dir) / f"restart-{restart:02d}"
+    state = load_last_checkpoint(restart_dir) if restart_dir is not None else None
+    if state is not None:
+        scorer.load_state_dict(state.scorer_state)
+        log.info("restart %d: resuming after iteration %d (LL %.6f)", restart, state.iteration, state.log_likelihood)
+        if state.converged or state.iteration + 1 >= config.max_iter:
+            return state
+        gamma, history, start = state.gamma, list(state.history), state.iteration + 1
+    else:
+        gamma, history, start = initial_responsibilities(config, scorer, inputs, rankings, seed), [], 0
+
+    n = len(rankings)
+    for iteration in range(start, config.max_iter):
+        alpha = gamma.mean(0)
+        _warn_on_empty_clusters(alpha, n, iteration)
+        weights = torch.where(gamma >= config.gamma_min, gamma, 0.0)
+        scorer.fit(inputs, rankings, weights, iteration)
+        gamma, ll = posteriors(scorer, inputs, rankings, alpha.clamp_min(1e-300), iteration)
+        if config.hard:
+            gamma = torch.nn.functional.one_hot(gamma.argmax(1), config.k).to(torch.float64)
+        history.append(ll.mean().item())
+        converged = len(history) > 1 and abs(history[-1] - history[-2]) <= config.tol * abs(history[-2])
+        state = EMState(restart, iteration, gamma, alpha, history, converged, scorer.state_dict())
+        if restart_dir is not None:
+            save_checkpoint(restart_dir, state, rankings.example_ids)
+        if on_iteration is not None:
+            on_iteration(state)
+        if converged:
+            break
+    return state
+
+
+def _warn_on_empty_clusters(alpha: torch.Tensor, n: int, iteration: int) -> None:
+    empty = (alpha * n < 0.5).nonzero().flatten().tolist()
+    if empty:
+        warnings.warn(
+            f"EM iteration {iteration}: cluster(s) {empty} hold less than half a ranking "
+            f"(alpha = {[round(alpha[c].item(), 8) for c in empty]}); they keep their last parameters "
+            "and receive no weight. Lower k or change the initialisation if this persists.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+
+
+def save_checkpoint(restart_dir: Path, state: EMState, example_ids: tuple[str, ...] | None) -> Path:
+    """Write ``iter-NNNN/`` (posteriors.parquet, state.pt, then state.json last) atomically."""
+    it_dir = restart_dir / f"iter-{state.iteration:04d}"
+    it_dir.mkdir(parents=True, exist_ok=True)
+    n = state.gamma.shape[0]
+    ids = list(example_ids) if example_ids is not None else [str(i) for i in range(n)]
+    table = pa.table(
+        {
+            "example_id": pa.array(ids, pa.string()),
+            "gamma": pa.array(state.gamma.tolist(), pa.list_(pa.float64())),
+            "assigned": pa.array(state.gamma.argmax(1).tolist(), pa.int32()),
+        }
+    )
+    _atomic(it_dir / "posteriors.parquet", lambda p: pq.write_table(table, p))
+    payload = {"gamma": state.gamma, "alpha": state.alpha, "scorer": state.scorer_state}
+    _atomic(it_dir / "state.pt", lambda p: torch.save(payload, p))
+    summary = {
+        "restart": state.restart,
+        "iteration": state.iteration,
+        "alpha": state.alpha.tolist(),
+        "log_likelihood": state.log_likelihood,
+        "history": state.history,
+        "converged": state.converged,
+    }
+    _atomic(it_dir / "state.json", lambda p: Path(p).write_text(json.dumps(summary, indent=2)))
+    return it_dir
+
+
+def load_last_checkpoint(restart_dir: Path) -> EMState | None:
+    """The last iteration whose state.json exists (written last, so the iteration is whole)."""
+    if not restart_dir.is_dir():
+        return None
+    done = sorted(p.parent for p in restart_dir.glob("iter-*/state.json"))
+    if not done:
+        return None
+    summary = json.loads((done[-1] / "state.json").read_text())
+    payload = torch.load(done[-1] / "state.pt", weights_only=False)
+    return EMState(
+        restart=summary["restart"],
+        iteration=summary["iteration"],
+        gamma=payload["gamma"],
+        alpha=payload["alpha"],
+        history=summary["history"],
+        converged=summary["converged"],
+        scorer_state=payload["scorer"],
+    )
+
+
+def _atomic(path: Path, write: Callable[[str], Any]) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    write(str(tmp))
+    with open(tmp, "rb") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, path)

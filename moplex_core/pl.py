@@ -1,0 +1,134 @@
+"""Plackett-Luce and Bradley-Terry log-likelihoods of batches of rankings given scores.
+
+A ranking over a slate of M items (the m originals, then the m' - m generated ones, then padding) is
+encoded as one integer *tier* per item:
+
+    tier >= 0          the item's position among the ordered tiers T_1 > T_2 > ... (0 = best);
+    tier == UNRANKED   the item is in the unordered bottom set (generated responses, paper eq. 5);
+    tier == PAD        the slot is padding (ragged m).
+
+Items whose tier is >= ``ranked_prefix`` are treated as UNRANKED (top-l partial rankings).
+
+The log-likelihood (DESIGN.md 5.2; paper eqs. 2 and 5, Breslow's treatment of ties):
+
+    log P = sum_t [ sum_{j in T_t} r_j - |T_t| * logsumexp({r_l : l in T_t ... T_L} U {r_g : g in G}) ]
+
+computed for every observed item j as  r_j - logsumexp{r_l : tier_l >= tier_j}, which summed over the
+items of one tier gives the bracket above. Cost O(M log M) per ranking (a sort and a cumulative
+logsumexp), vectorised over any number of leading batch dimensions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+PAD = -1
+UNRANKED = 1 << 20
+
+
+def encode_tiers(
+    ranking: Sequence[Sequence[int]], n_items: int, n_slots: int | None = None
+) -> list[int]:
+    """Tier code of each slot for one ranking given as ordered tiers of item indices.
+
+    ``ranking`` lists tiers best first, each a collection of indices in [0, n_items). Items of the
+    slate that appear in no tier are UNRANKED (the augmented bottom set); slots from ``n_items`` to
+    ``n_slots`` are PAD. Validation of the ranking itself lives in ``moplex_core.schema``.
+    """
+    n_slots = n_items if n_slots is None else n_slots
+    tiers = [UNRANKED] * n_items + [PAD] * (n_slots - n_items)
+    for t, tier in enumerate(ranking):
+        for j in tier:
+            tiers[j] = t
+    return tiers
+
+
+def encode_tiers_batch(
+    rankings: Sequence[Sequence[Sequence[int]]], n_items: Sequence[int], n_slots: int | None = None
+) -> torch.Tensor:
+    """Stack ``encode_tiers`` over a batch: returns int64 [B, n_slots] (n_slots = max n_items)."""
+    n_slots = max(n_items) if n_slots is None else n_slots
+    return torch.tensor(
+        [encode_tiers(r, m, n_slots) for r, m in zip(rankings, n_items, strict=True)],
+        dtype=torch.int64,
+    )
+
+
+@dataclass(frozen=True)
+class RankingIndex:
+    """What the likelihood needs from the tiers alone, computed once per dataset (tiers never change
+    while scores do, so EM reuses it every evaluation). All tensors [..., M], in sorted order."""
+
+    order: torch.Tensor  # int64: slot at each sorted position (best tier first, padding last)
+    in_slate: torch.Tensor  # bool: sorted position holds a real item (enters denominators)
+    observed: torch.Tensor  # bool: sorted position holds an item of an observed tier (numerator)
+    first: torch.Tensor  # int64: first sorted position of the item's tier (shared denominator)
+
+    def expand(self, *batch: int) -> RankingIndex:
+        """Insert broadcast dimensions after the leading one, e.g. [n, M] -> [n, k, M] for k clusters."""
+
+        def grow(t: torch.Tensor) -> torch.Tensor:
+            shape = (t.shape[0], *batch, t.shape[-1])
+            return t.reshape(t.shape[0], *([1] * len(batch)), t.shape[-1]).expand(shape)
+
+        return RankingIndex(grow(self.order), grow(self.in_slate), grow(self.observed), grow(self.first))
+
+
+def prepare_rankings(tiers: torch.Tensor, ranked_prefix: torch.Tensor | int | None = None) -> RankingIndex:
+    """Sort every slate by tier once. tiers: int64 [..., M]; ranked_prefix: broadcastable to [...]."""
+    valid = tiers != PAD
+    if ranked_prefix is not None:
+        prefix = torch.as_tensor(ranked_prefix, device=tiers.device).unsqueeze(-1)
+        tiers = torch.where(valid & (tiers >= prefix), UNRANKED, tiers)
+    observed = valid & (tiers != UNRANKED)
+    sort_key = torch.where(valid, tiers, UNRANKED + 1)
+    sort_key, order = torch.sort(sort_key, dim=-1, stable=True)  # [..., M]
+    flat_key = sort_key.reshape(-1, sort_key.shape[-1]).contiguous()
+    first = torch.searchsorted(flat_key, flat_key, right=False).reshape(sort_key.shape)
+    return RankingIndex(order, sort_key <= UNRANKED, torch.gather(observed, -1, order), first)
+
+
+def log_likelihood(scores: torch.Tensor, index: RankingIndex) -> torch.Tensor:
+    """Log-probability of each prepared ranking: scores float [..., M] -> float [...]."""
+    sorted_scores = torch.gather(scores, -1, index.order)
+    # A finite floor instead of -inf keeps the backward pass free of 0 * inf.
+    floor = torch.finfo(scores.dtype).min / 4
+    sorted_scores = torch.where(index.in_slate, sorted_scores, floor)
+    # suffix[p] = logsumexp of sorted_scores[p:]  (every item ranked at or below position p)
+    suffix = torch.flip(torch.logcumsumexp(torch.flip(sorted_scores, [-1]), dim=-1), [-1])
+    denominator = torch.gather(suffix, -1, index.first)
+    return torch.where(index.observed, sorted_scores - denominator, 0.0).sum(-1)
+
+
+def plackett_luce_log_likelihood(
+    scores: torch.Tensor,
+    tiers: torch.Tensor,
+    ranked_prefix: torch.Tensor | int | None = None,
+) -> torch.Tensor:
+    """Log-probability of each ranking under Plackett-Luce with the given scores.
+
+    scores: float [..., M]; tiers: int64 broadcastable to [..., M] (codes above); ranked_prefix:
+    int64 broadcastable to [...] or None (all tiers observed). Returns float [...].
+    Scores at PAD slots are ignored (they may be anything finite or not).
+    """
+    return log_likelihood(scores, prepare_rankings(torch.broadcast_to(tiers, scores.shape), ranked_prefix))
+
+
+def score_gradient_at_zero(index: RankingIndex) -> torch.Tensor:
+    """d log P / d r at r = 0 for every ranking: float64 [..., M] in slot order.
+
+    The Fisher score of a ranking under uniform utilities: positive for items ranked high, negative
+    for items ranked low. Projected on response features it gives a ranking's feature vector (used
+    by the k-means initialisation of EM).
+    """
+    scores = torch.zeros(index.order.shape, dtype=torch.float64, requires_grad=True)
+    (grad,) = torch.autograd.grad(log_likelihood(scores, index).sum(), scores)
+    return grad
+
+
+def bradley_terry_log_likelihood(winner_scores: torch.Tensor, loser_scores: torch.Tensor) -> torch.Tensor:
+    """log sigmoid(r_w - r_l): Plackett-Luce with m = 2 (paper section 2)."""
+    return torch.nn.functional.logsigmoid(winner_scores - loser_scores)
