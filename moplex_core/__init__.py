@@ -1,0 +1,1 @@
+"""moplex: mixtures of Plackett-Luce models over LLM responses."""
