@@ -161,3 +161,17 @@ def test_fisher_score_at_zero_points_at_the_winner():
     # d/dr_j at r=0: 1[j observed] - sum over observed positions t with j in the risk set of 1/|risk set|
     assert torch.allclose(g, torch.tensor([[1 - 1 / 3 - 1 / 2, 1 - 1 / 3 - 1 / 2 - 1, 1 - 1 / 3]], dtype=torch.float64))
     assert g.sum().item() == pytest.approx(0.0, abs=1e-12)
+
+
+def test_rows_far_apart_use_the_exact_path_and_agree_with_their_neighbours():
+    """One row needs the logcumsumexp fallback (scores 1500 nats apart), the other does not; the
+    batch result equals each row alone and the textbook value."""
+    scores = torch.tensor([[0.0, -1500.0, 3.0], [0.2, -0.1, 1.0]], dtype=torch.float64)
+    tiers = encode_tiers_batch([strict([0, 1, 2]), strict([2, 0, 1])], [3, 3])
+    batch = plackett_luce_log_likelihood(scores, tiers)
+    for i in range(2):
+        alone = plackett_luce_log_likelihood(scores[i : i + 1], tiers[i : i + 1])
+        assert batch[i].item() == pytest.approx(alone.item(), rel=1e-12)
+    # row 0: P = e^0/(e^0 + e^-1500 + e^3) * e^-1500/(e^-1500 + e^3)
+    expected = -math.log(1 + math.exp(-1500) + math.exp(3)) + (-1500 - 3 - math.log1p(math.exp(-1503)))
+    assert batch[0].item() == pytest.approx(expected, rel=1e-12)

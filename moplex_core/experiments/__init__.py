@@ -1,0 +1,1 @@
+"""Studies and diagnostics from the paper, runnable as `moplex experiment ...`."""

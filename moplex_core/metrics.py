@@ -1,0 +1,87 @@
+"""Clustering, ranking and likelihood metrics (DESIGN.md 7).
+
+Cluster ids found by EM are arbitrary; every clustering metric that compares them with true labels
+goes through a Hungarian matching fitted on one split (validation) and applied to another (test), so
+that the test set never chooses its own label permutation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from scipy.optimize import linear_sum_assignment
+from sklearn.metrics import adjusted_rand_score, normalized_mutual_info_score
+
+from moplex_core.em import Rankings, Scorer, posteriors
+from moplex_core.pl import PAD, UNRANKED
+
+
+@dataclass(frozen=True)
+class ClusterMatching:
+    """predicted cluster id -> true label id; ids with no partner map to -1."""
+
+    mapping: np.ndarray  # int64 [k_pred]
+
+    def apply(self, predicted: np.ndarray) -> np.ndarray:
+        return self.mapping[np.asarray(predicted)]
+
+
+def fit_matching(predicted: np.ndarray, true: np.ndarray, k_pred: int, k_true: int) -> ClusterMatching:
+    """Hungarian matching maximising agreement between predicted and true labels."""
+    counts = np.zeros((k_pred, k_true), dtype=np.int64)
+    np.add.at(counts, (np.asarray(predicted), np.asarray(true)), 1)
+    rows, cols = linear_sum_assignment(-counts)
+    mapping = np.full(k_pred, -1, dtype=np.int64)
+    mapping[rows] = cols
+    return ClusterMatching(mapping)
+
+
+def clustering_accuracy(predicted: np.ndarray, true: np.ndarray, matching: ClusterMatching) -> float:
+    return float(np.mean(matching.apply(predicted) == np.asarray(true)))
+
+
+def per_cluster_accuracy(
+    predicted: np.ndarray, true: np.ndarray, matching: ClusterMatching, k_true: int
+) -> np.ndarray:
+    """Recall of each true cluster after matching, float [k_true] (NaN where a cluster is absent)."""
+    mapped, true = matching.apply(predicted), np.asarray(true)
+    out = np.full(k_true, np.nan)
+    for c in range(k_true):
+        members = true == c
+        if members.any():
+            out[c] = float(np.mean(mapped[members] == c))
+    return out
+
+
+def adjusted_rand_index(predicted: np.ndarray, true: np.ndarray) -> float:
+    return float(adjusted_rand_score(true, predicted))
+
+
+def normalized_mutual_information(predicted: np.ndarray, true: np.ndarray) -> float:
+    return float(normalized_mutual_info_score(true, predicted))
+
+
+def pairwise_ranking_accuracy(scores: torch.Tensor, tiers: torch.Tensor) -> torch.Tensor:
+    """Per ranking, the fraction of correctly ordered pairs of observed items; float64 [n].
+
+    scores: float [n, M]; tiers: int64 [n, M] (moplex_core.pl codes). Pairs tied in the ground truth,
+    and unranked or padding slots, are excluded; a tie in the scores counts half. Rankings with no
+    comparable pair give NaN.
+    """
+    observed = (tiers != PAD) & (tiers != UNRANKED)
+    better = tiers.unsqueeze(2) < tiers.unsqueeze(1)  # [n, M, M]: i ranked above j
+    pairs = better & observed.unsqueeze(2) & observed.unsqueeze(1)
+    diff = scores.unsqueeze(2) - scores.unsqueeze(1)
+    credit = torch.where(diff > 0, 1.0, torch.where(diff == 0, 0.5, 0.0)).to(torch.float64)
+    n_pairs = pairs.sum((1, 2)).to(torch.float64)
+    correct = (credit * pairs).sum((1, 2))
+    return torch.where(n_pairs > 0, correct / n_pairs.clamp_min(1), float("nan"))
+
+
+def heldout_log_likelihood(scorer: Scorer, inputs: Any, rankings: Rankings, alpha: torch.Tensor) -> float:
+    """Mean mixture log-likelihood per held-out ranking, in nats (exact scores)."""
+    _, ll = posteriors(scorer, inputs, rankings, alpha)
+    return float(ll.mean())

@@ -1,0 +1,52 @@
+"""Metrics pinned on hand-computed cases."""
+
+import numpy as np
+import pytest
+import torch
+
+from moplex_core.metrics import (
+    adjusted_rand_index,
+    clustering_accuracy,
+    fit_matching,
+    normalized_mutual_information,
+    pairwise_ranking_accuracy,
+    per_cluster_accuracy,
+)
+from moplex_core.pl import PAD, UNRANKED
+
+
+def test_hungarian_matching_undoes_a_label_permutation_fitted_on_another_split():
+    true_val = np.array([0, 0, 1, 1, 2, 2])
+    pred_val = np.array([2, 2, 0, 0, 1, 1])  # EM's ids are a permutation of the truth
+    matching = fit_matching(pred_val, true_val, 3, 3)
+    assert matching.mapping.tolist() == [1, 2, 0]
+    true_test = np.array([0, 1, 2, 2])
+    pred_test = np.array([2, 0, 1, 0])  # last one wrong
+    assert clustering_accuracy(pred_test, true_test, matching) == pytest.approx(0.75)
+    assert per_cluster_accuracy(pred_test, true_test, matching, 3).tolist() == [1.0, 1.0, 0.5]
+
+
+def test_matching_is_not_refitted_on_the_test_split():
+    matching = fit_matching(np.array([0, 1]), np.array([0, 1]), 2, 2)
+    # on test the labels are swapped: a matching fitted on test would score 1.0
+    assert clustering_accuracy(np.array([1, 0]), np.array([0, 1]), matching) == 0.0
+
+
+def test_ari_and_nmi_are_permutation_invariant():
+    true = np.array([0, 0, 1, 1])
+    assert adjusted_rand_index(np.array([1, 1, 0, 0]), true) == pytest.approx(1.0)
+    assert normalized_mutual_information(np.array([1, 1, 0, 0]), true) == pytest.approx(1.0)
+    assert adjusted_rand_index(np.array([0, 1, 0, 1]), true) == pytest.approx(-0.5)
+
+
+def test_pairwise_accuracy_excludes_ground_truth_ties_unranked_and_padding():
+    # tiers: item0 best, items 1 and 2 tied, item3 generated (unranked), slot 4 padding
+    tiers = torch.tensor([[0, 1, 1, UNRANKED, PAD]])
+    scores = torch.tensor([[0.0, 1.0, -1.0, 9.0, 9.0]])
+    # comparable pairs: (0,1) wrong, (0,2) right; the tie (1,2) is excluded
+    assert pairwise_ranking_accuracy(scores, tiers).tolist() == [0.5]
+    assert pairwise_ranking_accuracy(torch.tensor([[2.0, 1.0, 1.0, 0, 0]]), tiers).tolist() == [1.0]
+    # a tie in the scores earns half a pair
+    assert pairwise_ranking_accuracy(torch.tensor([[1.0, 1.0, 0.0, 0, 0]]), tiers).tolist() == [0.75]
+    all_tied = torch.tensor([[0, 0, PAD, PAD, PAD]])
+    assert np.isnan(pairwise_ranking_accuracy(scores, all_tied).item())
