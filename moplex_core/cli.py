@@ -16,10 +16,49 @@ def _experiment_identifiability(args: argparse.Namespace) -> int:
         ks=tuple(args.k),
         ms=tuple(args.m),
         noise=args.noise,
+        max_iter=args.max_iter,
+        restarts=args.restarts,
     )
     outputs = run_study(config, Path(args.out), progress=not args.quiet)
     print(outputs.table_markdown)
     print(f"\nresults: {outputs.parquet}\nplot:    {outputs.plot}\ntable:   {outputs.markdown}")
+    return 0
+
+
+def _ingest(args: argparse.Namespace) -> int:
+    # Runs the stage in this process, without Prefect (moplex_core never imports it); the Prefect
+    # flow (flows/ingest.py) calls the same run_ingest.
+    from moplex_core.artifacts import ArtifactError, ArtifactStore
+    from moplex_core.config import IngestConfig, ingest_preset, with_overrides
+    from moplex_core.data.sources import DatasetUnavailableError
+    from moplex_core.ingest import run_ingest
+
+    if args.dataset is None and args.preset is None:
+        print("moplex ingest: give --dataset NAME or --preset NAME", file=sys.stderr)
+        return 1
+    try:
+        base = ingest_preset(args.preset).model_dump(mode="json") if args.preset else {}
+        data = {**base, **{k: v for k, v in (("dataset", args.dataset), ("path", args.path)) if v is not None}}
+        config = with_overrides(IngestConfig.model_validate(data), args.set)
+        result = run_ingest(config, ArtifactStore(args.root))
+    except (ValueError, DatasetUnavailableError, ArtifactError) as err:
+        print(f"moplex ingest: {err}", file=sys.stderr)
+        return 1
+    if result.built:
+        print(f"{result.ref}: wrote {result.rows} rankings to {result.path}")
+    else:
+        print(f"{result.ref} is already complete at {result.path} ({result.rows} rankings); nothing to do")
+    return 0
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    from moplex_core.inspect import inspect_path
+
+    try:
+        print(inspect_path(args.path, rows=args.rows))
+    except FileNotFoundError as err:
+        print(f"moplex inspect: {err}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -40,8 +79,31 @@ def build_parser() -> argparse.ArgumentParser:
     ident.add_argument("--k", type=int, nargs="+", default=[2, 3, 4])
     ident.add_argument("--m", type=int, nargs="+", default=[2, 3, 4, 5, 6, 7, 8])
     ident.add_argument("--noise", type=float, default=1.0, help="Gumbel noise scale")
+    ident.add_argument("--max-iter", type=int, default=100, help="EM iterations at most")
+    ident.add_argument("--restarts", type=int, default=2, help="EM restarts (best log-likelihood kept)")
     ident.add_argument("--quiet", action="store_true", help="no progress bar")
     ident.set_defaults(func=_experiment_identifiability)
+
+    ingest = sub.add_parser(
+        "ingest",
+        help="read a preference dataset into a versioned rankings artifact (no Prefect needed)",
+        description="Read a preference dataset into a versioned rankings artifact. A second run with "
+        "the same config and source does nothing.",
+    )
+    ingest.add_argument("--dataset", choices=["ultrafeedback", "persona", "helpsteer2", "synthetic", "generic"])
+    ingest.add_argument("--preset", help="a named IngestConfig (moplex_core.config.INGEST_PRESETS)")
+    ingest.add_argument("--path", help="local file or folder in the dataset's raw schema (instead of the hub)")
+    ingest.add_argument("--root", default="data/artifacts", help="artifact root")
+    ingest.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE",
+        help="override a config field, dotted for nested ones (e.g. ultrafeedback.min_distinct_rankings=3); repeatable",
+    )
+    ingest.set_defaults(func=_ingest)
+
+    inspect = sub.add_parser("inspect", help="readable report of an artifact folder, manifest.json or Parquet file")
+    inspect.add_argument("path")
+    inspect.add_argument("--rows", type=int, default=3, help="first rows to show per table")
+    inspect.set_defaults(func=_inspect)
     return parser
 
 

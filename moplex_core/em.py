@@ -175,16 +175,18 @@ def fit_mixture(
     config: EMConfig,
     checkpoint_dir: Path | None = None,
     on_iteration: Callable[[EMState], None] | None = None,
+    warm_start: torch.Tensor | None = None,
 ) -> tuple[EMResult, Scorer]:
     """Fit the mixture with ``config.restarts`` restarts; return the result and the best scorer.
 
     With ``checkpoint_dir`` every iteration is saved and a rerun resumes from the last finished one.
+    ``warm_start`` (float64 [n, k], e.g. a previous run's posteriors) replaces ``config.init``.
     """
     finished: list[EMState] = []
     best: tuple[EMState, Scorer] | None = None
     for restart in range(config.restarts):
         scorer = make_scorer()
-        state = _run_restart(scorer, inputs, rankings, config, restart, checkpoint_dir, on_iteration)
+        state = _run_restart(scorer, inputs, rankings, config, restart, checkpoint_dir, on_iteration, warm_start)
         finished.append(state)
         if best is None or state.log_likelihood > best[0].log_likelihood:
             best = (state, scorer)
@@ -199,6 +201,7 @@ def _run_restart(
     restart: int,
     checkpoint_dir: Path | None,
     on_iteration: Callable[[EMState], None] | None,
+    warm_start: torch.Tensor | None,
 ) -> EMState:
     seed = config.seed + 1000 * restart
     restart_dir = None if checkpoint_dir is None else Path(checkpoint_dir) / f"restart-{restart:02d}"
@@ -209,6 +212,8 @@ def _run_restart(
         if state.converged or state.iteration + 1 >= config.max_iter:
             return state
         gamma, history, start = state.gamma, list(state.history), state.iteration + 1
+    elif warm_start is not None:
+        gamma, history, start = warm_start.to(torch.float64), [], 0
     else:
         gamma, history, start = initial_responsibilities(config, scorer, inputs, rankings, seed), [], 0
 

@@ -1,0 +1,153 @@
+"""The mixture-EM engine on synthetic data with the CPU scorers."""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+import torch
+
+from moplex_core.data.synthetic import SyntheticConfig, generate_synthetic
+from moplex_core.em import EMConfig, Rankings, fit_mixture, initial_responsibilities, load_last_checkpoint, posteriors
+from moplex_core.metrics import clustering_accuracy, fit_matching
+from moplex_core.scorers.item import ItemScorer
+from moplex_core.scorers.linear import LinearScorer
+
+
+def synthetic(k=3, m=8, n=900, seed=0, **kw):
+    data = generate_synthetic(SyntheticConfig(n=n, k=k, m=m, seed=seed, **kw))
+    return data, Rankings(torch.as_tensor(data.tiers), example_ids=tuple(f"ex{i}" for i in range(n))), data.features()
+
+
+def test_em_recovers_clusters_from_long_rankings():
+    data, rankings, x = synthetic(k=3, m=8, n=1200)
+    train, test = np.arange(900), np.arange(900, 1200)
+    result, scorer = fit_mixture(lambda: LinearScorer(3, 3), x[train], rankings.subset(train), EMConfig(k=3, seed=1))
+    gamma_train, _ = posteriors(scorer, x[train], rankings.subset(train), result.best.alpha)
+    matching = fit_matching(gamma_train.argmax(1).numpy(), data.labels[train], 3, 3)
+    gamma_test, _ = posteriors(scorer, x[test], rankings.subset(test), result.best.alpha)
+    assert clustering_accuracy(gamma_test.argmax(1).numpy(), data.labels[test], matching) > 0.95
+    # the learned weights put cluster c on integer c (up to the permutation), as the truth does
+    w = scorer.theta[np.argsort(matching.mapping)]
+    assert (w.argmax(1) == torch.arange(3)).all()
+
+
+@pytest.mark.parametrize("init", ["kmeans", "dirichlet"])
+def test_log_likelihood_never_decreases(init):
+    _, rankings, x = synthetic(k=2, m=4, n=400, seed=3)
+    result, _ = fit_mixture(lambda: LinearScorer(2, 2), x, rankings, EMConfig(k=2, init=init, max_iter=15, tol=0, seed=2))
+    history = np.array(result.best.history)
+    assert len(history) == 15
+    assert (np.diff(history) >= -1e-7).all(), history
+
+
+def test_initialisations_are_seeded_and_break_symmetry():
+    _, rankings, x = synthetic(k=3, m=4, n=300)
+    for init in ("kmeans", "dirichlet"):
+        config = EMConfig(k=3, init=init)
+        a = initial_responsibilities(config, LinearScorer(3, 3), x, rankings, seed=5)
+        b = initial_responsibilities(config, LinearScorer(3, 3), x, rankings, seed=5)
+        assert torch.equal(a, b)
+        assert torch.allclose(a.sum(1), torch.ones(300, dtype=torch.float64))
+        assert a.std(0).min() > 0.05  # not uniform
+
+
+def test_restarts_keep_the_best_log_likelihood():
+    _, rankings, x = synthetic(k=3, m=3, n=300, seed=4)
+    result, _ = fit_mixture(lambda: LinearScorer(3, 3), x, rankings, EMConfig(k=3, init="dirichlet", restarts=3, max_iter=10))
+    finals = [s.log_likelihood for s in result.restarts]
+    assert len(set(finals)) > 1
+    assert result.best.log_likelihood == max(finals)
+
+
+def test_m_step_skips_pairs_below_gamma_min():
+    seen = []
+
+    class Recording(LinearScorer):
+        def fit(self, inputs, rankings, weights, iteration=0):
+            seen.append(weights.clone())
+            super().fit(inputs, rankings, weights, iteration)
+
+    _, rankings, x = synthetic(k=2, m=8, n=300)
+    fit_mixture(lambda: Recording(2, 2), x, rankings, EMConfig(k=2, gamma_min=0.05, max_iter=4, tol=0))
+    later = torch.stack(seen[1:])
+    assert ((later == 0) | (later >= 0.05)).all()
+    assert (later == 0).any()  # with well-separated clusters some pairs are skipped
+
+
+def test_item_scorer_k1_recovers_true_utilities():
+    rng = np.random.default_rng(0)
+    utilities = rng.normal(size=20)
+    n, m = 4000, 5
+    items = np.stack([rng.choice(20, m, replace=False) for _ in range(n)])
+    noisy = utilities[items] + rng.gumbel(size=(n, m))
+    tiers = np.argsort(np.argsort(-noisy, 1), 1)
+    scorer = ItemScorer(1, 20, l2=1e-8)
+    fit_mixture(lambda: scorer, torch.as_tensor(items), Rankings(torch.as_tensor(tiers)), EMConfig(k=1, max_iter=1))
+    learned = scorer.theta[0].numpy()
+    assert np.corrcoef(learned, utilities)[0, 1] > 0.98
+    assert abs((learned - learned.mean()) - (utilities - utilities.mean())).max() < 0.2
+
+
+def test_hard_em_gives_one_hot_posteriors():
+    _, rankings, x = synthetic(k=2, m=4, n=200)
+    result, _ = fit_mixture(lambda: LinearScorer(2, 2), x, rankings, EMConfig(k=2, hard=True, max_iter=3))
+    assert set(result.best.gamma.unique().tolist()) <= {0.0, 1.0}
+
+
+def test_an_emptied_cluster_warns_and_stays_finite():
+    _, rankings, x = synthetic(k=2, m=6, n=200)
+    gamma0 = torch.zeros(200, 3, dtype=torch.float64)
+    gamma0[:, :2] = torch.tensor([0.5, 0.5], dtype=torch.float64)
+    gamma0[:100, 0], gamma0[:100, 1] = 0.9, 0.1
+    gamma0[100:, 0], gamma0[100:, 1] = 0.1, 0.9
+    with pytest.warns(RuntimeWarning, match="cluster"):
+        result, _ = fit_mixture(
+            lambda: LinearScorer(3, 2), x, rankings, EMConfig(k=3, max_iter=3, tol=0), warm_start=gamma0
+        )
+    assert torch.isfinite(result.best.gamma).all() and np.isfinite(result.best.history).all()
+    assert result.best.gamma[:, 2].max() < 1e-6
+
+
+RUN_EM = textwrap.dedent(
+    """
+    import os, signal, sys, torch
+    from moplex_core.data.synthetic import SyntheticConfig, generate_synthetic
+    from moplex_core.em import EMConfig, Rankings, fit_mixture
+    from moplex_core.scorers.linear import LinearScorer
+    data = generate_synthetic(SyntheticConfig(n=400, k=3, m=4, seed=7))
+    rankings = Rankings(torch.as_tensor(data.tiers))
+    kill_after = int(sys.argv[2])
+    def on_iteration(state):
+        if state.iteration == kill_after:
+            os.kill(os.getpid(), signal.SIGKILL)
+    fit_mixture(lambda: LinearScorer(3, 3), data.features(), rankings,
+                EMConfig(k=3, max_iter=8, tol=0, init="dirichlet", restarts=2, seed=3),
+                checkpoint_dir=sys.argv[1], on_iteration=on_iteration)
+    """
+)
+
+
+def test_resume_after_sigkill_reproduces_the_uninterrupted_run(tmp_path):
+    def run(directory, kill_after):
+        return subprocess.run([sys.executable, "-c", RUN_EM, str(directory), str(kill_after)], capture_output=True)
+
+    assert run(tmp_path / "whole", -1).returncode == 0
+    killed = run(tmp_path / "killed", 4)
+    assert killed.returncode == -signal.SIGKILL
+    assert load_last_checkpoint(tmp_path / "killed" / "restart-00").iteration == 4
+    assert not (tmp_path / "killed" / "restart-01").exists()
+    assert run(tmp_path / "killed", -1).returncode == 0
+    for restart in ("restart-00", "restart-01"):
+        whole = load_last_checkpoint(tmp_path / "whole" / restart)
+        resumed = load_last_checkpoint(tmp_path / "killed" / restart)
+        assert resumed.iteration == whole.iteration == 7
+        assert torch.equal(resumed.gamma, whole.gamma)
+        assert resumed.history == whole.history
+        for it in range(8):
+            a = (tmp_path / "whole" / restart / f"iter-{it:04d}" / "posteriors.parquet").read_bytes()
+            b = (tmp_path / "killed" / restart / f"iter-{it:04d}" / "posteriors.parquet").read_bytes()
+            assert a == b
