@@ -1,0 +1,118 @@
+"""Load a causal LM and its tokenizer from a local directory or a Hugging Face hub name.
+
+A local directory (a ``save_pretrained`` output, a hub snapshot, or a tiny model from
+moplex_core.lm.tiny) always loads directly. A hub name ``owner/name`` loads from its snapshot in the
+local Hugging Face cache when there is one, and is downloaded only when the hub is reachable; no
+machine of this project reaches the hub, so the error for a model that is not here says so and asks
+for a local path.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+from huggingface_hub import constants as hf_constants
+from huggingface_hub import try_to_load_from_cache
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+# owner/name as the hub spells it; anything else that does not exist locally is a missing path.
+_HUB_NAME = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
+_TRUE = {"1", "on", "yes", "true"}
+_OFFLINE_VARIABLES = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
+
+
+def load_model(
+    name_or_path: str | Path,
+    *,
+    dtype: torch.dtype | str = torch.float32,
+    device: torch.device | str = "cpu",
+) -> PreTrainedModel:
+    """The causal LM at ``name_or_path`` with weights in ``dtype`` on ``device``, in eval mode.
+
+    ``dtype`` is a torch dtype or its name ("bfloat16", "float32", "float64").
+    """
+    model = _from_pretrained(AutoModelForCausalLM, name_or_path, dtype=_as_dtype(dtype))
+    return model.to(device).eval()
+
+
+def load_tokenizer(name_or_path: str | Path) -> PreTrainedTokenizerBase:
+    """The tokenizer at ``name_or_path``; a tokenizer without a pad token pads with its EOS.
+
+    The pad id's value never matters to moplex (attention and response masks exclude pads), but
+    batching needs one.
+    """
+    tokenizer = _from_pretrained(AutoTokenizer, name_or_path)
+    if tokenizer.pad_token is None:
+        if tokenizer.eos_token is None:
+            raise ValueError(
+                f"tokenizer at {str(name_or_path)!r} has neither a pad nor an eos token; set "
+                "pad_token and eos_token in its tokenizer_config.json"
+            )
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def _from_pretrained(auto_class: type, name_or_path: str | Path, **kwargs: Any) -> Any:
+    path = Path(name_or_path).expanduser()
+    marker = "config.json" if auto_class is AutoModelForCausalLM else "tokenizer_config.json"
+    if path.is_dir():
+        if not (path / marker).is_file():
+            raise FileNotFoundError(
+                f"{str(path)!r} is a directory but has no {marker}, so it holds no Hugging Face "
+                f"{'model' if marker == 'config.json' else 'tokenizer'}; pass the directory that "
+                "save_pretrained wrote"
+            )
+        return auto_class.from_pretrained(str(path), **kwargs)
+    if path.exists():
+        raise NotADirectoryError(
+            f"{str(path)!r} is a file; pass the directory that holds config.json, the weights and "
+            "the tokenizer files (a save_pretrained output)"
+        )
+    name = str(name_or_path)
+    if not _HUB_NAME.match(name):
+        raise FileNotFoundError(
+            f"model path {name!r} does not exist (resolved to {str(path.resolve())!r}); pass an "
+            "existing directory written by save_pretrained, or a hub name such as 'Qwen/Qwen3-0.6B'"
+        )
+    # A pure file-system lookup: from_pretrained(local_files_only=True) would still reach for the
+    # network (huggingface_hub's user-agent telemetry), which hangs for seconds on these machines.
+    cached = try_to_load_from_cache(name, marker)
+    if isinstance(cached, str):
+        return auto_class.from_pretrained(str(Path(cached).parent), **kwargs)
+    if _hub_offline():
+        raise OSError(_not_found_message(name, path, "HF_HUB_OFFLINE is set"))
+    try:
+        return auto_class.from_pretrained(name, **kwargs)
+    except OSError as hub_error:
+        raise OSError(_not_found_message(name, path, f"downloading it failed ({hub_error})")) from hub_error
+
+
+def _hub_offline() -> bool:
+    # Read at call time: huggingface_hub reads HF_HUB_OFFLINE once, when it is imported.
+    from_env = any(os.environ.get(var, "").strip().lower() in _TRUE for var in _OFFLINE_VARIABLES)
+    return from_env or hf_constants.HF_HUB_OFFLINE
+
+
+def _not_found_message(name: str, path: Path, why_not_downloaded: str) -> str:
+    return (
+        f"model {name!r} was not found locally: there is no directory {str(path.resolve())!r} and "
+        f"{name!r} is not in the Hugging Face cache, and it could not be downloaded because "
+        f"{why_not_downloaded}. Pass a local path instead: a directory holding config.json, the "
+        "weights and the tokenizer files (copy a hub snapshot there from a machine with network "
+        "access, or build a tiny offline model with moplex_core.lm.tiny.build_tiny_model)"
+    )
+
+
+def _as_dtype(dtype: torch.dtype | str) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    resolved = getattr(torch, dtype, None)
+    if not isinstance(resolved, torch.dtype) or not resolved.is_floating_point:
+        raise ValueError(
+            f"dtype {dtype!r} is not a torch floating-point dtype; use e.g. 'bfloat16' or 'float32'"
+        )
+    return resolved
