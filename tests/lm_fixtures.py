@@ -1,0 +1,52 @@
+"""A tiny pre-trained Qwen3 chat model shared by the LM tests (built offline, once per session).
+
+Test modules import the fixtures they use from here (``from lm_fixtures import tiny_model_dir``).
+pytest registers an imported fixture separately in each module, so the builds are memoised on the
+session's base temporary directory to run once per session, not once per module.
+"""
+
+from __future__ import annotations
+
+import functools
+import random
+from pathlib import Path
+
+import pytest
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from moplex_core.lm.tiny import build_tiny_model, build_tiny_tokenizer
+
+PRETRAIN_STEPS = 40
+
+
+def tiny_pairs(n: int = 120, seed: int = 0) -> list[tuple[str, str]]:
+    """(prompt, response) texts in the spirit of the synthetic data: lists of digits to be ranked."""
+    rng = random.Random(seed)
+    pairs = []
+    for i in range(n):
+        digits = [str(rng.randrange(10)) for _ in range(rng.randrange(2, 6))]
+        pairs.append((f"Rank by criterion {i % 3}: which list is best?", " ".join(digits)))
+    return pairs
+
+
+@functools.cache
+def _tiny_model_in(session_tmp: Path) -> Path:
+    return build_tiny_model(session_tmp / "tiny-qwen3", tiny_pairs(), pretrain_steps=PRETRAIN_STEPS, seed=0)
+
+
+@functools.cache
+def _tiny_tokenizer_in(session_tmp: Path) -> PreTrainedTokenizerBase:
+    directory = session_tmp / "tiny-tokenizer"
+    build_tiny_tokenizer([text for pair in tiny_pairs() for text in pair]).save_pretrained(directory)
+    return AutoTokenizer.from_pretrained(directory)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _tiny_model_in(tmp_path_factory.getbasetemp())
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> PreTrainedTokenizerBase:
+    """The tiny model's kind of tokenizer alone (no model to build), saved and reloaded."""
+    return _tiny_tokenizer_in(tmp_path_factory.getbasetemp())

@@ -1,0 +1,80 @@
+"""Loading says plainly what is missing: a local path that is not there, or a hub model while offline."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from huggingface_hub import constants as hf_constants
+from lm_fixtures import tiny_model_dir  # noqa: F401 (session fixture)
+from transformers import Qwen3ForCausalLM
+
+from moplex_core.lm.loading import load_model, load_tokenizer
+
+
+def test_a_local_directory_loads_in_the_requested_dtype_ready_for_scoring(tiny_model_dir: Path) -> None:
+    model = load_model(tiny_model_dir, dtype="bfloat16", device="cpu")
+    assert isinstance(model, Qwen3ForCausalLM)
+    assert model.dtype == torch.bfloat16 and not model.training
+    tokenizer = load_tokenizer(str(tiny_model_dir))
+    assert tokenizer.pad_token_id is not None and tokenizer.chat_template
+
+
+def test_a_tokenizer_without_pad_token_pads_with_eos(tiny_model_dir: Path, tmp_path: Path) -> None:
+    tokenizer = load_tokenizer(tiny_model_dir)
+    tokenizer.pad_token = None
+    tokenizer.save_pretrained(tmp_path)
+    reloaded = load_tokenizer(tmp_path)
+    assert reloaded.pad_token == reloaded.eos_token == "<|im_end|>"
+
+
+def test_a_missing_path_is_named_in_the_error(tmp_path: Path) -> None:
+    missing = tmp_path / "no-such-model"
+    with pytest.raises(FileNotFoundError, match="no-such-model.*does not exist"):
+        load_model(missing)
+    with pytest.raises(FileNotFoundError, match="no-such-model.*does not exist"):
+        load_tokenizer(f"./{missing.name}/")
+
+
+def test_a_directory_without_config_files_is_not_taken_for_a_model(tiny_model_dir, tmp_path: Path) -> None:
+    shutil.copytree(tiny_model_dir, tmp_path / "partial")
+    (tmp_path / "partial" / "config.json").unlink()
+    (tmp_path / "partial" / "tokenizer_config.json").unlink()
+    with pytest.raises(FileNotFoundError, match="has no config.json"):
+        load_model(tmp_path / "partial")
+    with pytest.raises(FileNotFoundError, match="has no tokenizer_config.json"):
+        load_tokenizer(tmp_path / "partial")
+
+
+def test_an_uncached_hub_model_while_offline_asks_for_a_local_path(monkeypatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.chdir(tmp_path)  # so that no local directory of that name can exist
+    for load in (load_model, load_tokenizer):
+        with pytest.raises(OSError, match="'moplex-tests/not-a-model' was not found locally") as error:
+            load("moplex-tests/not-a-model")
+        assert "HF_HUB_OFFLINE is set" in str(error.value) and "Pass a local path" in str(error.value)
+
+
+def test_a_hub_name_loads_offline_from_its_snapshot_in_the_local_cache(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The layout huggingface_hub writes: models--owner--name/{refs/main, snapshots/<commit>/...}.
+    repo = tmp_path / "hub" / "models--moplex-tests--tiny-qwen3"
+    commit = "0" * 40
+    shutil.copytree(tiny_model_dir, repo / "snapshots" / commit)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    monkeypatch.setattr(hf_constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.chdir(tmp_path)
+
+    model = load_model("moplex-tests/tiny-qwen3")
+    tokenizer = load_tokenizer("moplex-tests/tiny-qwen3")
+    assert isinstance(model, Qwen3ForCausalLM) and tokenizer.eos_token == "<|im_end|>"
+
+
+def test_an_unknown_dtype_name_is_refused(tiny_model_dir: Path) -> None:
+    with pytest.raises(ValueError, match="'float33' is not a torch floating-point dtype"):
+        load_model(tiny_model_dir, dtype="float33")

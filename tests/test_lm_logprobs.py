@@ -1,0 +1,163 @@
+"""Chunked response-only log-probs equal the full-vocabulary computation, and differentiate correctly."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from lm_fixtures import tiny_model_dir  # noqa: F401 (session fixture)
+from peft import LoraConfig, get_peft_model
+from transformers import PreTrainedModel
+
+from moplex_core.lm.loading import load_model, load_tokenizer
+from moplex_core.lm.logprobs import causal_lm_parts, embed, sequence_logprobs
+from moplex_core.lm.tokenize import PaddedBatch, pad_batch, tokenize_responses
+
+PROMPTS = {
+    "Rank by criterion 0: which list is best?": ["3 1 4", "1 5 9 2 6 5 3", "8"],
+    "Rank by criterion 2: which list is worst?": ["2 7 1 8 2 8", "0 0"],
+}
+
+
+@pytest.fixture(scope="module")
+def batch(tiny_model_dir: Path) -> PaddedBatch:
+    tokenizer = load_tokenizer(tiny_model_dir)
+    sequences = [seq for p, texts in PROMPTS.items() for seq in tokenize_responses(tokenizer, p, texts)]
+    return pad_batch(sequences, tokenizer.pad_token_id)
+
+
+@pytest.fixture(scope="module")
+def model64(tiny_model_dir: Path) -> PreTrainedModel:
+    return load_model(tiny_model_dir, dtype=torch.float64)
+
+
+@pytest.fixture(scope="module")
+def model32(tiny_model_dir: Path) -> PreTrainedModel:
+    return load_model(tiny_model_dir, dtype="float32")
+
+
+def score(model: torch.nn.Module, batch: PaddedBatch, **kwargs: object) -> torch.Tensor:
+    return sequence_logprobs(model, batch.input_ids, batch.attention_mask, batch.response_mask, **kwargs)
+
+
+def full_vocab_logprobs(model: torch.nn.Module, batch: PaddedBatch, **inputs: torch.Tensor) -> torch.Tensor:
+    """Reference: float64 log_softmax over the whole [B, L, V] logits, masked to the response."""
+    inputs = inputs or {"input_ids": batch.input_ids}
+    logits = model(**inputs, attention_mask=batch.attention_mask).logits.double()  # [B, L, V]
+    token_logp = logits[:, :-1].log_softmax(-1).gather(2, batch.input_ids[:, 1:, None]).squeeze(2)  # [B, L-1]
+    return (token_logp * batch.response_mask[:, 1:]).sum(1)  # [B]
+
+
+@torch.no_grad()
+def test_chunked_logprobs_equal_the_full_vocabulary_reference(model64, model32, batch) -> None:
+    reference = full_vocab_logprobs(model64, batch)
+    logp64, logp32 = score(model64, batch, chunk_size=5), score(model32, batch, chunk_size=5)
+    assert logp64.dtype == torch.float64 and logp32.dtype == torch.float32
+    assert logp64.shape == (batch.input_ids.shape[0],)
+    torch.testing.assert_close(logp64, reference, rtol=0, atol=1e-10)
+    torch.testing.assert_close(logp32.double(), reference, rtol=0, atol=1e-4)
+    assert (logp64 < 0).all()
+
+
+@torch.no_grad()
+def test_chunk_size_does_not_change_the_result(model64, batch) -> None:
+    results = [score(model64, batch, chunk_size=size) for size in (1, 3, 7, 1024)]
+    for result in results[1:]:
+        torch.testing.assert_close(result, results[0], rtol=0, atol=1e-12)
+
+
+@torch.no_grad()
+def test_vocabulary_projection_only_sees_response_positions_a_chunk_at_a_time(model32, batch) -> None:
+    _, lm_head = causal_lm_parts(model32)
+    projected: list[tuple[int, ...]] = []
+    handle = lm_head.register_forward_hook(lambda _, args, __: projected.append(tuple(args[0].shape)))
+    try:
+        score(model32, batch, chunk_size=4)
+    finally:
+        handle.remove()
+    assert all(len(shape) == 2 and shape[0] <= 4 for shape in projected)
+    assert sum(shape[0] for shape in projected) == int(batch.response_mask.sum())
+
+
+@torch.no_grad()
+def test_padding_and_batch_neighbours_do_not_change_a_sequences_logprob(model64, model32, batch) -> None:
+    for model, tolerance in ((model64, 1e-10), (model32, 1e-5)):
+        in_batch = score(model, batch)
+        for row in range(batch.input_ids.shape[0]):
+            n = int(batch.attention_mask[row].sum())
+            alone = PaddedBatch(
+                input_ids=batch.input_ids[row : row + 1, :n],
+                attention_mask=batch.attention_mask[row : row + 1, :n],
+                response_mask=batch.response_mask[row : row + 1, :n],
+            )
+            torch.testing.assert_close(in_batch[row : row + 1], score(model, alone), rtol=0, atol=tolerance)
+
+
+def test_gradient_wrt_input_embeddings_matches_the_reference_and_finite_differences(model64, batch) -> None:
+    inputs_embeds = embed(model64, batch.input_ids).detach().requires_grad_(True)  # [B, L, d]
+
+    def total_logp(embeds: torch.Tensor) -> torch.Tensor:
+        return score(model64, batch, inputs_embeds=embeds, chunk_size=4).sum()
+
+    (grad,) = torch.autograd.grad(total_logp(inputs_embeds), inputs_embeds)  # [B, L, d]
+    assert grad.abs().sum() > 0
+    # Right padding: nothing after a sequence's end can influence it.
+    assert (grad[batch.attention_mask == 0] == 0).all()
+
+    reference_embeds = inputs_embeds.detach().requires_grad_(True)
+    reference = full_vocab_logprobs(model64, batch, inputs_embeds=reference_embeds).sum()
+    (reference_grad,) = torch.autograd.grad(reference, reference_embeds)
+    torch.testing.assert_close(grad, reference_grad, rtol=0, atol=1e-10)
+
+    # Qwen3's RMSNorm computes in float32 even in a float64 model, which puts ~1e-5 of noise on a
+    # central difference; a wrong gradient is off by far more than the 1e-3 allowed.
+    generator = torch.Generator().manual_seed(0)
+    direction = torch.randn(inputs_embeds.shape, generator=generator, dtype=torch.float64)
+    eps = 1e-4
+    with torch.no_grad():
+        step = eps * direction
+        finite_difference = (total_logp(inputs_embeds + step) - total_logp(inputs_embeds - step)) / (2 * eps)
+    torch.testing.assert_close(finite_difference, (grad * direction).sum(), rtol=1e-3, atol=0)
+
+
+@torch.no_grad()
+def test_inputs_embeds_from_embed_give_the_same_logprobs_as_input_ids(model64, batch) -> None:
+    from_embeds = score(model64, batch, inputs_embeds=embed(model64, batch.input_ids))
+    torch.testing.assert_close(from_embeds, score(model64, batch), rtol=0, atol=1e-12)
+
+
+def test_peft_model_scores_with_its_adapter_and_as_reference_without_it(tiny_model_dir, model64, batch):
+    lora = LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], init_lora_weights=False
+    )
+    torch.manual_seed(0)  # init_lora_weights=False draws A and B at random so the adapter moves the scores
+    policy = get_peft_model(load_model(tiny_model_dir, dtype=torch.float64), lora)
+
+    policy_logp = score(policy, batch, chunk_size=4)
+    with torch.no_grad():
+        full_vocab = full_vocab_logprobs(policy, batch)
+        torch.testing.assert_close(policy_logp.detach(), full_vocab, rtol=0, atol=1e-10)
+        with policy.disable_adapter():
+            reference_logp = score(policy, batch)
+    torch.testing.assert_close(reference_logp, score(model64, batch).detach(), rtol=0, atol=1e-10)
+    assert (policy_logp.detach() - reference_logp).abs().max() > 1e-3
+
+    policy_logp.sum().backward()
+    lora_grads = [p.grad for name, p in policy.named_parameters() if "lora_" in name]
+    assert lora_grads and all(g is not None and g.abs().sum() > 0 for g in lora_grads)
+    assert all(p.grad is None for name, p in policy.named_parameters() if "lora_" not in name)
+
+
+@torch.no_grad()
+def test_bfloat16_weights_accumulate_in_float32(tiny_model_dir, model32, batch) -> None:
+    logp16 = score(load_model(tiny_model_dir, dtype=torch.bfloat16), batch)
+    assert logp16.dtype == torch.float32
+    torch.testing.assert_close(logp16, score(model32, batch), rtol=0.05, atol=0.1)
+
+
+def test_a_response_at_position_zero_is_refused(model32, batch) -> None:
+    response_mask = batch.response_mask.clone()
+    response_mask[1, 0] = True
+    with pytest.raises(ValueError, match="rows \\[1\\]"):
+        sequence_logprobs(model32, batch.input_ids, batch.attention_mask, response_mask)

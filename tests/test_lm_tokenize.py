@@ -1,0 +1,92 @@
+"""Tokenisation of prompt + response: shared prompt prefix, EOS, truncation from the right places."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from lm_fixtures import tiny_tokenizer  # noqa: F401 (session fixture)
+from transformers import PreTrainedTokenizerBase
+
+from moplex_core.lm.tokenize import TokenizedResponse, encode_prompt, pad_batch, tokenize_responses
+
+
+def test_every_response_follows_the_same_chat_prompt_and_ends_with_eos(tiny_tokenizer) -> None:
+    prompt = "Rank by criterion 2: which list is best?"
+    responses = ["3 1 4", "1 5 9 2 6", "5"]
+    sequences = tokenize_responses(tiny_tokenizer, prompt, responses)
+
+    start = sequences[0].response_start
+    prompt_ids = sequences[0].input_ids[:start]
+    chat_turn = f"<|im_start|>user\n{prompt}<|im_end|>\n<|im_start|>assistant\n"
+    assert tiny_tokenizer.decode(prompt_ids) == chat_turn
+    for seq, response in zip(sequences, responses, strict=True):
+        assert seq.response_start == start
+        assert seq.input_ids[:start] == prompt_ids
+        assert seq.input_ids[-1] == tiny_tokenizer.eos_token_id
+        assert tiny_tokenizer.decode(seq.input_ids[start:-1]) == response
+
+
+def test_chat_messages_render_like_the_same_prompt_as_text(tiny_tokenizer: PreTrainedTokenizerBase) -> None:
+    as_text = encode_prompt(tiny_tokenizer, "hello")
+    as_messages = encode_prompt(tiny_tokenizer, [{"role": "user", "content": "hello"}])
+    assert as_text == as_messages
+
+
+def test_without_chat_template_the_prompt_is_plain_text(tiny_tokenizer: PreTrainedTokenizerBase) -> None:
+    (seq,) = tokenize_responses(tiny_tokenizer, "Question: 1 or 2?", [" 2"], use_chat_template=False)
+    assert tiny_tokenizer.decode(seq.input_ids) == "Question: 1 or 2? 2<|im_end|>"
+    assert tiny_tokenizer.decode(seq.input_ids[seq.response_start :]) == " 2<|im_end|>"
+    with pytest.raises(ValueError, match="use_chat_template=True"):
+        encode_prompt(tiny_tokenizer, [{"role": "user", "content": "hi"}], use_chat_template=False)
+
+
+def test_a_prompt_without_tokens_is_refused(tiny_tokenizer: PreTrainedTokenizerBase) -> None:
+    with pytest.raises(ValueError, match="encodes to no tokens"):
+        encode_prompt(tiny_tokenizer, "", use_chat_template=False)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    prompt=st.text(alphabet="abc 0123456789.?", min_size=1, max_size=40),
+    response=st.text(alphabet="abc 0123456789.?\n", max_size=60),
+    max_prompt_tokens=st.integers(1, 30),
+    max_response_tokens=st.integers(1, 30),
+)
+def test_truncation_keeps_the_prompt_end_and_the_response_start(
+    tiny_tokenizer: PreTrainedTokenizerBase,
+    prompt: str,
+    response: str,
+    max_prompt_tokens: int,
+    max_response_tokens: int,
+) -> None:
+    full_prompt = encode_prompt(tiny_tokenizer, prompt)
+    eos = tiny_tokenizer.eos_token_id
+    full_response = tiny_tokenizer(response, add_special_tokens=False)["input_ids"] + [eos]
+    (seq,) = tokenize_responses(
+        tiny_tokenizer,
+        prompt,
+        [response],
+        max_prompt_tokens=max_prompt_tokens,
+        max_response_tokens=max_response_tokens,
+    )
+    prompt_ids, response_ids = seq.input_ids[: seq.response_start], seq.input_ids[seq.response_start :]
+    assert prompt_ids == full_prompt[-max_prompt_tokens:]
+    assert response_ids == full_response[:max_response_tokens]
+    # EOS closes the response exactly when the response was not cut.
+    assert (response_ids[-1] == eos) == (len(full_response) <= max_response_tokens)
+
+
+def test_pad_batch_pads_on_the_right_and_masks_the_response_and_its_eos() -> None:
+    sequences = [TokenizedResponse([7, 8, 9, 2], response_start=2), TokenizedResponse([7, 8, 5, 6, 9, 2], 3)]
+    batch = pad_batch(sequences, pad_token_id=0)
+    assert batch.input_ids.tolist() == [[7, 8, 9, 2, 0, 0], [7, 8, 5, 6, 9, 2]]
+    assert batch.attention_mask.tolist() == [[1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1]]
+    assert batch.response_mask.tolist() == [[0, 0, 1, 1, 0, 0], [0, 0, 0, 1, 1, 1]]
+    assert batch.response_mask.dtype == torch.bool and batch.input_ids.dtype == torch.long
+
+
+def test_pad_batch_refuses_a_response_without_a_prompt_token_before_it() -> None:
+    with pytest.raises(ValueError, match="sequence 1 has response_start=0"):
+        pad_batch([TokenizedResponse([1, 2], 1), TokenizedResponse([3, 4], 0)], pad_token_id=0)
