@@ -80,6 +80,23 @@ def test_vocabulary_projection_only_sees_response_positions_a_chunk_at_a_time(mo
     assert sum(shape[0] for shape in projected) == int(batch.response_mask.sum())
 
 
+def test_backward_keeps_no_vocabulary_sized_tensor(model32, batch) -> None:
+    vocab_size = model32.config.vocab_size
+    saved_shapes: list[tuple[int, ...]] = []
+
+    def record(tensor: torch.Tensor) -> torch.Tensor:
+        saved_shapes.append(tuple(tensor.shape))
+        return tensor
+
+    inputs_embeds = embed(model32, batch.input_ids).detach().requires_grad_(True)  # [B, L, d]
+    with torch.autograd.graph.saved_tensors_hooks(record, lambda tensor: tensor):
+        logp = score(model32, batch, inputs_embeds=inputs_embeds, chunk_size=4)
+    logp.sum().backward()
+    assert inputs_embeds.grad is not None and saved_shapes
+    # Each chunk's logits [n, V] are recomputed in backward, so autograd keeps nothing of width V.
+    assert not [shape for shape in saved_shapes if shape[-1] == vocab_size]
+
+
 @torch.no_grad()
 def test_padding_and_batch_neighbours_do_not_change_a_sequences_logprob(model64, model32, batch) -> None:
     for model, tolerance in ((model64, 1e-10), (model32, 1e-5)):

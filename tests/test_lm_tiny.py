@@ -49,12 +49,14 @@ def test_same_seed_gives_identical_files_and_a_new_seed_new_weights(tmp_path: Pa
     assert not torch.equal(weights_a["model.embed_tokens.weight"], weights_c["model.embed_tokens.weight"])
 
 
-def test_building_leaves_the_callers_random_state_alone(tmp_path: Path) -> None:
+def test_building_leaves_the_callers_random_state_and_threads_alone(tmp_path: Path) -> None:
+    threads = torch.get_num_threads()
     torch.manual_seed(123)
     expected = torch.rand(3)
     torch.manual_seed(123)
     build_tiny_model(tmp_path / "m", tiny_pairs(n=10), pretrain_steps=1)
     assert torch.equal(torch.rand(3), expected)
+    assert torch.get_num_threads() == threads
 
 
 def test_pretraining_raises_the_likelihood_of_the_responses(tiny_model_dir: Path, tmp_path: Path) -> None:

@@ -86,8 +86,9 @@ def build_tiny_model(
                        the Qwen3Config (head_dim = hidden_size / heads; tied input/output
                        embeddings, as in Qwen3-0.6B).
     vocab_size:        see build_tiny_tokenizer.
-    seed:              weight initialisation and the pre-training batch order; the same seed on the
-                       same machine gives the same weights, without touching the caller's RNG.
+    seed:              weight initialisation and the pre-training batch order; the same seed gives
+                       the same weights (built on one CPU thread), without touching the caller's RNG
+                       or thread count.
     pretrain_steps:    AdamW steps of next-token loss on every non-pad token, batches of
                        ``pretrain_batch_size`` pairs drawn without replacement epoch by epoch.
 
@@ -118,19 +119,26 @@ def build_tiny_model(
         pad_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id,
     )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = Qwen3ForCausalLM(config)
-        if pretrain_steps > 0:
-            _pretrain(
-                model,
-                tokenizer,
-                pairs,
-                steps=pretrain_steps,
-                batch_size=pretrain_batch_size,
-                lr=pretrain_lr,
-                seed=seed,
-            )
+    # One thread: the matrices are too small to gain from more (on a busy 2-core machine two threads
+    # ran 8x slower), and the float32 reductions, so the weights, then do not depend on the core count.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            model = Qwen3ForCausalLM(config)
+            if pretrain_steps > 0:
+                _pretrain(
+                    model,
+                    tokenizer,
+                    pairs,
+                    steps=pretrain_steps,
+                    batch_size=pretrain_batch_size,
+                    lr=pretrain_lr,
+                    seed=seed,
+                )
+    finally:
+        torch.set_num_threads(threads)
     model.eval()
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.pad_token_id = tokenizer.pad_token_id
