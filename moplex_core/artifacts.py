@@ -1,0 +1,514 @@
+"""Where an artifact lives, how it is written so a crash never leaves a lie, and how to read it back.
+
+Layout (DESIGN.md 4)::
+
+    <root>/<stage>/<version>/
+        part-00000.parquet ...   row shards, numbered from 0
+        <any other files>        e.g. rejected.parquet, report.md, em/iter-0001/adapters/c0/...
+        manifest.json            written last: its presence is what makes the version complete
+    <root>/<stage>/.<version>.lock   held by the one writer of that version
+
+``version`` is a short hash of (stage, the stage's config, the versions of its inputs, a code version
+string), so the same inputs and config always land in the same place and a finished stage is skipped.
+
+Every file is written to a hidden temporary name beside its target and renamed into place once
+whole, so a visible file is a finished file. A writer that is killed leaves finished shards and
+hidden temporaries; the next writer of the same version removes the temporaries, reuses the shards
+(after reading their Parquet footers) and carries on. Hidden names (starting with ".") are never
+part of an artifact.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+import sys
+import uuid
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from importlib import metadata
+from pathlib import Path, PurePosixPath
+from types import TracebackType
+from typing import Any
+
+import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
+from filelock import FileLock, Timeout
+
+from moplex_core.hashing import canonical_json, sha256_file, short_hash
+
+log = logging.getLogger(__name__)
+
+DEFAULT_ROOT = "data/artifacts"
+MANIFEST = "manifest.json"
+VERSION_LENGTH = 12
+_SHARD_RE = re.compile(r"^part-(\d{5})\.parquet$")
+_STARTED = ".started"
+_LIBRARIES = ("moplex", "pyarrow", "pandas", "numpy", "torch", "transformers", "peft", "datasets", "prefect")
+
+
+class ArtifactError(RuntimeError):
+    """An artifact is missing, unfinished, or does not match its manifest."""
+
+
+class ArtifactNotFoundError(ArtifactError, FileNotFoundError):
+    pass
+
+
+class ArtifactIncompleteError(ArtifactError):
+    pass
+
+
+class ArtifactCorruptError(ArtifactError):
+    pass
+
+
+@dataclass(frozen=True)
+class ArtifactRef:
+    """A stage output, written ``stage/version`` (e.g. ``ingest/3fa2c1d09b7e``)."""
+
+    stage: str
+    version: str
+
+    def __str__(self) -> str:
+        return f"{self.stage}/{self.version}"
+
+    @classmethod
+    def parse(cls, text: str) -> ArtifactRef:
+        stage, sep, version = text.strip("/").partition("/")
+        if not sep or not stage or not version or "/" in version:
+            raise ValueError(f"an artifact reference is 'stage/version', e.g. 'ingest/3fa2c1d09b7e'; got {text!r}")
+        return cls(stage, version)
+
+
+@dataclass(frozen=True)
+class ArtifactInfo:
+    ref: ArtifactRef
+    path: Path
+    complete: bool
+    manifest: dict[str, Any] | None
+
+
+def artifact_version(
+    stage: str,
+    config: Mapping[str, Any],
+    inputs: Mapping[str, str | ArtifactRef] | None = None,
+    code_version: str = "",
+) -> str:
+    """The version of a stage output: a hash of everything that determines its content.
+
+    ``config`` is the JSON-able part of the stage config that changes the output (see
+    ``moplex_core.config.StageConfig.identity``); ``inputs`` maps input names to artifact references
+    or other content fingerprints (e.g. ``"sha256:..."`` of a local source file); ``code_version`` is
+    bumped by hand when the stage's code changes what it writes.
+    """
+    payload = {
+        "stage": stage,
+        "config": dict(config),
+        "inputs": {name: str(ref) for name, ref in (inputs or {}).items()},
+        "code_version": code_version,
+    }
+    return short_hash(canonical_json(payload), length=VERSION_LENGTH)
+
+
+def shard_name(index: int) -> str:
+    if not 0 <= index <= 99_999:
+        raise ValueError(f"shard index must be in 0..99999, got {index}")
+    return f"part-{index:05d}.parquet"
+
+
+def is_complete(version_dir: str | Path) -> bool:
+    return (Path(version_dir) / MANIFEST).is_file()
+
+
+def read_manifest(version_dir: str | Path) -> dict[str, Any]:
+    """The manifest of a finished artifact; raises if the directory is missing or unfinished."""
+    version_dir = Path(version_dir)
+    if not version_dir.is_dir():
+        raise ArtifactNotFoundError(f"no artifact at {version_dir}")
+    if not is_complete(version_dir):
+        raise ArtifactIncompleteError(
+            f"{version_dir} has no {MANIFEST}: its stage did not finish. Rerun the stage with the same "
+            "config; it resumes from the shards already written."
+        )
+    return json.loads((version_dir / MANIFEST).read_text())
+
+
+def shard_paths(version_dir: str | Path) -> list[Path]:
+    """The visible row shards of a version directory, in shard order (finished or not)."""
+    version_dir = Path(version_dir)
+    return sorted(p for p in version_dir.iterdir() if _SHARD_RE.match(p.name)) if version_dir.is_dir() else []
+
+
+def load_table(version_dir: str | Path, columns: list[str] | None = None) -> pa.Table:
+    """All shards of a finished artifact as one Arrow table, rows in shard order."""
+    version_dir = Path(version_dir)
+    manifest = read_manifest(version_dir)
+    names = sorted(name for name in manifest["files"] if _SHARD_RE.match(name))
+    if not names:
+        raise ArtifactError(f"{version_dir} holds no part-*.parquet shards; its stage writes other files only")
+    return pa.concat_tables(pq.read_table(version_dir / name, columns=columns) for name in names)
+
+
+def verify(version_dir: str | Path) -> None:
+    """Recompute the sha256 of every file and compare with the manifest; raise listing every mismatch."""
+    version_dir = Path(version_dir)
+    recorded = read_manifest(version_dir)["files"]
+    problems = []
+    for name, entry in sorted(recorded.items()):
+        path = version_dir / name
+        if not path.is_file():
+            problems.append(f"{name} is missing")
+        elif sha256_file(path) != entry["sha256"]:
+            problems.append(f"{name} changed since the manifest was written")
+    problems += [f"{name} is not in the manifest" for name in _visible_files(version_dir) if name not in recorded]
+    if problems:
+        raise ArtifactCorruptError(
+            f"{version_dir} does not match its manifest: " + "; ".join(problems)
+            + ". Delete the version directory and rerun its stage."
+        )
+
+
+class ArtifactStore:
+    """Versioned stage outputs under one root directory (default ``data/artifacts``)."""
+
+    def __init__(self, root: str | Path):
+        self.root = Path(root)
+
+    def version(
+        self,
+        stage: str,
+        config: Mapping[str, Any],
+        inputs: Mapping[str, str | ArtifactRef] | None = None,
+        code_version: str = "",
+    ) -> str:
+        return artifact_version(stage, config, inputs, code_version)
+
+    def path(self, stage: str, version: str) -> Path:
+        _check_name(stage, "stage")
+        _check_name(version, "version")
+        return self.root / stage / version
+
+    def is_complete(self, stage: str, version: str) -> bool:
+        return is_complete(self.path(stage, version))
+
+    def manifest(self, stage: str, version: str) -> dict[str, Any]:
+        return read_manifest(self.path(stage, version))
+
+    def writer(
+        self,
+        stage: str,
+        version: str,
+        *,
+        config: Mapping[str, Any],
+        inputs: Mapping[str, str | ArtifactRef] | None = None,
+        code_version: str = "",
+        lock_timeout: float | None = None,
+    ) -> ArtifactWriter:
+        """A context manager that owns the version while open (see `ArtifactWriter`).
+
+        ``config`` is recorded in the manifest as given (pass the full config, paths included, for
+        provenance); the version itself is whatever the caller computed with `version`.
+        """
+        return ArtifactWriter(self.path(stage, version), ArtifactRef(stage, version), dict(config),
+                              {k: str(v) for k, v in (inputs or {}).items()}, code_version, lock_timeout)
+
+    def load_table(self, stage: str, version: str, columns: list[str] | None = None) -> pa.Table:
+        return load_table(self.path(stage, version), columns)
+
+    def load(self, stage: str, version: str, columns: list[str] | None = None) -> pd.DataFrame:
+        return self.load_table(stage, version, columns).to_pandas()
+
+    def verify(self, stage: str, version: str) -> None:
+        verify(self.path(stage, version))
+
+    def fingerprint(self, stage: str, version: str) -> str:
+        """A hash of the finished artifact's file contents (for cache keys that must notice a rewrite)."""
+        return short_hash(canonical_json(self.manifest(stage, version)["files"]))
+
+    def list(self, stage: str | None = None) -> list[ArtifactInfo]:
+        """Every version directory under the root (or one stage), finished or not, sorted by name."""
+        stage_dirs = [self.root / stage] if stage else sorted(self.root.iterdir()) if self.root.is_dir() else []
+        infos = []
+        for stage_dir in stage_dirs:
+            if not stage_dir.is_dir() or stage_dir.name.startswith("."):
+                continue
+            for version_dir in sorted(stage_dir.iterdir()):
+                if version_dir.is_dir() and not version_dir.name.startswith("."):
+                    complete = is_complete(version_dir)
+                    infos.append(ArtifactInfo(
+                        ArtifactRef(stage_dir.name, version_dir.name), version_dir, complete,
+                        read_manifest(version_dir) if complete else None,
+                    ))
+        return infos
+
+    def locate(self, ref: str | ArtifactRef) -> ArtifactInfo:
+        """Find ``stage/version``, where version may be any unambiguous prefix (as with git)."""
+        ref = ArtifactRef.parse(ref) if isinstance(ref, str) else ref
+        candidates = self.list(ref.stage)
+        matches = [info for info in candidates if info.ref.version.startswith(ref.version)]
+        if len(matches) == 1:
+            return matches[0]
+        known = ", ".join(str(info.ref) for info in candidates) or "none"
+        if not matches:
+            raise ArtifactNotFoundError(f"no artifact {ref} under {self.root} (versions of {ref.stage}: {known})")
+        raise ArtifactError(f"{ref} is ambiguous under {self.root}: it matches {known}; give more of the version")
+
+
+class ArtifactWriter:
+    """Writes one version of a stage output; commit (the manifest) happens on a clean exit.
+
+    Use as ``with store.writer(stage, version, config=...) as w:``. Entering takes the version's lock
+    (a second writer waits), then:
+
+    - ``w.complete`` is True when the version was already finished (another run completed it while
+      this one waited): the body should do nothing, and nothing is written or rewritten;
+    - otherwise files left by an interrupted run are kept (``w.reused`` names them) and hidden
+      temporaries are deleted; ``has_shard``/``has_file`` tell the body what it may skip.
+
+    On a clean exit the manifest is written: config, inputs, rows (sum over shards), the sha256 of
+    every file, start and finish times, library versions and ``w.summary`` (stage-specific numbers).
+    On an exception nothing is committed and finished files stay for the next run.
+    Code that writes its own files under ``w.path`` must write them under a hidden temporary name
+    and rename them into place, as this class does.
+    """
+
+    def __init__(
+        self,
+        path: Path,
+        ref: ArtifactRef,
+        config: dict[str, Any],
+        inputs: dict[str, str],
+        code_version: str,
+        lock_timeout: float | None,
+    ):
+        self.path = path
+        self.ref = ref
+        self.complete = False
+        self.reused: list[str] = []
+        self.summary: dict[str, Any] = {}
+        self._config = config
+        self._inputs = inputs
+        self._code_version = code_version
+        self._lock = FileLock(path.parent / f".{path.name}.lock")
+        self._lock_timeout = -1 if lock_timeout is None else lock_timeout
+        self._open = False
+
+    def __enter__(self) -> ArtifactWriter:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            self._lock.acquire(timeout=0)
+        except Timeout:
+            log.info("%s is being written by another run; waiting for its lock", self.ref)
+            try:
+                self._lock.acquire(timeout=self._lock_timeout)
+            except Timeout:
+                raise ArtifactError(
+                    f"gave up after {self._lock_timeout} s waiting for another writer of {self.ref} "
+                    f"(lock {self._lock.lock_file}). If no such run is alive, the lock is stale: delete it."
+                ) from None
+        self.complete = is_complete(self.path)
+        if not self.complete:
+            self.path.mkdir(exist_ok=True)
+            _remove_temporaries(self.path)
+            self.reused = _visible_files(self.path)
+            if self.reused:
+                log.info("%s resumes an interrupted run; reusing %d finished file(s)", self.ref, len(self.reused))
+            started = self.path / _STARTED
+            if not started.exists():
+                started.write_text(_now())
+        self._open = True
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self._open = False
+        try:
+            if exc_type is None and not self.complete:
+                self._commit()
+                self.complete = True
+        finally:
+            self._lock.release()
+
+    def has_shard(self, index: int) -> bool:
+        """Whether shard ``index`` is finished: visible (renamed into place) with a readable footer."""
+        path = self.path / shard_name(index)
+        if not path.is_file():
+            return False
+        try:
+            pq.read_metadata(path)
+        except (pa.ArrowException, OSError) as err:
+            log.warning("%s has an unreadable footer (%s); it will be rewritten", path, err)
+            path.unlink()
+            return False
+        return True
+
+    def has_file(self, name: str) -> bool:
+        return (self.path / _check_relative(name)).exists()
+
+    def write_shard(self, index: int, data: pa.Table | pd.DataFrame) -> Path:
+        table = data if isinstance(data, pa.Table) else pa.Table.from_pandas(data, preserve_index=False)
+        with self.open_shard(index, table.schema) as out:
+            out.write_table(table)
+        return self.path / shard_name(index)
+
+    @contextmanager
+    def open_shard(self, index: int, schema: pa.Schema) -> Iterator[pq.ParquetWriter]:
+        """Stream record batches into shard ``index``; it becomes visible only when the block ends."""
+        with self._staged(shard_name(index)) as tmp, pq.ParquetWriter(tmp, schema) as out:
+            yield out
+
+    def write_table(self, name: str, data: pa.Table | pd.DataFrame) -> Path:
+        """Any other Parquet file of the artifact, e.g. ``rejected.parquet``."""
+        table = data if isinstance(data, pa.Table) else pa.Table.from_pandas(data, preserve_index=False)
+        with self._staged(name) as tmp:
+            pq.write_table(table, tmp)
+        return self.path / name
+
+    def write_file(self, name: str, data: bytes | str) -> Path:
+        with self._staged(name) as tmp:
+            tmp.write_bytes(data.encode() if isinstance(data, str) else data)
+        return self.path / name
+
+    @contextmanager
+    def directory(self, name: str) -> Iterator[Path]:
+        """A folder filled by other code (e.g. PEFT ``save_pretrained``), renamed into place when whole."""
+        target = self.path / _check_relative(name)
+        self._check_writable()
+        target.parent.mkdir(parents=True, exist_ok=True)
+        staging = target.with_name(f".{target.name}.tmp-{uuid.uuid4().hex[:8]}")
+        staging.mkdir()
+        try:
+            yield staging
+            if target.exists():
+                shutil.rmtree(target)
+            os.replace(staging, target)
+            _fsync_dir(target.parent)
+        finally:
+            if staging.exists():
+                shutil.rmtree(staging)
+
+    @contextmanager
+    def _staged(self, name: str) -> Iterator[Path]:
+        target = self.path / _check_relative(name)
+        self._check_writable()
+        with _atomic_path(target) as tmp:
+            yield tmp
+
+    def _check_writable(self) -> None:
+        if not self._open:
+            raise ArtifactError(f"write to {self.ref} outside its `with store.writer(...)` block")
+        if self.complete:
+            raise ArtifactError(f"{self.ref} is already complete; nothing may be written to it")
+
+    def _commit(self) -> None:
+        shards = shard_paths(self.path)
+        indices = [int(_SHARD_RE.match(p.name).group(1)) for p in shards]
+        if indices != list(range(len(indices))):
+            missing = sorted(set(range(max(indices) + 1)) - set(indices))
+            raise ArtifactError(
+                f"{self.ref} has shards {indices} with gaps at {missing}; shards must be numbered 0..n-1. "
+                "Write the missing shards before leaving the writer block."
+            )
+        files = {
+            name: {"sha256": sha256_file(self.path / name), "bytes": (self.path / name).stat().st_size}
+            for name in _visible_files(self.path)
+        }
+        started = self.path / _STARTED
+        manifest = {
+            "stage": self.ref.stage,
+            "version": self.ref.version,
+            "code_version": self._code_version,
+            "config": self._config,
+            "inputs": self._inputs,
+            "rows": sum(pq.read_metadata(p).num_rows for p in shards),
+            "shards": len(shards),
+            "files": files,
+            "summary": self.summary,
+            "started": started.read_text() if started.exists() else _now(),
+            "finished": _now(),
+            "resumed": bool(self.reused),
+            "library_versions": _library_versions(),
+        }
+        with _atomic_path(self.path / MANIFEST) as tmp:
+            tmp.write_text(json.dumps(manifest, indent=2, sort_keys=True, default=str) + "\n")
+        started.unlink(missing_ok=True)
+
+
+@contextmanager
+def _atomic_path(target: Path) -> Iterator[Path]:
+    """A hidden temporary path beside ``target``, renamed onto it (durably) when the block ends."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f".{target.name}.tmp-{uuid.uuid4().hex[:8]}")
+    try:
+        yield tmp
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
+        _fsync_dir(target.parent)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _visible_files(version_dir: Path) -> list[str]:
+    """Relative POSIX names of every non-hidden file below ``version_dir`` except the manifest."""
+    names = []
+    for path in version_dir.rglob("*"):
+        rel = path.relative_to(version_dir)
+        if path.is_file() and rel.as_posix() != MANIFEST and not any(p.startswith(".") for p in rel.parts):
+            names.append(rel.as_posix())
+    return sorted(names)
+
+
+def _remove_temporaries(version_dir: Path) -> None:
+    # Hidden entries are temporaries of killed writers (ours and e.g. em.py's ".name.tmp-pid").
+    for path in sorted(version_dir.rglob(".*"), reverse=True):
+        if ".tmp-" in path.name:
+            log.info("removing %s left by an interrupted writer", path)
+            if path.is_dir():
+                shutil.rmtree(path)
+            else:
+                path.unlink(missing_ok=True)
+
+
+def _check_name(name: str, what: str) -> None:
+    if not name or name.startswith(".") or "/" in name or "\\" in name:
+        raise ValueError(f"{what} must be a plain, non-hidden directory name, got {name!r}")
+
+
+def _check_relative(name: str) -> str:
+    rel = PurePosixPath(name)
+    if rel.is_absolute() or not rel.parts or any(p in ("", ".", "..") or p.startswith(".") for p in rel.parts):
+        raise ValueError(f"artifact file names are relative paths without hidden or '..' parts, got {name!r}")
+    if rel.as_posix() == MANIFEST:
+        raise ValueError(f"{MANIFEST} is written by the store itself")
+    return rel.as_posix()
+
+
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+def _library_versions() -> dict[str, str]:
+    versions = {"python": ".".join(map(str, sys.version_info[:3]))}
+    for name in _LIBRARIES:
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue
+    return versions

@@ -1,0 +1,49 @@
+"""Fixtures shared by the whole test suite."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+FIXTURES = Path(__file__).parent / "fixtures"
+
+
+@pytest.fixture(scope="session")
+def fixtures_dir() -> Path:
+    """Small hand-written files in each dataset's raw schema."""
+    return FIXTURES
+
+
+@pytest.fixture(scope="session")
+def prefect_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """Prefect against a local server of its own for the session: a private PREFECT_HOME, analytics
+    off, a temporary database, and a startup timeout that fits a loaded 2-core machine. Yields the
+    home. The server is Prefect's test harness (a local subprocess server); leaving it drains the
+    log and event workers before the server stops."""
+    home = tmp_path_factory.mktemp("prefect-home")
+    updates = {
+        "PREFECT_HOME": str(home),
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "90",
+    }
+    removed = ("PREFECT_API_URL", "PREFECT_PROFILE")
+    saved = {name: os.environ.get(name) for name in (*updates, *removed)}
+    os.environ.update(updates)
+    for name in removed:
+        os.environ.pop(name, None)
+    import prefect.context
+    from prefect.testing.utilities import prefect_test_harness
+
+    # Prefect reads its settings once at import; refresh them in case it was imported earlier.
+    prefect.context.refresh_global_settings_context()
+    with prefect_test_harness(server_startup_timeout=None):
+        yield home
+    for name, value in saved.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+    prefect.context.refresh_global_settings_context()

@@ -1,0 +1,275 @@
+"""The versioned artifact store: versions, atomic writes, manifests, resume, locking, loading."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pandas as pd
+import pyarrow as pa
+import pytest
+
+from moplex_core.artifacts import (
+    MANIFEST,
+    ArtifactCorruptError,
+    ArtifactError,
+    ArtifactIncompleteError,
+    ArtifactNotFoundError,
+    ArtifactRef,
+    ArtifactStore,
+    artifact_version,
+)
+from moplex_core.hashing import sha256_file
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def table(i: int, n: int = 10) -> pa.Table:
+    rows = range(n * i, n * i + n)
+    return pa.table({"row": pa.array(rows, pa.int64()), "text": [f"row {k}" for k in rows]})
+
+
+def write_demo(store: ArtifactStore, version: str = "v1", shards: int = 3) -> Path:
+    with store.writer("demo", version, config={"shards": shards}, inputs={"rankings": "ingest/abc"},
+                      code_version="demo-1") as w:
+        for i in range(shards):
+            w.write_shard(i, table(i))
+    return w.path
+
+
+def test_version_is_a_hash_of_stage_config_inputs_and_code():
+    base = artifact_version("ingest", {"a": 1, "b": [1, 2]}, {"x": "s/v"}, "c1")
+    assert base == artifact_version("ingest", {"b": [1, 2], "a": 1}, {"x": "s/v"}, "c1")  # key order
+    assert base == artifact_version("ingest", {"a": 1, "b": [1, 2]}, {"x": ArtifactRef("s", "v")}, "c1")
+    changed = [
+        artifact_version("augment", {"a": 1, "b": [1, 2]}, {"x": "s/v"}, "c1"),
+        artifact_version("ingest", {"a": 2, "b": [1, 2]}, {"x": "s/v"}, "c1"),
+        artifact_version("ingest", {"a": 1, "b": [1, 2]}, {"x": "s/w"}, "c1"),
+        artifact_version("ingest", {"a": 1, "b": [1, 2]}, {"x": "s/v"}, "c2"),
+    ]
+    assert base not in changed and len(set(changed)) == 4
+    assert len(base) == 12 and int(base, 16) >= 0
+
+
+def test_written_artifact_has_manifest_with_hashes_and_loads_back(tmp_path):
+    store = ArtifactStore(tmp_path)
+    path = write_demo(store)
+    assert store.is_complete("demo", "v1")
+    manifest = json.loads((path / MANIFEST).read_text())
+    assert manifest["stage"] == "demo" and manifest["version"] == "v1"
+    assert manifest["config"] == {"shards": 3} and manifest["inputs"] == {"rankings": "ingest/abc"}
+    assert manifest["code_version"] == "demo-1" and manifest["rows"] == 30 and manifest["shards"] == 3
+    assert set(manifest["files"]) == {"part-00000.parquet", "part-00001.parquet", "part-00002.parquet"}
+    for name, entry in manifest["files"].items():
+        assert entry["sha256"] == sha256_file(path / name)
+    assert manifest["started"] <= manifest["finished"] and not manifest["resumed"]
+    assert {"python", "pyarrow", "pandas"} <= set(manifest["library_versions"])
+
+    loaded = store.load("demo", "v1")
+    assert isinstance(loaded, pd.DataFrame) and loaded["row"].tolist() == list(range(30))
+    assert store.load_table("demo", "v1", columns=["text"]).column_names == ["text"]
+    store.verify("demo", "v1")
+    assert not [p for p in path.iterdir() if p.name.startswith(".")]  # no temporaries or markers left
+
+
+def test_list_locate_and_fingerprint(tmp_path):
+    store = ArtifactStore(tmp_path)
+    write_demo(store, "aaa111")
+    write_demo(store, "aab222")
+    (tmp_path / "demo" / "abc333").mkdir()  # an unfinished version
+    infos = store.list()
+    assert [(str(i.ref), i.complete) for i in infos] == [
+        ("demo/aaa111", True), ("demo/aab222", True), ("demo/abc333", False)
+    ]
+    assert store.locate("demo/aab").path == tmp_path / "demo" / "aab222"
+    with pytest.raises(ArtifactError, match="ambiguous"):
+        store.locate("demo/aa")
+    with pytest.raises(ArtifactNotFoundError, match="versions of demo: demo/aaa111"):
+        store.locate("demo/zzz")
+    # Same content, same fingerprint, whatever the version name.
+    assert store.fingerprint("demo", "aaa111") == store.fingerprint("demo", "aab222")
+
+
+def test_unfinished_or_tampered_artifacts_are_refused_with_a_way_out(tmp_path):
+    store = ArtifactStore(tmp_path)
+    with pytest.raises(ArtifactNotFoundError):
+        store.load("demo", "nothing")
+    path = write_demo(store)
+    (path / "part-00001.parquet").write_bytes(b"not what was written")
+    (path / "stray.txt").write_text("x")
+    with pytest.raises(ArtifactCorruptError, match="part-00001.parquet changed.*stray.txt is not in the manifest"):
+        store.verify("demo", "v1")
+    (path / MANIFEST).unlink()
+    with pytest.raises(ArtifactIncompleteError, match="did not finish. Rerun the stage"):
+        store.load("demo", "v1")
+
+
+def test_a_failed_writer_commits_nothing_and_the_next_one_reuses_finished_shards(tmp_path):
+    store = ArtifactStore(tmp_path)
+    with pytest.raises(RuntimeError, match="boom"):
+        with store.writer("demo", "v1", config={}) as w:
+            w.write_shard(0, table(0))
+            w.write_shard(1, table(1))
+            raise RuntimeError("boom")
+    assert not store.is_complete("demo", "v1")
+    with store.writer("demo", "v1", config={}) as w:
+        assert w.reused == ["part-00000.parquet", "part-00001.parquet"]
+        written = [i for i in range(3) if not w.has_shard(i)]
+        for i in written:
+            w.write_shard(i, table(i))
+    assert written == [2]
+    assert store.manifest("demo", "v1")["resumed"] is True
+    assert store.load("demo", "v1")["row"].tolist() == list(range(30))
+
+
+def test_an_unreadable_shard_is_rewritten_not_trusted(tmp_path):
+    store = ArtifactStore(tmp_path)
+    path = tmp_path / "demo" / "v1"
+    path.mkdir(parents=True)
+    (path / "part-00000.parquet").write_bytes(b"PAR1 truncated")
+    with store.writer("demo", "v1", config={}) as w:
+        assert not w.has_shard(0)
+        w.write_shard(0, table(0))
+    assert store.load("demo", "v1")["row"].tolist() == list(range(10))
+
+
+SLOW_WRITER = textwrap.dedent(
+    """
+    import sys, time
+    from pathlib import Path
+    import pyarrow as pa
+    from moplex_core.artifacts import ArtifactStore
+
+    root, mode = sys.argv[1], sys.argv[2]
+    with ArtifactStore(root).writer("demo", "v1", config={"shards": 5}) as w:
+        for i in range(5):
+            if w.has_shard(i):
+                print("reused", i, flush=True)
+                continue
+            rows = range(10 * i, 10 * i + 10)
+            table = pa.table({"row": pa.array(rows, pa.int64()), "text": [f"row {k}" for k in rows]})
+            with w.open_shard(i, table.schema) as out:
+                out.write_table(table.slice(0, 5))
+                if mode == "die-in-shard-3" and i == 3:
+                    Path(root, "halfway").write_text("shard 3 is half written")
+                    time.sleep(120)
+                out.write_table(table.slice(5))
+        w.write_file("notes/about.txt", "five shards of ten rows")
+    """
+)
+
+
+def run_writer(root: Path, mode: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", SLOW_WRITER, str(root), mode], cwd=REPO,
+                          capture_output=True, text=True, check=True, timeout=60)
+
+
+def test_resume_after_sigkill_mid_shard_reuses_finished_shards_and_gives_the_same_artifact(tmp_path):
+    root, clean_root = tmp_path / "killed", tmp_path / "clean"
+    version_dir = root / "demo" / "v1"
+    proc = subprocess.Popen([sys.executable, "-c", SLOW_WRITER, str(root), "die-in-shard-3"], cwd=REPO)
+    deadline = time.monotonic() + 60
+    while not (root / "halfway").exists():
+        assert proc.poll() is None and time.monotonic() < deadline, "the writer never reached shard 3"
+        time.sleep(0.05)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=10)
+
+    visible = sorted(p.name for p in version_dir.iterdir() if not p.name.startswith("."))
+    assert visible == ["part-00000.parquet", "part-00001.parquet", "part-00002.parquet"]
+    assert [p.name for p in version_dir.glob(".part-00003.parquet.tmp-*")], "the half-written temporary"
+
+    resumed = run_writer(root, "finish")
+    assert resumed.stdout.split("\n")[:3] == ["reused 0", "reused 1", "reused 2"]
+    assert not list(version_dir.glob(".*.tmp-*"))
+    run_writer(clean_root, "finish")
+
+    store, clean = ArtifactStore(root), ArtifactStore(clean_root)
+    assert store.manifest("demo", "v1")["files"] == clean.manifest("demo", "v1")["files"]
+    assert store.manifest("demo", "v1")["resumed"] and not clean.manifest("demo", "v1")["resumed"]
+    assert store.load("demo", "v1").equals(clean.load("demo", "v1"))
+    store.verify("demo", "v1")
+
+
+def test_a_second_writer_of_one_version_waits_then_finds_it_complete(tmp_path):
+    store = ArtifactStore(tmp_path)
+    inside, release = threading.Event(), threading.Event()
+
+    def first_writer():
+        with store.writer("demo", "v1", config={}) as w:
+            w.write_shard(0, table(0))
+            inside.set()
+            release.wait(10)
+
+    thread = threading.Thread(target=first_writer)
+    thread.start()
+    assert inside.wait(10)
+    with pytest.raises(ArtifactError, match="waiting for another writer"):
+        with store.writer("demo", "v1", config={}, lock_timeout=0.2):
+            pass
+    threading.Timer(0.3, release.set).start()
+    with store.writer("demo", "v1", config={}) as second:
+        assert second.complete  # waited for the lock, then found the finished version
+        with pytest.raises(ArtifactError, match="already complete"):
+            second.write_shard(1, table(1))
+    thread.join()
+    assert store.manifest("demo", "v1")["rows"] == 10
+
+
+def test_extra_files_folders_and_subartifacts_are_written_atomically_and_hashed(tmp_path):
+    store = ArtifactStore(tmp_path)
+    with store.writer("train", "v1", config={}) as w:
+        w.write_file("em/iter-0001/state.json", json.dumps({"iteration": 1}))
+        w.write_table("em/iter-0001/posteriors.parquet", pd.DataFrame({"example_id": ["a"], "gamma": [[0.5, 0.5]]}))
+        with w.directory("em/iter-0001/adapters/c0") as staging:
+            assert staging.name.startswith(".") and staging.parent.name == "adapters"
+            (staging / "adapter_config.json").write_text("{}")
+            (staging / "adapter_model.safetensors").write_bytes(b"\0" * 16)
+        assert w.has_file("em/iter-0001/adapters/c0/adapter_config.json")
+    manifest = store.manifest("train", "v1")
+    assert sorted(manifest["files"]) == [
+        "em/iter-0001/adapters/c0/adapter_config.json",
+        "em/iter-0001/adapters/c0/adapter_model.safetensors",
+        "em/iter-0001/posteriors.parquet",
+        "em/iter-0001/state.json",
+    ]
+    assert manifest["rows"] == 0 and manifest["shards"] == 0
+    with pytest.raises(ArtifactError, match="holds no part-"):
+        store.load("train", "v1")
+
+
+def test_a_resumed_writer_deletes_temporaries_of_killed_writers(tmp_path):
+    store = ArtifactStore(tmp_path)
+    sub = tmp_path / "train" / "v1" / "em" / "iter-0002"
+    sub.mkdir(parents=True)
+    (sub / ".state.json.tmp-1234").write_text("half")  # em.py's temporary naming
+    (sub / ".c0.tmp-abcd1234").mkdir()  # a staged folder
+    (sub / "posteriors.parquet").write_bytes(b"finished elsewhere")
+    with store.writer("train", "v1", config={}) as w:
+        assert w.reused == ["em/iter-0002/posteriors.parquet"]
+    assert sorted(p.name for p in sub.iterdir()) == ["posteriors.parquet"]
+
+
+def test_misuse_is_refused_with_a_reason(tmp_path):
+    store = ArtifactStore(tmp_path)
+    writer = store.writer("demo", "v1", config={})
+    with pytest.raises(ArtifactError, match="outside its `with store.writer"):
+        writer.write_shard(0, table(0))
+    with store.writer("demo", "v1", config={}) as w:
+        for bad in ("../escape.txt", ".hidden", "/abs.txt", MANIFEST):
+            with pytest.raises(ValueError):
+                w.write_file(bad, "x")
+    with pytest.raises(ValueError, match="plain, non-hidden"):
+        store.path("demo", "../up")
+    with pytest.raises(ArtifactError, match="gaps at \\[1\\]"):
+        with store.writer("demo", "v2", config={}) as w:
+            w.write_shard(0, table(0))
+            w.write_shard(2, table(2))
+    assert not store.is_complete("demo", "v2")
