@@ -1,0 +1,402 @@
+"""The canonical `rankings` table (DESIGN.md 3) and the checks every ingested row must pass.
+
+One row is one ranking instance: a prompt, its m original responses, and a ranking of ALL of them as
+ordered tiers (best first; a tier holds tied responses). Partial observation is expressed by
+``ranked_prefix`` (only the first l tiers are observed), never by leaving responses out of the
+ranking. Generated responses (the augmented stage's ``generated`` column) are never in ``ranking``
+and never in this table.
+
+`check_rankings` returns the rows as an Arrow table in the canonical schema or raises a
+`SchemaError` naming every bad row (row number, example_id, field, reason); `split_rejected` keeps
+the good rows and returns the bad ones with their reasons instead.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import pandas as pd
+import pyarrow as pa
+
+from moplex_core.hashing import short_hash
+from moplex_core.pl import UNRANKED, encode_tiers
+
+SPLITS = ("train", "validation", "test")
+
+RANKINGS_SCHEMA = pa.schema(
+    [
+        pa.field("example_id", pa.string(), nullable=False),
+        pa.field("prompt_id", pa.string(), nullable=False),
+        pa.field("prompt", pa.string(), nullable=False),
+        pa.field("prompt_messages", pa.string()),
+        pa.field("responses", pa.list_(pa.string()), nullable=False),
+        pa.field("ranking", pa.list_(pa.list_(pa.int32())), nullable=False),
+        pa.field("ranked_prefix", pa.int32(), nullable=False),
+        pa.field("cluster", pa.string()),
+        pa.field("split", pa.string(), nullable=False),
+        pa.field("source", pa.string(), nullable=False),
+    ]
+)
+OPTIONAL_COLUMNS = frozenset({"prompt_messages"})
+
+REJECTED_SCHEMA = pa.schema(
+    [
+        pa.field("row", pa.int64()),
+        pa.field("example_id", pa.string()),
+        pa.field("field", pa.string()),
+        pa.field("reason", pa.string()),
+        pa.field("record", pa.string()),  # the row as JSON, to fix and re-ingest
+    ]
+)
+
+_MESSAGE_ROWS = 5
+
+
+@dataclass(frozen=True)
+class RowIssue:
+    """One reason a row (or, with ``row`` None, the whole table) breaks the contract."""
+
+    row: int | None
+    example_id: str | None
+    field: str
+    reason: str
+
+    def __str__(self) -> str:
+        if self.row is None:
+            return f"column {self.field!r}: {self.reason}"
+        eid = f" (example_id {self.example_id!r})" if self.example_id else ""
+        return f"row {self.row}{eid}, field {self.field!r}: {self.reason}"
+
+
+class SchemaError(ValueError):
+    """Rows or columns that break the `rankings` contract; ``issues`` lists all of them."""
+
+    def __init__(self, issues: Sequence[RowIssue], what: str = "rankings"):
+        self.issues = list(issues)
+        rows = sorted({i.row for i in self.issues if i.row is not None})
+        shown = "\n  ".join(str(i) for i in self.issues[:_MESSAGE_ROWS])
+        more = len(self.issues) - _MESSAGE_ROWS
+        head = (
+            f"{what}: {len(rows)} invalid row(s)" if rows else f"{what}: the table does not have the canonical schema"
+        )
+        tail = (
+            "Fix the source rows, or ingest with validation='drop' to keep the valid rows and record these "
+            "in rejected.parquet."
+            if rows
+            else "Produce the columns of moplex_core.schema.RANKINGS_SCHEMA with those types."
+        )
+        super().__init__(f"{head}:\n  {shown}" + (f"\n  ... and {more} more" if more > 0 else "") + f"\n{tail}")
+
+
+def check_rankings(
+    data: pa.Table | pd.DataFrame | Sequence[dict[str, Any]],
+    labels: Collection[str] | None = None,
+    require_split: bool = True,
+) -> pa.Table:
+    """The rows in the canonical schema, or `SchemaError` listing every bad row.
+
+    ``labels``, when given, is the declared cluster label set; a non-null cluster outside it is an
+    error. With ``require_split=False`` a null split is accepted (rows validated before splitting).
+    """
+    table, issues = _validate(data, labels, require_split)
+    if issues:
+        raise SchemaError(issues)
+    return _cast(table, require_split)
+
+
+def split_rejected(
+    data: pa.Table | pd.DataFrame | Sequence[dict[str, Any]],
+    labels: Collection[str] | None = None,
+    require_split: bool = True,
+) -> tuple[pa.Table, pa.Table]:
+    """(valid rows in the canonical schema, one `REJECTED_SCHEMA` row per issue of the others).
+
+    Table-level problems (missing columns, a column of the wrong type) cannot be fixed by dropping
+    rows and still raise `SchemaError`.
+    """
+    table, issues = _validate(data, labels, require_split)
+    table_level = [i for i in issues if i.row is None]
+    if table_level:
+        raise SchemaError(table_level)
+    bad_rows = {i.row for i in issues}
+    keep = pa.array([r not in bad_rows for r in range(table.num_rows)], pa.bool_())
+    records = _records_as_json(data, sorted(bad_rows))
+    rejected = pa.Table.from_pylist(
+        [
+            {"row": i.row, "example_id": i.example_id, "field": i.field, "reason": i.reason, "record": records[i.row]}
+            for i in issues
+        ],
+        schema=REJECTED_SCHEMA,
+    )
+    return _cast(table.filter(keep), require_split), rejected
+
+
+def _cast(table: pa.Table, require_split: bool) -> pa.Table:
+    """The canonical schema; before splitting, ``split`` stays nullable (it is all null)."""
+    if require_split:
+        return table.cast(RANKINGS_SCHEMA)
+    return table.cast(RANKINGS_SCHEMA.set(RANKINGS_SCHEMA.get_field_index("split"),
+                                          RANKINGS_SCHEMA.field("split").with_nullable(True)))
+
+
+def ranking_row(
+    example_id: str,
+    prompt: str,
+    responses: list[str],
+    ranking: list[list[int]],
+    cluster: str | None,
+    source: str,
+) -> dict[str, Any]:
+    """One canonical row, fully observed (``ranked_prefix`` = number of tiers), not yet split."""
+    return {
+        "example_id": example_id,
+        "prompt_id": prompt_id(prompt),
+        "prompt": prompt,
+        "prompt_messages": None,
+        "responses": responses,
+        "ranking": ranking,
+        "ranked_prefix": len(ranking),
+        "cluster": cluster,
+        "split": None,
+        "source": source,
+    }
+
+
+def prompt_id(prompt: str) -> str:
+    """The id splits group by: a hash of the prompt text, so the same prompt never lands in two splits."""
+    return short_hash(prompt)
+
+
+def ranking_from_scores(scores: Sequence[float]) -> list[list[int]]:
+    """Tiers of indices, best (highest score) first; equal scores share a tier ("ties become tiers")."""
+    levels = sorted(set(scores), reverse=True)
+    return [[j for j, s in enumerate(scores) if s == level] for level in levels]
+
+
+def _validate(
+    data: pa.Table | pd.DataFrame | Sequence[dict[str, Any]],
+    labels: Collection[str] | None,
+    require_split: bool,
+) -> tuple[pa.Table, list[RowIssue]]:
+    columns, n = _columns(data)
+    missing = [f.name for f in RANKINGS_SCHEMA if f.name not in columns and f.name not in OPTIONAL_COLUMNS]
+    extra = [c for c in columns if RANKINGS_SCHEMA.get_field_index(c) < 0]
+    issues = [RowIssue(None, None, c, "is missing") for c in missing]
+    issues += [
+        RowIssue(None, None, c, "is not a rankings column (generated responses belong to the augmented stage)"
+                 if c == "generated" else "is not a rankings column; drop it")
+        for c in extra
+    ]
+    if issues:
+        return pa.table({}), issues
+
+    arrays: dict[str, pa.Array] = {}
+    for f in RANKINGS_SCHEMA:
+        if f.name not in columns:
+            arrays[f.name] = pa.nulls(n, f.type)
+            continue
+        array, col_issues = _convert(columns[f.name], f)
+        issues += col_issues
+        arrays[f.name] = array
+    if any(i.row is None for i in issues):
+        return pa.table({}), [i for i in issues if i.row is None]
+
+    # A value of the wrong type was nulled by _convert; do not report it a second time as missing.
+    typed = {(i.row, i.field) for i in issues}
+    rows = pa.table(arrays).to_pylist()
+    issues += [i for i in _row_issues(rows, labels, require_split) if (i.row, i.field) not in typed]
+    example_ids = arrays["example_id"].to_pylist()
+    issues = [RowIssue(i.row, example_ids[i.row], i.field, i.reason) if i.example_id is None else i for i in issues]
+    order = {f.name: k for k, f in enumerate(RANKINGS_SCHEMA)}
+    issues.sort(key=lambda i: (i.row, order[i.field]))
+    return pa.table(arrays, schema=pa.schema([f.with_nullable(True) for f in RANKINGS_SCHEMA])), issues
+
+
+def _columns(data: pa.Table | pd.DataFrame | Sequence[dict[str, Any]]) -> tuple[dict[str, Any], int]:
+    """Column name -> an Arrow array or a Python list of values, and the row count."""
+    if isinstance(data, pa.Table):
+        return {name: data.column(name).combine_chunks() for name in data.column_names}, data.num_rows
+    if isinstance(data, pd.DataFrame):
+        return {name: [_plain(v) for v in data[name].tolist()] for name in data.columns}, len(data)
+    names: dict[str, None] = {}
+    for row in data:
+        names.update(dict.fromkeys(row))
+    return {name: [_plain(row.get(name)) for row in data] for name in names}, len(data)
+
+
+def _plain(value: Any) -> Any:
+    """numpy arrays and scalars from pandas/pyarrow round trips as plain Python values; NaN as None."""
+    if hasattr(value, "tolist") and not isinstance(value, (str, bytes)):
+        value = value.tolist()
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    if isinstance(value, float) and value != value:
+        return None
+    return value
+
+
+def _convert(values: Any, f: pa.Field) -> tuple[pa.Array, list[RowIssue]]:
+    """A column as an Arrow array of the canonical type; values that do not fit become null + an issue."""
+    if isinstance(values, pa.Array):
+        if not _compatible(values.type, f.type):
+            return values, [RowIssue(None, None, f.name, f"has type {values.type}, expected {f.type}")]
+        try:
+            return values.cast(f.type), []
+        except pa.ArrowInvalid as err:
+            return values, [RowIssue(None, None, f.name, f"does not fit {f.type}: {err}")]
+    if all(_nested_lists_ok(v, f.type) for v in values):
+        try:
+            return pa.array(values, type=f.type), []
+        except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, OverflowError):
+            pass
+    converted, issues = [], []
+    for r, v in enumerate(values):
+        try:
+            if not _nested_lists_ok(v, f.type):
+                raise TypeError
+            pa.array([v], type=f.type)
+            converted.append(v)
+        except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, OverflowError):
+            converted.append(None)
+            issues.append(RowIssue(r, None, f.name, f"expected {f.type}, got {type(v).__name__} {_short(v)}"))
+    return pa.array(converted, type=f.type), issues
+
+
+def _nested_lists_ok(value: Any, type_: pa.DataType) -> bool:
+    """Arrow would read a string as a list of characters; a list field must hold lists."""
+    if value is None or not pa.types.is_list(type_):
+        return True
+    return isinstance(value, (list, tuple)) and all(_nested_lists_ok(v, type_.value_type) for v in value)
+
+
+def _compatible(actual: pa.DataType, expected: pa.DataType) -> bool:
+    """Types that hold the same values (int64 for int32, large_string for string, ...)."""
+    if actual == expected or pa.types.is_null(actual):
+        return True
+    if pa.types.is_integer(expected):
+        return pa.types.is_integer(actual)
+    if pa.types.is_string(expected):
+        return pa.types.is_string(actual) or pa.types.is_large_string(actual)
+    if pa.types.is_list(expected):
+        return (pa.types.is_list(actual) or pa.types.is_large_list(actual)) and _compatible(
+            actual.value_type, expected.value_type
+        )
+    return False
+
+
+def _row_issues(rows: list[dict[str, Any]], labels: Collection[str] | None, require_split: bool) -> list[RowIssue]:
+    issues: list[RowIssue] = []
+    first_row_of_id: dict[str, int] = {}
+    split_of_prompt: dict[str, tuple[str, int]] = {}
+    label_set = None if labels is None else set(labels)
+    for r, row in enumerate(rows):
+        eid = row["example_id"]
+
+        def bad(field: str, reason: str, r: int = r, eid: str | None = eid) -> None:
+            issues.append(RowIssue(r, eid, field, reason))
+
+        for name in ("example_id", "prompt_id", "prompt", "source"):
+            if row[name] is None or not row[name].strip():
+                bad(name, "is missing or empty")
+        if eid is not None and eid.strip():
+            if eid in first_row_of_id:
+                bad("example_id", f"is also the example_id of row {first_row_of_id[eid]}; ids must be unique")
+            else:
+                first_row_of_id[eid] = r
+        if row["prompt_messages"] is not None:
+            reason = _messages_issue(row["prompt_messages"])
+            if reason:
+                bad("prompt_messages", reason)
+        responses = row["responses"]
+        if responses is None:
+            bad("responses", "is missing")
+        else:
+            if len(responses) < 2:
+                bad("responses", f"has {len(responses)} response(s); a ranking needs at least 2")
+            for j, text in enumerate(responses):
+                if text is None or not text.strip():
+                    bad("responses", f"response {j} is empty or whitespace-only")
+        ranking = row["ranking"]
+        if ranking is None:
+            bad("ranking", "is missing")
+        elif responses is not None:
+            for reason in _ranking_issues(ranking, len(responses)):
+                bad("ranking", reason)
+        prefix = row["ranked_prefix"]
+        if prefix is None:
+            bad("ranked_prefix", "is missing")
+        elif ranking and not 1 <= prefix <= len(ranking):
+            bad("ranked_prefix", f"is {prefix}; it counts observed tiers, so 1..{len(ranking)} for this ranking")
+        cluster = row["cluster"]
+        if cluster is not None and label_set is not None and cluster not in label_set:
+            bad("cluster", f"{cluster!r} is not in the declared label set {sorted(label_set)}")
+        split = row["split"]
+        if split is None:
+            if require_split:
+                bad("split", "is missing")
+        elif split not in SPLITS:
+            bad("split", f"is {split!r}; expected one of {', '.join(SPLITS)}")
+        elif row["prompt_id"] is not None:
+            seen = split_of_prompt.setdefault(row["prompt_id"], (split, r))
+            if seen[0] != split:
+                bad("split", f"prompt_id {row['prompt_id']!r} is in {split!r} here and in {seen[0]!r} at row "
+                             f"{seen[1]}; a prompt must stay in one split")
+    return issues
+
+
+def _ranking_issues(ranking: list[list[int] | None], m: int) -> list[str]:
+    if not ranking:
+        return ["has no tiers"]
+    reasons = []
+    tier_of: dict[int, int] = {}
+    for t, tier in enumerate(ranking):
+        if not tier:
+            reasons.append(f"tier {t} is empty")
+            continue
+        for j in tier:
+            if j is None or not 0 <= j < m:
+                reasons.append(f"index {j} in tier {t} is outside 0..{m - 1} (the row has {m} responses)")
+            elif j in tier_of:
+                reasons.append(f"index {j} appears twice (tiers {tier_of[j]} and {t})")
+            else:
+                tier_of[j] = t
+    if reasons:
+        return reasons
+    unplaced = [j for j, code in enumerate(encode_tiers(ranking, m)) if code == UNRANKED]
+    if unplaced:
+        reasons.append(
+            f"responses {unplaced} are in no tier; a ranking must place all {m} responses "
+            "(express partial observation with ranked_prefix)"
+        )
+    return reasons
+
+
+def _messages_issue(text: str) -> str | None:
+    try:
+        messages = json.loads(text)
+    except json.JSONDecodeError as err:
+        return f"is not valid JSON ({err})"
+    if not isinstance(messages, list) or not all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+        for m in messages
+    ):
+        return 'must be a JSON list of {"role": str, "content": str} messages'
+    return None
+
+
+def _records_as_json(data: pa.Table | pd.DataFrame | Sequence[dict[str, Any]], rows: list[int]) -> dict[int, str]:
+    if isinstance(data, pa.Table):
+        picked = data.take(pa.array(rows, pa.int64())).to_pylist() if rows else []
+    elif isinstance(data, pd.DataFrame):
+        picked = [{k: _plain(v) for k, v in data.iloc[r].items()} for r in rows]
+    else:
+        picked = [{k: _plain(v) for k, v in data[r].items()} for r in rows]
+    return {r: json.dumps(rec, default=str, ensure_ascii=False) for r, rec in zip(rows, picked, strict=True)}
+
+
+def _short(value: Any, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -1,0 +1,155 @@
+"""The rankings contract: every bad-row kind is named by row, example_id, field and reason."""
+
+from __future__ import annotations
+
+import json
+
+import pandas as pd
+import pyarrow as pa
+import pytest
+
+from moplex_core.schema import (
+    RANKINGS_SCHEMA,
+    REJECTED_SCHEMA,
+    SchemaError,
+    check_rankings,
+    ranking_from_scores,
+    split_rejected,
+)
+
+
+def row(**changes) -> dict:
+    base = {
+        "example_id": "e0",
+        "prompt_id": "p0",
+        "prompt": "Which answer is best?",
+        "prompt_messages": None,
+        "responses": ["first", "second", "third"],
+        "ranking": [[1], [0, 2]],
+        "ranked_prefix": 2,
+        "cluster": "helpfulness",
+        "split": "train",
+        "source": "test",
+    }
+    return {**base, **changes}
+
+
+def good_rows(n: int = 3) -> list[dict]:
+    return [row(example_id=f"e{i}", prompt_id=f"p{i}") for i in range(n)]
+
+
+def test_valid_rows_come_back_in_the_canonical_schema():
+    for data in (good_rows(), pd.DataFrame(good_rows()), pa.Table.from_pylist(good_rows())):
+        table = check_rankings(data, labels=["helpfulness", "honesty"])
+        assert table.schema == RANKINGS_SCHEMA
+        assert table.column("ranking").to_pylist()[0] == [[1], [0, 2]]
+
+
+def test_a_canonical_table_round_trips_through_pandas_and_parquet_types():
+    table = check_rankings(good_rows())
+    assert check_rankings(table.to_pandas()).equals(table)  # numpy arrays inside object columns
+    wide = table.cast(pa.schema([f.with_type(pa.large_string()) if f.type == pa.string() else f
+                                 for f in RANKINGS_SCHEMA]))
+    assert check_rankings(wide).equals(table)
+
+
+BAD_ROWS = [
+    ("ranking", {"ranking": [[1], [0]]}, "responses [2] are in no tier"),
+    ("ranking", {"ranking": [[1], [0, 2, 1]]}, "index 1 appears twice (tiers 0 and 1)"),
+    ("ranking", {"ranking": [[1], [0, 3], [2]]}, "index 3 in tier 1 is outside 0..2"),
+    ("ranking", {"ranking": [[1], [], [0, 2]]}, "tier 1 is empty"),
+    ("ranking", {"ranking": []}, "has no tiers"),
+    ("responses", {"responses": ["only one"], "ranking": [[0]], "ranked_prefix": 1}, "has 1 response(s); a ranking needs at least 2"),
+    ("responses", {"responses": ["first", "", "third"]}, "response 1 is empty or whitespace-only"),
+    ("responses", {"responses": ["first", " \n\t", "third"]}, "response 1 is empty or whitespace-only"),
+    ("ranked_prefix", {"ranked_prefix": 3}, "is 3; it counts observed tiers, so 1..2"),
+    ("ranked_prefix", {"ranked_prefix": 0}, "is 0"),
+    ("cluster", {"cluster": "verbosity"}, "'verbosity' is not in the declared label set"),
+    ("split", {"split": "dev"}, "is 'dev'; expected one of train, validation, test"),
+    ("prompt", {"prompt": "   "}, "is missing or empty"),
+    ("prompt_messages", {"prompt_messages": "not json"}, "is not valid JSON"),
+    ("prompt_messages", {"prompt_messages": json.dumps([{"role": "user"}])}, "must be a JSON list of"),
+    ("responses", {"responses": "first"}, "expected list<item: string>, got str 'first'"),
+    ("ranked_prefix", {"ranked_prefix": "2"}, "expected int32, got str '2'"),
+]
+
+
+@pytest.mark.parametrize(("field", "change", "reason"), BAD_ROWS, ids=[f"{f}:{r[:28]}" for f, _, r in BAD_ROWS])
+def test_each_bad_row_kind_is_named_by_row_example_id_field_and_reason(field, change, reason):
+    rows = good_rows()
+    rows[1] = row(example_id="bad-one", prompt_id="p1", **change)
+    with pytest.raises(SchemaError) as err:
+        check_rankings(rows, labels=["helpfulness"])
+    issues = err.value.issues
+    assert {(i.row, i.example_id, i.field) for i in issues} == {(1, "bad-one", field)}
+    assert any(reason in i.reason for i in issues), [i.reason for i in issues]
+    message = str(err.value)
+    assert "row 1 (example_id 'bad-one')" in message and repr(field) in message and reason in message
+    assert "validation='drop'" in message  # says what to do
+    assert isinstance(err.value, ValueError)
+
+
+def test_duplicate_example_ids_and_a_prompt_in_two_splits_name_both_rows():
+    rows = good_rows()
+    rows[2] = row(example_id="e0", prompt_id="p0", split="test")
+    with pytest.raises(SchemaError) as err:
+        check_rankings(rows)
+    reasons = {(i.row, i.field): i.reason for i in err.value.issues}
+    assert "is also the example_id of row 0" in reasons[(2, "example_id")]
+    assert "'test' here and in 'train' at row 0; a prompt must stay in one split" in reasons[(2, "split")]
+
+
+def test_missing_extra_and_mistyped_columns_are_table_errors():
+    rows = [{k: v for k, v in r.items() if k != "ranking"} | {"generated": ["x"]} for r in good_rows()]
+    with pytest.raises(SchemaError) as err:
+        check_rankings(rows)
+    assert {(i.row, i.field) for i in err.value.issues} == {(None, "ranking"), (None, "generated")}
+    assert "column 'generated': is not a rankings column (generated responses belong to the augmented stage)" in str(err.value)
+
+    mistyped = pa.Table.from_pylist(good_rows()).set_column(6, "ranked_prefix", pa.array(["2", "2", "2"]))
+    with pytest.raises(SchemaError, match="column 'ranked_prefix': has type string, expected int32"):
+        check_rankings(mistyped)
+    with pytest.raises(SchemaError, match="ranked_prefix"):
+        split_rejected(mistyped)  # dropping rows cannot fix a column
+
+
+def test_prompt_messages_is_optional_and_validated_when_present():
+    rows = [{k: v for k, v in r.items() if k != "prompt_messages"} for r in good_rows()]
+    assert check_rankings(rows).column("prompt_messages").null_count == 3
+    messages = json.dumps([{"role": "user", "content": "Which answer is best?"}])
+    assert check_rankings([row(prompt_messages=messages)]).column("prompt_messages")[0].as_py() == messages
+
+
+def test_all_bad_rows_are_listed_and_the_message_shows_the_first_few():
+    rows = [row(example_id=f"e{i}", prompt_id=f"p{i}", responses=["a", ""]) for i in range(9)]
+    with pytest.raises(SchemaError) as err:
+        check_rankings(rows)
+    assert len(err.value.issues) >= 9
+    assert "9 invalid row(s)" in str(err.value) and "... and" in str(err.value)
+
+
+def test_drop_mode_keeps_valid_rows_and_reports_the_others_with_their_record():
+    rows = good_rows(4)
+    rows[1] = row(example_id="dup", prompt_id="p1", ranking=[[0], [0, 1, 2]])
+    rows[3] = row(example_id="empty", prompt_id="p3", responses=["a", "b", ""], cluster="other")
+    kept, rejected = split_rejected(rows, labels=["helpfulness"])
+    assert kept.schema == RANKINGS_SCHEMA
+    assert kept.column("example_id").to_pylist() == ["e0", "e2"]
+    assert rejected.schema == REJECTED_SCHEMA
+    got = {(r["row"], r["example_id"], r["field"]) for r in rejected.to_pylist()}
+    assert got == {(1, "dup", "ranking"), (3, "empty", "responses"), (3, "empty", "cluster")}
+    record = json.loads(rejected.to_pylist()[0]["record"])
+    assert record["example_id"] == "dup" and record["ranking"] == [[0], [0, 1, 2]]
+
+
+def test_rows_may_be_checked_before_they_are_split():
+    rows = [row(example_id=f"e{i}", prompt_id=f"p{i}", split=None) for i in range(2)]
+    table = check_rankings(rows, require_split=False)
+    assert table.column("split").null_count == 2
+    with pytest.raises(SchemaError, match="field 'split': is missing"):
+        check_rankings(rows)
+
+
+def test_ranking_from_scores_turns_ties_into_tiers():
+    assert ranking_from_scores([3, 5, 3, 1]) == [[1], [0, 2], [3]]
+    assert ranking_from_scores([2.0, 2.0]) == [[0, 1]]
