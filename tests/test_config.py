@@ -1,0 +1,81 @@
+"""Stage configs: strict, frozen, and hashed only on what changes a stage's output."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from moplex_core.config import INGEST_PRESETS, IngestConfig, ingest_preset, with_overrides
+
+
+def test_unknown_keys_and_impossible_values_are_errors():
+    with pytest.raises(ValidationError, match="extra_forbidden"):
+        IngestConfig(dataset="ultrafeedback", min_distinct=2)
+    with pytest.raises(ValidationError, match="extra_forbidden"):
+        IngestConfig(dataset="ultrafeedback", ultrafeedback={"min_distinct": 2})
+    impossible = [
+        {"dataset": "imdb"},
+        {"dataset": "ultrafeedback", "split": {"fractions": [0.8, 0.3, 0.1]}},
+        {"dataset": "ultrafeedback", "split": {"sizes": [0, 0, 0]}},
+        {"dataset": "ultrafeedback", "ultrafeedback": {"criteria": ["helpfulness", "fun"]}},
+        {"dataset": "ultrafeedback", "ultrafeedback": {"m": 1}},
+        {"dataset": "helpsteer2", "helpsteer2": {"min_gap": 5}},
+        {"dataset": "persona", "persona": {"age_bands": [45, 18]}},
+        {"dataset": "synthetic", "synthetic": {"k": 2, "alpha": [0.5, 0.6]}},
+        {"dataset": "generic"},  # needs a path
+        {"dataset": "synthetic", "path": "x.jsonl"},
+        {"dataset": "persona", "path": "x.jsonl", "revision": "abc"},
+        {"dataset": "persona", "split": {"from_source": True}},
+        {"dataset": "ultrafeedback", "labels": ["a", "a"]},
+    ]
+    for data in impossible:
+        with pytest.raises(ValidationError):
+            IngestConfig.model_validate(data)
+
+
+def test_configs_are_frozen_and_fingerprints_are_stable():
+    config = IngestConfig(dataset="ultrafeedback")
+    with pytest.raises(ValidationError):
+        config.seed = 1
+    assert config.fingerprint() == IngestConfig.model_validate_json(config.model_dump_json()).fingerprint()
+    assert config.fingerprint() != IngestConfig(dataset="ultrafeedback", seed=1).fingerprint()
+    assert config.canonical_json().startswith('{"dataset":"ultrafeedback"')
+
+
+def test_identity_leaves_out_where_a_file_lives_and_other_datasets_options():
+    here = IngestConfig(dataset="helpsteer2", path="/data/a/train.jsonl")
+    there = IngestConfig(dataset="helpsteer2", path="/mnt/b/train.jsonl", persona={"top_profiles": 3})
+    assert here.identity() == there.identity()
+    assert "path" not in here.identity() and "persona" not in here.identity() and "helpsteer2" in here.identity()
+    assert here.identity() != IngestConfig(dataset="helpsteer2", path="x", helpsteer2={"min_gap": 2}).identity()
+    hub = IngestConfig(dataset="ultrafeedback").identity()
+    assert (hub["hub_name"], hub["revision"]) == ("openbmb/UltraFeedback", "40b436560ca83a8dba36114c22ab3c66e43f6d5e")
+
+
+def test_hub_source_defaults_and_overrides():
+    assert IngestConfig(dataset="persona").hub_source() == ("SynthLabsAI/PERSONA", None)
+    assert IngestConfig(dataset="ultrafeedback", revision="main").hub_source() == ("openbmb/UltraFeedback", "main")
+    assert IngestConfig(dataset="ultrafeedback", hub_name="me/uf-copy").hub_source() == ("me/uf-copy", None)
+
+
+def test_overrides_reach_nested_blocks_and_name_bad_keys():
+    config = with_overrides(IngestConfig(dataset="ultrafeedback"), [
+        "ultrafeedback.min_distinct_rankings=3", "split.fractions=[0.6, 0.2, 0.2]", "seed=7", "revision=main",
+    ])
+    assert config.ultrafeedback.min_distinct_rankings == 3 and config.split.fractions == (0.6, 0.2, 0.2)
+    assert config.seed == 7 and config.revision == "main"
+    with pytest.raises(ValueError, match="ultrafeedback.nope"):
+        with_overrides(config, ["ultrafeedback.nope=1"])
+    with pytest.raises(ValueError, match="expected key=value"):
+        with_overrides(config, ["seed"])
+    with pytest.raises(ValueError, match="'seed' is not a block"):
+        with_overrides(config, ["seed.x=1"])
+
+
+def test_presets_are_valid_configs_with_the_paper_split_sizes():
+    assert ingest_preset("ultrafeedback-paper").split.sizes == (3612, 448, 452)
+    assert ingest_preset("persona-paper").split.sizes == (1905, 237, 258)
+    assert ingest_preset("persona-paper").persona.top_profiles == 12
+    assert all(isinstance(c, IngestConfig) for c in INGEST_PRESETS.values())
+    with pytest.raises(ValueError, match="unknown ingest preset 'x'; choose one of ultrafeedback-paper"):
+        ingest_preset("x")
