@@ -1,0 +1,47 @@
+"""Any Parquet/JSONL already in the canonical `rankings` schema (DESIGN.md 3).
+
+Convenience defaults for columns a hand-made file may leave out: ``prompt_id`` = hash of the prompt,
+``example_id`` = hash of (prompt_id, responses, ranking, cluster), ``ranked_prefix`` = all tiers,
+``cluster`` = null, ``source`` = the source label given by the caller, ``split`` = null (assigned by
+the ingest unless ``split.from_source``). Other columns are dropped and counted. Values are not
+checked here; `moplex_core.schema` does that with row numbers.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable
+
+from moplex_core.data.sources import AdapterOutput, Record
+from moplex_core.hashing import canonical_json, short_hash
+from moplex_core.schema import RANKINGS_SCHEMA, prompt_id
+
+COLUMNS = tuple(RANKINGS_SCHEMA.names)
+
+
+def to_rankings(records: Iterable[Record], *, source: str) -> AdapterOutput:
+    rows = []
+    stats: Counter[str] = Counter()
+    for record in records:
+        stats["records"] += 1
+        data = record.data
+        for name in data:
+            if name not in COLUMNS:
+                stats[f"dropped_column:{name}"] += 1
+        row = {name: data.get(name) for name in COLUMNS}
+        if row["prompt_id"] is None and isinstance(row["prompt"], str):
+            row["prompt_id"] = prompt_id(row["prompt"])
+        if row["ranked_prefix"] is None and isinstance(row["ranking"], list):
+            row["ranked_prefix"] = len(row["ranking"])
+        if row["example_id"] is None and row["prompt_id"] is not None:
+            try:
+                content = canonical_json([row["responses"], row["ranking"], row["cluster"]])
+            except (TypeError, ValueError):  # not JSON values: left for the validator to name
+                content = None
+            if content is not None:
+                row["example_id"] = short_hash("generic", str(row["prompt_id"]), content)
+        if row["source"] is None:
+            row["source"] = source
+        rows.append(row)
+    stats["rankings"] = len(rows)
+    return AdapterOutput(rows, dict(stats))

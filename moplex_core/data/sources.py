@@ -1,0 +1,135 @@
+"""Raw records of a dataset, read from a local file or folder, or from the Hugging Face hub by name.
+
+A local source is a file or a folder of files in the dataset's raw schema (the schema the hub
+serves): ``.jsonl`` / ``.jsonl.gz`` (one JSON object per line), ``.json`` (one JSON array of
+objects) or ``.parquet``. Records are yielded one at a time, each with where it came from, so
+adapters can name the file and line of a bad record.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pyarrow.parquet as pq
+
+from moplex_core.hashing import canonical_json, sha256_file, short_hash
+
+DATA_SUFFIXES = (".jsonl", ".jsonl.gz", ".json", ".parquet")
+_HUB_SPLIT_ORDER = ("train", "validation", "test")
+
+
+class DatasetUnavailableError(RuntimeError):
+    """The dataset could not be read (hub unreachable, gated, or no local data where pointed)."""
+
+
+class RawSchemaError(ValueError):
+    """A raw record does not have the dataset's schema; the message names the record and field."""
+
+
+@dataclass(frozen=True)
+class Record:
+    where: str  # e.g. "uf.jsonl line 3" or "openbmb/UltraFeedback (train) row 12"
+    data: dict[str, Any]
+
+    def require(self, fields: Iterable[str], dataset: str) -> None:
+        missing = [f for f in fields if f not in self.data]
+        if missing:
+            raise RawSchemaError(
+                f"{self.where}: a {dataset} record needs field(s) {missing}; it has {sorted(self.data)}. "
+                f"Point the path at data in the {dataset} raw schema (DESIGN.md 6)."
+            )
+
+
+def local_files(path: str | Path) -> list[Path]:
+    """The data files of a local source: the file itself, or every data file below a folder, sorted."""
+    path = Path(path)
+    if path.is_file():
+        if not path.name.endswith(DATA_SUFFIXES):
+            raise DatasetUnavailableError(f"{path} is not a data file; expected one of {', '.join(DATA_SUFFIXES)}")
+        return [path]
+    if path.is_dir():
+        files = sorted(p for p in path.rglob("*") if p.is_file() and p.name.endswith(DATA_SUFFIXES)
+                       and not any(part.startswith(".") for part in p.relative_to(path).parts))
+        if not files:
+            raise DatasetUnavailableError(f"{path} holds no {', '.join(DATA_SUFFIXES)} files")
+        return files
+    raise DatasetUnavailableError(f"{path} does not exist; pass the file or folder that holds the dataset")
+
+
+def source_fingerprint(path: str | Path) -> str:
+    """``sha256:<hash>`` of a local source's content: a file's bytes, or a folder's data files (their
+    names relative to the folder, and bytes). Where the source lives and a single file's name do not
+    count, so moving or renaming it keeps the artifact version."""
+    path = Path(path)
+    listing = [[f.relative_to(path).as_posix() if path.is_dir() else "", sha256_file(f)] for f in local_files(path)]
+    return "sha256:" + short_hash(canonical_json(listing), length=64)
+
+
+def iter_local_records(path: str | Path) -> Iterator[Record]:
+    for file in local_files(path):
+        if file.name.endswith(".parquet"):
+            row = 0
+            for batch in pq.ParquetFile(file).iter_batches(batch_size=1024):
+                for data in batch.to_pylist():
+                    yield Record(f"{file} row {row}", data)
+                    row += 1
+        elif file.name.endswith(".json"):
+            rows = json.loads(file.read_text())
+            if not isinstance(rows, list):
+                raise RawSchemaError(f"{file} must hold a JSON array of records (or use .jsonl, one per line)")
+            for row, data in enumerate(rows):
+                yield Record(f"{file} record {row}", _as_object(data, f"{file} record {row}"))
+        else:
+            opener = gzip.open if file.name.endswith(".gz") else open
+            with opener(file, "rt", encoding="utf-8") as f:
+                for line_no, line in enumerate(f, start=1):
+                    if not line.strip():
+                        continue
+                    where = f"{file} line {line_no}"
+                    try:
+                        data = json.loads(line)
+                    except json.JSONDecodeError as err:
+                        raise RawSchemaError(f"{where} is not valid JSON: {err}") from None
+                    yield Record(where, _as_object(data, where))
+
+
+def iter_hub_records(name: str, revision: str | None, dataset: str) -> Iterator[Record]:
+    """Every split of a hub dataset (train, validation, test, then others), row by row."""
+    import datasets  # imported here: slow to import and only needed with hub access
+
+    try:
+        loaded = datasets.load_dataset(name, revision=revision)
+    except OSError as err:  # ConnectionError, offline mode, DatasetNotFoundError (gated/unknown)
+        raise DatasetUnavailableError(
+            f"could not load {name!r} (revision {revision or 'latest'}) from the Hugging Face hub: {err}\n"
+            f"Without hub access, download it where the hub is reachable, e.g. `huggingface-cli download "
+            f"{name} --repo-type dataset{f' --revision {revision}' if revision else ''} --local-dir DIR`, copy "
+            f"DIR here and pass it as the local path: `moplex ingest --dataset {dataset} --path DIR` "
+            f"(or IngestConfig(dataset={dataset!r}, path='DIR')). A file or folder of .jsonl/.json/.parquet "
+            "in the dataset's raw schema works. Gated datasets (PERSONA) also need their terms accepted "
+            "and `huggingface-cli login`."
+        ) from err
+    order = sorted(loaded, key=lambda s: (_HUB_SPLIT_ORDER.index(s) if s in _HUB_SPLIT_ORDER else 99, s))
+    for split in order:
+        for row, data in enumerate(loaded[split]):
+            yield Record(f"{name} ({split}) row {row}", data)
+
+
+def _as_object(data: Any, where: str) -> dict[str, Any]:
+    if not isinstance(data, dict):
+        raise RawSchemaError(f"{where} is a JSON {type(data).__name__}; records are JSON objects")
+    return data
+
+
+@dataclass
+class AdapterOutput:
+    """What every adapter returns: canonical `rankings` rows (``split`` None unless the source has
+    one) and counts of what it read and skipped, for the manifest's summary."""
+
+    rows: list[dict[str, Any]]
+    stats: dict[str, int]

@@ -1,0 +1,121 @@
+"""UltraFeedback (openbmb/UltraFeedback, raw) as rankings: k = 4 criteria, m = 4 (DESIGN.md 6).
+
+Raw record: ``instruction`` (the prompt) and ``completions``, a list of {``response``,
+``annotations``, ...}; ``annotations[criterion]["Rating"]`` is a string "1".."5" or "N/A" for the
+criteria helpfulness, honesty, instruction_following, truthfulness. ``overall_score`` is ignored
+(known bug). Each prompt gives one ranking per criterion over one shared slate of m completions,
+ranked by that criterion's rating with equal ratings as tied tiers; the rules for the slate, "N/A"
+and short prompts are in `moplex_core.config.UltraFeedbackOptions`.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import numpy as np
+
+from moplex_core.config import UltraFeedbackOptions
+from moplex_core.data.sources import AdapterOutput, RawSchemaError, Record
+from moplex_core.hashing import short_hash
+from moplex_core.pl import encode_tiers
+from moplex_core.schema import ranking_from_scores, ranking_row
+
+NAME = "UltraFeedback"
+NOT_RATED = "N/A"
+
+
+@dataclass(frozen=True)
+class Completion:
+    response: str
+    ratings: dict[str, float | None]  # criterion -> rating, None for "N/A" or absent
+
+
+def to_rankings(
+    records: Iterable[Record], options: UltraFeedbackOptions, *, source: str, seed: int
+) -> AdapterOutput:
+    rows = []
+    stats: Counter[str] = Counter()
+    seen: set[str] = set()
+    for record in records:
+        record.require(("instruction", "completions"), NAME)
+        stats["records"] += 1
+        prompt = record.data["instruction"]
+        if not isinstance(prompt, str) or not prompt.strip():
+            stats["skipped_empty_prompt"] += 1
+            continue
+        completions = _completions(record, options.criteria)
+        record_id = short_hash(prompt, *(c.response for c in completions))
+        if record_id in seen:
+            stats["skipped_duplicate_record"] += 1
+            continue
+        seen.add(record_id)
+
+        slate = _slate(completions, options, np.random.default_rng([seed, int(record_id[:15], 16)]))
+        if slate is None:
+            stats["skipped_short_slate"] += 1
+            continue
+        rankings = {}
+        for criterion in options.criteria:
+            ratings = [c.ratings[criterion] for c in slate]
+            if any(r is None for r in ratings):
+                stats["criterion_not_rated"] += 1
+                continue
+            rankings[criterion] = ranking_from_scores(ratings)
+        distinct = {tuple(encode_tiers(r, len(slate))) for r in rankings.values()}
+        if len(distinct) < options.min_distinct_rankings:
+            stats["skipped_too_few_distinct_rankings"] += 1
+            continue
+        stats["prompts"] += 1
+        responses = [c.response for c in slate]
+        for criterion, ranking in rankings.items():
+            example_id = short_hash("ultrafeedback", record_id, criterion)
+            rows.append(ranking_row(example_id, prompt, responses, ranking, criterion, source))
+    stats["rankings"] = len(rows)
+    return AdapterOutput(rows, dict(stats))
+
+
+def _completions(record: Record, criteria: tuple[str, ...]) -> list[Completion]:
+    completions = record.data["completions"]
+    if not isinstance(completions, list):
+        raise RawSchemaError(f"{record.where}: 'completions' must be a list, got {type(completions).__name__}")
+    parsed = []
+    for j, completion in enumerate(completions):
+        if not isinstance(completion, dict) or "response" not in completion:
+            raise RawSchemaError(f"{record.where}: completion {j} has no 'response'")
+        response = completion["response"] if isinstance(completion["response"], str) else ""
+        annotations = completion.get("annotations") or {}
+        ratings = {c: _rating(annotations.get(c), f"{record.where}, completion {j}, {c}") for c in criteria}
+        parsed.append(Completion(response, ratings))
+    return parsed
+
+
+def _rating(annotation: object, where: str) -> float | None:
+    """The numeric rating, or None when absent or "N/A"."""
+    if not isinstance(annotation, dict) or annotation.get("Rating") is None:
+        return None
+    value = annotation["Rating"]
+    if isinstance(value, str):
+        if value.strip() == NOT_RATED:
+            return None
+        try:
+            return float(value)
+        except ValueError:
+            raise RawSchemaError(f"{where}: Rating {value!r} is neither a number nor {NOT_RATED!r}") from None
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    raise RawSchemaError(f"{where}: Rating {value!r} is neither a number nor {NOT_RATED!r}")
+
+
+def _slate(
+    completions: list[Completion], options: UltraFeedbackOptions, rng: np.random.Generator
+) -> list[Completion] | None:
+    """m completions in dataset order, or None when the prompt is skipped (see UltraFeedbackOptions)."""
+    usable = [c for c in completions if c.response.strip()]
+    fully_rated = [c for c in usable if all(r is not None for r in c.ratings.values())]
+    pool = fully_rated if len(fully_rated) >= options.m else usable
+    if len(pool) < options.m:
+        return pool if options.short_slates == "keep" and len(pool) >= 2 else None
+    picked = np.sort(rng.choice(len(pool), size=options.m, replace=False))
+    return [pool[i] for i in picked]

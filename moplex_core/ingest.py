@@ -1,0 +1,185 @@
+"""The ingest stage without an orchestrator: a dataset in, a validated, split `rankings` artifact out.
+
+    plan_ingest    which version this config (and local source content) maps to, and whether it exists
+    build_rankings read the source, convert with its adapter, validate, split       (no files written)
+    run_ingest     both, then write the artifact through the store (skipped when already complete)
+
+`tasks/ingest.py` wraps these for Prefect; `moplex ingest` calls `run_ingest` directly.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+
+from moplex_core.artifacts import ArtifactRef, ArtifactStore
+from moplex_core.config import IngestConfig
+from moplex_core.data import generic, helpsteer2, persona, ultrafeedback
+from moplex_core.data.sources import (
+    AdapterOutput,
+    Record,
+    iter_hub_records,
+    iter_local_records,
+    source_fingerprint,
+)
+from moplex_core.data.splits import assign_splits
+from moplex_core.data.synthetic import SyntheticConfig, generate_synthetic
+from moplex_core.schema import RANKINGS_SCHEMA, check_rankings, split_rejected
+
+log = logging.getLogger(__name__)
+
+STAGE = "ingest"
+CODE_VERSION = "ingest-1"  # bump when a change to this stage changes what it writes
+
+
+@dataclass(frozen=True)
+class IngestPlan:
+    ref: ArtifactRef
+    path: Path
+    inputs: dict[str, str]  # {"source": "sha256:..."} for a local source; empty for hub/synthetic
+    complete: bool
+
+
+@dataclass(frozen=True)
+class BuiltRankings:
+    table: pa.Table  # canonical rankings, split assigned
+    rejected: pa.Table | None  # REJECTED_SCHEMA rows in drop mode, else None
+    summary: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class IngestResult:
+    ref: ArtifactRef
+    path: Path
+    built: bool  # False: the version was already complete and nothing was done
+    rows: int
+
+
+def plan_ingest(config: IngestConfig, store: ArtifactStore) -> IngestPlan:
+    inputs = {"source": source_fingerprint(config.path)} if config.path else {}
+    version = store.version(STAGE, config.identity(), inputs, CODE_VERSION)
+    return IngestPlan(ArtifactRef(STAGE, version), store.path(STAGE, version), inputs,
+                      store.is_complete(STAGE, version))
+
+
+def build_rankings(config: IngestConfig, inputs: dict[str, str] | None = None) -> BuiltRankings:
+    """Canonical, validated, split rankings in memory. ``inputs`` as in `plan_ingest` (computed if None).
+
+    Raises `moplex_core.schema.SchemaError` in strict mode if any row is bad, and ``ValueError`` if
+    no ranking is left after the dataset's filters.
+    """
+    if inputs is None:
+        inputs = {"source": source_fingerprint(config.path)} if config.path else {}
+    adapted = _adapt(config, _source_label(config, inputs))
+    if not adapted.rows:
+        raise ValueError(
+            f"the {config.dataset} source gave no rankings ({adapted.stats}); check the source and the "
+            "dataset options"
+        )
+    labels = default_labels(config)
+    if config.validation == "strict":
+        table, rejected = check_rankings(adapted.rows, labels, require_split=config.split.from_source), None
+    else:
+        table, rejected = split_rejected(adapted.rows, labels, require_split=config.split.from_source)
+    if not config.split.from_source:
+        splits = assign_splits(table.column("prompt_id").to_pylist(), config.split, config.seed)
+        table = table.set_column(table.schema.get_field_index("split"), "split", pa.array(splits, pa.string()))
+        table = table.filter(pa.array([s is not None for s in splits])).cast(RANKINGS_SCHEMA)
+    if table.num_rows == 0:
+        raise ValueError(
+            f"no valid rankings left for dataset {config.dataset!r} ({adapted.stats}); see the rejected "
+            "rows' reasons by ingesting with validation='strict'"
+        )
+    summary = {
+        "adapter": adapted.stats,
+        "rows_per_split": dict(sorted(Counter(table.column("split").to_pylist()).items())),
+        "rows_per_cluster": dict(sorted(Counter(map(str, table.column("cluster").to_pylist())).items())),
+        "labels": None if labels is None else list(labels),
+        "rejected_rows": 0 if rejected is None else len(set(rejected.column("row").to_pylist())),
+    }
+    return BuiltRankings(table, rejected, summary)
+
+
+def run_ingest(config: IngestConfig, store: ArtifactStore, plan: IngestPlan | None = None) -> IngestResult:
+    """Write the rankings artifact of ``config`` unless that version is already complete."""
+    plan = plan or plan_ingest(config, store)
+    if plan.complete:
+        log.info("%s is complete at %s; nothing to do", plan.ref, plan.path)
+        return IngestResult(plan.ref, plan.path, False, store.manifest(STAGE, plan.ref.version)["rows"])
+    built = build_rankings(config, plan.inputs)
+    recorded = {**config.identity(), "path": config.path}  # what made this version, and where it was read
+    with store.writer(STAGE, plan.ref.version, config=recorded, inputs=plan.inputs,
+                      code_version=CODE_VERSION) as writer:
+        if writer.complete:
+            log.info("%s was completed by another run while this one waited; nothing to do", plan.ref)
+            return IngestResult(plan.ref, plan.path, False, store.manifest(STAGE, plan.ref.version)["rows"])
+        table = built.table
+        for shard, start in enumerate(range(0, table.num_rows, config.shard_rows)):
+            if not writer.has_shard(shard):
+                writer.write_shard(shard, table.slice(start, config.shard_rows))
+        if built.rejected is not None:
+            writer.write_table("rejected.parquet", built.rejected)
+        writer.summary.update(built.summary)
+    log.info("wrote %d rankings to %s (%s)", table.num_rows, plan.path, built.summary["rows_per_split"])
+    return IngestResult(plan.ref, plan.path, True, table.num_rows)
+
+
+def default_labels(config: IngestConfig) -> tuple[str, ...] | None:
+    """The declared cluster label set: the config's, else the dataset's criteria/attributes/clusters."""
+    if config.labels is not None:
+        return config.labels
+    if config.dataset == "ultrafeedback":
+        return config.ultrafeedback.criteria
+    if config.dataset == "helpsteer2":
+        return config.helpsteer2.attributes
+    if config.dataset == "synthetic":
+        return tuple(f"c{c}" for c in range(config.synthetic.k))
+    return None
+
+
+def _adapt(config: IngestConfig, source: str) -> AdapterOutput:
+    if config.dataset == "synthetic":
+        return _synthetic(config)
+    records = _records(config)
+    if config.dataset == "ultrafeedback":
+        return ultrafeedback.to_rankings(records, config.ultrafeedback, source=source, seed=config.seed)
+    if config.dataset == "persona":
+        return persona.to_rankings(records, config.persona, source=source, seed=config.seed)
+    if config.dataset == "helpsteer2":
+        return helpsteer2.to_rankings(records, config.helpsteer2, source=source)
+    return generic.to_rankings(records, source=source)
+
+
+def _synthetic(config: IngestConfig) -> AdapterOutput:
+    """Paper appendix B.1 rankings. The rankings artifact holds originals only, so no generated
+    responses are drawn here (n_generated = 0); the augment stage adds them."""
+    options = config.synthetic
+    data = generate_synthetic(SyntheticConfig(
+        n=options.n, k=options.k, m=options.m, n_values=options.n_values, noise=options.noise,
+        alpha=options.alpha, seed=config.seed,
+    ))
+    rows = data.to_frame().drop(columns=["generated"]).to_dict("records")
+    return AdapterOutput(rows, {"rankings": len(rows)})
+
+
+def _records(config: IngestConfig) -> Iterator[Record]:
+    if config.path is not None:
+        return iter_local_records(config.path)
+    name, revision = config.hub_source()
+    return iter_hub_records(name, revision, config.dataset)
+
+
+def _source_label(config: IngestConfig, inputs: dict[str, str]) -> str:
+    """The `source` column: dataset name + revision, or + a short hash of the local files' content."""
+    if config.dataset == "synthetic":
+        return "synthetic"
+    name = config.hub_source()[0] if config.dataset != "generic" else "generic"
+    if config.path is not None:
+        return f"{name}@local-{inputs['source'].removeprefix('sha256:')[:12]}"
+    return f"{name}@{config.hub_source()[1] or 'latest'}"

@@ -1,0 +1,285 @@
+"""Dataset adapters on hand-written fixtures in each raw schema, the local readers, and splits."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import shutil
+from collections import Counter
+from pathlib import Path
+
+import datasets
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from moplex_core.config import IngestConfig, PersonaOptions, SplitConfig, UltraFeedbackOptions
+from moplex_core.data import helpsteer2, persona, ultrafeedback
+from moplex_core.data.sources import (
+    DatasetUnavailableError,
+    RawSchemaError,
+    iter_local_records,
+    source_fingerprint,
+)
+from moplex_core.data.splits import assign_splits
+from moplex_core.hashing import short_hash
+from moplex_core.ingest import build_rankings
+from moplex_core.schema import RANKINGS_SCHEMA, SPLITS
+
+
+def records(path: Path) -> list:
+    return list(iter_local_records(path))
+
+
+def by_prompt(rows: list[dict]) -> dict[str, dict[str, dict]]:
+    out: dict[str, dict[str, dict]] = {}
+    for r in rows:
+        out.setdefault(r["prompt"], {})[r["cluster"]] = r
+    return out
+
+
+# --- UltraFeedback ---------------------------------------------------------------------------------
+
+
+def test_ultrafeedback_ranks_each_criterion_with_ties_as_tiers(fixtures_dir):
+    out = ultrafeedback.to_rankings(records(fixtures_dir / "ultrafeedback.jsonl"), UltraFeedbackOptions(),
+                                    source="uf", seed=0)
+    sky = by_prompt(out.rows)["Explain why the sky is blue in two sentences."]
+    assert set(sky) == {"helpfulness", "honesty", "instruction_following", "truthfulness"}
+    # Ratings (string "5", "2", "4", "4") -> tiers; equal ratings share a tier.
+    assert sky["helpfulness"]["ranking"] == [[0], [2, 3], [1]]
+    assert sky["honesty"]["ranking"] == [[0, 3], [2], [1]]
+    assert sky["instruction_following"]["ranking"] == [[0], [1], [2], [3]]
+    assert sky["truthfulness"]["ranking"] == [[0, 2], [3], [1]]
+    assert all(r["ranked_prefix"] == len(r["ranking"]) for r in sky.values())
+    assert len({tuple(r["responses"]) for r in sky.values()}) == 1  # one slate for all criteria
+    assert len({r["example_id"] for r in out.rows}) == len(out.rows)
+
+
+def test_ultrafeedback_traps_na_short_slates_empty_responses_duplicates_and_agreeing_criteria(fixtures_dir):
+    out = ultrafeedback.to_rankings(records(fixtures_dir / "ultrafeedback.jsonl"), UltraFeedbackOptions(),
+                                    source="uf", seed=0)
+    prompts = by_prompt(out.rows)
+    # "N/A" truthfulness inside a 4-completion prompt: that criterion gives no ranking for it.
+    assert set(prompts["How many legs does a fish have?"]) == {"helpfulness", "honesty", "instruction_following"}
+    # Five completions, one "N/A" for honesty: the slate is the four rated on every criterion.
+    french = prompts["Translate to French: 'The library opens at nine.'"]
+    assert "Bibliothèque ouvre neuf." not in french["honesty"]["responses"] and len(french) == 4
+    # An empty response is not a candidate.
+    assert all(t.strip() for r in prompts["Give one tip for writing clear code."].values() for t in r["responses"])
+    assert "Name a prime number greater than 10." not in prompts  # 3 completions: skipped by default
+    assert "Write a haiku about autumn: leaves, wind, and light." not in prompts  # one order for all
+    assert out.stats == {
+        "records": 7, "prompts": 4, "rankings": 15, "skipped_short_slate": 1, "criterion_not_rated": 1,
+        "skipped_too_few_distinct_rankings": 1, "skipped_duplicate_record": 1,
+    }
+
+
+def test_ultrafeedback_options_keep_short_slates_and_require_more_distinct_orders(fixtures_dir):
+    recs = records(fixtures_dir / "ultrafeedback.jsonl")
+    keep = ultrafeedback.to_rankings(recs, UltraFeedbackOptions(short_slates="keep"), source="uf", seed=0)
+    prime = by_prompt(keep.rows)["Name a prime number greater than 10."]
+    assert {len(r["responses"]) for r in prime.values()} == {3}
+    strict = ultrafeedback.to_rankings(recs, UltraFeedbackOptions(min_distinct_rankings=4), source="uf", seed=0)
+    assert set(by_prompt(strict.rows)) == {"Explain why the sky is blue in two sentences."}
+    allowed = ultrafeedback.to_rankings(recs, UltraFeedbackOptions(min_distinct_rankings=1), source="uf", seed=0)
+    assert "Write a haiku about autumn: leaves, wind, and light." in by_prompt(allowed.rows)
+
+
+def test_ultrafeedback_picks_a_seeded_slate_when_more_completions_qualify(fixtures_dir):
+    recs = records(fixtures_dir / "ultrafeedback.jsonl")
+    options = UltraFeedbackOptions(m=3)
+    slates = {
+        seed: by_prompt(ultrafeedback.to_rankings(recs, options, source="uf", seed=seed).rows)[
+            "Explain why the sky is blue in two sentences."]["helpfulness"]["responses"]
+        for seed in range(6)
+    }
+    again = by_prompt(ultrafeedback.to_rankings(recs, options, source="uf", seed=0).rows)
+    assert again["Explain why the sky is blue in two sentences."]["helpfulness"]["responses"] == slates[0]
+    assert len({tuple(s) for s in slates.values()}) > 1
+    assert all(len(s) == 3 for s in slates.values())
+
+
+def test_ultrafeedback_bad_ratings_name_the_record_and_field(tmp_path, fixtures_dir):
+    record = json.loads((fixtures_dir / "ultrafeedback.jsonl").read_text().splitlines()[0])
+    record["completions"][2]["annotations"]["honesty"]["Rating"] = "five"
+    path = tmp_path / "uf.jsonl"
+    path.write_text(json.dumps(record) + "\n")
+    with pytest.raises(RawSchemaError, match=r"uf.jsonl line 1, completion 2, honesty: Rating 'five'"):
+        ultrafeedback.to_rankings(records(path), UltraFeedbackOptions(), source="uf", seed=0)
+    path.write_text(json.dumps({"instruction": "hi"}) + "\n")
+    with pytest.raises(RawSchemaError, match=r"uf.jsonl line 1: a UltraFeedback record needs field\(s\) \['completions'\]"):
+        ultrafeedback.to_rankings(records(path), UltraFeedbackOptions(), source="uf", seed=0)
+
+
+# --- PERSONA ---------------------------------------------------------------------------------------
+
+
+def test_persona_text_splits_on_the_first_colon_space_only():
+    text = ("age: 34\nsex: Female\nbig five scores: Openness: High, Neuroticism: Low\n"
+            "defining quirks: Says \"Note: this\"\n  and more\nHousehold Language: English only")
+    assert persona.parse_persona(text) == {
+        "age": "34",
+        "sex": "Female",
+        "big five scores": "Openness: High, Neuroticism: Low",
+        "defining quirks": 'Says "Note: this"\nand more',
+        "household language": "English only",
+    }
+
+
+def test_persona_profiles_follow_the_preset_and_skip_what_they_cannot_place():
+    preset = PersonaOptions()
+    label = persona.profile_label
+    assert label({"age": "44", "sex": "Male", "race": "Black or African American alone"}, preset) == \
+        "age=18-44|sex=Male|race=Black"
+    assert label({"age": "45", "sex": "Female", "race": "Two or more races"}, preset) == "age=45+|sex=Female|race=Other"
+    assert label({"age": "16", "sex": "Male", "race": "White alone"}, preset) is None  # below the first band
+    assert label({"age": "30", "sex": "Male"}, preset) is None  # no race key
+    custom = PersonaOptions(fields=("sex", "ideology"), top_profiles=None)
+    assert label({"sex": "Male", "ideology": "Liberal", "age": "70"}, custom) == "sex=Male|ideology=Liberal"
+
+
+def test_persona_rows_prefer_the_revision_in_a_seeded_position(fixtures_dir):
+    out = persona.to_rankings(records(fixtures_dir / "persona.jsonl"), PersonaOptions(), source="p", seed=0)
+    raw = [r.data for r in records(fixtures_dir / "persona.jsonl")]
+    revised = {d["data"] for d in raw if d["data"] != d["original"]}
+    for row in out.rows:
+        (best,), (worst,) = row["ranking"]
+        assert row["responses"][best] in revised and row["responses"][worst] not in revised
+    assert {best for row in out.rows for (best,), _ in [row["ranking"]]} == {0, 1}  # both positions occur
+    assert Counter(r["cluster"] for r in out.rows) == {
+        "age=18-44|sex=Female|race=White": 2, "age=45+|sex=Male|race=Black": 2,
+        "age=18-44|sex=Female|race=Asian": 2, "age=45+|sex=Male|race=Other": 1,
+    }
+    assert out.stats["skipped_empty_or_unrevised"] == 1 and out.stats["skipped_no_profile"] == 2
+    top2 = persona.to_rankings(records(fixtures_dir / "persona.jsonl"), PersonaOptions(top_profiles=2),
+                               source="p", seed=0)
+    assert len({r["cluster"] for r in top2.rows}) == 2 and top2.stats["skipped_rare_profile"] == 3
+
+
+def test_persona_reads_parquet_with_the_spaced_question_type_column(tmp_path, fixtures_dir):
+    rows = [r.data for r in records(fixtures_dir / "persona.jsonl")]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "train-00000-of-00001.parquet")
+    from_parquet = records(tmp_path)
+    assert from_parquet[0].data["question type"] == "what"
+    assert from_parquet[0].where.endswith("train-00000-of-00001.parquet row 0")
+    a = persona.to_rankings(from_parquet, PersonaOptions(), source="p", seed=0)
+    b = persona.to_rankings(records(fixtures_dir / "persona.jsonl"), PersonaOptions(), source="p", seed=0)
+    assert a.rows == b.rows
+
+
+# --- HelpSteer2 ------------------------------------------------------------------------------------
+
+
+def test_helpsteer2_emits_one_pair_per_attribute_that_differs(fixtures_dir):
+    out = helpsteer2.to_rankings(records(fixtures_dir / "helpsteer2.jsonl"), helpsteer2.HelpSteer2Options(),
+                                 source="hs")
+    canberra = [r for r in out.rows if r["prompt"] == "What is the capital of Australia?"]
+    # Ratings [4,4,4,0,0] vs [4,4,4,1,2]: only complexity and verbosity differ, the second is higher.
+    assert {(r["cluster"], tuple(map(tuple, r["ranking"]))) for r in canberra} == {
+        ("complexity", ((1,), (0,))), ("verbosity", ((1,), (0,))),
+    }
+    water = [r for r in out.rows if r["prompt"] == "Summarize the water cycle."]
+    assert len({tuple(r["responses"]) for r in water}) == 3  # 3 distinct responses -> 3 pairs
+    assert out.stats["skipped_duplicate_response"] == 1
+    assert not [r for r in out.rows if r["prompt"] == "Write a limerick about a cat."]  # one response only
+    multi_turn = [r for r in out.rows if "<extra_id_1>" in r["prompt"]]
+    assert [r["cluster"] for r in multi_turn] == ["verbosity"]
+    assert len({r["example_id"] for r in out.rows}) == len(out.rows) == 16
+    wide = helpsteer2.to_rankings(records(fixtures_dir / "helpsteer2.jsonl"),
+                                  helpsteer2.HelpSteer2Options(min_gap=2), source="hs")
+    assert all(len(r["responses"]) == 2 for r in wide.rows) and len(wide.rows) < len(out.rows)
+
+
+def test_helpsteer2_reads_gzipped_jsonl_and_rejects_out_of_range_ratings(tmp_path, fixtures_dir):
+    text = (fixtures_dir / "helpsteer2.jsonl").read_text()
+    with gzip.open(tmp_path / "train.jsonl.gz", "wt") as f:
+        f.write(text)
+    assert len(records(tmp_path / "train.jsonl.gz")) == 9
+    bad = json.loads(text.splitlines()[0]) | {"verbosity": 7}
+    (tmp_path / "bad.jsonl").write_text(json.dumps(bad) + "\n")
+    with pytest.raises(RawSchemaError, match=r"bad.jsonl line 1, field 'verbosity': rating 7 is not an integer in 0..4"):
+        helpsteer2.to_rankings(records(tmp_path / "bad.jsonl"), helpsteer2.HelpSteer2Options(), source="hs")
+
+
+# --- generic, synthetic, ingest-level --------------------------------------------------------------
+
+
+def test_generic_fills_derivable_columns_and_keeps_the_source_split(fixtures_dir):
+    config = IngestConfig(dataset="generic", path=str(fixtures_dir / "generic.jsonl"),
+                          split=SplitConfig(from_source=True))
+    built = build_rankings(config)
+    rows = built.table.to_pylist()
+    assert [r["split"] for r in rows] == ["train", "train", "test", "validation"]
+    assert rows[2]["prompt_id"] == short_hash("Which sentence is clearer?") and rows[2]["ranked_prefix"] == 2
+    assert rows[2]["example_id"] and rows[2]["source"].startswith("generic@local-")
+    assert rows[0]["source"] == "handmade" and rows[1]["ranked_prefix"] == 1
+    assert built.summary["adapter"]["dropped_column:notes"] == 1
+
+
+def test_every_dataset_builds_a_valid_split_rankings_table(fixtures_dir):
+    for dataset in ("ultrafeedback", "persona", "helpsteer2"):
+        config = IngestConfig(dataset=dataset, path=str(fixtures_dir / f"{dataset}.jsonl"),
+                              split=SplitConfig(fractions=(0.5, 0.25, 0.25)))
+        table = build_rankings(config).table
+        assert table.schema == RANKINGS_SCHEMA and table.num_rows > 0
+        splits_of_prompt: dict[str, set[str]] = {}
+        for pid, split in zip(table.column("prompt_id").to_pylist(), table.column("split").to_pylist()):
+            splits_of_prompt.setdefault(pid, set()).add(split)
+        assert all(len(s) == 1 for s in splits_of_prompt.values())
+        assert set(table.column("split").to_pylist()) <= set(SPLITS)
+        assert table.column("source")[0].as_py().startswith(f"{config.hub_source()[0]}@local-")
+
+
+def test_synthetic_ingest_has_originals_only_and_true_labels():
+    config = IngestConfig(dataset="synthetic", synthetic={"n": 40, "k": 2, "m": 3})
+    table = build_rankings(config).table
+    assert "generated" not in table.column_names and table.num_rows == 40
+    assert set(table.column("cluster").to_pylist()) == {"c0", "c1"}
+    assert {len(r) for r in table.column("responses").to_pylist()} == {3}
+
+
+def test_loading_by_name_offline_says_how_to_pass_a_local_path(monkeypatch):
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    with pytest.raises(DatasetUnavailableError) as err:
+        build_rankings(IngestConfig(dataset="ultrafeedback"))
+    message = str(err.value)
+    assert "'openbmb/UltraFeedback' (revision 40b436560ca83a8dba36114c22ab3c66e43f6d5e)" in message
+    assert "moplex ingest --dataset ultrafeedback --path DIR" in message and "path='DIR'" in message
+
+
+def test_local_sources_are_fingerprinted_by_content_not_location(tmp_path, fixtures_dir):
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir(), b.mkdir()
+    shutil.copy(fixtures_dir / "helpsteer2.jsonl", a / "train.jsonl")
+    shutil.copy(fixtures_dir / "helpsteer2.jsonl", b / "train.jsonl")
+    assert source_fingerprint(a) == source_fingerprint(b)
+    with open(b / "train.jsonl", "a") as f:
+        f.write("\n")
+    assert source_fingerprint(a) != source_fingerprint(b)
+    with pytest.raises(DatasetUnavailableError, match="does not exist"):
+        records(tmp_path / "missing")
+    (tmp_path / "notes.txt").write_text("x")
+    with pytest.raises(DatasetUnavailableError, match="not a data file"):
+        records(tmp_path / "notes.txt")
+
+
+# --- splits ----------------------------------------------------------------------------------------
+
+
+def test_splits_are_by_prompt_seeded_and_independent_of_row_order():
+    prompt_ids = [f"p{i // 3}" for i in range(300)]  # 100 prompts x 3 rankings
+    splits = assign_splits(prompt_ids, SplitConfig(), seed=0)
+    per_prompt = {pid: s for pid, s in zip(prompt_ids, splits)}
+    assert all(per_prompt[pid] == s for pid, s in zip(prompt_ids, splits))
+    assert Counter(per_prompt.values()) == {"train": 80, "validation": 10, "test": 10}
+    assert assign_splits(prompt_ids[::-1], SplitConfig(), seed=0) == splits[::-1]
+    assert assign_splits(prompt_ids, SplitConfig(), seed=1) != splits
+
+
+def test_split_sizes_deal_whole_prompts_to_exact_ranking_counts():
+    prompt_ids = [f"p{i // 4}" for i in range(4 * 1200)]  # like UltraFeedback: 4 rankings per prompt
+    splits = assign_splits(prompt_ids, SplitConfig(sizes=(3612, 448, 452)), seed=0)
+    assert Counter(splits) == {"train": 3612, "validation": 448, "test": 452, None: 4800 - 4512}
+    with pytest.raises(ValueError, match="ask for 4512 rankings but the source gives 400"):
+        assign_splits(prompt_ids[:400], SplitConfig(sizes=(3612, 448, 452)), seed=0)
