@@ -1,0 +1,178 @@
+"""Readable text reports of artifacts (`moplex inspect PATH`).
+
+PATH may be an artifact version folder (finished or not), its ``manifest.json``, any Parquet file,
+a stage folder or the artifact root (both listed). Every version report has the manifest, the files,
+and for each table (the row shards together, then every other Parquet file): schema, row counts
+per split and cluster when those columns exist, and the first rows. A stage adds its own section by
+registering a function with `stage_section`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from moplex_core.artifacts import MANIFEST, ArtifactStore, is_complete, shard_paths
+
+StageSection = Callable[[Path, list[Path]], list[str]]
+_STAGE_SECTIONS: dict[str, StageSection] = {}
+_CELL = 70
+
+
+def stage_section(stage: str) -> Callable[[StageSection], StageSection]:
+    """Register ``fn(version_dir, shard_paths) -> lines``, added to the report of ``stage`` artifacts."""
+
+    def register(fn: StageSection) -> StageSection:
+        _STAGE_SECTIONS[stage] = fn
+        return fn
+
+    return register
+
+
+def inspect_path(path: str | Path, rows: int = 3) -> str:
+    path = Path(path)
+    if path.is_file() and path.name == MANIFEST:
+        return _version_report(path.parent, rows)
+    if path.is_file() and path.suffix == ".parquet":
+        return "\n".join(_table_report(path.name, [path], rows))
+    if path.is_dir() and (is_complete(path) or shard_paths(path)):
+        return _version_report(path, rows)
+    if path.is_dir():
+        return _listing(path)
+    raise FileNotFoundError(
+        f"{path} is not an artifact folder, a manifest.json or a Parquet file (nothing exists there)"
+    )
+
+
+def _version_report(version_dir: Path, rows: int) -> str:
+    complete = is_complete(version_dir)
+    manifest: dict[str, Any] = json.loads((version_dir / MANIFEST).read_text()) if complete else {}
+    stage = manifest.get("stage", version_dir.parent.name)
+    title = f"artifact {stage}/{manifest.get('version', version_dir.name)}"
+    lines = [title, "=" * len(title), f"path:     {version_dir}"]
+    shards = shard_paths(version_dir)
+    if complete:
+        lines += [
+            f"status:   complete{' (resumed after an interruption)' if manifest.get('resumed') else ''}",
+            f"rows:     {manifest['rows']} in {manifest['shards']} shard(s)",
+            f"code:     {manifest.get('code_version') or '-'}",
+            f"started:  {manifest.get('started')}   finished: {manifest.get('finished')}",
+            "inputs:   " + (", ".join(f"{k} = {v}" for k, v in manifest["inputs"].items()) or "none"),
+            "config:", *_key_lines(manifest["config"]),
+        ]
+        if manifest.get("summary"):
+            lines += ["summary:", *_key_lines(manifest["summary"])]
+        lines += ["files:"] + [
+            f"  {name:<40} {entry['bytes']:>12,} B  sha256 {entry['sha256'][:12]}"
+            for name, entry in sorted(manifest["files"].items())
+        ]
+        libs = manifest.get("library_versions", {})
+        lines.append("libraries: " + ", ".join(f"{k} {v}" for k, v in sorted(libs.items())))
+    else:
+        lines.append(
+            f"status:   INCOMPLETE (no {MANIFEST}): {len(shards)} finished shard(s); rerun the stage with "
+            "the same config to resume"
+        )
+    if shards:
+        lines += [""] + _table_report("rows (part-*.parquet)", shards, rows)
+        section = _STAGE_SECTIONS.get(stage)
+        if section is not None:
+            lines += [""] + section(version_dir, shards)
+    others = sorted(p for p in version_dir.rglob("*.parquet") if p not in shards
+                    and not any(part.startswith(".") for part in p.relative_to(version_dir).parts))
+    for other in others:
+        lines += [""] + _table_report(other.relative_to(version_dir).as_posix(), [other], rows)
+    return "\n".join(lines)
+
+
+def _table_report(title: str, files: list[Path], rows: int) -> list[str]:
+    schema = pq.read_schema(files[0])
+    n = sum(pq.read_metadata(f).num_rows for f in files)
+    lines = [f"-- {title}: {n} rows --", "schema:", _indent(schema.to_string(show_schema_metadata=False))]
+    counts = _counting_columns(files, ("split", "cluster"))
+    if counts.num_columns:
+        frame = counts.to_pandas().fillna("<null>")
+        if counts.num_columns == 2:
+            table = pd.crosstab(frame["cluster"], frame["split"], margins=True, margins_name="all")
+            lines += ["rows per cluster x split:", _indent(table.to_string())]
+        else:
+            name = counts.column_names[0]
+            lines += [f"rows per {name}:", _indent(frame[name].value_counts().sort_index().to_string())]
+    head = _head(files, rows)
+    for i, record in enumerate(head):
+        lines.append(f"row {i}:")
+        width = max(len(k) for k in record)
+        lines += [f"  {k:<{width}}  {_cell(v)}" for k, v in record.items()]
+    return lines
+
+
+def _counting_columns(files: list[Path], names: tuple[str, ...]) -> pa.Table:
+    present = [c for c in names if c in pq.read_schema(files[0]).names]
+    return pa.concat_tables(pq.read_table(f, columns=present) for f in files)
+
+
+def _head(files: list[Path], rows: int) -> list[dict[str, Any]]:
+    head: list[dict[str, Any]] = []
+    for f in files:
+        for batch in pq.ParquetFile(f).iter_batches(batch_size=max(rows, 1)):
+            head += batch.to_pylist()[: rows - len(head)]
+            break
+        if len(head) >= rows:
+            break
+    return head
+
+
+def _cell(value: Any) -> str:
+    text = repr(value)
+    if isinstance(value, list):
+        text += f"  ({len(value)} items)"
+    return text if len(text) <= _CELL else text[: _CELL - 3] + "..."
+
+
+def _key_lines(mapping: dict[str, Any]) -> list[str]:
+    return [f"  {key}: {json.dumps(value, sort_keys=True)}" for key, value in sorted(mapping.items())]
+
+
+def _indent(text: str) -> str:
+    return "\n".join("  " + line for line in text.splitlines())
+
+
+def _listing(directory: Path) -> str:
+    """A stage folder or an artifact root: one line per version."""
+    is_stage_dir = any(is_complete(p) or shard_paths(p) for p in directory.iterdir() if p.is_dir())
+    store = ArtifactStore(directory.parent if is_stage_dir else directory)
+    infos = store.list(directory.name if is_stage_dir else None)
+    if not infos:
+        return f"{directory}: no artifacts"
+    lines = [f"artifacts under {directory}:"]
+    for info in infos:
+        if info.complete:
+            lines.append(f"  {str(info.ref):<32} complete    {info.manifest['rows']:>10,} rows  {info.manifest['finished']}")
+        else:
+            lines.append(f"  {str(info.ref):<32} INCOMPLETE  {len(shard_paths(info.path)):>10} shard(s) so far")
+    return "\n".join(lines)
+
+
+@stage_section("ingest")
+def _rankings_section(version_dir: Path, shards: list[Path]) -> list[str]:
+    table = _counting_columns(shards, ("responses", "ranking", "ranked_prefix"))
+    m = pc.list_value_length(table.column("responses")).to_pandas()
+    tiers = pc.list_value_length(table.column("ranking")).to_pandas()
+    partial = pc.sum(pc.less(table.column("ranked_prefix"), pc.list_value_length(table.column("ranking")))).as_py()
+    return [
+        "-- rankings --",
+        "responses per ranking (m): " + _distribution(m),
+        "tiers per ranking:         " + _distribution(tiers),
+        f"rankings with ties: {int((tiers < m).sum())}   partially observed (ranked_prefix < tiers): {partial or 0}",
+    ]
+
+
+def _distribution(values: pd.Series) -> str:
+    return ", ".join(f"{k}: {v}" for k, v in values.value_counts().sort_index().items())

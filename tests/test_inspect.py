@@ -1,0 +1,61 @@
+"""`moplex inspect`: readable reports of versions, manifests, Parquet files and listings."""
+
+from __future__ import annotations
+
+import pyarrow as pa
+import pytest
+
+from moplex_core.artifacts import ArtifactStore
+from moplex_core.config import IngestConfig
+from moplex_core.ingest import run_ingest
+from moplex_core.inspect import inspect_path, stage_section
+
+
+@pytest.fixture
+def rankings(tmp_path, fixtures_dir):
+    return run_ingest(IngestConfig(dataset="ultrafeedback", path=str(fixtures_dir / "ultrafeedback.jsonl")),
+                      ArtifactStore(tmp_path))
+
+
+def test_a_rankings_version_reports_manifest_schema_counts_and_rows(rankings):
+    report = inspect_path(rankings.path, rows=2)
+    for expected in (
+        f"artifact {rankings.ref}", "status:   complete", "rows:     15 in 1 shard(s)", "code:     ingest-1",
+        "inputs:   source = sha256:", '  dataset: "ultrafeedback"', "summary:", "part-00000.parquet",
+        "ranking: list<element: list<element: int32>> not null", "rows per cluster x split:",
+        "truthfulness", "row 1:", "responses per ranking (m): 4: 15", "rankings with ties:",
+    ):
+        assert expected in report, expected
+    assert "row 2:" not in report
+    assert inspect_path(rankings.path / "manifest.json", rows=2) == report
+
+
+def test_a_parquet_file_an_incomplete_version_and_listings(rankings, tmp_path):
+    single = inspect_path(rankings.path / "part-00000.parquet", rows=1)
+    assert single.startswith("-- part-00000.parquet: 15 rows --") and "row 0:" in single
+
+    listing = inspect_path(tmp_path)
+    assert f"{rankings.ref}" in listing and "complete" in listing and "15 rows" in listing
+    assert inspect_path(tmp_path / "ingest").splitlines()[1:] == listing.splitlines()[1:]
+
+    (rankings.path / "manifest.json").unlink()
+    unfinished = inspect_path(rankings.path)
+    assert "INCOMPLETE (no manifest.json): 1 finished shard(s)" in unfinished and "row 0:" in unfinished
+    assert "INCOMPLETE" in inspect_path(tmp_path)
+    with pytest.raises(FileNotFoundError, match="nothing exists there"):
+        inspect_path(tmp_path / "nope")
+
+
+def test_other_stages_plug_in_their_own_section(tmp_path):
+    store = ArtifactStore(tmp_path)
+    with store.writer("demo-kind", "v1", config={}) as w:
+        w.write_shard(0, pa.table({"split": ["train", "test"], "score": [0.5, 0.25]}))
+        w.write_table("em/iter-0001/posteriors.parquet", pa.table({"example_id": ["a"], "assigned": [0]}))
+
+    @stage_section("demo-kind")
+    def _demo(version_dir, shards):
+        return [f"-- demo: {len(shards)} shard(s) --"]
+
+    report = inspect_path(w.path)
+    assert "-- demo: 1 shard(s) --" in report and "rows per split:" in report
+    assert "-- em/iter-0001/posteriors.parquet: 1 rows --" in report
