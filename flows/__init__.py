@@ -1,0 +1,1 @@
+"""Prefect flows: the pipeline's stages composed from tasks/."""

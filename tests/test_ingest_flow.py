@@ -1,0 +1,109 @@
+"""The ingest stage end to end: core, CLI, and the Prefect flow on the ephemeral local server."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+from moplex_core.artifacts import ArtifactStore
+from moplex_core.cli import main
+from moplex_core.config import IngestConfig
+from moplex_core.ingest import STAGE, plan_ingest, run_ingest
+from moplex_core.schema import REJECTED_SCHEMA, SchemaError
+
+BAD_GENERIC = [
+    '{"prompt": "Good?", "responses": ["yes", "no"], "ranking": [[0], [1]], "cluster": "a"}',
+    '{"prompt": "Partition?", "responses": ["x", "y", "z"], "ranking": [[0], [1]], "cluster": "a"}',
+    '{"prompt": "Empty?", "responses": ["x", "  "], "ranking": [[0], [1]], "cluster": "a"}',
+    '{"prompt": "Label?", "responses": ["x", "y"], "ranking": [[1], [0]], "cluster": "zzz"}',
+    '{"prompt": "Also good?", "responses": ["x", "y"], "ranking": [[1, 0]], "cluster": "a"}',
+]
+
+
+def test_a_second_run_with_the_same_config_does_nothing(tmp_path, fixtures_dir):
+    store = ArtifactStore(tmp_path / "artifacts")
+    config = IngestConfig(dataset="ultrafeedback", path=str(fixtures_dir / "ultrafeedback.jsonl"))
+    first = run_ingest(config, store)
+    assert first.built and first.rows == 15 and first.path == store.path(STAGE, first.ref.version)
+    manifest = store.manifest(STAGE, first.ref.version)
+    assert manifest["inputs"]["source"].startswith("sha256:") and manifest["config"]["path"] == config.path
+    assert manifest["summary"]["rows_per_cluster"]["truthfulness"] == 3
+    second = run_ingest(config, store)
+    assert not second.built and second.ref == first.ref and second.rows == 15
+    assert store.manifest(STAGE, first.ref.version)["finished"] == manifest["finished"]
+
+    moved = tmp_path / "elsewhere.jsonl"
+    shutil.copy(fixtures_dir / "ultrafeedback.jsonl", moved)
+    assert plan_ingest(config.model_copy(update={"path": str(moved)}), store).complete  # content, not place
+    assert run_ingest(IngestConfig(dataset="ultrafeedback", path=config.path, seed=1), store).ref != first.ref
+
+
+def test_strict_mode_writes_nothing_when_a_row_is_bad(tmp_path):
+    source = tmp_path / "bad.jsonl"
+    source.write_text("\n".join(BAD_GENERIC) + "\n")
+    store = ArtifactStore(tmp_path / "artifacts")
+    config = IngestConfig(dataset="generic", path=str(source), labels=("a",))
+    with pytest.raises(SchemaError, match="3 invalid row"):
+        run_ingest(config, store)
+    assert not (tmp_path / "artifacts").exists()
+
+
+def test_drop_mode_writes_valid_rows_and_rejected_parquet(tmp_path):
+    source = tmp_path / "bad.jsonl"
+    source.write_text("\n".join(BAD_GENERIC) + "\n")
+    store = ArtifactStore(tmp_path / "artifacts")
+    result = run_ingest(IngestConfig(dataset="generic", path=str(source), labels=("a",), validation="drop"), store)
+    assert result.rows == 2
+    rejected = pq.read_table(result.path / "rejected.parquet")
+    assert rejected.schema == REJECTED_SCHEMA
+    assert sorted((r["row"], r["field"]) for r in rejected.to_pylist()) == [
+        (1, "ranking"), (2, "responses"), (3, "cluster")
+    ]
+    manifest = store.manifest(STAGE, result.ref.version)
+    assert "rejected.parquet" in manifest["files"] and manifest["summary"]["rejected_rows"] == 3
+
+
+def test_cli_ingest_and_inspect(tmp_path, fixtures_dir, capsys):
+    root = tmp_path / "artifacts"
+    argv = ["ingest", "--dataset", "helpsteer2", "--path", str(fixtures_dir / "helpsteer2.jsonl"),
+            "--root", str(root), "--set", "helpsteer2.min_gap=2", "--set", "split.fractions=[0.5,0.25,0.25]"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("ingest/") and "wrote" in out
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "is already complete" in out and "nothing to do" in out
+    (version_dir,) = [p for p in (root / STAGE).iterdir() if p.is_dir()]
+    assert main(["inspect", str(version_dir), "--rows", "1"]) == 0
+    report = capsys.readouterr().out
+    assert '"min_gap": 2' in report and "rows per cluster x split:" in report and "row 0:" in report
+    assert main(["ingest", "--dataset", "helpsteer2", "--set", "helpsteer2.typo=1", "--root", str(root)]) == 1
+    assert "helpsteer2.typo" in capsys.readouterr().err
+    assert main(["ingest", "--root", str(root)]) == 1
+    assert "give --dataset NAME or --preset NAME" in capsys.readouterr().err
+
+
+@pytest.mark.slow  # starts Prefect's ephemeral server: ~25 s on 2 cores
+def test_ingest_flow_twice_on_the_local_prefect_server(prefect_env, tmp_path, fixtures_dir, caplog):
+    from flows.ingest import ingest_flow
+
+    root = str(tmp_path / "artifacts")
+    config = IngestConfig(dataset="persona", path=str(fixtures_dir / "persona.jsonl"))
+    # Prefect configures the root logger when imported, dropping pytest's handler; listen on its own.
+    prefect_logger = logging.getLogger("prefect")
+    prefect_logger.addHandler(caplog.handler)
+    try:
+        first = ingest_flow(config, root=root)
+        assert "wrote 7 rankings" in caplog.text
+        caplog.clear()
+        second = ingest_flow(config, root=root)
+        assert "is already complete" in caplog.text and "nothing to do" in caplog.text
+        assert "write-rankings" not in caplog.text  # the writing task never ran
+    finally:
+        prefect_logger.removeHandler(caplog.handler)
+    assert second == first
+    assert ArtifactStore(root).load(STAGE, Path(first).name)["cluster"].nunique() == 4
