@@ -274,11 +274,15 @@ class IngestConfig(StageConfig):
 
 INGEST_PRESETS: dict[str, IngestConfig] = {
     # Paper section 5.1: 3,612 / 448 / 452 rankings = 903 / 112 / 113 prompts x 4 criteria, from
-    # prompts "where these criteria follow different rankings" (we read: at least 2 distinct orders).
+    # "a subset where these criteria follow different rankings". The paper does not say how many
+    # distinct orders that means (we keep >= 2) nor how the 1,128 prompts were drawn (we deal them in
+    # a seeded order). A prompt with an "N/A" criterion gives 3 rankings, so a split can end up to 3
+    # rankings short of its size; the manifest's summary records the sizes reached.
     "ultrafeedback-paper": IngestConfig(
         dataset="ultrafeedback", split=SplitConfig(sizes=(3612, 448, 452))
     ),
-    # Paper section 5.1: 12 profiles, m = 2, 1,905 / 237 / 258 rankings; profiles as PersonaOptions.
+    # Paper section 5.1: 12 profiles, m = 2, 1,905 / 237 / 258 rankings (how they were sampled from
+    # the profiles is not stated; ours follow the data's mix); profiles as PersonaOptions.
     "persona-paper": IngestConfig(dataset="persona", split=SplitConfig(sizes=(1905, 237, 258))),
     "helpsteer2": IngestConfig(dataset="helpsteer2"),
     # Paper appendix B.1 defaults (k = 3, m = 4).

@@ -194,22 +194,21 @@ def _validate(
         return pa.table({}), issues
 
     arrays: dict[str, pa.Array] = {}
+    values: dict[str, list[Any]] = {}  # the same columns as Python values, for the row checks
     for f in RANKINGS_SCHEMA:
         if f.name not in columns:
-            arrays[f.name] = pa.nulls(n, f.type)
+            arrays[f.name], values[f.name] = pa.nulls(n, f.type), [None] * n
             continue
-        array, col_issues = _convert(columns[f.name], f)
+        arrays[f.name], values[f.name], col_issues = _convert(columns[f.name], f)
         issues += col_issues
-        arrays[f.name] = array
     if any(i.row is None for i in issues):
         return pa.table({}), [i for i in issues if i.row is None]
 
     # A value of the wrong type was nulled by _convert; do not report it a second time as missing.
     typed = {(i.row, i.field) for i in issues}
-    rows = pa.table(arrays).to_pylist()
-    issues += [i for i in _row_issues(rows, labels, require_split) if (i.row, i.field) not in typed]
-    example_ids = arrays["example_id"].to_pylist()
-    issues = [RowIssue(i.row, example_ids[i.row], i.field, i.reason) if i.example_id is None else i for i in issues]
+    issues += [i for i in _row_issues(values, n, labels, require_split) if (i.row, i.field) not in typed]
+    issues = [RowIssue(i.row, values["example_id"][i.row], i.field, i.reason) if i.example_id is None else i
+              for i in issues]
     order = {f.name: k for k, f in enumerate(RANKINGS_SCHEMA)}
     issues.sort(key=lambda i: (i.row, order[i.field]))
     return pa.table(arrays, schema=pa.schema([f.with_nullable(True) for f in RANKINGS_SCHEMA])), issues
@@ -238,18 +237,20 @@ def _plain(value: Any) -> Any:
     return value
 
 
-def _convert(values: Any, f: pa.Field) -> tuple[pa.Array, list[RowIssue]]:
-    """A column as an Arrow array of the canonical type; values that do not fit become null + an issue."""
+def _convert(values: Any, f: pa.Field) -> tuple[pa.Array, list[Any], list[RowIssue]]:
+    """A column as an Arrow array of the canonical type and as Python values; values that do not fit
+    become null, with an issue each."""
     if isinstance(values, pa.Array):
         if not _compatible(values.type, f.type):
-            return values, [RowIssue(None, None, f.name, f"has type {values.type}, expected {f.type}")]
+            return values, [], [RowIssue(None, None, f.name, f"has type {values.type}, expected {f.type}")]
         try:
-            return values.cast(f.type), []
+            array = values.cast(f.type)
         except pa.ArrowInvalid as err:
-            return values, [RowIssue(None, None, f.name, f"does not fit {f.type}: {err}")]
+            return values, [], [RowIssue(None, None, f.name, f"does not fit {f.type}: {err}")]
+        return array, array.to_pylist(), []
     if all(_nested_lists_ok(v, f.type) for v in values):
         try:
-            return pa.array(values, type=f.type), []
+            return pa.array(values, type=f.type), values, []
         except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, OverflowError):
             pass
     converted, issues = [], []
@@ -262,7 +263,7 @@ def _convert(values: Any, f: pa.Field) -> tuple[pa.Array, list[RowIssue]]:
         except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, OverflowError):
             converted.append(None)
             issues.append(RowIssue(r, None, f.name, f"expected {f.type}, got {type(v).__name__} {_short(v)}"))
-    return pa.array(converted, type=f.type), issues
+    return pa.array(converted, type=f.type), converted, issues
 
 
 def _nested_lists_ok(value: Any, type_: pa.DataType) -> bool:
@@ -287,12 +288,15 @@ def _compatible(actual: pa.DataType, expected: pa.DataType) -> bool:
     return False
 
 
-def _row_issues(rows: list[dict[str, Any]], labels: Collection[str] | None, require_split: bool) -> list[RowIssue]:
+def _row_issues(
+    columns: dict[str, list[Any]], n: int, labels: Collection[str] | None, require_split: bool
+) -> list[RowIssue]:
     issues: list[RowIssue] = []
     first_row_of_id: dict[str, int] = {}
     split_of_prompt: dict[str, tuple[str, int]] = {}
     label_set = None if labels is None else set(labels)
-    for r, row in enumerate(rows):
+    for r in range(n):
+        row = {name: values[r] for name, values in columns.items()}
         eid = row["example_id"]
 
         def bad(field: str, reason: str, r: int = r, eid: str | None = eid) -> None:

@@ -217,6 +217,15 @@ def test_generic_fills_derivable_columns_and_keeps_the_source_split(fixtures_dir
     assert built.summary["adapter"]["dropped_column:notes"] == 1
 
 
+def test_a_json_array_file_reads_like_jsonl(tmp_path, fixtures_dir):
+    lines = (fixtures_dir / "generic.jsonl").read_text().splitlines()
+    (tmp_path / "rows.json").write_text(json.dumps([json.loads(line) for line in lines]))
+    assert [r.data for r in records(tmp_path / "rows.json")] == [r.data for r in records(fixtures_dir / "generic.jsonl")]
+    (tmp_path / "object.json").write_text('{"rows": []}')
+    with pytest.raises(RawSchemaError, match="must hold a JSON array of records"):
+        records(tmp_path / "object.json")
+
+
 def test_every_dataset_builds_a_valid_split_rankings_table(fixtures_dir):
     for dataset in ("ultrafeedback", "persona", "helpsteer2"):
         config = IngestConfig(dataset=dataset, path=str(fixtures_dir / f"{dataset}.jsonl"),
