@@ -62,7 +62,7 @@ class IngestResult:
 
 
 def plan_ingest(config: IngestConfig, store: ArtifactStore) -> IngestPlan:
-    inputs = {"source": source_fingerprint(config.path)} if config.path else {}
+    inputs = _inputs(config)
     version = store.version(STAGE, config.identity(), inputs, CODE_VERSION)
     return IngestPlan(ArtifactRef(STAGE, version), store.path(STAGE, version), inputs,
                       store.is_complete(STAGE, version))
@@ -74,9 +74,7 @@ def build_rankings(config: IngestConfig, inputs: dict[str, str] | None = None) -
     Raises `moplex_core.schema.SchemaError` in strict mode if any row is bad, and ``ValueError`` if
     no ranking is left after the dataset's filters.
     """
-    if inputs is None:
-        inputs = {"source": source_fingerprint(config.path)} if config.path else {}
-    adapted = _adapt(config, _source_label(config, inputs))
+    adapted = _adapt(config, _source_label(config, _inputs(config) if inputs is None else inputs))
     if not adapted.rows:
         raise ValueError(
             f"the {config.dataset} source gave no rankings ({adapted.stats}); check the source and the "
@@ -141,6 +139,11 @@ def default_labels(config: IngestConfig) -> tuple[str, ...] | None:
     if config.dataset == "synthetic":
         return tuple(f"c{c}" for c in range(config.synthetic.k))
     return None
+
+
+def _inputs(config: IngestConfig) -> dict[str, str]:
+    """A local source's content is an input of the version (a hub source is pinned by its revision)."""
+    return {"source": source_fingerprint(config.path)} if config.path else {}
 
 
 def _adapt(config: IngestConfig, source: str) -> AdapterOutput:

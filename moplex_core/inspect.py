@@ -130,9 +130,7 @@ def _head(files: list[Path], rows: int) -> list[dict[str, Any]]:
 
 
 def _cell(value: Any) -> str:
-    text = repr(value)
-    if isinstance(value, list):
-        text += f"  ({len(value)} items)"
+    text = f"{len(value)} items: {value!r}" if isinstance(value, list) else repr(value)
     return text if len(text) <= _CELL else text[: _CELL - 3] + "..."
 
 
