@@ -142,9 +142,16 @@ def run_study(config: StudyConfig, out_dir: Path, progress: bool = True) -> Stud
     cells = [(cell, seed) for cell in settings(config) for seed in config.seeds]
     rows: list[dict] = []
     bar = tqdm(cells, desc="identifiability", unit="fit", disable=not progress)
-    for (k, m, g, augment), seed in bar:
-        bar.set_postfix_str(f"k={k} m={m} m'={m + g} aug={augment} seed={seed}")
-        rows.extend(run_cell(config, k, m, g, augment, seed))
+    # Thousands of small [n, k, M] ops: one thread is faster than two here (measured 3.8 vs 4.2 ms
+    # per M-step objective on 2 cores) and keeps results independent of the core count.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for (k, m, g, augment), seed in bar:
+            bar.set_postfix_str(f"k={k} m={m} m'={m + g} aug={augment} seed={seed}")
+            rows.extend(run_cell(config, k, m, g, augment, seed))
+    finally:
+        torch.set_num_threads(threads)
     results = pd.DataFrame(rows)
     results.attrs["config"] = asdict(config)
 
