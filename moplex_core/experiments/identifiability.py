@@ -22,13 +22,8 @@ import pandas as pd
 import torch
 
 from moplex_core.data.synthetic import SyntheticConfig, SyntheticRankings, generate_synthetic
-from moplex_core.em import EMConfig, Rankings, fit_mixture, posteriors
-from moplex_core.metrics import (
-    adjusted_rand_index,
-    clustering_accuracy,
-    fit_matching,
-    normalized_mutual_information,
-)
+from moplex_core.em import EMConfig, Rankings, fit_mixture
+from moplex_core.evaluate import EvalSplit, evaluate_mixture
 from moplex_core.scorers.linear import LinearScorer
 
 
@@ -112,10 +107,12 @@ def run_cell(config: StudyConfig, k: int, m: int, n_generated: int, augment: str
         ("em", scorer, lambda idx: features[idx], result.best.alpha),
         ("oracle", oracle, lambda idx: torch.as_tensor(idx), data.true_alpha()),
     ):
-        gamma_val, _ = posteriors(model, inputs_of(val), rankings.subset(val), alpha)
-        gamma_test, ll_test = posteriors(model, inputs_of(test), rankings.subset(test), alpha)
-        pred_val, pred_test = gamma_val.argmax(1).numpy(), gamma_test.argmax(1).numpy()
-        matching = fit_matching(pred_val, data.labels[val], k, k)
+        splits = {
+            name: EvalSplit(inputs_of(idx), rankings.subset(idx), data.labels[idx])
+            for name, idx in (("validation", val), ("test", test))
+        }
+        metrics = evaluate_mixture(model, alpha, splits)
+        on_test = metrics[(metrics.split == "test") & (metrics.cluster == "all")].set_index("metric").value
         rows.append(
             {
                 "k": k,
@@ -124,10 +121,11 @@ def run_cell(config: StudyConfig, k: int, m: int, n_generated: int, augment: str
                 "augment": augment,
                 "seed": seed,
                 "method": method,
-                "accuracy": clustering_accuracy(pred_test, data.labels[test], matching),
-                "ari": adjusted_rand_index(pred_test, data.labels[test]),
-                "nmi": normalized_mutual_information(pred_test, data.labels[test]),
-                "heldout_ll": float(ll_test.mean()),
+                "accuracy": on_test["clustering_accuracy"],
+                "ari": on_test["ari"],
+                "nmi": on_test["nmi"],
+                "ranking_accuracy_oracle": on_test["ranking_accuracy_oracle"],
+                "heldout_ll": on_test["heldout_log_likelihood"],
                 "iterations": result.best.iteration + 1 if method == "em" else 0,
                 "seconds": seconds if method == "em" else 0.0,
             }

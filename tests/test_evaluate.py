@@ -1,0 +1,47 @@
+"""evaluate_mixture on a mixture whose truth is known exactly (noise-free synthetic rankings)."""
+
+import numpy as np
+import pytest
+import torch
+
+from moplex_core.data.synthetic import SyntheticConfig, generate_synthetic
+from moplex_core.em import Rankings
+from moplex_core.evaluate import EvalSplit, evaluate_mixture
+from moplex_core.scorers.linear import LinearScorer
+
+
+@pytest.fixture
+def noise_free():
+    data = generate_synthetic(SyntheticConfig(n=400, k=2, m=6, noise=0.0, seed=3))
+    rankings = Rankings(torch.as_tensor(data.tiers))
+    x = data.features()
+    val, test = np.arange(200), np.arange(200, 400)
+    splits = {name: EvalSplit(x[idx], rankings.subset(idx), data.labels[idx]) for name, idx in (("validation", val), ("test", test))}
+    return data, splits
+
+
+def test_true_scorer_with_permuted_ids_is_matched_and_ranks_perfectly(noise_free):
+    data, splits = noise_free
+    scorer = LinearScorer(2, 2)
+    scorer.theta = torch.tensor([[0.0, 3.0], [3.0, 0.0]], dtype=torch.float64)  # cluster ids swapped
+    metrics = evaluate_mixture(scorer, torch.tensor([0.5, 0.5], dtype=torch.float64), splits, label_names=["c0", "c1"])
+    test = metrics[metrics.split == "test"].set_index(["metric", "cluster"]).value
+    assert test["clustering_accuracy", "all"] > 0.95
+    assert test["ari", "all"] > 0.8
+    # routed by the true label through the matching, the true scorer orders every untied pair right
+    assert test["ranking_accuracy_oracle", "all"] == 1.0
+    assert test["ranking_accuracy_oracle", "c0"] == 1.0 and test["ranking_accuracy_oracle", "c1"] == 1.0
+    assert test["ranking_accuracy_posterior", "all"] > 0.95
+    # the 50/50 blend of two orthogonal criteria is much worse than routing
+    assert test["ranking_accuracy_marginal", "all"] < 0.85
+    assert np.isfinite(test["heldout_log_likelihood", "all"])
+
+
+def test_without_labels_only_label_free_metrics_are_reported(noise_free):
+    _, splits = noise_free
+    unlabeled = {"test": EvalSplit(splits["test"].inputs, splits["test"].rankings)}
+    metrics = evaluate_mixture(LinearScorer(2, 2), torch.tensor([0.5, 0.5], dtype=torch.float64), unlabeled)
+    assert set(metrics.metric) == {"heldout_log_likelihood", "ranking_accuracy_posterior", "ranking_accuracy_marginal"}
+    # a zero scorer ties every pair: half credit each
+    values = metrics.set_index("metric").value
+    assert values["ranking_accuracy_marginal"] == pytest.approx(0.5)
