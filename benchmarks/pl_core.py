@@ -35,7 +35,7 @@ def draw_rankings(n: int, n_items: int, m: int, k: int, seed: int) -> tuple[np.n
 
 def per_ranking_ll(utilities: np.ndarray, items: torch.Tensor, rankings: Rankings) -> float:
     scores = torch.as_tensor(utilities, dtype=torch.float64)[items]  # [n, m]
-    return log_likelihood(scores, rankings.index()).mean().item()
+    return log_likelihood(scores, rankings.index).mean().item()
 
 
 def timed(fn):
@@ -75,7 +75,7 @@ def main() -> None:
     gap = max(abs(r[1] - rows[0][1]) for r in rows[1:])
     print(f"\nlargest log-likelihood gap to moplex: {gap:.2e} per ranking")
 
-    index = rankings.index()
+    index = rankings.index
     scores = torch.randn(args.n, args.m, dtype=torch.float64)
     log_likelihood(scores, index)
     reps = 20

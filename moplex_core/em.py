@@ -23,6 +23,7 @@ import os
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
@@ -31,24 +32,38 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-from moplex_core.pl import RankingIndex, log_likelihood, prepare_rankings
+from moplex_core.pl import LIKELIHOODS, RankingIndex, prepare_rankings
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class Rankings:
-    """n rankings as tier codes (moplex_core.pl) with an optional top-l prefix and ids."""
+    """n rankings as tier codes (moplex_core.pl) with an optional top-l prefix and ids, and the
+    observation model that scores them: `pl` (Plackett-Luce, DESIGN.md 5.2) or `bt_pairs`
+    (Bradley-Terry over all pairs, the pairwise baselines)."""
 
     tiers: torch.Tensor  # int64 [n, M]
     ranked_prefix: torch.Tensor | None = None  # int64 [n]
     example_ids: tuple[str, ...] | None = None
+    model: Literal["pl", "bt_pairs"] = "pl"
+
+    def __post_init__(self) -> None:
+        if self.model not in LIKELIHOODS:
+            raise ValueError(f"unknown ranking model {self.model!r}; choose one of {sorted(LIKELIHOODS)}")
 
     def __len__(self) -> int:
         return self.tiers.shape[0]
 
+    @cached_property
     def index(self) -> RankingIndex:
+        """The tiers sorted once (frozen dataclass: computed on first use and kept)."""
         return prepare_rankings(self.tiers, self.ranked_prefix)
+
+    def log_likelihood(self, scores: torch.Tensor) -> torch.Tensor:
+        """Per ranking (and cluster): scores [n, M] -> [n], or [n, k, M] -> [n, k]."""
+        index = self.index if scores.dim() == 2 else self.index.expand(*scores.shape[1:-1])
+        return LIKELIHOODS[self.model](scores, index)
 
     def subset(self, idx: np.ndarray | torch.Tensor) -> Rankings:
         idx = torch.as_tensor(idx, dtype=torch.int64)
@@ -56,6 +71,7 @@ class Rankings:
             self.tiers[idx],
             None if self.ranked_prefix is None else self.ranked_prefix[idx],
             None if self.example_ids is None else tuple(self.example_ids[i] for i in idx.tolist()),
+            self.model,
         )
 
 
@@ -138,9 +154,15 @@ def posteriors(
     scorer: Scorer, inputs: Any, rankings: Rankings, alpha: torch.Tensor, iteration: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """E-step: (gamma float64 [n, k], per-ranking mixture log-likelihood float64 [n])."""
-    scores = scorer.score(inputs, iteration)  # [n, k, M]
-    logp = log_likelihood(scores, rankings.index().expand(scores.shape[1]))  # [n, k]
-    joint = torch.log(alpha).unsqueeze(0) + logp
+    return mixture_posteriors(scorer.score(inputs, iteration), rankings, alpha)
+
+
+def mixture_posteriors(
+    scores: torch.Tensor, rankings: Rankings, alpha: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """gamma_ic = softmax_c(log alpha_c + log P_c(sigma_i)) from scores [n, k, M]; also the
+    per-ranking mixture log-likelihood logsumexp_c(...) [n]. Empty clusters (alpha = 0) get gamma 0."""
+    joint = torch.log(alpha.clamp_min(1e-300)).unsqueeze(0) + rankings.log_likelihood(scores)  # [n, k]
     ll = torch.logsumexp(joint, dim=1)
     return torch.exp(joint - ll.unsqueeze(1)), ll
 
@@ -223,7 +245,7 @@ def _run_restart(
         _warn_on_empty_clusters(alpha, n, iteration)
         weights = torch.where(gamma >= config.gamma_min, gamma, 0.0)
         scorer.fit(inputs, rankings, weights, iteration)
-        gamma, ll = posteriors(scorer, inputs, rankings, alpha.clamp_min(1e-300), iteration)
+        gamma, ll = posteriors(scorer, inputs, rankings, alpha, iteration)
         if config.hard:
             gamma = torch.nn.functional.one_hot(gamma.argmax(1), config.k).to(torch.float64)
         history.append(ll.mean().item())

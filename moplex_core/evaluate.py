@@ -20,7 +20,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from moplex_core.em import Rankings, Scorer
+from moplex_core.em import Rankings, Scorer, mixture_posteriors
 from moplex_core.metrics import (
     ClusterMatching,
     adjusted_rand_index,
@@ -30,7 +30,6 @@ from moplex_core.metrics import (
     pairwise_ranking_accuracy,
     per_cluster_accuracy,
 )
-from moplex_core.pl import log_likelihood
 
 
 @dataclass(frozen=True)
@@ -73,10 +72,8 @@ def evaluate_mixture(
 
 def _posterior_outputs(scorer: Scorer, alpha: torch.Tensor, split: EvalSplit) -> dict[str, Any]:
     scores = scorer.score(split.inputs, 0)  # [n, k, M]
-    logp = log_likelihood(scores, split.rankings.index().expand(scores.shape[1]))  # [n, k]
-    joint = torch.log(alpha.clamp_min(1e-300)).unsqueeze(0) + logp
-    ll = torch.logsumexp(joint, 1)
-    return {"scores": scores, "assigned": joint.argmax(1).numpy(), "ll": ll}
+    gamma, ll = mixture_posteriors(scores, split.rankings, alpha)
+    return {"scores": scores, "assigned": gamma.argmax(1).numpy(), "ll": ll}
 
 
 def _ranking_rows(

@@ -8,14 +8,12 @@ that the test set never chooses its own label permutation.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import torch
 from scipy.optimize import linear_sum_assignment
 from sklearn.metrics import adjusted_rand_score, normalized_mutual_info_score
 
-from moplex_core.em import Rankings, Scorer, posteriors
 from moplex_core.pl import PAD, UNRANKED
 
 
@@ -79,9 +77,3 @@ def pairwise_ranking_accuracy(scores: torch.Tensor, tiers: torch.Tensor) -> torc
     n_pairs = pairs.sum((1, 2)).to(torch.float64)
     correct = (credit * pairs).sum((1, 2))
     return torch.where(n_pairs > 0, correct / n_pairs.clamp_min(1), float("nan"))
-
-
-def heldout_log_likelihood(scorer: Scorer, inputs: Any, rankings: Rankings, alpha: torch.Tensor) -> float:
-    """Mean mixture log-likelihood per held-out ranking, in nats (exact scores)."""
-    _, ll = posteriors(scorer, inputs, rankings, alpha)
-    return float(ll.mean())

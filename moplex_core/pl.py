@@ -112,6 +112,26 @@ def log_likelihood(scores: torch.Tensor, index: RankingIndex) -> torch.Tensor:
     return torch.where(index.observed, sorted_scores - denominator, 0.0).sum(-1)
 
 
+def pairwise_log_likelihood(scores: torch.Tensor, index: RankingIndex) -> torch.Tensor:
+    """Bradley-Terry over every ordered pair of a prepared ranking: scores [..., M] -> [...].
+
+        log P_pairs = sum_{i above j} log sigmoid(r_i - r_j)
+
+    over pairs in different tiers where i is observed (j may be in the unranked bottom set). The
+    pairwise baselines (DPO, EM-DPO, MaxMin-RLHF; the `no_pl` ablation) use this in place of PL.
+    Not a normalised distribution over rankings; O(M^2) per ranking.
+    """
+    sorted_scores = torch.gather(scores, -1, index.order)
+    above = index.last.unsqueeze(-1) > index.last.unsqueeze(-2)  # [..., M(i), M(j)]: i's tier beats j's
+    pairs = above & index.observed.unsqueeze(-1) & index.in_slate.unsqueeze(-2)
+    diff = torch.where(pairs, sorted_scores.unsqueeze(-1) - sorted_scores.unsqueeze(-2), 0.0)
+    return torch.where(pairs, torch.nn.functional.logsigmoid(diff), 0.0).sum((-1, -2))
+
+
+LIKELIHOODS = {"pl": log_likelihood, "bt_pairs": pairwise_log_likelihood}
+"""Observation models a `Rankings` can declare; each maps (scores [..., M], index) -> [...]."""
+
+
 def plackett_luce_log_likelihood(
     scores: torch.Tensor,
     tiers: torch.Tensor,

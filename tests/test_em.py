@@ -151,3 +151,14 @@ def test_resume_after_sigkill_reproduces_the_uninterrupted_run(tmp_path):
             a = (tmp_path / "whole" / restart / f"iter-{it:04d}" / "posteriors.parquet").read_bytes()
             b = (tmp_path / "killed" / restart / f"iter-{it:04d}" / "posteriors.parquet").read_bytes()
             assert a == b
+
+
+def test_pairwise_observation_model_runs_the_same_engine():
+    data, rankings, x = synthetic(k=2, m=6, n=400)
+    pairs = Rankings(rankings.tiers, model="bt_pairs")
+    result, scorer = fit_mixture(lambda: LinearScorer(2, 2), x, pairs, EMConfig(k=2, max_iter=10))
+    gamma, _ = posteriors(scorer, x, pairs, result.best.alpha)
+    matching = fit_matching(gamma.argmax(1).numpy(), data.labels, 2, 2)
+    assert clustering_accuracy(gamma.argmax(1).numpy(), data.labels, matching) > 0.9
+    with pytest.raises(ValueError, match="unknown ranking model"):
+        Rankings(rankings.tiers, model="mallows")

@@ -175,3 +175,21 @@ def test_rows_far_apart_use_the_exact_path_and_agree_with_their_neighbours():
     # row 0: P = e^0/(e^0 + e^-1500 + e^3) * e^-1500/(e^-1500 + e^3)
     expected = -math.log(1 + math.exp(-1500) + math.exp(3)) + (-1500 - 3 - math.log1p(math.exp(-1503)))
     assert batch[0].item() == pytest.approx(expected, rel=1e-12)
+
+
+def test_pairwise_likelihood_sums_bradley_terry_over_ordered_pairs():
+    """Tiers [[2], [0, 3], [1]] plus a generated item 4: pairs 2>0, 2>3, 2>1, 0>1, 3>1 and every
+    observed item above the generated one; the tie (0, 3) is not a pair."""
+    from moplex_core.pl import pairwise_log_likelihood
+
+    r = [0.3, -1.2, 2.0, 0.7, -0.5, 9.9]  # slot 5 is padding
+    tiers = torch.tensor([encode_tiers([[2], [0, 3], [1]], 5, 6)])
+    pairs = [(2, 0), (2, 3), (2, 1), (0, 1), (3, 1), (2, 4), (0, 4), (3, 4), (1, 4)]
+    expected = sum(math.log(1 / (1 + math.exp(-(r[i] - r[j])))) for i, j in pairs)
+    got = pairwise_log_likelihood(torch.tensor([r], dtype=torch.float64), prepare_rankings(tiers))
+    assert got.item() == pytest.approx(expected, rel=1e-12)
+    two = torch.tensor([[0.4, -0.3]], dtype=torch.float64)
+    index = prepare_rankings(torch.tensor([[1, 0]]))
+    assert pairwise_log_likelihood(two, index).item() == pytest.approx(
+        plackett_luce_log_likelihood(two, torch.tensor([[1, 0]])).item(), rel=1e-12
+    )

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from moplex_core.em import Rankings
-from moplex_core.pl import log_likelihood, score_gradient_at_zero
+from moplex_core.pl import score_gradient_at_zero
 
 
 class ConvexScorer(ABC):
@@ -44,7 +44,6 @@ class ConvexScorer(ABC):
             return self._scores(self.theta, inputs)
 
     def fit(self, inputs: Any, rankings: Rankings, weights: torch.Tensor, iteration: int = 0) -> None:
-        index = rankings.index().expand(self.k)
         n = len(rankings)
         theta = self.theta.clone().requires_grad_(True)
         optimizer = torch.optim.LBFGS(
@@ -59,7 +58,7 @@ class ConvexScorer(ABC):
 
         def closure() -> torch.Tensor:
             optimizer.zero_grad()
-            logp = log_likelihood(self._scores(theta, inputs), index)  # [n, k]
+            logp = rankings.log_likelihood(self._scores(theta, inputs))  # [n, k]
             loss = -(weights * logp).sum() / n + 0.5 * self.l2 * theta.pow(2).sum()
             loss.backward()
             return loss
@@ -68,7 +67,7 @@ class ConvexScorer(ABC):
         self.theta = theta.detach()
 
     def ranking_features(self, inputs: Any, rankings: Rankings) -> torch.Tensor:
-        return self._project(score_gradient_at_zero(rankings.index()), inputs)
+        return self._project(score_gradient_at_zero(rankings.index), inputs)
 
     def state_dict(self) -> dict[str, Any]:
         return {"theta": self.theta.clone()}
