@@ -1,0 +1,77 @@
+"""What a response generator is: requests in, sampled texts out.
+
+A `SampleRequest` asks for ``n`` texts for one key (a prompt_id; an example_id for ``borrow``) under
+one seed. The augment stage derives that seed from (its seed, the key, the attempt) with
+`request_seed`, and a sampling backend seeds sample ``j`` of a request with `sample_seed`, so a text
+depends on neither the other requests in its batch nor the shard it lands in. Deduplication and
+resampling are the augment stage's (moplex_core.augment); `normalise` is the equality it uses.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+_SEED_BITS = 63  # non-negative int64: what torch.Generator.manual_seed and vLLM accept everywhere
+_SPACES = re.compile(r"\s+")
+
+
+@dataclass(frozen=True)
+class SampleRequest:
+    key: str
+    prompt: str
+    prompt_messages: str | None
+    """The rankings column: chat messages as JSON, used instead of ``prompt`` when present."""
+    n: int
+    seed: int
+    avoid: frozenset[str] = frozenset()
+    """Normalised texts already held (originals, accepted samples). A backend that chooses among
+    known texts (borrow) skips them; a sampling backend cannot, and the augment stage filters."""
+
+
+@dataclass(frozen=True)
+class Sample:
+    text: str
+    tokens: int
+    """Generated tokens, EOS included when it was produced; 0 for a borrowed text."""
+
+
+class Generator(Protocol):
+    backend: str
+    model: str | None
+
+    def sample(self, requests: Sequence[SampleRequest]) -> list[list[Sample]]:
+        """For each request, in order, at most ``n`` samples; fewer means the backend has nothing
+        more to give for that request (asking again would not help)."""
+        ...
+
+    def close(self) -> None:
+        """Release what the generator holds (a worker process, GPU memory)."""
+        ...
+
+
+def request_seed(seed: int, key: str, attempt: int) -> int:
+    return _hash_int(f"request\x1f{seed}\x1f{key}\x1f{attempt}")
+
+
+def sample_seed(request_seed: int, index: int) -> int:
+    return _hash_int(f"sample\x1f{request_seed}\x1f{index}")
+
+
+def normalise(text: str) -> str:
+    """The form two texts are compared in: trimmed, runs of whitespace as one space, case-folded."""
+    return _SPACES.sub(" ", text).strip().casefold()
+
+
+def prompt_input(request: SampleRequest) -> str | list[dict[str, str]]:
+    """What moplex_core.lm.tokenize.encode_prompt takes: the chat messages if any, else the text."""
+    return json.loads(request.prompt_messages) if request.prompt_messages else request.prompt
+
+
+def _hash_int(text: str) -> int:
+    digest = hashlib.sha256(text.encode()).digest()
+    return int.from_bytes(digest[:8], "big") >> (64 - _SEED_BITS)

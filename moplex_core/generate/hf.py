@@ -1,0 +1,161 @@
+"""The ``hf`` backend: sampling with transformers `generate`, batched, reproducible per sample.
+
+transformers samples every row of a batch from the one global RNG, so a text would depend on which
+other prompts share its batch. Here each row carries its own `torch.Generator`, seeded by
+`moplex_core.generate.base.sample_seed`, and sampling is done with the Gumbel-max trick: the
+logits go through the temperature and top-p warpers, each row adds Gumbel noise drawn from its own
+generator, and `generate` picks the argmax (greedy mode). argmax(l + G), G ~ Gumbel(0, 1) i.i.d.,
+is an exact draw from softmax(l), so this is ordinary temperature / nucleus sampling; only the
+source of randomness differs. A rerun on the same hardware, dtype and batch size gives the same
+text; on the CPU in float32 the batch size does not matter either (on a GPU in bfloat16 the logits
+of a row can shift slightly with its batch, and a near-tie can then go the other way).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from transformers import (
+    GenerationConfig,
+    LogitsProcessor,
+    LogitsProcessorList,
+    TemperatureLogitsWarper,
+    TopPLogitsWarper,
+)
+
+from moplex_core.generate.base import Sample, SampleRequest, prompt_input, sample_seed
+from moplex_core.lm.loading import load_model, load_tokenizer
+from moplex_core.lm.tokenize import encode_prompt
+
+
+class GumbelNoise(LogitsProcessor):
+    """Adds Gumbel(0, 1) noise to row b's scores from ``generators[b]`` (see the module docstring)."""
+
+    def __init__(self, generators: Sequence[torch.Generator]):
+        self.generators = list(generators)
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        vocab = scores.shape[-1]
+        uniform = torch.stack([
+            torch.rand(vocab, generator=g, device=scores.device, dtype=torch.float32) for g in self.generators
+        ])  # [B, V] in [0, 1)
+        tiny = torch.finfo(torch.float32).tiny
+        gumbel = -torch.log(-torch.log(uniform.clamp_min(tiny)))
+        return scores.float() + gumbel  # -inf (masked by top-p) stays -inf
+
+
+def sampling_processors(temperature: float, top_p: float, generators: Sequence[torch.Generator]) -> LogitsProcessorList:
+    """The processors that turn `generate`'s greedy argmax into a seeded temperature / top-p draw."""
+    processors: list[LogitsProcessor] = [TemperatureLogitsWarper(temperature)]
+    if top_p < 1.0:
+        processors.append(TopPLogitsWarper(top_p))
+    processors.append(GumbelNoise(generators))
+    return LogitsProcessorList(processors)
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, dtype)
+
+
+class HFGenerator:
+    """Samples continuations of each request's prompt from a causal LM with transformers."""
+
+    backend = "hf"
+
+    def __init__(
+        self,
+        model: str,
+        *,
+        temperature: float = 2.0,
+        top_p: float = 1.0,
+        max_new_tokens: int = 512,
+        batch_size: int = 16,
+        dtype: str = "auto",
+        device: str = "auto",
+        use_chat_template: bool = True,
+        max_prompt_tokens: int | None = None,
+    ):
+        if temperature <= 0 or not 0 < top_p <= 1 or max_new_tokens < 1 or batch_size < 1:
+            raise ValueError(
+                f"need temperature > 0, 0 < top_p <= 1, max_new_tokens >= 1 and batch_size >= 1; got "
+                f"{temperature}, {top_p}, {max_new_tokens}, {batch_size}"
+            )
+        self.model = model
+        self.temperature = temperature
+        self.top_p = top_p
+        self.batch_size = batch_size
+        self.use_chat_template = use_chat_template
+        self.max_prompt_tokens = max_prompt_tokens
+        self.device = resolve_device(device)
+        self._model = load_model(model, dtype=resolve_dtype(dtype, self.device), device=self.device)
+        self._tokenizer = load_tokenizer(model)
+        eos = self._model.generation_config.eos_token_id
+        if eos is None:
+            eos = self._tokenizer.eos_token_id
+        self._eos_ids = {eos} if isinstance(eos, int) else set(eos)
+        # Greedy mode keeps the model's own sampling settings (Qwen3 ships do_sample=True, top_k=20,
+        # ...) out of the draw, as they act only when sampling; processors that act in any mode are
+        # set neutral. The draw is then exactly the one in the module docstring.
+        self._generation_config = GenerationConfig(
+            do_sample=False,
+            num_beams=1,
+            max_new_tokens=max_new_tokens,
+            repetition_penalty=1.0,
+            no_repeat_ngram_size=0,
+            eos_token_id=sorted(self._eos_ids),
+            pad_token_id=self._tokenizer.pad_token_id,
+        )
+
+    def sample(self, requests: Sequence[SampleRequest]) -> list[list[Sample]]:
+        prompt_ids = [
+            encode_prompt(self._tokenizer, prompt_input(r), use_chat_template=self.use_chat_template,
+                          max_prompt_tokens=self.max_prompt_tokens)
+            for r in requests
+        ]
+        rows = [(r, j) for r, request in enumerate(requests) for j in range(request.n)]
+        # Longest prompts first: similar lengths share a batch and waste less padding.
+        rows.sort(key=lambda rj: (-len(prompt_ids[rj[0]]), rj))
+        samples: list[list[Sample | None]] = [[None] * request.n for request in requests]
+        for start in range(0, len(rows), self.batch_size):
+            batch = rows[start : start + self.batch_size]
+            seeds = [sample_seed(requests[r].seed, j) for r, j in batch]
+            for (r, j), sample in zip(batch, self._generate([prompt_ids[r] for r, _ in batch], seeds), strict=True):
+                samples[r][j] = sample
+        return [[s for s in row if s is not None] for row in samples]
+
+    def close(self) -> None:
+        del self._model
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    @torch.inference_mode()
+    def _generate(self, prompts: list[list[int]], seeds: list[int]) -> list[Sample]:
+        # Left padding: every row's next token is predicted at the same (last) position.
+        length = max(len(p) for p in prompts)
+        pad = self._tokenizer.pad_token_id
+        input_ids = torch.tensor([[pad] * (length - len(p)) + p for p in prompts], device=self.device)  # [B, L]
+        attention_mask = torch.tensor([[0] * (length - len(p)) + [1] * len(p) for p in prompts],
+                                      device=self.device)  # [B, L]
+        generators = [torch.Generator(device=self.device).manual_seed(s) for s in seeds]
+        out = self._model.generate(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            generation_config=self._generation_config,
+            logits_processor=sampling_processors(self.temperature, self.top_p, generators),
+        )
+        samples = []
+        for row in out[:, length:].tolist():  # [B, T] new tokens; finished rows are padded after EOS
+            end = next((i for i, token in enumerate(row) if token in self._eos_ids), None)
+            kept = row if end is None else row[:end]
+            text = self._tokenizer.decode(kept, skip_special_tokens=True)
+            samples.append(Sample(text, len(row) if end is None else end + 1))
+        return samples

@@ -1,0 +1,180 @@
+"""The parent side of the ``vllm`` backend: render prompts, run the worker, read its shards back.
+
+`VLLMGenerator` starts moplex_core/generate/vllm_worker.py once, under ``python`` (the vLLM
+environment's interpreter), and keeps it for every `sample` call, so the model loads once per
+stage run. Each call writes a request shard into a private exchange folder, sends its path on the
+worker's stdin and waits for the worker to name the response shard (the protocol is in
+vllm_worker's docstring). The worker's stderr goes to ``worker.log`` in that folder; when the
+worker dies, the error gives its exit status and the end of that log, and the folder is kept.
+
+Prompts are rendered here with moplex_core.lm.tokenize.encode_prompt, so the worker generates from
+exactly the prompt tokens the hf backend and the cache stage use.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import IO, Any
+
+from transformers import PreTrainedTokenizerBase
+
+from moplex_core.generate import vllm_worker
+from moplex_core.generate.base import Sample, SampleRequest, prompt_input
+from moplex_core.lm.loading import load_tokenizer
+from moplex_core.lm.tokenize import encode_prompt
+
+WORKER = Path(vllm_worker.__file__)
+# Run the worker by path with the exchange folder as the working directory: as a script, its own
+# folder would come first on sys.path, and a module there could shadow an installed package.
+_LAUNCH = "import runpy, sys; sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"
+_LOG_TAIL = 3000
+
+
+def request_rows(
+    tokenizer: PreTrainedTokenizerBase,
+    requests: Sequence[SampleRequest],
+    use_chat_template: bool = True,
+    max_prompt_tokens: int | None = None,
+) -> list[dict[str, Any]]:
+    """vllm_worker.REQUEST_SCHEMA rows: each prompt rendered to token ids as the hf backend does."""
+    return [
+        {
+            "key": r.key,
+            "prompt": r.prompt,
+            "prompt_token_ids": encode_prompt(tokenizer, prompt_input(r), use_chat_template=use_chat_template,
+                                              max_prompt_tokens=max_prompt_tokens),
+            "n": r.n,
+            "seed": r.seed,
+        }
+        for r in requests
+    ]
+
+
+class VLLMWorkerError(RuntimeError):
+    """The vLLM worker could not start, died, or broke the protocol."""
+
+
+class VLLMGenerator:
+    backend = "vllm"
+
+    def __init__(
+        self,
+        model: str,
+        *,
+        python: str,
+        temperature: float = 2.0,
+        top_p: float = 1.0,
+        max_new_tokens: int = 512,
+        dtype: str = "auto",
+        seed: int = 0,
+        gpu_memory_utilization: float = 0.9,
+        use_chat_template: bool = True,
+        max_prompt_tokens: int | None = None,
+        worker: str | Path = WORKER,
+    ):
+        self.model = model
+        self.python = python
+        self.worker = Path(worker)
+        self.use_chat_template = use_chat_template
+        self.max_prompt_tokens = max_prompt_tokens
+        self._tokenizer = load_tokenizer(model)
+        self.exchange = Path(tempfile.mkdtemp(prefix="moplex-vllm-"))
+        self.settings = {
+            "model": model, "dtype": dtype, "seed": seed, "gpu_memory_utilization": gpu_memory_utilization,
+            "temperature": temperature, "top_p": top_p, "max_tokens": max_new_tokens,
+        }
+        (self.exchange / "settings.json").write_text(json.dumps(self.settings, indent=2))
+        self._log = open(self.exchange / "worker.log", "wb")  # noqa: SIM115 - open for the worker's lifetime
+        try:
+            self._process = subprocess.Popen(
+                [python, "-c", _LAUNCH, str(self.worker), "--settings", "settings.json"],
+                cwd=self.exchange, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True,
+            )
+        except OSError as err:
+            self._log.close()
+            raise VLLMWorkerError(
+                f"could not start the vLLM worker with vllm_python={python!r} ({err}); set vllm_python to "
+                "the python of an environment with vllm and pyarrow installed"
+            ) from err
+        self._ready = False
+        self._calls = 0
+
+    def sample(self, requests: Sequence[SampleRequest]) -> list[list[Sample]]:
+        if not requests:
+            return []
+        if not self._ready:
+            self._expect("ready")  # the first call waits for the model to load
+            self._ready = True
+        requests_path = self.exchange / f"requests-{self._calls:05d}.parquet"
+        responses_path = self.exchange / f"responses-{self._calls:05d}.parquet"
+        self._calls += 1
+        vllm_worker.write_requests(requests_path, request_rows(self._tokenizer, requests, self.use_chat_template,
+                                                             self.max_prompt_tokens))
+        self._send({"requests": str(requests_path), "responses": str(responses_path)})
+        self._expect("responses")
+        rows = {row["key"]: row for row in vllm_worker.read_responses(responses_path)}
+        missing = [r.key for r in requests if r.key not in rows]
+        if missing:
+            raise VLLMWorkerError(f"the vLLM worker answered no samples for {missing[:5]} in {responses_path}")
+        requests_path.unlink()
+        responses_path.unlink()
+        return [
+            [Sample(text, count) for text, count in zip(rows[r.key]["texts"], rows[r.key]["token_counts"], strict=True)]
+            for r in requests
+        ]
+
+    def close(self) -> None:
+        """End the worker (end of its input) and check that it exited cleanly."""
+        if self._process.stdin and not self._process.stdin.closed:
+            self._process.stdin.close()
+        try:
+            status = self._process.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            self._process.kill()
+            status = self._process.wait()
+        self._log.close()
+        if status != 0:
+            raise self._died(status, "while shutting down")
+        shutil.rmtree(self.exchange, ignore_errors=True)
+
+    def _send(self, message: dict[str, Any]) -> None:
+        stdin: IO[str] = self._process.stdin  # type: ignore[assignment]
+        try:
+            stdin.write(json.dumps(message) + "\n")
+            stdin.flush()
+        except BrokenPipeError:
+            raise self._died(self._process.wait(), "before it read a request") from None
+
+    def _expect(self, field: str) -> dict[str, Any]:
+        stdout: IO[str] = self._process.stdout  # type: ignore[assignment]
+        line = stdout.readline()
+        if not line:
+            raise self._died(self._process.wait(), f"before it sent {field!r}")
+        try:
+            message = json.loads(line)
+        except json.JSONDecodeError:
+            message = {}
+        if field not in message:
+            self._process.kill()
+            raise self._died(self._process.wait(), f"after an unexpected line {line.strip()[:200]!r} (wanted {field!r})")
+        return message
+
+    def _died(self, status: int, when: str) -> VLLMWorkerError:
+        self._log.flush()
+        log_path = self.exchange / "worker.log"
+        tail = log_path.read_text(errors="replace")[-_LOG_TAIL:] if log_path.exists() else ""
+        hint = ""
+        if "No module named 'vllm'" in tail:
+            hint = (f" The interpreter {self.python!r} has no vllm: set vllm_python to the python of an "
+                    "environment with vllm and pyarrow installed.")
+        elif "No module named 'pyarrow'" in tail:
+            hint = f" The interpreter {self.python!r} has no pyarrow: install it beside vllm."
+        return VLLMWorkerError(
+            f"the vLLM worker ({self.worker}) exited with status {status} {when}.{hint} Its log is "
+            f"{log_path}; it ends with:\n{tail}"
+        )

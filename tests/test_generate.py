@@ -1,0 +1,186 @@
+"""Response generators: the hf backend on the tiny offline model, borrow, and the vLLM worker protocol."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from lm_fixtures import tiny_model_dir, tiny_tokenizer  # noqa: F401 - fixtures
+from moplex_core.augment import Group, fill_groups
+from moplex_core.generate import vllm_worker
+from moplex_core.generate.base import SampleRequest, normalise, request_seed, sample_seed
+from moplex_core.generate.borrow import BorrowGenerator, borrow_pools
+from moplex_core.generate.hf import HFGenerator, sampling_processors
+from moplex_core.generate.vllm_backend import VLLMGenerator, VLLMWorkerError, request_rows
+from moplex_core.lm.tokenize import encode_prompt
+
+PROMPTS = [f"Rank by criterion {i % 3}: which list is best?" + " Think." * (i % 4) for i in range(5)]
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def requests(n: int = 3, seed: int = 0) -> list[SampleRequest]:
+    return [SampleRequest(f"p{i}", p, None, n, request_seed(seed, f"p{i}", 0)) for i, p in enumerate(PROMPTS)]
+
+
+def texts(samples):
+    return [[s.text for s in row] for row in samples]
+
+
+def test_hf_text_depends_on_the_seed_only_not_on_batching_or_order(tiny_model_dir):
+    first = HFGenerator(str(tiny_model_dir), max_new_tokens=20, batch_size=4).sample(requests())
+    assert [len(row) for row in first] == [3] * len(PROMPTS)
+    assert all(0 < s.tokens <= 20 for row in first for s in row)
+    rerun = HFGenerator(str(tiny_model_dir), max_new_tokens=20, batch_size=4).sample(requests())
+    assert rerun == first
+    one_by_one = HFGenerator(str(tiny_model_dir), max_new_tokens=20, batch_size=1)
+    assert one_by_one.sample(requests()[::-1])[::-1] == first
+    assert HFGenerator(str(tiny_model_dir), max_new_tokens=20, batch_size=7).sample(requests()[2:3]) == first[2:3]
+    assert texts(one_by_one.sample(requests(seed=1))) != texts(first)
+    assert len({s.text for row in first for s in row}) > 10  # temperature 2 on a tiny model: varied text
+
+
+def test_gumbel_max_draws_follow_the_temperature_and_top_p_distribution():
+    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0]])
+    temperature, top_p = 2.0, 0.8
+    probs = torch.softmax(logits[0] / temperature, dim=0)
+    keep = (torch.cumsum(probs, 0) - probs) < top_p  # the nucleus: smallest prefix with mass >= top_p
+    expected = torch.where(keep, probs, 0.0) / probs[keep].sum()
+    draws = 4000
+    counts = torch.zeros(5)
+    for seed in range(draws):
+        generator = torch.Generator().manual_seed(sample_seed(7, seed))
+        scores = sampling_processors(temperature, top_p, [generator])(torch.zeros(1, 1, dtype=torch.long), logits)
+        counts[scores.argmax()] += 1
+    assert expected[-1] == 0 and counts[-1] == 0  # outside the nucleus: never drawn
+    assert torch.allclose(counts / draws, expected, atol=0.025)
+
+
+def test_a_tiny_top_p_is_greedy_decoding(tiny_model_dir, tiny_tokenizer):
+    generator = HFGenerator(str(tiny_model_dir), max_new_tokens=12, top_p=1e-6, temperature=2.0, batch_size=8)
+    sampled = generator.sample(requests(n=2))
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    for request, row in zip(requests(), sampled, strict=True):
+        ids = torch.tensor([encode_prompt(tiny_tokenizer, request.prompt)])
+        greedy = model.generate(ids, do_sample=False, max_new_tokens=12)[0, ids.shape[1]:].tolist()
+        end = greedy.index(tiny_tokenizer.eos_token_id) if tiny_tokenizer.eos_token_id in greedy else len(greedy)
+        assert [s.text for s in row] == [tiny_tokenizer.decode(greedy[:end], skip_special_tokens=True)] * 2
+
+
+def test_normalised_duplicates_are_one_text():
+    assert normalise("  Hello\n\tWORLD ") == normalise("hello world") == "hello world"
+    assert normalise("hello world!") != normalise("hello world")
+    assert normalise(" \n ") == ""
+
+
+def test_duplicates_of_originals_and_of_each_other_are_resampled(tiny_model_dir):
+    # At a low temperature and 3 tokens the tiny model repeats itself: first rounds hold duplicates.
+    generator = HFGenerator(str(tiny_model_dir), max_new_tokens=3, temperature=0.5, batch_size=16)
+    plain = generator.sample(requests(n=4))
+    originals = {f"p{i}": frozenset({normalise(row[0].text)}) for i, row in enumerate(plain)}
+    groups = [Group(f"p{i}", p, None, originals[f"p{i}"]) for i, p in enumerate(PROMPTS)]
+    filled = fill_groups(groups, generator, n=4, seed=0, max_attempts=6)
+    assert max(f.attempts for f in filled.values()) > 1
+    for group in groups:
+        keys = [normalise(t) for t in filled[group.key].texts]
+        assert len(set(keys)) == len(keys) and not set(keys) & group.avoid and all(keys)
+        assert len(keys) == 4 or filled[group.key].attempts == 6
+    assert fill_groups(groups, generator, n=4, seed=0, max_attempts=6) == filled
+
+
+def test_borrow_takes_other_rankings_responses_seeded_and_without_repeats():
+    pools = borrow_pools(["a", "b", "c"], ["x", "x", "y"],
+                         [["mine a", "shared"], ["mine b", "Shared ", "other b"], ["alone", "too"]])
+    assert pools == {"a": ["mine b", "Shared ", "other b"], "b": ["mine a", "shared"], "c": []}
+    borrow = BorrowGenerator(pools)
+    avoid = frozenset({normalise("mine a"), normalise("shared")})
+    [got] = borrow.sample([SampleRequest("a", "p", None, 5, 3, avoid)])
+    assert sorted(s.text for s in got) == ["mine b", "other b"] and all(s.tokens == 0 for s in got)
+    [two] = borrow.sample([SampleRequest("a", "p", None, 2, 3, avoid)])
+    assert [s.text for s in two] == [s.text for s in got]
+    assert borrow.sample([SampleRequest("c", "p", None, 2, 0)]) == [[]]
+
+
+def test_vllm_request_shards_round_trip_and_build_vllm_arguments(tmp_path, tiny_tokenizer):
+    reqs = requests(n=2)
+    rows = request_rows(tiny_tokenizer, reqs)
+    assert rows[0]["prompt_token_ids"] == encode_prompt(tiny_tokenizer, PROMPTS[0])
+    vllm_worker.write_requests(tmp_path / "requests.parquet", rows)
+    read = vllm_worker.read_requests(tmp_path / "requests.parquet")
+    assert read == rows
+    settings = {"model": "m", "dtype": "auto", "seed": 0, "gpu_memory_utilization": 0.5,
+                "temperature": 2.0, "top_p": 0.9, "max_tokens": 64}
+    assert vllm_worker.sampling_kwargs(read[1], settings) == {
+        "n": 2, "temperature": 2.0, "top_p": 0.9, "max_tokens": 64, "seed": reqs[1].seed}
+    assert vllm_worker.token_prompt(read[1]) == {"prompt_token_ids": rows[1]["prompt_token_ids"]}
+    assert vllm_worker.llm_kwargs(settings) == {"model": "m", "dtype": "auto", "seed": 0, "gpu_memory_utilization": 0.5}
+    responses = [{"key": "p0", "texts": ["a", "b"], "token_counts": [3, 1], "finish_reasons": ["stop", "length"]}]
+    vllm_worker.write_responses(tmp_path / "responses.parquet", responses)
+    assert vllm_worker.read_responses(tmp_path / "responses.parquet") == responses
+    assert not [p for p in os.listdir(tmp_path) if p.startswith(".")]  # written through a renamed temporary
+    (tmp_path / "settings.json").write_text('{"model": "m"}')
+    with pytest.raises(ValueError, match="lacks settings"):
+        vllm_worker.read_settings(tmp_path / "settings.json")
+
+
+def _vllm(tiny_model_dir: Path, python: str = sys.executable, **kwargs) -> VLLMGenerator:
+    return VLLMGenerator(str(tiny_model_dir), python=python, max_new_tokens=8, **kwargs)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vllm is installed here")
+def test_the_real_worker_without_vllm_fails_with_an_actionable_error(tiny_model_dir):
+    generator = _vllm(tiny_model_dir)
+    with pytest.raises(VLLMWorkerError, match="has no vllm: set vllm_python") as err:
+        generator.sample(requests(n=1))
+    assert "exited with status 1" in str(err.value) and "ModuleNotFoundError" in str(err.value)
+    assert (generator.exchange / "worker.log").is_file()  # kept for reading
+
+
+def test_a_failing_worker_is_reported_with_its_status_and_log(tmp_path, tiny_model_dir):
+    failing = tmp_path / "failing_worker.py"
+    failing.write_text("import sys\nprint('CUDA out of memory while loading', file=sys.stderr)\nsys.exit(3)\n")
+    with pytest.raises(VLLMWorkerError, match=r"status 3 before it sent 'ready'(.|\n)*CUDA out of memory"):
+        _vllm(tiny_model_dir, worker=failing).sample(requests(n=1))
+    silent = tmp_path / "silent_worker.py"
+    silent.write_text("import sys, json\nprint(json.dumps({'hello': 1}), flush=True)\nsys.stdin.read()\n")
+    with pytest.raises(VLLMWorkerError, match="unexpected line"):
+        _vllm(tiny_model_dir, worker=silent).sample(requests(n=1))
+    with pytest.raises(VLLMWorkerError, match="could not start the vLLM worker"):
+        _vllm(tiny_model_dir, python=str(tmp_path / "no-such-python"))
+
+
+def _vllm_python() -> str | None:
+    python = os.environ.get("MOPLEX_VLLM_PYTHON", sys.executable)
+    probe = subprocess.run([python, "-c", "import vllm, pyarrow"], capture_output=True)
+    return python if probe.returncode == 0 else None
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(_vllm_python() is None, reason="vllm is not importable (set MOPLEX_VLLM_PYTHON to a vLLM "
+                                                   "environment's python to run this)")
+def test_the_real_vllm_worker_samples_reproducibly(tiny_model_dir):
+    python = _vllm_python()
+    generator = _vllm(tiny_model_dir, python=python, gpu_memory_utilization=0.3)
+    try:
+        first = generator.sample(requests(n=3))
+        again = generator.sample(requests(n=3))
+    finally:
+        generator.close()
+    assert [len(row) for row in first] == [3] * len(PROMPTS)
+    assert all(0 < s.tokens <= 8 for row in first for s in row)
+    assert first == again
+    assert np.mean([len({s.text for s in row}) for row in first]) > 1
