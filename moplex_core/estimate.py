@@ -1,0 +1,209 @@
+"""Scores of responses from a few exact anchors: first-order estimation (paper Algorithm 1, DESIGN 5.4).
+
+For one example with m' responses sharing one prompt, the input embeddings h(x, y_j) and h(x, y_i)
+differ only at response positions. Positions are aligned from the response start and cut at the
+shorter response (paper, after eq. 3). With delta_c(y) = log pi_c(y|x) - log pi_ref(y|x):
+
+    s_c[i][j]   = <grad_h log pi_c(y_i|x),   h(x, y_j) - h(x, y_i)>      anchor i, any j
+    s_ref[i][j] = <grad_h log pi_ref(y_i|x), h(x, y_j) - h(x, y_i)>      cached once (pi_ref is fixed)
+
+    delta mode:  delta_hat_c(y_j) = mean_{i in anchors} ( delta_c(y_i) + s_c[i][j] - s_ref[i][j] )
+    logpi mode:  delta_hat_c(y_j) = mean_{i in anchors} ( log pi_c(y_i) + s_c[i][j] ) - log pi_ref(y_j)
+
+and r_hat = beta * delta_hat. ``delta`` linearises the log-ratio (small and smooth near the
+reference); ``logpi`` linearises log pi_c alone and adds the exact cached log pi_ref, as the
+authors' released code does. Anchors keep their exact delta (with its autograd graph, for the
+M-step); estimated entries are constants.
+
+The contraction never forms a [L, V] product: the embedding rows of y_j are gathered ([T, d]) and
+multiplied elementwise with the anchor's gradient ([T, d]).
+
+Anchors are drawn per example from a generator seeded by (seed, iteration, example_id), so the
+E-step and the M-step of one EM iteration see the same anchors whatever the batching.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+import torch
+from peft import PeftModel
+from transformers import PreTrainedModel
+
+from moplex_core.lm.logprobs import embed, sequence_logprobs
+from moplex_core.lm.tokenize import TokenizedResponse, pad_batch
+
+EstimationMode = Literal["delta", "logpi"]
+ESTIMATION_MODES: tuple[str, ...] = ("delta", "logpi")
+
+
+def anchor_indices(example_id: str, n_responses: int, a: int | None, seed: int, iteration: int) -> np.ndarray:
+    """Sorted indices of the anchors of one example: int64 [min(a, n_responses)].
+
+    ``a = None`` or ``a >= n_responses`` takes every response (full computation). The draw depends
+    only on (seed, iteration, example_id), never on batch composition or call order.
+    """
+    if a is None or a >= n_responses:
+        return np.arange(n_responses, dtype=np.int64)
+    if a < 1:
+        raise ValueError(f"the number of anchors must be at least 1, got {a}")
+    example_key = int.from_bytes(hashlib.sha256(example_id.encode()).digest()[:8], "little")
+    rng = np.random.default_rng([seed, iteration, example_key])
+    return np.sort(rng.choice(n_responses, size=a, replace=False)).astype(np.int64)
+
+
+@dataclass
+class AnchorPass:
+    """log pi(y_i|x) of anchor rows and, when asked, d log pi / d h at their response positions."""
+
+    logp: torch.Tensor  # float64 [R]; carries the parameters' graph when they require grad
+    input_grads: torch.Tensor | None  # float32 [R, T, d], t = 0 at the response start; 0 past the end
+    lengths: torch.Tensor  # int64 [R] response tokens (EOS included)
+
+
+def anchor_pass(
+    model: PreTrainedModel | PeftModel,
+    sequences: Sequence[TokenizedResponse],
+    pad_token_id: int,
+    *,
+    input_grads: bool,
+    keep_graph: bool = False,
+    chunk_size: int = 1024,
+) -> AnchorPass:
+    """One forward over ``sequences`` with the model's active adapter.
+
+    input_grads: also take grad_h log pi(y|x) w.r.t. the input embeddings (torch.autograd.grad on
+                 the embeddings only; no parameter's .grad is touched).
+    keep_graph:  keep the autograd graph so that the caller can backpropagate into the (LoRA)
+                 parameters through ``logp`` afterwards (M-step).
+    """
+    batch = pad_batch(sequences, pad_token_id)
+    device = next(model.parameters()).device
+    input_ids = batch.input_ids.to(device)
+    attention_mask = batch.attention_mask.to(device)
+    response_mask = batch.response_mask.to(device)
+    embeds = embed(model, input_ids).detach()  # [R, L, d]
+    if input_grads:
+        embeds.requires_grad_(True)
+    with torch.set_grad_enabled(input_grads or keep_graph):
+        logp = sequence_logprobs(model, input_ids, attention_mask, response_mask, inputs_embeds=embeds,
+                                 chunk_size=chunk_size).to(torch.float64)  # [R]
+    starts = torch.tensor([s.response_start for s in sequences], dtype=torch.long)
+    lengths = torch.tensor([len(s.input_ids) - s.response_start for s in sequences], dtype=torch.long)
+    grads = None
+    if input_grads:
+        (full,) = torch.autograd.grad(logp.sum(), embeds, retain_graph=keep_graph)  # [R, L, d]
+        grads = _response_rows(full.float().cpu(), starts, lengths)
+    return AnchorPass((logp if keep_graph else logp.detach()).cpu(), grads, lengths)
+
+
+def response_embeddings(
+    model: PreTrainedModel | PeftModel, sequences: Sequence[TokenizedResponse]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Input embeddings of every response of one example at its response positions.
+
+    Returns (float32 [M, T, d] zero past each response's end, int64 [M] response lengths).
+    """
+    lengths = torch.tensor([len(s.input_ids) - s.response_start for s in sequences], dtype=torch.long)
+    width = int(lengths.max())
+    ids = torch.zeros(len(sequences), width, dtype=torch.long)  # [M, T]
+    for row, seq in enumerate(sequences):
+        ids[row, : lengths[row]] = torch.tensor(seq.input_ids[seq.response_start :], dtype=torch.long)
+    device = next(model.parameters()).device
+    with torch.no_grad():
+        emb = embed(model, ids.to(device)).float().cpu()  # [M, T, d]
+    valid = torch.arange(width)[None, :] < lengths[:, None]  # [M, T]
+    return emb * valid[..., None], lengths
+
+
+def contraction(
+    anchor_grads: torch.Tensor, anchor_idx: torch.Tensor, emb: torch.Tensor, lengths: torch.Tensor
+) -> torch.Tensor:
+    """s[i][j] = sum_{t < min(n_i, n_j)} <g_i[t], e_j[t] - e_i[t]> for one example: float64 [a, M].
+
+    anchor_grads: float32 [a, T_a, d]  grad_h log pi(y_i|x) of each anchor at its response positions
+    anchor_idx:   int64 [a]            which responses the anchors are
+    emb:          float32 [M, T, d]    input embeddings of all responses (response_embeddings)
+    lengths:      int64 [M]            response lengths
+    """
+    width = min(anchor_grads.shape[1], emb.shape[1])
+    g = anchor_grads[:, :width]  # [a, T, d]
+    e = emb[:, :width]  # [M, T, d]
+    cross = torch.einsum("atd,mtd->amt", g, e)  # [a, M, T]: <g_i[t], e_j[t]>, a batched matmul over t
+    own = (g * e[anchor_idx]).sum(-1)  # [a, T]: <g_i[t], e_i[t]>
+    cut = torch.minimum(lengths[anchor_idx][:, None], lengths[None, :])  # [a, M]
+    aligned = torch.arange(width)[None, None, :] < cut[..., None]  # [a, M, T]
+    return torch.where(aligned, cross - own[:, None, :], 0.0).sum(-1).to(torch.float64)
+
+
+def estimate_delta(
+    mode: EstimationMode,
+    anchor_idx: torch.Tensor,
+    anchor_logp: torch.Tensor,
+    s_policy: torch.Tensor | None,
+    ref_logp: torch.Tensor,
+    s_ref: torch.Tensor,
+) -> torch.Tensor:
+    """delta_hat_c(y_j) for the M responses of one example: float64 [M] (module docstring).
+
+    anchor_idx [a]; anchor_logp float64 [a] (exact log pi_c, may carry a graph); s_policy float64
+    [a, M] (None when every response is an anchor); ref_logp float64 [M]; s_ref float [M, M].
+    Anchor entries are the exact delta with its graph; every other entry is a constant.
+    """
+    anchor_delta = anchor_logp - ref_logp[anchor_idx]  # [a]
+    m = ref_logp.shape[0]
+    if anchor_idx.numel() == m:
+        return torch.zeros(m, dtype=torch.float64).index_put((anchor_idx,), anchor_delta)
+    with torch.no_grad():
+        if mode == "delta":
+            terms = anchor_delta[:, None] + s_policy - s_ref[anchor_idx].to(torch.float64)  # [a, M]
+            estimate = terms.mean(0)
+        elif mode == "logpi":
+            estimate = (anchor_logp[:, None] + s_policy).mean(0) - ref_logp  # [M]
+        else:
+            raise ValueError(f"estimation mode must be one of {ESTIMATION_MODES}, got {mode!r}")
+    return estimate.detach().clone().index_put((anchor_idx,), anchor_delta)
+
+
+def reference_terms(
+    model: PreTrainedModel | PeftModel,
+    sequences: Sequence[TokenizedResponse],
+    pad_token_id: int,
+    *,
+    chunk_size: int = 1024,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """What the cache stage stores for one example under pi_ref (pass the base model, or call
+    inside ``peft_model.disable_adapter()``): (ref_logp float64 [M], s_ref float32 [M, M]).
+
+    Every response is an anchor once, so any later anchor choice finds its row of s_ref.
+    """
+    ref = anchor_pass(model, sequences, pad_token_id, input_grads=True, chunk_size=chunk_size)
+    emb, lengths = response_embeddings(model, sequences)
+    every = torch.arange(len(sequences))
+    return ref.logp, contraction(ref.input_grads, every, emb, lengths).float()
+
+
+def embedding_distance(emb: torch.Tensor, lengths: torch.Tensor, anchor: int, full_norm: torch.Tensor) -> torch.Tensor:
+    """||h(x, y_j) - h(x, y_i)|| / ||h(x, y_i)|| over aligned response positions: float64 [M].
+
+    The paper's distance of Table 1; ``full_norm`` is ||h(x, y_i)|| over the anchor's whole
+    prompt + response sequence.
+    """
+    width = emb.shape[1]
+    cut = torch.minimum(lengths[anchor], lengths)  # [M]
+    aligned = torch.arange(width)[None, :] < cut[:, None]  # [M, T]
+    diff = torch.where(aligned[..., None], emb - emb[anchor][None], 0.0)  # [M, T, d]
+    return (diff.double().pow(2).sum((1, 2)).sqrt() / full_norm.double())
+
+
+def _response_rows(full: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """Rows of a [R, L, d] tensor at response positions, left-aligned: [R, T, d], zero past the end."""
+    width = int(lengths.max())
+    t = torch.arange(width)[None, :]  # [1, T]
+    positions = (starts[:, None] + t.clamp_max(lengths[:, None] - 1)).clamp_max(full.shape[1] - 1)  # [R, T]
+    rows = torch.gather(full, 1, positions[..., None].expand(-1, -1, full.shape[2]))  # [R, T, d]
+    return rows * (t < lengths[:, None])[..., None]
