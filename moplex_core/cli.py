@@ -51,6 +51,29 @@ def _ingest(args: argparse.Namespace) -> int:
     return 0
 
 
+def _augment(args: argparse.Namespace) -> int:
+    # In this process, without Prefect, like `moplex ingest`; flows/augment.py calls the same run_augment.
+    from moplex_core.artifacts import ArtifactError, ArtifactStore
+    from moplex_core.augment import ShortfallError, run_augment
+    from moplex_core.config import AugmentConfig, with_overrides
+
+    store = ArtifactStore(args.root)
+    try:
+        rankings = Path(args.rankings) if Path(args.rankings).is_dir() else store.locate(args.rankings).path
+        data = {k: v for k, v in (("backend", args.backend), ("model", args.model)) if v is not None}
+        config = with_overrides(AugmentConfig.model_validate(data), args.set)
+        result = run_augment(config, rankings, store, progress=not args.quiet)
+    except (ValueError, ArtifactError, ShortfallError, OSError, RuntimeError) as err:
+        print(f"moplex augment: {err}", file=sys.stderr)
+        return 1
+    short = f"; {result.shortfall.num_rows} shortfall row(s) in shortfall.parquet" if result.shortfall.num_rows else ""
+    if result.built:
+        print(f"{result.ref}: wrote {result.rows} augmented rankings to {result.path}{short}")
+    else:
+        print(f"{result.ref} is already complete at {result.path} ({result.rows} rankings{short}); nothing to do")
+    return 0
+
+
 def _inspect(args: argparse.Namespace) -> int:
     from moplex_core.inspect import inspect_path
 
@@ -99,6 +122,24 @@ def build_parser() -> argparse.ArgumentParser:
         help="override a config field, dotted for nested ones (e.g. ultrafeedback.min_distinct_rankings=3); repeatable",
     )
     ingest.set_defaults(func=_ingest)
+
+    augment = sub.add_parser(
+        "augment",
+        help="add generated responses to a rankings artifact (paper 4.1; no Prefect needed)",
+        description="Add n_generated responses, ranked below the originals, to every ranking of a "
+        "rankings artifact. Resumes an interrupted run; a second run with the same config does nothing.",
+    )
+    augment.add_argument("--rankings", required=True,
+                         help="the rankings artifact: its folder, or stage/version under --root (e.g. ingest/3fa2)")
+    augment.add_argument("--backend", choices=["hf", "vllm", "borrow"])
+    augment.add_argument("--model", help="local model directory or hub name (hf, vllm)")
+    augment.add_argument("--root", default="data/artifacts", help="artifact root")
+    augment.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE",
+        help="override an AugmentConfig field (e.g. n_generated=4, temperature=1.0, vllm_python=...); repeatable",
+    )
+    augment.add_argument("--quiet", action="store_true", help="no progress bar")
+    augment.set_defaults(func=_augment)
 
     inspect = sub.add_parser("inspect", help="readable report of an artifact folder, manifest.json or Parquet file")
     inspect.add_argument("path")

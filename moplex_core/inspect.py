@@ -174,3 +174,26 @@ def _rankings_section(version_dir: Path, shards: list[Path]) -> list[str]:
 
 def _distribution(values: pd.Series) -> str:
     return ", ".join(f"{k}: {v}" for k, v in values.value_counts().sort_index().items())
+
+
+@stage_section("augment")
+def _augmented_section(version_dir: Path, shards: list[Path]) -> list[str]:
+    table = _counting_columns(shards, ("generated", "generation"))
+    got = pc.list_value_length(table.column("generated")).to_pandas()
+    generation = table.column("generation")
+    attempts = pc.struct_field(generation, "attempts").to_pandas()
+    settings = pa.table({name: pc.struct_field(generation, name)
+                         for name in ("backend", "model", "temperature", "top_p", "max_new_tokens", "seed")})
+    chars = pc.utf8_length(pc.list_flatten(table.column("generated"))).to_pandas()
+    shortfall = version_dir / "shortfall.parquet"
+    short = pq.read_metadata(shortfall).num_rows if shortfall.is_file() else None
+    lines = [
+        "-- augmented --",
+        "generated per ranking:     " + _distribution(got),
+        "attempts per ranking:      " + _distribution(attempts),
+        "generated text length:     " + (f"median {chars.median():.0f} chars, max {chars.max()}" if len(chars) else "-"),
+        "shortfall.parquet rows:    " + ("missing (the stage did not finish)" if short is None else str(short)),
+        "generation settings:",
+    ]
+    distinct = settings.to_pandas().drop_duplicates()
+    return lines + [_indent(distinct.to_string(index=False))]

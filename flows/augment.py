@@ -1,0 +1,22 @@
+"""The augment stage: a `rankings` artifact in, a versioned `augmented` artifact out (paper 4.1, DESIGN.md 3)."""
+
+from __future__ import annotations
+
+from prefect import flow, get_run_logger
+
+from moplex_core.artifacts import DEFAULT_ROOT
+from moplex_core.config import AugmentConfig
+from tasks.augment import plan_augmented, write_augmented
+
+
+@flow(name="augment")
+def augment_flow(config: AugmentConfig, rankings: str, root: str = DEFAULT_ROOT) -> str:
+    """Write (or find) the augmented artifact of ``config`` for the rankings folder ``rankings``
+    (an ingest output); returns its folder. A complete version is not regenerated, but its
+    shortfall is still checked against ``config.on_shortfall``."""
+    logger = get_run_logger()
+    plan = plan_augmented(config, rankings, root)
+    if plan.complete:
+        logger.info("%s is already complete at %s (same config, rankings and model); nothing to generate",
+                    plan.ref, plan.path)
+    return str(write_augmented(config, root, plan).path)

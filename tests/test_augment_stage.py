@@ -1,0 +1,201 @@
+"""The augment stage end to end: core, shortfalls, borrow, resume after SIGKILL, CLI, Prefect flow."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from lm_fixtures import tiny_model_dir  # noqa: F401 - fixture
+from moplex_core.artifacts import ArtifactStore, shard_paths
+from moplex_core.augment import AUGMENTED_SCHEMA, SHORTFALL_FILE, STAGE, ShortfallError, run_augment
+from moplex_core.cli import main
+from moplex_core.config import AugmentConfig, IngestConfig
+from moplex_core.generate.base import normalise
+from moplex_core.ingest import run_ingest
+from moplex_core.schema import RANKINGS_SCHEMA
+
+ROWS = [  # two rankings share each of the first two prompts (as PERSONA's profiles share an instruction)
+    ("Rank by criterion 0: which list is best?", ["3 1", "4 4 2"], "a"),
+    ("Rank by criterion 0: which list is best?", ["3 1", "7 0"], "b"),
+    ("Rank by criterion 1: which list is best?", ["5", "6 6"], "a"),
+    ("Rank by criterion 1: which list is best?", ["2 2", "6 6"], "b"),
+    ("Rank by criterion 2: which list is best?", ["1 2 3", "9"], "b"),
+    ("Which list is best of all?", ["0", "1 1"], "a"),
+]
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def rankings_dir(tmp_path: Path, root: Path, rows=ROWS) -> Path:
+    source = tmp_path / "rankings.jsonl"
+    source.write_text("".join(
+        json.dumps({"prompt": p, "responses": r, "ranking": [[0], [1]], "cluster": c}) + "\n" for p, r, c in rows
+    ))
+    config = IngestConfig(dataset="generic", path=str(source), split={"fractions": (1.0, 0.0, 0.0)})
+    return run_ingest(config, ArtifactStore(root)).path
+
+
+def hf_config(model: Path, **overrides) -> AugmentConfig:
+    settings = {"model": str(model), "max_new_tokens": 16, "shard_prompts": 2, "batch_size": 8}
+    return AugmentConfig(**{**settings, **overrides})
+
+
+def test_generated_once_per_prompt_shared_by_its_rankings_and_never_an_original(tmp_path, tiny_model_dir):
+    store = ArtifactStore(tmp_path / "artifacts")
+    rankings = rankings_dir(tmp_path, store.root)
+    result = run_augment(hf_config(tiny_model_dir), rankings, store, progress=False)
+    assert result.built and result.rows == len(ROWS) and result.shortfall.num_rows == 0
+    assert [p.name for p in shard_paths(result.path)] == ["part-00000.parquet", "part-00001.parquet"]  # 4 prompts
+    table = store.load_table(STAGE, result.ref.version)
+    assert table.schema == AUGMENTED_SCHEMA
+    assert table.select(RANKINGS_SCHEMA.names).to_pylist() == store.load_table("ingest", rankings.name).to_pylist()
+    rows = table.to_pylist()
+    by_prompt: dict[str, list[str]] = {}
+    for row in rows:
+        assert len(row["generated"]) == 3 and by_prompt.setdefault(row["prompt_id"], row["generated"]) == row["generated"]
+        assert row["generation"] == {"backend": "hf", "model": str(tiny_model_dir), "temperature": 2.0, "top_p": 1.0,
+                                     "max_new_tokens": 16, "seed": 0, "attempts": 1}
+    for pid, generated in by_prompt.items():
+        originals = {normalise(t) for row in rows if row["prompt_id"] == pid for t in row["responses"]}
+        keys = [normalise(t) for t in generated]
+        assert len(set(keys)) == 3 and not set(keys) & originals
+    manifest = store.manifest(STAGE, result.ref.version)
+    assert manifest["inputs"]["rankings"] == f"ingest/{rankings.name}" and manifest["inputs"]["model"].startswith("sha256:")
+    assert manifest["summary"]["generated_per_ranking"] == {"3": 6} and manifest["summary"]["shortfall_rankings"] == 0
+    assert pq.read_table(result.path / SHORTFALL_FILE).num_rows == 0
+
+    again = run_augment(hf_config(tiny_model_dir, batch_size=1, device="cpu"), rankings, store, progress=False)
+    assert not again.built and again.ref == result.ref  # batch size and device are not part of the version
+    assert run_augment(hf_config(tiny_model_dir, seed=1), rankings, store, progress=False).ref != result.ref
+
+
+def test_shortfall_fails_or_keeps_fewer_and_is_never_silent(tmp_path, tiny_model_dir, caplog):
+    store = ArtifactStore(tmp_path / "artifacts")
+    rankings = rankings_dir(tmp_path, store.root)
+    greedy = hf_config(tiny_model_dir, top_p=1e-6, max_attempts=2)  # every sample is the same text
+    with pytest.raises(ShortfallError, match=r"2 prompt\(s\) \(4 ranking\(s\)\) got fewer") as err:
+        run_augment(greedy, rankings, store, progress=False)
+    [info] = store.list(STAGE)
+    version_dir = info.path
+    assert not (version_dir / "manifest.json").exists() and (version_dir / SHORTFALL_FILE).is_file()
+    assert [p.name for p in shard_paths(version_dir)] == ["part-00000.parquet"]  # stopped after the first shard
+    assert set(err.value.shortfall.column("got").to_pylist()) <= {0, 1}
+    assert "on_shortfall=keep_fewer" in str(err.value)
+
+    kept = greedy.model_copy(update={"on_shortfall": "keep_fewer"})
+    with caplog.at_level(logging.WARNING, logger="moplex_core.augment"):
+        result = run_augment(kept, rankings, store, progress=False)
+    assert result.path == version_dir and "kept with fewer" in caplog.text
+    shortfall = pq.read_table(version_dir / SHORTFALL_FILE).to_pylist()
+    assert sum(row["rankings"] for row in shortfall) == len(ROWS)
+    assert all(row["wanted"] == 3 and row["got"] <= 1 and row["attempts"] == 2 for row in shortfall)
+    assert store.manifest(STAGE, result.ref.version)["resumed"]
+    with pytest.raises(ShortfallError):  # a complete version with a shortfall still fails in fail mode
+        run_augment(greedy, rankings, store, progress=False)
+
+
+def test_borrow_fills_each_ranking_from_the_other_rankings_of_its_prompt(tmp_path):
+    store = ArtifactStore(tmp_path / "artifacts")
+    rankings = rankings_dir(tmp_path, store.root)
+    config = AugmentConfig(backend="borrow", n_generated=1, on_shortfall="keep_fewer")
+    result = run_augment(config, rankings, store, progress=False)
+    rows = {tuple(r["responses"]): r for r in store.load_table(STAGE, result.ref.version).to_pylist()}
+    assert rows[("3 1", "4 4 2")]["generated"] == ["7 0"] and rows[("3 1", "7 0")]["generated"] == ["4 4 2"]
+    assert rows[("5", "6 6")]["generated"] == ["2 2"] and rows[("2 2", "6 6")]["generated"] == ["5"]
+    assert rows[("0", "1 1")]["generated"] == [] and rows[("0", "1 1")]["generation"]["temperature"] is None
+    assert sorted(result.shortfall.column("got").to_pylist()) == [0, 0]  # the two prompts with one ranking
+
+
+def _augment_argv(rankings: Path, root: Path, model: Path) -> list[str]:
+    return ["augment", "--rankings", str(rankings), "--model", str(model), "--root", str(root), "--quiet",
+            "--set", "shard_prompts=1", "--set", "max_new_tokens=48", "--set", "batch_size=4"]
+
+
+def test_a_run_killed_mid_way_resumes_from_its_finished_shards(tmp_path, tiny_model_dir):
+    rows = [(f"Rank by criterion {i}: which list is best?", ["1 2", "3"], "a") for i in range(8)]
+    killed_root, clean_root = tmp_path / "killed", tmp_path / "clean"
+    rankings = rankings_dir(tmp_path, killed_root, rows)
+    process = subprocess.Popen(
+        [sys.executable, "-m", "moplex_core.cli", *_augment_argv(rankings, killed_root, tiny_model_dir)],
+        env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    deadline = time.monotonic() + 120
+    while not list(killed_root.glob(f"{STAGE}/*/part-00001.parquet")):
+        assert process.poll() is None and time.monotonic() < deadline, "the augment run ended before it was killed"
+        time.sleep(0.02)
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    [version_dir] = [p for p in (killed_root / STAGE).iterdir() if p.is_dir()]
+    assert not (version_dir / "manifest.json").exists()
+    finished = {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in shard_paths(version_dir)}
+    assert 2 <= len(finished) < 8
+
+    assert main(_augment_argv(rankings, killed_root, tiny_model_dir)) == 0
+    assert {name: (version_dir / name).stat().st_ino for name in finished} == {n: i for n, (i, _) in finished.items()}
+    assert {name: (version_dir / name).stat().st_mtime_ns for name in finished} == {
+        n: m for n, (_, m) in finished.items()}
+    assert json.loads((version_dir / "manifest.json").read_text())["resumed"]
+
+    clean_rankings = rankings_dir(tmp_path, clean_root, rows)
+    assert main(_augment_argv(clean_rankings, clean_root, tiny_model_dir)) == 0
+    clean_dir = clean_root / STAGE / version_dir.name  # same rankings version and config: same version
+    names = sorted(p.name for p in shard_paths(clean_dir))
+    assert names == sorted(p.name for p in shard_paths(version_dir)) and len(names) == 8
+    for name in names:
+        assert (clean_dir / name).read_bytes() == (version_dir / name).read_bytes(), name
+
+
+def test_cli_augment_and_inspect(tmp_path, tiny_model_dir, capsys):
+    root = tmp_path / "artifacts"
+    rankings = rankings_dir(tmp_path, root)
+    argv = ["augment", "--rankings", f"ingest/{rankings.name[:6]}", "--model", str(tiny_model_dir), "--root", str(root),
+            "--quiet", "--set", "max_new_tokens=8", "--set", "n_generated=2"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("augment/") and "wrote 6 augmented rankings" in out
+    assert main(argv) == 0 and "nothing to do" in capsys.readouterr().out
+    [version_dir] = [p for p in (root / STAGE).iterdir() if p.is_dir()]
+    assert main(["inspect", str(version_dir), "--rows", "1"]) == 0
+    report = capsys.readouterr().out
+    assert "-- augmented --" in report and "generated per ranking:     2: 6" in report and "shortfall.parquet" in report
+    assert main(["augment", "--rankings", str(rankings), "--root", str(root), "--backend", "vllm",
+                 "--model", str(tiny_model_dir)]) == 1
+    assert "set vllm_python" in capsys.readouterr().err
+
+
+@pytest.mark.slow  # starts Prefect's ephemeral server: ~25 s on 2 cores
+def test_augment_flow_on_the_local_prefect_server(prefect_env, tmp_path, caplog):
+    from flows.augment import augment_flow
+
+    root = tmp_path / "artifacts"
+    rankings = rankings_dir(tmp_path, root)
+    config = AugmentConfig(backend="borrow", n_generated=1, on_shortfall="keep_fewer")
+    prefect_logger = logging.getLogger("prefect")
+    prefect_logger.addHandler(caplog.handler)
+    try:
+        first = augment_flow(config, str(rankings), root=str(root))
+        assert "wrote 6 augmented rankings" in caplog.text and "kept with fewer" in caplog.text
+        caplog.clear()
+        second = augment_flow(config, str(rankings), root=str(root))
+        assert "already complete" in caplog.text
+    finally:
+        prefect_logger.removeHandler(caplog.handler)
+    assert second == first
+    with pytest.raises(ShortfallError):
+        augment_flow(config.model_copy(update={"on_shortfall": "fail"}), str(rankings), root=str(root))
