@@ -370,3 +370,90 @@ class AugmentConfig(StageConfig):
         if self.backend == "borrow":
             excluded |= set(_SAMPLING_FIELDS)
         return self.model_dump(mode="json", exclude=excluded)
+
+
+# ---------------------------------------------------------------------------------------------------
+# cache
+
+ModelDtype = Literal["auto", "float32", "bfloat16", "float16", "float64"]
+
+
+class CacheConfig(StageConfig):
+    """How the cache stage tokenises every response and computes its reference terms (DESIGN 3, 5.4).
+
+    For every response (originals, then generated ones): token ids (prompt + response + EOS), the
+    response start, ``ref_logp`` = log pi_ref(y|x) in float64, and the m' x m' reference
+    contraction s_ref. ``model`` is pi_ref, the base model the train stage puts adapters on.
+
+    Left out of the version (`identity`): ``model`` (its directory's content is an input of the
+    version instead), ``batch_size``, ``device`` and ``chunk_size`` (how fast, not what).
+    """
+
+    model: str
+    """A local model directory (save_pretrained output) or a cached hub name."""
+    use_chat_template: bool = True
+    max_prompt_tokens: int | None = Field(512, ge=1)
+    """Longer prompts lose their start."""
+    max_response_tokens: int | None = Field(512, ge=1)
+    """Longer responses lose their end (and their EOS), never their start."""
+    batch_size: int = Field(8, ge=1)
+    """Examples per forward pass (each contributes its m' responses)."""
+    shard_rows: int = Field(1000, ge=1)
+    """Examples per part-*.parquet shard: the unit of resumption after a kill."""
+    dtype: ModelDtype = "auto"
+    """``auto`` is bfloat16 on a GPU and float32 on the CPU; log-probs accumulate in float32/64."""
+    device: str = "auto"
+    chunk_size: int = Field(1024, ge=1)
+    """Response positions projected to the vocabulary at a time."""
+
+    def identity(self) -> dict[str, Any]:
+        return self.model_dump(mode="json", exclude={"model", "batch_size", "device", "chunk_size"})
+
+
+# ---------------------------------------------------------------------------------------------------
+# train
+
+class TrainConfig(StageConfig):
+    """The EM training stage: k LoRA adapters on the cache's base model (DESIGN 5.3-5.5).
+
+    ``anchors`` = a responses per example computed exactly per EM iteration (the rest estimated,
+    paper Algorithm 1); ``None`` computes every response (the `full` ablation). ``estimation``:
+    ``delta`` linearises log pi_c - log pi_ref, ``logpi`` log pi_c alone (the authors' code).
+    ``epochs`` passes over the weighted (example, cluster) pairs per M-step, in minibatches of
+    ``batch_size`` pairs. Trains on the cache's ``train`` split.
+
+    Left out of the version: ``score_batch_size``, ``device``, ``chunk_size`` (how fast, not what).
+    The base model is the one the cache was built from (its version pins the model's content).
+    """
+
+    k: int = Field(3, ge=1)
+    beta: float = Field(0.1, gt=0.0)
+    anchors: int | None = Field(2, ge=1)
+    estimation: Literal["delta", "logpi"] = "delta"
+    lora_r: int = Field(16, ge=1)
+    lora_alpha: float = Field(32.0, gt=0.0)
+    lora_dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    lora_targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    lr: float = Field(1e-4, gt=0.0)
+    epochs: int = Field(1, ge=1)
+    batch_size: int = Field(16, ge=1)
+    gamma_min: float = Field(1e-3, ge=0.0, lt=1.0)
+    em_iterations: int = Field(10, ge=1)
+    tol: float = Field(1e-6, ge=0.0)
+    init: Literal["kmeans", "dirichlet"] = "kmeans"
+    restarts: int = Field(1, ge=1)
+    seed: int = 0
+    dtype: ModelDtype = "auto"
+    device: str = "auto"
+    score_batch_size: int = Field(16, ge=1)
+    chunk_size: int = Field(1024, ge=1)
+
+    @field_validator("lora_targets")
+    @classmethod
+    def _some_targets(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        if not v or any(not t.strip() for t in v):
+            raise ValueError(f"lora_targets must name at least one module (e.g. q_proj), got {v}")
+        return v
+
+    def identity(self) -> dict[str, Any]:
+        return self.model_dump(mode="json", exclude={"score_batch_size", "device", "chunk_size"})

@@ -198,17 +198,21 @@ def fit_mixture(
     checkpoint_dir: Path | None = None,
     on_iteration: Callable[[EMState], None] | None = None,
     warm_start: torch.Tensor | None = None,
+    checkpoint_files: Callable[[Path, EMState, Scorer], None] | None = None,
 ) -> tuple[EMResult, Scorer]:
     """Fit the mixture with ``config.restarts`` restarts; return the result and the best scorer.
 
     With ``checkpoint_dir`` every iteration is saved and a rerun resumes from the last finished one.
     ``warm_start`` (float64 [n, k], e.g. a previous run's posteriors) replaces ``config.init``.
+    ``checkpoint_files(iter_dir, state, scorer)`` writes a caller's own files of an iteration (e.g.
+    adapters in PEFT's format) before its state.json, so a finished iteration always has them.
     """
     finished: list[EMState] = []
     best: tuple[EMState, Scorer] | None = None
     for restart in range(config.restarts):
         scorer = make_scorer()
-        state = _run_restart(scorer, inputs, rankings, config, restart, checkpoint_dir, on_iteration, warm_start)
+        state = _run_restart(scorer, inputs, rankings, config, restart, checkpoint_dir, on_iteration, warm_start,
+                             checkpoint_files)
         finished.append(state)
         if best is None or state.log_likelihood > best[0].log_likelihood:
             best = (state, scorer)
@@ -224,6 +228,7 @@ def _run_restart(
     checkpoint_dir: Path | None,
     on_iteration: Callable[[EMState], None] | None,
     warm_start: torch.Tensor | None,
+    checkpoint_files: Callable[[Path, EMState, Scorer], None] | None = None,
 ) -> EMState:
     seed = config.seed + 1000 * restart
     restart_dir = None if checkpoint_dir is None else Path(checkpoint_dir) / f"restart-{restart:02d}"
@@ -252,7 +257,8 @@ def _run_restart(
         converged = len(history) > 1 and abs(history[-1] - history[-2]) <= config.tol * abs(history[-2])
         state = EMState(restart, iteration, gamma, alpha, history, converged, scorer.state_dict())
         if restart_dir is not None:
-            save_checkpoint(restart_dir, state, rankings.example_ids)
+            extra = None if checkpoint_files is None else lambda it_dir: checkpoint_files(it_dir, state, scorer)
+            save_checkpoint(restart_dir, state, rankings.example_ids, extra)
         if on_iteration is not None:
             on_iteration(state)
         if converged:
@@ -272,8 +278,14 @@ def _warn_on_empty_clusters(alpha: torch.Tensor, n: int, iteration: int) -> None
         )
 
 
-def save_checkpoint(restart_dir: Path, state: EMState, example_ids: tuple[str, ...] | None) -> Path:
-    """Write ``iter-NNNN/`` (posteriors.parquet, state.pt, then state.json last) atomically."""
+def save_checkpoint(
+    restart_dir: Path,
+    state: EMState,
+    example_ids: tuple[str, ...] | None,
+    extra_files: Callable[[Path], None] | None = None,
+) -> Path:
+    """Write ``iter-NNNN/`` (posteriors.parquet, state.pt, ``extra_files(iter_dir)``, then state.json
+    last) atomically."""
     it_dir = restart_dir / f"iter-{state.iteration:04d}"
     it_dir.mkdir(parents=True, exist_ok=True)
     n = state.gamma.shape[0]
@@ -288,6 +300,8 @@ def save_checkpoint(restart_dir: Path, state: EMState, example_ids: tuple[str, .
     _atomic(it_dir / "posteriors.parquet", lambda p: pq.write_table(table, p))
     payload = {"gamma": state.gamma, "alpha": state.alpha, "scorer": state.scorer_state}
     _atomic(it_dir / "state.pt", lambda p: torch.save(payload, p))
+    if extra_files is not None:
+        extra_files(it_dir)
     summary = {
         "restart": state.restart,
         "iteration": state.iteration,

@@ -181,10 +181,28 @@ def reference_terms(
 
     Every response is an anchor once, so any later anchor choice finds its row of s_ref.
     """
-    ref = anchor_pass(model, sequences, pad_token_id, input_grads=True, chunk_size=chunk_size)
-    emb, lengths = response_embeddings(model, sequences)
-    every = torch.arange(len(sequences))
-    return ref.logp, contraction(ref.input_grads, every, emb, lengths).float()
+    return reference_terms_batch(model, [sequences], pad_token_id, chunk_size=chunk_size)[0]
+
+
+def reference_terms_batch(
+    model: PreTrainedModel | PeftModel,
+    examples: Sequence[Sequence[TokenizedResponse]],
+    pad_token_id: int,
+    *,
+    chunk_size: int = 1024,
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """`reference_terms` of several examples with one forward + input-gradient pass over all their
+    responses."""
+    rows = [seq for sequences in examples for seq in sequences]
+    ref = anchor_pass(model, rows, pad_token_id, input_grads=True, chunk_size=chunk_size)
+    out, offset = [], 0
+    for sequences in examples:
+        emb, lengths = response_embeddings(model, sequences)
+        every = torch.arange(len(sequences))
+        grads = ref.input_grads[offset : offset + len(sequences)]
+        out.append((ref.logp[offset : offset + len(sequences)].clone(), contraction(grads, every, emb, lengths).float()))
+        offset += len(sequences)
+    return out
 
 
 def embedding_distance(emb: torch.Tensor, lengths: torch.Tensor, anchor: int, full_norm: torch.Tensor) -> torch.Tensor:

@@ -113,6 +113,7 @@ class ScoreRecord:
     """What one `score` call computed, for scores.parquet."""
 
     iteration: int
+    example_ids: tuple[str, ...]
     scores: torch.Tensor  # float64 [n, k, M]
     is_anchor: torch.Tensor  # bool [n, M] (the same anchors for every cluster)
     in_slate: torch.Tensor  # bool [n, M]
@@ -186,7 +187,7 @@ class LoRAPolicyScorer:
     def score(self, inputs: PolicyInputs, iteration: int = 0) -> torch.Tensor:
         """E-step scores float64 [n, k, M] (estimated for non-anchors when anchors < m')."""
         scores, is_anchor = self._score_all(inputs, iteration, self.anchors, "E-step")
-        self.last_scores = ScoreRecord(iteration, scores, is_anchor, inputs.tiers != PAD)
+        self.last_scores = ScoreRecord(iteration, inputs.example_ids, scores, is_anchor, inputs.tiers != PAD)
         return scores
 
     def exact_scores(self, inputs: PolicyInputs) -> torch.Tensor:

@@ -1,0 +1,19 @@
+"""The cache stage: rankings (or augmented rankings) in, a versioned `cache` artifact out (DESIGN 3, 5.4)."""
+
+from __future__ import annotations
+
+from prefect import flow, get_run_logger
+
+from moplex_core.artifacts import DEFAULT_ROOT
+from moplex_core.config import CacheConfig
+from tasks.cache import plan_reference_cache, write_reference_cache
+
+
+@flow(name="cache")
+def cache_flow(config: CacheConfig, rankings_dir: str, root: str = DEFAULT_ROOT) -> str:
+    """Write (or find) the cache of the artifact at ``rankings_dir`` under ``root``; returns its folder."""
+    plan = plan_reference_cache(config, rankings_dir, root)
+    if plan.complete:
+        get_run_logger().info("%s is already complete at %s; nothing to do", plan.ref, plan.path)
+        return str(plan.path)
+    return str(write_reference_cache(config, rankings_dir, root, plan).path)

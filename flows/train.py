@@ -1,0 +1,19 @@
+"""The train stage: a `cache` artifact in, k LoRA adapters fitted by EM out (DESIGN 3, 5.3-5.5)."""
+
+from __future__ import annotations
+
+from prefect import flow, get_run_logger
+
+from moplex_core.artifacts import DEFAULT_ROOT
+from moplex_core.config import TrainConfig
+from tasks.train import fit_mixture_of_adapters, plan_mixture
+
+
+@flow(name="train")
+def train_flow(config: TrainConfig, cache_dir: str, root: str = DEFAULT_ROOT) -> str:
+    """Write (or find, or resume) the train artifact of ``config`` on the cache at ``cache_dir``."""
+    plan = plan_mixture(config, cache_dir, root)
+    if plan.complete:
+        get_run_logger().info("%s is already complete at %s; nothing to do", plan.ref, plan.path)
+        return str(plan.path)
+    return str(fit_mixture_of_adapters(config, cache_dir, root, plan).path)

@@ -1,0 +1,209 @@
+"""The cache stage without an orchestrator: `rankings` or `augmented` in, `cache` out (DESIGN 3, 5.4).
+
+For every example and every response (the m originals, then the m' - m generated ones, if any):
+token ids of prompt + response (+ EOS), the response start, ref_logp = log pi_ref(y|x) (float64),
+and the m' x m' reference contraction s_ref (float32, row-major), computed once so that the train
+stage never runs pi_ref and can draw new anchors every EM iteration.
+
+    plan_cache         the version (config, the input artifact, the model's content) and whether it exists
+    run_cache          tokenise, run pi_ref shard by shard (a finished shard is never recomputed)
+    load_policy_inputs a finished cache as moplex_core.scorers.lora_policy.PolicyInputs (one split)
+
+Besides the cache columns each row carries the input's example_id, split, cluster, ranking,
+ranked_prefix and n_original (m), so the train and evaluate stages read one artifact.
+`tasks/cache.py` wraps these for Prefect.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import torch
+from tqdm.auto import tqdm
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from moplex_core.artifacts import ArtifactRef, ArtifactStore, load_table, read_manifest
+from moplex_core.config import CacheConfig
+from moplex_core.estimate import reference_terms_batch
+from moplex_core.hashing import canonical_json, sha256_file, short_hash
+from moplex_core.lm.loading import load_model, load_tokenizer
+from moplex_core.lm.tokenize import TokenizedResponse, tokenize_responses
+from moplex_core.pl import encode_tiers_batch
+
+log = logging.getLogger(__name__)
+
+STAGE = "cache"
+CODE_VERSION = "cache-1"  # bump when a change to this stage changes what it writes
+
+CACHE_SCHEMA = pa.schema([
+    pa.field("example_id", pa.string()),
+    pa.field("split", pa.string()),
+    pa.field("cluster", pa.string()),
+    pa.field("ranking", pa.list_(pa.list_(pa.int32()))),
+    pa.field("ranked_prefix", pa.int32()),
+    pa.field("n_original", pa.int32()),
+    pa.field("input_ids", pa.list_(pa.list_(pa.int32()))),  # [m'][tokens]
+    pa.field("response_start", pa.list_(pa.int32())),  # [m']
+    pa.field("ref_logp", pa.list_(pa.float64())),  # [m']
+    pa.field("ref_contraction", pa.list_(pa.float32())),  # [m' * m'] row-major: s_ref[i][j] at i * m' + j
+])
+
+
+@dataclass(frozen=True)
+class CachePlan:
+    ref: ArtifactRef
+    path: Path
+    inputs: dict[str, str]  # {"rankings": "ingest/<v>" or "augment/<v>", "model": "<fingerprint>"}
+    complete: bool
+
+
+@dataclass(frozen=True)
+class CacheResult:
+    ref: ArtifactRef
+    path: Path
+    built: bool  # False: the version was already complete and nothing was done
+    rows: int
+
+
+def plan_cache(config: CacheConfig, rankings_dir: str | Path, store: ArtifactStore) -> CachePlan:
+    manifest = read_manifest(rankings_dir)
+    inputs = {"rankings": f"{manifest['stage']}/{manifest['version']}", "model": model_fingerprint(config.model)}
+    version = store.version(STAGE, config.identity(), inputs, CODE_VERSION)
+    return CachePlan(ArtifactRef(STAGE, version), store.path(STAGE, version), inputs, store.is_complete(STAGE, version))
+
+
+def run_cache(config: CacheConfig, rankings_dir: str | Path, store: ArtifactStore, plan: CachePlan | None = None,
+              *, progress: bool = True) -> CacheResult:
+    """Write the cache of ``rankings_dir`` (a rankings or augmented artifact) unless it is complete."""
+    plan = plan or plan_cache(config, rankings_dir, store)
+    if plan.complete:
+        return CacheResult(plan.ref, plan.path, False, store.manifest(STAGE, plan.ref.version)["rows"])
+    table = load_table(rankings_dir)
+    device = resolve_device(config.device)
+    dtype = resolve_dtype(config.dtype, device)
+    recorded = {**config.model_dump(mode="json"), "resolved_dtype": str(dtype).removeprefix("torch.")}
+    with store.writer(STAGE, plan.ref.version, config=recorded, inputs=plan.inputs, code_version=CODE_VERSION) as writer:
+        if writer.complete:
+            return CacheResult(plan.ref, plan.path, False, store.manifest(STAGE, plan.ref.version)["rows"])
+        starts = list(range(0, table.num_rows, config.shard_rows))
+        todo = [s for s, _ in enumerate(starts) if not writer.has_shard(s)]
+        if todo:
+            tokenizer = load_tokenizer(config.model)
+            model = load_model(config.model, dtype=dtype, device=device)
+            done = (len(starts) - len(todo)) * config.shard_rows
+            bar = tqdm(total=table.num_rows, initial=min(done, table.num_rows), desc="cache: pi_ref terms",
+                       unit="example", disable=not progress)
+            with bar:
+                for shard in todo:
+                    part = table.slice(starts[shard], config.shard_rows)
+                    writer.write_shard(shard, cache_rows(part, model, tokenizer, config, bar.update))
+        writer.summary.update({
+            "examples": table.num_rows,
+            "responses_per_example": _distribution(table),
+            "input": plan.inputs["rankings"],
+        })
+    log.info("wrote the cache of %d examples to %s", table.num_rows, plan.path)
+    return CacheResult(plan.ref, plan.path, True, table.num_rows)
+
+
+def cache_rows(
+    part: pa.Table,
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    config: CacheConfig,
+    advance: Callable[[int], object] = lambda n: None,
+) -> pa.Table:
+    """CACHE_SCHEMA rows of a slice of a rankings/augmented table; ``advance(n)`` after n examples."""
+    rows = part.to_pylist()
+    examples = [_tokenize(row, tokenizer, config) for row in rows]
+    terms = []
+    for start in range(0, len(rows), config.batch_size):
+        terms += reference_terms_batch(model, examples[start : start + config.batch_size], tokenizer.pad_token_id,
+                                       chunk_size=config.chunk_size)
+        advance(len(examples[start : start + config.batch_size]))
+    return pa.Table.from_pylist([
+        {
+            "example_id": row["example_id"],
+            "split": row["split"],
+            "cluster": row["cluster"],
+            "ranking": row["ranking"],
+            "ranked_prefix": row["ranked_prefix"],
+            "n_original": len(row["responses"]),
+            "input_ids": [seq.input_ids for seq in seqs],
+            "response_start": [seq.response_start for seq in seqs],
+            "ref_logp": ref_logp.tolist(),
+            "ref_contraction": s_ref.flatten().tolist(),
+        }
+        for row, seqs, (ref_logp, s_ref) in zip(rows, examples, terms, strict=True)
+    ], schema=CACHE_SCHEMA)
+
+
+def load_policy_inputs(cache_dir: str | Path, split: str | None = "train"):
+    """The cache's rows of ``split`` (None: all) as PolicyInputs, and their cluster labels (list)."""
+    from moplex_core.scorers.lora_policy import PolicyInputs
+
+    table = load_table(cache_dir)
+    if split is not None:
+        table = table.filter(pc.equal(table.column("split"), split))
+        if table.num_rows == 0:
+            raise ValueError(f"the cache at {cache_dir} has no rows of split {split!r}; "
+                             "ingest with a split that has some")
+    columns = table.to_pydict()
+    sizes = [len(r) for r in columns["response_start"]]
+    width = max(sizes)
+    n = len(sizes)
+    ref_logp = torch.zeros(n, width, dtype=torch.float64)
+    ref_contraction = torch.zeros(n, width, width, dtype=torch.float32)
+    sequences = []
+    for i, m in enumerate(sizes):
+        ref_logp[i, :m] = torch.tensor(columns["ref_logp"][i], dtype=torch.float64)
+        ref_contraction[i, :m, :m] = torch.tensor(columns["ref_contraction"][i], dtype=torch.float32).reshape(m, m)
+        sequences.append(tuple(TokenizedResponse(list(ids), start) for ids, start in
+                               zip(columns["input_ids"][i], columns["response_start"][i], strict=True)))
+    tiers = encode_tiers_batch(columns["ranking"], sizes, width)
+    inputs = PolicyInputs(tuple(columns["example_id"]), tuple(sequences), ref_logp, ref_contraction, tiers,
+                          torch.tensor(columns["ranked_prefix"], dtype=torch.int64))
+    return inputs, columns["cluster"]
+
+
+def model_fingerprint(model: str) -> str:
+    """A local model directory's content ("sha256:<hash of its files>"), or a hub name as given."""
+    path = Path(model).expanduser()
+    if not path.is_dir():
+        return f"hub:{model}"
+    files = {p.relative_to(path).as_posix(): sha256_file(p) for p in sorted(path.rglob("*"))
+             if p.is_file() and not any(part.startswith(".") for part in p.relative_to(path).parts)}
+    return "sha256:" + short_hash(canonical_json(files), length=16)
+
+
+def _tokenize(row: dict, tokenizer: PreTrainedTokenizerBase, config: CacheConfig) -> list[TokenizedResponse]:
+    responses = list(row["responses"]) + list(row.get("generated") or [])
+    prompt = json.loads(row["prompt_messages"]) if row.get("prompt_messages") else row["prompt"]
+    return tokenize_responses(tokenizer, prompt, responses, use_chat_template=config.use_chat_template,
+                              max_prompt_tokens=config.max_prompt_tokens,
+                              max_response_tokens=config.max_response_tokens)
+
+
+def _distribution(table: pa.Table) -> dict[str, int]:
+    sizes = np.asarray(pc.list_value_length(table.column("responses")).to_pylist())
+    if "generated" in table.column_names:
+        sizes = sizes + np.asarray(pc.list_value_length(table.column("generated")).fill_null(0).to_pylist())
+    values, counts = np.unique(sizes, return_counts=True)
+    return {str(v): int(c) for v, c in zip(values, counts, strict=True)}
+
+
+def resolve_device(device: str) -> str:
+    return ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
+
+
+def resolve_dtype(dtype: str, device: str) -> torch.dtype:
+    if dtype == "auto":
+        return torch.bfloat16 if device.startswith("cuda") else torch.float32
+    return getattr(torch, dtype)

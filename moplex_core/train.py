@@ -1,0 +1,197 @@
+"""The train stage without an orchestrator: `cache` in, a fitted mixture of k LoRA adapters out.
+
+EM (moplex_core.em, paper Algorithm 2) drives the LoRA scorer (moplex_core.scorers.lora_policy) on
+the cache's train split. Layout of the artifact (DESIGN 3)::
+
+    train/<version>/
+        em/restart-RR/iter-NNNN/   posteriors.parquet, scores.parquet, adapters/cN/ (PEFT),
+                                   state.pt (gamma, alpha, adapters, optimizer, shuffling RNG),
+                                   state.json (alpha, log-likelihood, history; written last)
+        adapters/cN/               the best restart's final adapters (PEFT save_pretrained format)
+        posteriors.parquet         its final posteriors (example_id, gamma, assigned)
+        result.json                alpha, log-likelihood history, iterations, restart, seeds
+
+A killed run resumes at the last iteration whose state.json exists, with identical results (the
+scorer's state restores adapters, AdamW moments and the shuffling generator; anchors depend only on
+(seed, iteration, example_id)).
+
+    plan_train    the version (config, the cache's version) and whether it exists
+    run_train     fit (or resume) and write the artifact
+    load_trained  a finished train artifact as (scorer, alpha) for evaluation
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+from tqdm.auto import tqdm
+
+from moplex_core.artifacts import ArtifactRef, ArtifactStore, read_manifest
+from moplex_core.cache import load_policy_inputs, resolve_device, resolve_dtype
+from moplex_core.config import TrainConfig
+from moplex_core.em import EMConfig, EMState, fit_mixture
+from moplex_core.scorers.lora_policy import LoRAPolicyScorer, LoRASettings, ScoreRecord
+
+log = logging.getLogger(__name__)
+
+STAGE = "train"
+CODE_VERSION = "train-1"  # bump when a change to this stage changes what it writes
+TRAIN_SPLIT = "train"
+
+SCORES_SCHEMA = pa.schema([
+    pa.field("example_id", pa.string()),
+    pa.field("cluster", pa.int32()),
+    pa.field("response_idx", pa.int32()),
+    pa.field("score", pa.float64()),
+    pa.field("is_anchor", pa.bool_()),
+    pa.field("estimated", pa.bool_()),
+])
+
+
+@dataclass(frozen=True)
+class TrainPlan:
+    ref: ArtifactRef
+    path: Path
+    inputs: dict[str, str]  # {"cache": "cache/<version>"}
+    model: str  # the cache's base model
+    complete: bool
+
+
+@dataclass(frozen=True)
+class TrainResult:
+    ref: ArtifactRef
+    path: Path
+    built: bool
+    log_likelihood: float
+    iterations: int
+
+
+def plan_train(config: TrainConfig, cache_dir: str | Path, store: ArtifactStore) -> TrainPlan:
+    manifest = read_manifest(cache_dir)
+    inputs = {"cache": f"{manifest['stage']}/{manifest['version']}"}
+    version = store.version(STAGE, config.identity(), inputs, CODE_VERSION)
+    return TrainPlan(ArtifactRef(STAGE, version), store.path(STAGE, version), inputs, manifest["config"]["model"],
+                     store.is_complete(STAGE, version))
+
+
+def make_scorer(config: TrainConfig, model: str, *, progress: bool = False) -> LoRAPolicyScorer:
+    device = resolve_device(config.device)
+    return LoRAPolicyScorer(
+        model, config.k, beta=config.beta, anchors=config.anchors, estimation=config.estimation,
+        lora=LoRASettings(config.lora_r, config.lora_alpha, config.lora_dropout, config.lora_targets),
+        lr=config.lr, epochs=config.epochs, batch_size=config.batch_size, score_batch_size=config.score_batch_size,
+        chunk_size=config.chunk_size, seed=config.seed, dtype=resolve_dtype(config.dtype, device), device=device,
+        progress=progress,
+    )
+
+
+def run_train(config: TrainConfig, cache_dir: str | Path, store: ArtifactStore, plan: TrainPlan | None = None,
+              *, progress: bool = True) -> TrainResult:
+    """Fit the mixture on the cache's train split and write the train artifact (or resume it)."""
+    plan = plan or plan_train(config, cache_dir, store)
+    if plan.complete:
+        return _finished(plan)
+    inputs, _ = load_policy_inputs(cache_dir, TRAIN_SPLIT)
+    rankings = inputs.rankings()
+    em_config = EMConfig(k=config.k, max_iter=config.em_iterations, tol=config.tol, gamma_min=config.gamma_min,
+                         init=config.init, restarts=config.restarts, seed=config.seed)
+    recorded = {**config.model_dump(mode="json"), "model": plan.model}
+    with store.writer(STAGE, plan.ref.version, config=recorded, inputs=plan.inputs, code_version=CODE_VERSION) as writer:
+        if writer.complete:
+            return _finished(plan)
+        bar = tqdm(total=config.em_iterations * config.restarts, desc="EM", disable=not progress)
+
+        def on_iteration(state: EMState) -> None:
+            bar.n = state.restart * config.em_iterations + state.iteration + 1
+            bar.set_postfix(restart=state.restart, LL=f"{state.log_likelihood:.4f}")
+            bar.refresh()
+            log.info("restart %d iteration %d: LL %.6f, alpha %s", state.restart, state.iteration,
+                     state.log_likelihood, [round(a, 4) for a in state.alpha.tolist()])
+
+        with bar:
+            result, scorer = fit_mixture(lambda: make_scorer(config, plan.model, progress=progress), inputs, rankings,
+                                         em_config, checkpoint_dir=writer.path / "em", on_iteration=on_iteration,
+                                         checkpoint_files=_iteration_files)
+        best = result.best
+        with writer.directory("adapters") as staging:
+            scorer.save_adapters(staging)
+        writer.write_table("posteriors.parquet", _posteriors_table(inputs.example_ids, best.gamma))
+        summary = {
+            "restart": best.restart, "iterations": best.iteration + 1, "converged": best.converged,
+            "log_likelihood": best.log_likelihood, "history": best.history, "alpha": best.alpha.tolist(),
+            "restarts": [{"restart": s.restart, "log_likelihood": s.log_likelihood, "iterations": s.iteration + 1}
+                         for s in result.restarts],
+            "train_examples": len(inputs), "seed": config.seed,
+        }
+        writer.write_file("result.json", json.dumps(summary, indent=2))
+        writer.summary.update({k: summary[k] for k in ("restart", "iterations", "converged", "log_likelihood",
+                                                       "alpha", "train_examples")})
+    return TrainResult(plan.ref, plan.path, True, best.log_likelihood, best.iteration + 1)
+
+
+def load_trained(train_dir: str | Path, *, device: str | None = None) -> tuple[LoRAPolicyScorer, torch.Tensor]:
+    """The final adapters of a finished train artifact as a scorer, and the mixing weights alpha."""
+    manifest = read_manifest(train_dir)
+    recorded = dict(manifest["config"])
+    model = recorded.pop("model")
+    if device is not None:
+        recorded["device"] = device
+    config = TrainConfig.model_validate(recorded)
+    scorer = make_scorer(config, model)
+    scorer.load_adapters(Path(train_dir) / "adapters")
+    alpha = torch.tensor(json.loads((Path(train_dir) / "result.json").read_text())["alpha"], dtype=torch.float64)
+    return scorer, alpha
+
+
+def _iteration_files(it_dir: Path, state: EMState, scorer: LoRAPolicyScorer) -> None:
+    """scores.parquet and adapters/ of one EM iteration, each renamed into place when whole."""
+    record = scorer.last_scores
+    if record is None or record.iteration != state.iteration:
+        raise RuntimeError(f"the scorer holds no E-step scores of iteration {state.iteration}")
+    table = scores_table(record)
+    tmp = it_dir / f".scores.parquet.tmp-{os.getpid()}"
+    pq.write_table(table, tmp)
+    os.replace(tmp, it_dir / "scores.parquet")
+    staging = it_dir / f".adapters.tmp-{os.getpid()}"
+    shutil.rmtree(staging, ignore_errors=True)
+    scorer.save_adapters(staging)
+    shutil.rmtree(it_dir / "adapters", ignore_errors=True)
+    os.replace(staging, it_dir / "adapters")
+
+
+def scores_table(record: ScoreRecord) -> pa.Table:
+    """Long format: one row per (example, cluster, response) in the slate (SCORES_SCHEMA)."""
+    n, k, m = record.scores.shape
+    example, cluster, response = torch.meshgrid(torch.arange(n), torch.arange(k), torch.arange(m), indexing="ij")
+    keep = record.in_slate[:, None, :].expand(n, k, m)
+    anchor = record.is_anchor[:, None, :].expand(n, k, m)[keep]
+    ids = pa.array(list(record.example_ids), pa.string()).take(pa.array(example[keep].numpy()))
+    return pa.table({
+        "example_id": ids,
+        "cluster": pa.array(cluster[keep].numpy().astype("int32")),
+        "response_idx": pa.array(response[keep].numpy().astype("int32")),
+        "score": pa.array(record.scores[keep].numpy()),
+        "is_anchor": pa.array(anchor.numpy()),
+        "estimated": pa.array((~anchor).numpy()),
+    }, schema=SCORES_SCHEMA)
+
+
+def _posteriors_table(example_ids: tuple[str, ...], gamma: torch.Tensor) -> pa.Table:
+    return pa.table({
+        "example_id": pa.array(list(example_ids), pa.string()),
+        "gamma": pa.array(gamma.tolist(), pa.list_(pa.float64())),
+        "assigned": pa.array(gamma.argmax(1).tolist(), pa.int32()),
+    })
+
+
+def _finished(plan: TrainPlan) -> TrainResult:
+    result = json.loads((plan.path / "result.json").read_text())
+    return TrainResult(plan.ref, plan.path, False, result["log_likelihood"], result["iterations"])
