@@ -1,0 +1,70 @@
+"""The cache stage: pi_ref terms of every response, from rankings or augmented artifacts, by shard."""
+
+from __future__ import annotations
+
+import os
+
+import pyarrow.parquet as pq
+import pytest
+import torch
+from lm_fixtures import tiny_model_dir  # noqa: F401  (fixture)
+from stage_fixtures import write_synthetic
+
+from moplex_core.artifacts import ArtifactStore, load_table
+from moplex_core.cache import load_policy_inputs, run_cache
+from moplex_core.config import CacheConfig
+from moplex_core.estimate import reference_terms
+from moplex_core.lm.loading import load_model, load_tokenizer
+from moplex_core.lm.tokenize import tokenize_responses
+from moplex_core.pl import UNRANKED
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_augmented_input_caches_originals_then_generated_with_reference_terms(tiny_model_dir, tmp_path):  # noqa: F811
+    store = ArtifactStore(tmp_path)
+    augmented = write_synthetic(store, n=5, m=3, n_generated=2)
+    result = run_cache(CacheConfig(model=str(tiny_model_dir), batch_size=2), augmented, store, progress=False)
+    cached = load_table(result.path).to_pylist()
+    source = load_table(augmented).to_pylist()
+    model, tokenizer = load_model(tiny_model_dir), load_tokenizer(tiny_model_dir)
+    for row, src in zip(cached, source, strict=True):
+        seqs = tokenize_responses(tokenizer, src["prompt"], src["responses"] + src["generated"])
+        assert row["input_ids"] == [s.input_ids for s in seqs] and row["n_original"] == 3
+        ref_logp, s_ref = reference_terms(model, seqs, tokenizer.pad_token_id)
+        torch.testing.assert_close(torch.tensor(row["ref_logp"], dtype=torch.float64), ref_logp, atol=1e-4, rtol=0)
+        torch.testing.assert_close(torch.tensor(row["ref_contraction"]).reshape(5, 5), s_ref, atol=1e-4, rtol=1e-4)
+    inputs, clusters = load_policy_inputs(result.path, split=None)
+    assert inputs.tiers.shape == (5, 5) and (inputs.tiers[:, 3:] == UNRANKED).all()
+    assert clusters == [r["cluster"] for r in source]
+
+
+def test_rankings_input_caches_the_originals_only(tiny_model_dir, tmp_path):  # noqa: F811
+    store = ArtifactStore(tmp_path)
+    rankings = write_synthetic(store, n=4, m=3)
+    result = run_cache(CacheConfig(model=str(tiny_model_dir)), rankings, store, progress=False)
+    assert {len(r) for r in load_table(result.path).column("ref_logp").to_pylist()} == {3}
+    assert run_cache(CacheConfig(model=str(tiny_model_dir)), rankings, store, progress=False).built is False
+
+
+def test_a_killed_cache_resumes_by_shard(tiny_model_dir, tmp_path):  # noqa: F811
+    store = ArtifactStore(tmp_path)
+    rankings = write_synthetic(store, n=6, m=3)
+    config = CacheConfig(model=str(tiny_model_dir), shard_rows=2)
+    first = run_cache(config, rankings, store, progress=False)
+    whole = load_table(first.path)
+    # What a kill during shard 1 leaves: shards 0 and 2 finished, no shard 1, no manifest.
+    (first.path / "manifest.json").unlink()
+    (first.path / "part-00001.parquet").unlink()
+    kept = {name: os.stat(first.path / name).st_mtime_ns for name in ("part-00000.parquet", "part-00002.parquet")}
+    again = run_cache(config, rankings, store, progress=False)
+    assert again.built and again.path == first.path
+    assert {name: os.stat(first.path / name).st_mtime_ns for name in kept} == kept
+    assert load_table(again.path).equals(whole)
+    assert pq.read_metadata(again.path / "part-00001.parquet").num_rows == 2

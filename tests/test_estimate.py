@@ -1,0 +1,106 @@
+"""Anchor estimation (paper Algorithm 1, DESIGN 5.4) on the tiny model."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from lm_fixtures import tiny_model_dir  # noqa: F401  (fixture)
+
+from moplex_core.estimate import (
+    anchor_indices,
+    anchor_pass,
+    contraction,
+    estimate_delta,
+    reference_terms,
+    response_embeddings,
+)
+from moplex_core.lm.loading import load_model, load_tokenizer
+from moplex_core.lm.logprobs import embed, sequence_logprobs
+from moplex_core.lm.tokenize import pad_batch, tokenize_responses
+
+RESPONSES = ["[3, 1, 2]", "[5, 0, 2, 7]", "[1, 1]", "[-4, -2, -9]"]
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def model64(tiny_model_dir):  # noqa: F811
+    return load_model(tiny_model_dir, dtype=torch.float64), load_tokenizer(tiny_model_dir)
+
+
+def test_first_order_term_equals_a_finite_difference_along_the_embedding_direction(model64):
+    model, tokenizer = model64
+    seqs = tokenize_responses(tokenizer, "Which list is best?", RESPONSES)
+    ref = anchor_pass(model, seqs, tokenizer.pad_token_id, input_grads=True)
+    emb, lengths = response_embeddings(model, seqs)
+    emb = emb.double()
+    s = contraction(ref.input_grads.double(), torch.arange(len(seqs)), emb, lengths)  # [M, M]
+    for i, j in [(0, 1), (1, 2), (3, 0)]:
+        batch = pad_batch([seqs[i]], tokenizer.pad_token_id)
+        h = embed(model, batch.input_ids).detach()  # [1, L, d]
+        direction = torch.zeros_like(h)
+        cut, start = int(min(lengths[i], lengths[j])), seqs[i].response_start
+        direction[0, start : start + cut] = emb[j, :cut] - emb[i, :cut]
+
+        def logp(x):
+            return sequence_logprobs(model, batch.input_ids, batch.attention_mask, batch.response_mask,
+                                     inputs_embeds=x).item()
+
+        def central(eps):
+            return (logp(h + eps * direction) - logp(h - eps * direction)) / (2 * eps)
+
+        # Qwen3's RMSNorm computes in float32 even in a float64 model, so a tiny step drowns in
+        # rounding; Richardson extrapolation of two moderate steps cancels the eps^2 term instead.
+        finite_difference = (4 * central(0.01) - central(0.02)) / 3
+        assert s[i, j].item() == pytest.approx(finite_difference, rel=2e-3, abs=1e-5)
+    torch.testing.assert_close(s.diagonal(), torch.zeros(4, dtype=torch.float64), atol=1e-12, rtol=0)
+
+
+def test_estimates_equal_exact_scores_when_every_response_is_an_anchor():
+    ref_logp = torch.tensor([-3.0, -4.0, -2.5], dtype=torch.float64)
+    exact = torch.tensor([-2.9, -4.2, -2.4], dtype=torch.float64)
+    every = torch.arange(3)
+    for mode in ("delta", "logpi"):
+        delta = estimate_delta(mode, every, exact, None, ref_logp, torch.randn(3, 3))
+        torch.testing.assert_close(delta, exact - ref_logp)
+
+
+def test_delta_mode_is_exact_for_the_reference_and_logpi_mode_adds_the_cached_reference():
+    ref_logp = torch.tensor([-3.0, -4.0, -2.5], dtype=torch.float64)
+    s_ref = torch.tensor([[0.0, -0.7, 0.4], [0.2, 0.0, 0.1], [0.3, -0.5, 0.0]], dtype=torch.float64)
+    anchors = torch.tensor([0, 2])
+    # A policy equal to the reference: delta mode gives exactly 0 everywhere.
+    at_ref = estimate_delta("delta", anchors, ref_logp[anchors], s_ref[anchors], ref_logp, s_ref)
+    torch.testing.assert_close(at_ref, torch.zeros(3, dtype=torch.float64))
+    logpi = estimate_delta("logpi", anchors, ref_logp[anchors], s_ref[anchors], ref_logp, s_ref)
+    expected = ((ref_logp[0] + s_ref[0, 1]) + (ref_logp[2] + s_ref[2, 1])) / 2 - ref_logp[1]
+    assert logpi[1].item() == pytest.approx(expected.item())
+    assert logpi[0] == 0 and logpi[2] == 0
+
+
+def test_anchors_depend_only_on_seed_iteration_and_example():
+    first = anchor_indices("ex-1", 8, 3, seed=0, iteration=2)
+    assert np.array_equal(first, anchor_indices("ex-1", 8, 3, seed=0, iteration=2))
+    assert len(set(first.tolist())) == 3 and np.all(np.diff(first) > 0)
+    draws = {tuple(anchor_indices("ex-1", 8, 3, seed=0, iteration=t)) for t in range(10)}
+    assert len(draws) > 1
+    assert np.array_equal(anchor_indices("ex-1", 8, None, 0, 0), np.arange(8))
+    assert np.array_equal(anchor_indices("ex-1", 4, 9, 0, 0), np.arange(4))
+
+
+def test_reference_terms_match_the_reference_log_probs(model64):
+    model, tokenizer = model64
+    seqs = tokenize_responses(tokenizer, "Which list is best?", RESPONSES)
+    ref_logp, s_ref = reference_terms(model, seqs, tokenizer.pad_token_id)
+    for j, seq in enumerate(seqs):
+        batch = pad_batch([seq], tokenizer.pad_token_id)
+        alone = sequence_logprobs(model, batch.input_ids, batch.attention_mask, batch.response_mask)
+        assert ref_logp[j].item() == pytest.approx(alone.item(), rel=1e-9)
+    assert s_ref.shape == (4, 4) and s_ref.dtype == torch.float32
