@@ -74,6 +74,50 @@ def _augment(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run(args: argparse.Namespace) -> int:
+    # The command-line twin of the Prefect flow flows/pipeline.py, run in this process; moplex_core
+    # never imports prefect, so the flow is imported here, lazily.
+    from moplex_core.config import pipeline_preset, preset_description, preset_names, with_overrides
+
+    if args.list or args.preset is None:
+        print("pipeline presets (data/presets/*.json):")
+        for name in preset_names():
+            print(f"  {name:<22} {preset_description(name)}")
+        return 0 if args.list else 1
+    overrides = args.set + ([f"root={args.root}"] if args.root else [])
+    try:
+        config = with_overrides(pipeline_preset(args.preset), overrides)
+    except ValueError as err:
+        print(f"moplex run: {err}", file=sys.stderr)
+        return 1
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    from prefect.settings import PREFECT_API_URL, PREFECT_UI_URL
+
+    from flows.pipeline import moplex_pipeline
+
+    state = moplex_pipeline(config=config, return_state=True)
+    run_id = state.state_details.flow_run_id
+    server = PREFECT_API_URL.value()
+    ui = f"{PREFECT_UI_URL.value()}/runs/flow-run/{run_id}" if server else \
+        f"http://127.0.0.1:4200/runs/flow-run/{run_id} after `prefect server start` (same PREFECT_HOME)"
+    if not state.is_completed():
+        print(f"moplex run: the pipeline run {run_id} ended {state.type.value}: {state.message}\n"
+              f"finished stages are kept and reused: rerun the same command, or retry the run with "
+              f"`prefect flow-run retry {run_id} --entrypoint flows/pipeline.py:moplex_pipeline`\n"
+              f"browse it in the Prefect UI: {ui}", file=sys.stderr)
+        return 1
+    dirs = state.result()
+    print(Path(dirs["report"]).read_text())
+    print("artifacts (moplex inspect PATH shows any of them):")
+    for stage, path in dirs.items():
+        print(f"  {stage:<9} {path}")
+    print(f"\nPrefect flow run {run_id} (stage versions, metrics, report and links under Artifacts):\n  {ui}")
+    return 0
+
+
 def _inspect(args: argparse.Namespace) -> int:
     from moplex_core.inspect import inspect_path
 
@@ -140,6 +184,25 @@ def build_parser() -> argparse.ArgumentParser:
     )
     augment.add_argument("--quiet", action="store_true", help="no progress bar")
     augment.set_defaults(func=_augment)
+
+    run = sub.add_parser(
+        "run",
+        help="run the whole pipeline (ingest -> augment -> cache -> train -> evaluate) on a preset, as a Prefect flow",
+        description="Run the moplex-pipeline Prefect flow in this process on a named preset "
+        "(data/presets/PRESET.json). Finished stages are reused; an interrupted one resumes. Without "
+        "PREFECT_API_URL, Prefect starts a temporary local server and keeps the run in PREFECT_HOME.",
+    )
+    run.add_argument("preset", nargs="?", help="e.g. synthetic-demo (see --list)")
+    run.add_argument("--list", action="store_true", help="list the presets and exit")
+    run.add_argument("--root", help="artifact root (default: the preset's, data/artifacts)")
+    run.add_argument("--threads", type=int, help="torch CPU threads (1 is fastest for the tiny model on a busy "
+                     "2-core machine; default: torch's)")
+    run.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE",
+        help="override a PipelineConfig field, dotted (e.g. train.em_iterations=3, ingest.synthetic.n=120, "
+        "fault.stage=train); repeatable",
+    )
+    run.set_defaults(func=_run)
 
     inspect = sub.add_parser("inspect", help="readable report of an artifact folder, manifest.json or Parquet file")
     inspect.add_argument("path")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -457,3 +458,126 @@ class TrainConfig(StageConfig):
 
     def identity(self) -> dict[str, Any]:
         return self.model_dump(mode="json", exclude={"score_batch_size", "device", "chunk_size"})
+
+
+# ---------------------------------------------------------------------------------------------------
+# tiny model (built by the pipeline when a preset's model is TINY_MODEL)
+
+TINY_MODEL = "tiny"
+"""The special model value: the pipeline builds a tiny offline Qwen3 model (moplex_core.lm.tiny) from
+the ingested texts into the artifact root, versioned like any stage output, and uses it."""
+
+
+class TinyModelConfig(StageConfig):
+    """moplex_core.lm.tiny.build_tiny_model settings. The model is pre-trained on every (prompt,
+    response) pair of the train split, at most ``max_pairs`` of them (the first, in table order)."""
+
+    hidden_size: int = Field(64, ge=8)
+    layers: int = Field(2, ge=1)
+    heads: int = Field(4, ge=1)
+    kv_heads: int = Field(2, ge=1)
+    vocab_size: int = Field(320, ge=261)
+    """256 byte symbols + 4 special tokens + at least one merge."""
+    max_positions: int = Field(1024, ge=64)
+    pretrain_steps: int = Field(150, ge=0)
+    max_pairs: int = Field(4000, ge=1)
+    seed: int = 0
+
+
+# ---------------------------------------------------------------------------------------------------
+# evaluate
+
+class EvaluateConfig(StageConfig):
+    """The evaluate stage: the trained mixture on held-out splits with exact scores (DESIGN 7).
+
+    The Hungarian matching of EM's cluster ids to the true labels is fitted on ``fit_split`` and
+    applied to every split. Left out of the version: ``device`` and ``score_batch_size``.
+    """
+
+    splits: tuple[str, ...] = ("validation", "test")
+    fit_split: str = "validation"
+    method: str = "moplex"
+    """The `method` column of metrics.parquet (a baseline preset names itself here)."""
+    device: str = "auto"
+    score_batch_size: int = Field(16, ge=1)
+
+    @model_validator(mode="after")
+    def _fit_split_is_evaluated(self) -> EvaluateConfig:
+        if not self.splits or len(set(self.splits)) != len(self.splits):
+            raise ValueError(f"splits must be distinct split names, got {self.splits}")
+        if self.fit_split not in self.splits:
+            raise ValueError(f"fit_split {self.fit_split!r} must be one of the evaluated splits {self.splits}")
+        return self
+
+    def identity(self) -> dict[str, Any]:
+        return self.model_dump(mode="json", exclude={"device", "score_batch_size"})
+
+
+# ---------------------------------------------------------------------------------------------------
+# the whole pipeline
+
+PipelineStage = Literal["ingest", "model", "augment", "cache", "train", "evaluate"]
+PRESETS_DIR = Path(__file__).resolve().parents[1] / "data" / "presets"
+
+
+class FaultConfig(Options):
+    """A failure on purpose, to try retries: ``stage`` fails (just before it would run) on the first
+    ``times`` runs of a pipeline flow run; a retry of that flow run (the UI's Retry, ``prefect
+    flow-run retry``) counts as a further run and goes through, reusing every finished stage."""
+
+    stage: PipelineStage | None = None
+    times: int = Field(1, ge=1)
+
+
+class PipelineConfig(Options):
+    """Every setting of one pipeline run: ingest -> (tiny model) -> augment -> cache -> train -> evaluate.
+
+    The stage blocks are the stages' own configs. ``cache.model`` is the base model (pi_ref) of the
+    cache and train stages, ``augment.model`` the generator (usually the same): a local directory,
+    a hub name, or ``"tiny"`` (TINY_MODEL), which builds a tiny offline model with ``tiny_model``
+    from the ingested texts. ``augment: null`` skips augmentation (the cache is built on the
+    rankings). ``stage_retries`` reruns a failed stage flow that many times after
+    ``retry_delay_seconds`` (transient failures; a rerun resumes from the stage's finished shards).
+    """
+
+    root: str = "data/artifacts"
+    tiny_model: TinyModelConfig = TinyModelConfig()
+    ingest: IngestConfig
+    augment: AugmentConfig | None = None
+    cache: CacheConfig
+    train: TrainConfig = TrainConfig()
+    evaluate: EvaluateConfig = EvaluateConfig()
+    fault: FaultConfig = FaultConfig()
+    stage_retries: int = Field(1, ge=0)
+    retry_delay_seconds: float = Field(5.0, ge=0.0)
+
+    @model_validator(mode="after")
+    def _k_fits_the_data(self) -> PipelineConfig:
+        if self.ingest.dataset == "synthetic" and self.train.k != self.ingest.synthetic.k:
+            raise ValueError(f"train.k = {self.train.k} but the synthetic data has ingest.synthetic.k = "
+                             f"{self.ingest.synthetic.k} clusters; set both (e.g. --set train.k=3)")
+        return self
+
+    def uses_tiny_model(self) -> bool:
+        models = [self.cache.model] + ([self.augment.model] if self.augment is not None else [])
+        return TINY_MODEL in models
+
+
+def preset_names() -> list[str]:
+    return sorted(p.stem for p in PRESETS_DIR.glob("*.json"))
+
+
+def pipeline_preset(name: str) -> PipelineConfig:
+    """The pipeline preset ``data/presets/<name>.json`` ({"description": ..., "config": {...}})."""
+    path = PRESETS_DIR / f"{name}.json"
+    if not path.is_file():
+        raise ValueError(f"unknown pipeline preset {name!r}: no {path}; choose one of {', '.join(preset_names())}")
+    try:
+        return PipelineConfig.model_validate(json.loads(path.read_text())["config"])
+    except (json.JSONDecodeError, KeyError, ValidationError) as err:
+        raise ValueError(f"{path} is not a valid pipeline preset ({{\"description\": ..., \"config\": "
+                         f"PipelineConfig}}):\n{err}") from None
+
+
+def preset_description(name: str) -> str:
+    return json.loads((PRESETS_DIR / f"{name}.json").read_text()).get("description", "")

@@ -13,13 +13,18 @@ Output rows: (split, metric, cluster, value); cluster is "all" for averages.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pandas as pd
 import torch
 
+from moplex_core.artifacts import ArtifactRef, ArtifactStore, load_table, read_manifest
+from moplex_core.config import EvaluateConfig
+from moplex_core.diagnostics import generated_score_diagnostics
 from moplex_core.em import Rankings, Scorer, mixture_posteriors
 from moplex_core.metrics import (
     ClusterMatching,
@@ -30,6 +35,7 @@ from moplex_core.metrics import (
     pairwise_ranking_accuracy,
     per_cluster_accuracy,
 )
+from moplex_core.pl import PAD
 
 
 @dataclass(frozen=True)
@@ -112,3 +118,163 @@ def _ranking_rows(
 
 def _name(c: int, label_names: list[str] | None) -> str:
     return label_names[c] if label_names else str(c)
+
+
+# ---------------------------------------------------------------------------------------------------
+# the evaluate stage: a train artifact and its cache in, `evaluation` out (DESIGN 3, 7)
+
+STAGE = "evaluate"
+CODE_VERSION = "evaluate-1"  # bump when a change to this stage changes what it writes
+METRICS_FILE = "metrics.parquet"
+METRICS_COLUMNS = ("method", "split", "metric", "cluster", "value", "seed")
+
+
+@dataclass(frozen=True)
+class EvaluatePlan:
+    ref: ArtifactRef
+    path: Path
+    inputs: dict[str, str]  # {"train": "train/<version>", "cache": "cache/<version>"}
+    complete: bool
+
+
+@dataclass(frozen=True)
+class EvaluateResult:
+    ref: ArtifactRef
+    path: Path
+    built: bool
+    metrics: pd.DataFrame  # METRICS_COLUMNS
+
+    @property
+    def report(self) -> Path:
+        return self.path / "report.md"
+
+
+@dataclass(frozen=True)
+class _SplitOutputs:
+    """Exact scores of one split, computed once and shared by the metrics and the diagnostics."""
+
+    inputs: Any  # PolicyInputs
+    labels: np.ndarray | None
+    scores: torch.Tensor  # float64 [n, k, M]
+    n_original: np.ndarray  # int [n]
+
+
+class _ScoredSplits:
+    """The Scorer protocol over scores already computed (exact, every response) per split."""
+
+    def __init__(self, k: int, outputs: dict[str, _SplitOutputs]) -> None:
+        self.k = k
+        self._by_inputs = {id(out.inputs): out.scores for out in outputs.values()}
+
+    def score(self, inputs: Any, iteration: int = 0) -> torch.Tensor:
+        return self._by_inputs[id(inputs)]
+
+
+def plan_evaluate(config: EvaluateConfig, train_dir: str | Path, cache_dir: str | Path,
+                  store: ArtifactStore) -> EvaluatePlan:
+    train = read_manifest(train_dir)
+    cache = read_manifest(cache_dir)
+    cache_ref = f"{cache['stage']}/{cache['version']}"
+    if train["inputs"].get("cache") != cache_ref:
+        raise ValueError(f"{train_dir} was trained on {train['inputs'].get('cache')}, not on {cache_ref} "
+                         f"({cache_dir}); evaluate a train artifact with the cache it was trained on")
+    inputs = {"train": f"{train['stage']}/{train['version']}", "cache": cache_ref}
+    version = store.version(STAGE, config.identity(), inputs, CODE_VERSION)
+    return EvaluatePlan(ArtifactRef(STAGE, version), store.path(STAGE, version), inputs,
+                        store.is_complete(STAGE, version))
+
+
+def run_evaluate(config: EvaluateConfig, train_dir: str | Path, cache_dir: str | Path, store: ArtifactStore,
+                 plan: EvaluatePlan | None = None) -> EvaluateResult:
+    """Score the held-out splits exactly with the trained adapters and write metrics.parquet,
+    diagnostics.parquet, report.md and plots/*.png (unless this version exists)."""
+    from moplex_core.cache import load_policy_inputs, resolve_device
+    from moplex_core.report import write_report
+    from moplex_core.train import load_trained
+
+    plan = plan or plan_evaluate(config, train_dir, cache_dir, store)
+    if plan.complete:
+        return EvaluateResult(plan.ref, plan.path, False, pd.read_parquet(plan.path / METRICS_FILE))
+    train_dir, cache_dir = Path(train_dir), Path(cache_dir)
+    scorer, alpha = load_trained(train_dir, device=resolve_device(config.device))
+    scorer.score_batch_size = config.score_batch_size
+    label_names = _label_names(cache_dir)
+    outputs = {}
+    for split in config.splits:
+        inputs, clusters = load_policy_inputs(cache_dir, split)
+        labels = None if label_names is None or any(c is None for c in clusters) else \
+            np.array([label_names.index(c) for c in clusters])
+        outputs[split] = _SplitOutputs(inputs, labels, scorer.exact_scores(inputs),
+                                       _n_original(cache_dir, inputs.example_ids))
+    splits = {name: EvalSplit(out.inputs, out.inputs.rankings(), out.labels) for name, out in outputs.items()}
+    metrics = evaluate_mixture(_ScoredSplits(scorer.k, outputs), alpha, splits, label_names, config.fit_split)
+    diagnostics = _generated_diagnostics(outputs, alpha, scorer.k)
+    seed = read_manifest(train_dir)["config"]["seed"]
+    metrics = pd.concat([metrics, _diagnostic_metrics(diagnostics)], ignore_index=True)
+    metrics.insert(0, "method", config.method)
+    metrics["seed"] = seed
+    metrics = metrics[list(METRICS_COLUMNS)]
+    confusion = {name: _posterior_confusion(out, alpha, splits[name], label_names) for name, out in outputs.items()
+                 if out.labels is not None}
+    history = json.loads((train_dir / "result.json").read_text())["history"]
+    with store.writer(STAGE, plan.ref.version, config=config.model_dump(mode="json"), inputs=plan.inputs,
+                      code_version=CODE_VERSION) as writer:
+        if writer.complete:
+            return EvaluateResult(plan.ref, plan.path, False, pd.read_parquet(plan.path / METRICS_FILE))
+        writer.write_table(METRICS_FILE, metrics)
+        if not diagnostics.empty:
+            writer.write_table("diagnostics.parquet", diagnostics)
+        write_report(writer, metrics, diagnostics, history, confusion, plan.inputs)
+        writer.summary.update({"metrics": len(metrics), "splits": list(config.splits), "method": config.method})
+    return EvaluateResult(plan.ref, plan.path, True, metrics)
+
+
+def _label_names(cache_dir: Path) -> list[str] | None:
+    """The true cluster labels in the cache (all splits), sorted; None when any ranking has none."""
+    clusters = load_table(cache_dir, columns=["cluster"]).column("cluster").to_pylist()
+    if not clusters or any(c is None for c in clusters):
+        return None
+    return sorted(set(clusters))
+
+
+def _n_original(cache_dir: Path, example_ids: tuple[str, ...]) -> np.ndarray:
+    table = load_table(cache_dir, columns=["example_id", "n_original"]).to_pydict()
+    by_id = dict(zip(table["example_id"], table["n_original"], strict=True))
+    return np.array([by_id[e] for e in example_ids])
+
+
+def _generated_diagnostics(outputs: dict[str, _SplitOutputs], alpha: torch.Tensor, k: int) -> pd.DataFrame:
+    """generated_score_diagnostics per split, rankings grouped by their EM cluster (argmax gamma).
+
+    Needs generated responses and one m for the whole split; splits without either are left out.
+    """
+    frames = []
+    for name, out in outputs.items():
+        m = set(out.n_original.tolist())
+        if len(m) != 1 or out.scores.shape[2] <= min(m):
+            continue
+        scores = out.scores.clone()
+        scores[(out.inputs.tiers == PAD).unsqueeze(1).expand_as(scores)] = float("nan")  # missing generated
+        gamma, _ = mixture_posteriors(out.scores, out.inputs.rankings(), alpha)
+        frame = generated_score_diagnostics(scores, m.pop(), gamma.argmax(1), [f"adapter c{c}" for c in range(k)])
+        frames.append(frame.assign(split=name))
+    return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
+
+
+def _diagnostic_metrics(diagnostics: pd.DataFrame) -> pd.DataFrame:
+    if diagnostics.empty:
+        return pd.DataFrame(columns=["split", "metric", "cluster", "value"])
+    long = diagnostics.melt(id_vars=["split", "cluster"], value_vars=["below_all_originals", "all_distinct_fraction", "cv"],
+                            var_name="metric", value_name="value")
+    long["metric"] = "generated_" + long["metric"]
+    return long[["split", "metric", "cluster", "value"]]
+
+
+def _posterior_confusion(out: _SplitOutputs, alpha: torch.Tensor, split: EvalSplit,
+                         label_names: list[str] | None) -> pd.DataFrame:
+    """Mean posterior gamma per true label (rows) and EM cluster (columns)."""
+    gamma, _ = mixture_posteriors(out.scores, split.rankings, alpha)
+    names = label_names or [str(c) for c in range(int(out.labels.max()) + 1)]
+    frame = pd.DataFrame(gamma.numpy(), columns=[f"c{c}" for c in range(gamma.shape[1])])
+    frame["true"] = [names[c] for c in out.labels]
+    return frame.groupby("true").mean().reindex(names)

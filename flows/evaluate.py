@@ -1,0 +1,20 @@
+"""The evaluate stage: a train artifact and its cache in, a versioned `evaluate` artifact out (DESIGN 3, 7)."""
+
+from __future__ import annotations
+
+from prefect import flow, get_run_logger
+
+from moplex_core.artifacts import DEFAULT_ROOT
+from moplex_core.config import EvaluateConfig
+from tasks.evaluate import plan_evaluation, write_evaluation
+
+
+@flow(name="evaluate")
+def evaluate_flow(config: EvaluateConfig, train_dir: str, cache_dir: str, root: str = DEFAULT_ROOT) -> str:
+    """Write (or find) the evaluation of the mixture at ``train_dir`` (trained on ``cache_dir``);
+    returns its folder (metrics.parquet, report.md, plots/)."""
+    plan = plan_evaluation(config, train_dir, cache_dir, root)
+    if plan.complete:
+        get_run_logger().info("%s is already complete at %s; nothing to do", plan.ref, plan.path)
+        return str(plan.path)
+    return str(write_evaluation(config, train_dir, cache_dir, root, plan).path)

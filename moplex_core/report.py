@@ -1,0 +1,153 @@
+"""The evaluation report: report.md and its PNG plots, written into an `evaluate` artifact.
+
+    plots/cluster_accuracy.png   per true cluster: clustering accuracy and the three labelled
+                                 ranking accuracies (posterior, oracle, marginal), on the last split
+    plots/em_log_likelihood.png  training log-likelihood per ranking at every EM iteration
+    plots/confusion_<split>.png  mean posterior gamma per true label (rows) and EM cluster (columns)
+
+Plots are drawn with matplotlib's object API (no pyplot, no global backend): a library must not
+change the process's plotting state.
+"""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import pandas as pd
+from matplotlib.figure import Figure
+
+HEADLINE = ("clustering_accuracy", "ari", "nmi", "ranking_accuracy_posterior", "ranking_accuracy_oracle",
+            "ranking_accuracy_marginal", "heldout_log_likelihood")
+RANKING_VARIANTS = ("posterior", "oracle", "marginal")
+
+
+def headline_table(metrics: pd.DataFrame) -> pd.DataFrame:
+    """The averages ("all" rows): one row per metric, one column per split, in HEADLINE order."""
+    overall = metrics[metrics.cluster == "all"].pivot_table(index="metric", columns="split", values="value",
+                                                             sort=False)
+    order = [m for m in HEADLINE if m in overall.index]
+    return overall.loc[order + [m for m in overall.index if m not in order]]
+
+
+def per_cluster_table(metrics: pd.DataFrame, split: str) -> pd.DataFrame:
+    """Per true cluster of ``split``: clustering accuracy and ranking accuracies (columns)."""
+    rows = metrics[(metrics.split == split) & (metrics.cluster != "all")
+                   & ~metrics.metric.str.startswith("generated_")]
+    return rows.pivot_table(index="cluster", columns="metric", values="value", sort=False)
+
+
+def write_report(writer, metrics: pd.DataFrame, diagnostics: pd.DataFrame, history: list[float],
+                 confusion: dict[str, pd.DataFrame], inputs: dict[str, str]) -> None:
+    """report.md and plots/*.png into an open ArtifactWriter of the evaluate stage."""
+    splits = list(dict.fromkeys(metrics.split))
+    last = splits[-1]
+    method = metrics["method"].iloc[0]
+    plots = {"em_log_likelihood.png": _log_likelihood_plot(history)}
+    clusters = per_cluster_table(metrics, last)
+    if not clusters.empty:
+        plots["cluster_accuracy.png"] = _cluster_accuracy_plot(clusters, last)
+    plots.update({f"confusion_{name}.png": _confusion_plot(frame, name) for name, frame in confusion.items()})
+    for name, png in plots.items():
+        writer.write_file(f"plots/{name}", png)
+
+    lines = [
+        f"# moplex evaluation: {method}",
+        "",
+        "Inputs: " + ", ".join(f"{k} `{v}`" for k, v in inputs.items()) + f"; seed {int(metrics['seed'].iloc[0])}.",
+        "",
+        "Exact scores of every response. Cluster ids are matched to the true labels (Hungarian) on "
+        f"`{splits[0]}` and the matching is applied to every split. Ranking accuracy is the fraction of "
+        "correctly ordered pairs of original responses (ties in the ground truth excluded), with each "
+        "ranking scored by: `posterior` its own argmax-gamma cluster (gamma computed from that ranking, "
+        "the paper's number, optimistic), `oracle` the cluster matched to its true label, `marginal` "
+        "the alpha-weighted mixture (no label, no ranking).",
+        "",
+        "## Overall",
+        "",
+        _markdown(headline_table(metrics)),
+        "",
+    ]
+    if not clusters.empty:
+        lines += [f"## Per cluster ({last})", "", _markdown(clusters), "",
+                  "![per-cluster accuracy](plots/cluster_accuracy.png)", ""]
+    lines += ["## EM training log-likelihood", "",
+              f"{len(history)} iteration(s); log-likelihood per training ranking: "
+              + ", ".join(f"{v:.4f}" for v in history), "", "![EM log-likelihood](plots/em_log_likelihood.png)", ""]
+    for name in confusion:
+        lines += [f"## Posterior confusion ({name})", "", "Mean gamma per true label (rows) and EM cluster (columns).",
+                  "", f"![posterior confusion {name}](plots/confusion_{name}.png)", ""]
+    if not diagnostics.empty:
+        lines += ["## Generated responses (paper 4.1)", "",
+                  "Per EM cluster (rankings grouped by argmax gamma), that cluster's exact scores: the fraction of "
+                  "generated responses scored below every original, the fraction of rankings whose generated "
+                  "scores are pairwise distinct (Proposition 2's assumption), and their coefficient of variation.",
+                  "", _markdown(diagnostics.set_index(["split", "cluster"])), ""]
+    writer.write_file("report.md", "\n".join(lines))
+
+
+def _markdown(frame: pd.DataFrame) -> str:
+    """A GitHub table (pandas' to_markdown needs tabulate, which we do not depend on)."""
+    index_names = [n or "" for n in frame.index.names]
+    header = index_names + [str(c) for c in frame.columns]
+    rows = []
+    for key, values in zip(frame.index, frame.itertuples(index=False), strict=True):
+        keys = list(key) if isinstance(key, tuple) else [key]
+        rows.append([str(k) for k in keys] + [_cell(v) for v in values])
+    return "\n".join(["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+                     + ["| " + " | ".join(row) + " |" for row in rows])
+
+
+def _cell(value: object) -> str:
+    if isinstance(value, (float, np.floating)):
+        return "-" if np.isnan(value) else f"{value:.4f}"
+    return str(value)
+
+
+def _png(figure: Figure) -> bytes:
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format="png", dpi=110, bbox_inches="tight")
+    return buffer.getvalue()
+
+
+def _cluster_accuracy_plot(clusters: pd.DataFrame, split: str) -> bytes:
+    series = [c for c in ["clustering_accuracy", *(f"ranking_accuracy_{v}" for v in RANKING_VARIANTS)]
+              if c in clusters.columns]
+    figure = Figure(figsize=(1.6 + 1.2 * len(clusters), 3.6))
+    ax = figure.subplots()
+    width = 0.8 / len(series)
+    x = np.arange(len(clusters))
+    for i, name in enumerate(series):
+        ax.bar(x + (i - (len(series) - 1) / 2) * width, clusters[name].to_numpy(), width,
+               label=name.replace("ranking_accuracy_", "ranking "))
+    ax.set_xticks(x, clusters.index.astype(str))
+    ax.set_ylim(0, 1)
+    ax.set_ylabel("accuracy")
+    ax.set_title(f"per-cluster accuracy ({split})")
+    ax.legend(fontsize=7, loc="lower right")
+    return _png(figure)
+
+
+def _log_likelihood_plot(history: list[float]) -> bytes:
+    figure = Figure(figsize=(4.5, 3.2))
+    ax = figure.subplots()
+    ax.plot(np.arange(1, len(history) + 1), history, marker="o")
+    ax.set_xlabel("EM iteration")
+    ax.set_ylabel("log-likelihood per ranking (train)")
+    ax.set_title("EM")
+    return _png(figure)
+
+
+def _confusion_plot(confusion: pd.DataFrame, split: str) -> bytes:
+    figure = Figure(figsize=(1.5 + 0.8 * confusion.shape[1], 1.2 + 0.6 * confusion.shape[0]))
+    ax = figure.subplots()
+    image = ax.imshow(confusion.to_numpy(), vmin=0, vmax=1, cmap="Blues")
+    ax.set_xticks(range(confusion.shape[1]), confusion.columns)
+    ax.set_yticks(range(confusion.shape[0]), confusion.index)
+    ax.set_xlabel("EM cluster")
+    ax.set_ylabel("true label")
+    for (r, c), value in np.ndenumerate(confusion.to_numpy()):
+        ax.text(c, r, f"{value:.2f}", ha="center", va="center", fontsize=7)
+    figure.colorbar(image, ax=ax, fraction=0.05)
+    ax.set_title(f"mean posterior ({split})")
+    return _png(figure)

@@ -1,0 +1,65 @@
+"""Prefect tasks of the end-to-end pipeline: the failure switch and the run's Prefect artifacts."""
+
+from __future__ import annotations
+
+import base64
+import re
+from pathlib import Path
+
+import pandas as pd
+from prefect import get_run_logger, task
+from prefect.artifacts import create_link_artifact, create_markdown_artifact, create_table_artifact
+from prefect.cache_policies import NO_CACHE
+from prefect.runtime import flow_run
+
+from moplex_core.artifacts import read_manifest
+from moplex_core.config import FaultConfig
+from moplex_core.evaluate import METRICS_FILE
+
+
+class InjectedFault(RuntimeError):
+    """The failure asked for by ``fault.stage`` (a test of retries, not a bug)."""
+
+
+@task(name="injected-fault", cache_policy=NO_CACHE)
+def fail_on_purpose(fault: FaultConfig, stage: str, run_count: int) -> None:
+    """Raise when ``fault.stage`` is ``stage`` and this is one of the first ``fault.times`` runs."""
+    raise InjectedFault(
+        f"stage {stage!r} fails on purpose (fault.stage = {fault.stage!r}, run {run_count} of the first "
+        f"{fault.times} that fail). Retry this flow run (UI: Retry; CLI: prefect flow-run retry "
+        f"{flow_run.get_id()}): the finished stages are reused, or set fault.stage to null."
+    )
+
+
+@task(name="publish-run-artifacts", cache_policy=NO_CACHE)
+def publish_run_artifacts(stage_dirs: dict[str, str]) -> None:
+    """Prefect artifacts of one pipeline run: the stage versions with their row counts, the metrics
+    table, the report (plots embedded as data URIs) and links to every Parquet file."""
+    manifests = {stage: read_manifest(path) for stage, path in stage_dirs.items()}
+    create_table_artifact(
+        key="moplex-stages",
+        table=[{"stage": stage, "version": m["version"], "rows": m["rows"], "shards": m["shards"],
+                "finished": m["finished"], "resumed": m["resumed"], "path": stage_dirs[stage]}
+               for stage, m in manifests.items()],
+        description="Artifact version and row count of every stage of this run (same version = reused).",
+    )
+    evaluation = Path(stage_dirs["evaluate"])
+    metrics = pd.read_parquet(evaluation / METRICS_FILE)
+    create_table_artifact(key="moplex-metrics", table=metrics.astype({"value": float}).to_dict("records"),
+                          description=f"{evaluation / METRICS_FILE}")
+    create_markdown_artifact(key="moplex-report", markdown=_embed_plots(evaluation), description=f"{evaluation}/report.md")
+    for stage, path in stage_dirs.items():
+        for name in sorted(manifests[stage]["files"]):
+            if name.endswith(".parquet") and "/" not in name:
+                create_link_artifact(link=(Path(path) / name).resolve().as_uri(), link_text=f"{stage}: {name}",
+                                     description=f"{stage} {manifests[stage]['version']}")
+    get_run_logger().info("report: %s", evaluation / "report.md")
+
+
+def _embed_plots(evaluation: Path) -> str:
+    """report.md with every ![...](plots/x.png) inlined, so the Prefect UI shows the plots."""
+    def inline(match: re.Match) -> str:
+        png = (evaluation / match.group(2)).read_bytes()
+        return f"![{match.group(1)}](data:image/png;base64,{base64.b64encode(png).decode()})"
+
+    return re.sub(r"!\[([^\]]*)\]\((plots/[^)]+\.png)\)", inline, (evaluation / "report.md").read_text())

@@ -1,0 +1,62 @@
+"""PipelineConfig: named presets, key=value overrides, and the errors a user sees."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from moplex_core.config import (
+    TINY_MODEL,
+    PipelineConfig,
+    pipeline_preset,
+    preset_description,
+    preset_names,
+    with_overrides,
+)
+
+
+def test_every_shipped_preset_loads_and_describes_itself():
+    assert set(preset_names()) >= {"synthetic-demo", "ultrafeedback-paper", "persona-paper", "helpsteer2"}
+    for name in preset_names():
+        config = pipeline_preset(name)
+        assert preset_description(name)
+        assert config.train.k >= 1 and config.cache.model
+
+
+def test_the_demo_preset_builds_its_own_tiny_model():
+    demo = pipeline_preset("synthetic-demo")
+    assert demo.ingest.dataset == "synthetic"
+    assert (demo.ingest.synthetic.k, demo.ingest.synthetic.m, demo.train.k) == (3, 4, 3)
+    assert demo.cache.model == TINY_MODEL and demo.augment.model == TINY_MODEL and demo.augment.backend == "hf"
+
+
+def test_overrides_reach_nested_stage_blocks_and_keep_the_rest():
+    demo = pipeline_preset("synthetic-demo")
+    changed = with_overrides(demo, ["ingest.synthetic.n=90", "train.em_iterations=2", "fault.stage=train",
+                                    "augment=null"])
+    assert changed.ingest.synthetic.n == 90 and changed.train.em_iterations == 2
+    assert changed.fault.stage == "train" and changed.augment is None
+    assert changed.cache == demo.cache and changed.tiny_model == demo.tiny_model
+
+
+def test_unknown_keys_unknown_presets_and_inconsistent_k_are_refused():
+    demo = pipeline_preset("synthetic-demo")
+    with pytest.raises(ValueError, match="extra_forbidden"):
+        with_overrides(demo, ["train.clusters=3"])
+    with pytest.raises(ValueError, match="extra_forbidden"):
+        PipelineConfig.model_validate({**demo.model_dump(mode="json"), "epochs": 2})
+    with pytest.raises(ValueError, match="fault"):
+        with_overrides(demo, ["fault.stage=deploy"])
+    with pytest.raises(ValueError, match="unknown pipeline preset 'nope'.*synthetic-demo"):
+        pipeline_preset("nope")
+    with pytest.raises(ValueError, match="train.k = 2 but the synthetic data has ingest.synthetic.k = 3"):
+        with_overrides(demo, ["train.k=2"])
+    with pytest.raises(ValidationError, match="fit_split"):
+        PipelineConfig.model_validate({**demo.model_dump(mode="json"), "evaluate": {"splits": ["test"]}})
+
+
+def test_the_config_round_trips_through_json_as_a_flow_parameter_does():
+    demo = pipeline_preset("synthetic-demo")
+    assert PipelineConfig.model_validate_json(demo.model_dump_json()) == demo
+    schema = PipelineConfig.model_json_schema()  # what the Prefect UI renders as a form
+    assert {"ingest", "augment", "cache", "train", "evaluate", "fault"} <= set(schema["properties"])
