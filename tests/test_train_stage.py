@@ -1,0 +1,108 @@
+"""The train stage: EM over k LoRA adapters, per-iteration artifacts, exact resume after SIGKILL."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pyarrow.parquet as pq
+import pytest
+import torch
+from lm_fixtures import tiny_model_dir  # noqa: F401  (fixture)
+from stage_fixtures import write_synthetic
+
+from moplex_core.artifacts import ArtifactStore
+from moplex_core.cache import run_cache
+from moplex_core.config import CacheConfig, TrainConfig
+from moplex_core.train import load_trained, run_train
+
+CONFIG = TrainConfig(k=2, anchors=2, lora_r=4, lora_alpha=8.0, lora_targets=("q_proj", "v_proj"), lr=1e-2,
+                     batch_size=4, em_iterations=3, tol=0.0, init="dirichlet", dtype="float32", device="cpu")
+
+# Run the train stage in a fresh process; SIGKILL it right after EM iteration `kill_after` is saved.
+RUN_TRAIN = textwrap.dedent("""
+    import os, signal, sys
+    import torch
+    torch.set_num_threads(1)
+    import moplex_core.em as em
+    from moplex_core.artifacts import ArtifactStore
+    from moplex_core.config import TrainConfig
+    from moplex_core.train import run_train
+
+    root, cache, config, kill_after = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+    save = em.save_checkpoint
+
+    def save_then_maybe_die(restart_dir, state, example_ids, extra_files=None):
+        path = save(restart_dir, state, example_ids, extra_files)
+        if state.iteration == kill_after:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return path
+
+    em.save_checkpoint = save_then_maybe_die
+    run_train(TrainConfig.model_validate_json(config), cache, ArtifactStore(root), progress=False)
+""")
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tiny_model_dir, tmp_path_factory):  # noqa: F811
+    store = ArtifactStore(tmp_path_factory.mktemp("train-cache"))
+    augmented = write_synthetic(store, n=10, m=3, n_generated=2)
+    return run_cache(CacheConfig(model=str(tiny_model_dir)), augmented, store, progress=False).path
+
+
+def test_train_writes_every_iteration_and_the_final_adapters(cache_dir, tmp_path):
+    result = run_train(CONFIG, cache_dir, ArtifactStore(tmp_path), progress=False)
+    assert result.built and result.iterations == 3
+    for t in range(3):
+        it_dir = result.path / "em" / "restart-00" / f"iter-{t:04d}"
+        assert json.loads((it_dir / "state.json").read_text())["iteration"] == t
+        assert sorted(p.name for p in (it_dir / "adapters").iterdir() if p.is_dir()) == ["c0", "c1"]
+        scores = pq.read_table(it_dir / "scores.parquet").to_pandas()
+        n = scores.example_id.nunique()
+        assert len(scores) == n * 2 * 5
+        assert (scores.groupby(["example_id", "cluster"]).is_anchor.sum() == 2).all()
+        assert (scores.estimated == ~scores.is_anchor).all()
+    scorer, alpha = load_trained(result.path)
+    assert alpha.sum().item() == pytest.approx(1.0)
+    assert (result.path / "posteriors.parquet").is_file()
+    assert run_train(CONFIG, cache_dir, ArtifactStore(tmp_path), progress=False).built is False
+
+
+def versions(root):
+    return [p for p in (root / "train").iterdir() if not p.name.startswith(".")]
+
+
+@pytest.mark.slow
+def test_resume_after_sigkill_between_iterations_reproduces_the_uninterrupted_run(cache_dir, tmp_path):
+    def run(root, kill_after):
+        return subprocess.run([sys.executable, "-c", RUN_TRAIN, str(root), str(cache_dir),
+                               CONFIG.model_dump_json(), str(kill_after)], capture_output=True, text=True)
+
+    whole = run(tmp_path / "whole", -1)
+    assert whole.returncode == 0, whole.stderr[-2000:]
+    killed = run(tmp_path / "killed", 1)
+    assert killed.returncode == -signal.SIGKILL
+    (version_dir,) = versions(tmp_path / "killed")
+    assert not (version_dir / "manifest.json").exists()
+    assert not (version_dir / "em" / "restart-00" / "iter-0002").exists()
+    resumed = run(tmp_path / "killed", -1)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+
+    def final(root, name):
+        (path,) = versions(root)
+        return pq.read_table(path / name).to_pandas()
+
+    expected, got = final(tmp_path / "whole", "posteriors.parquet"), final(tmp_path / "killed", "posteriors.parquet")
+    assert expected.example_id.tolist() == got.example_id.tolist()
+    assert [list(g) for g in expected.gamma] == [list(g) for g in got.gamma]
