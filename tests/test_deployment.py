@@ -1,0 +1,162 @@
+"""The pipeline as users run it: a real Prefect server, process work pools, `prefect deploy --all`
+from prefect.yaml, a worker, a deployment run, a failure on purpose and a retry of that flow run.
+
+Everything runs in subprocesses against a private PREFECT_HOME, so the server and the worker are
+Prefect's own; the test talks to the server's REST API and stops every process it started (by its
+PID, with its process group: the worker's flow-run subprocesses go with it), also on failure.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pandas as pd
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+PREFECT = [sys.executable, "-m", "prefect"]
+SMALL = ["ingest.synthetic.n=60", "train.em_iterations=2", "tiny_model.pretrain_steps=20", "stage_retries=0"]
+EARLY_STAGES = ("ingest", "model", "augment", "cache")
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def prefect_server(tmp_path: Path) -> Iterator[tuple[str, dict[str, str], list[subprocess.Popen]]]:
+    """(api url, environment for Prefect subprocesses, list to register started processes in)."""
+    api = f"http://127.0.0.1:{_free_port()}/api"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
+    env.update({
+        "PREFECT_HOME": str(tmp_path / "prefect-home"),
+        "PREFECT_API_URL": api,
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "PREFECT_WORKER_QUERY_SECONDS": "2",
+        "HF_HUB_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "OMP_NUM_THREADS": "1",
+    })
+    started: list[subprocess.Popen] = []
+    try:
+        started.append(_start([*PREFECT, "server", "start", "--host", "127.0.0.1", "--port", api.split(":")[2][:-4]],
+                              env, tmp_path / "server.log"))
+        deadline = time.monotonic() + 150
+        while not _healthy(api):
+            if started[0].poll() is not None or time.monotonic() > deadline:
+                pytest.fail(f"the Prefect server did not come up:\n{(tmp_path / 'server.log').read_text()[-3000:]}")
+            time.sleep(1)
+        yield api, env, started
+    finally:
+        for process in reversed(started):
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGTERM)
+                try:
+                    process.wait(timeout=20)
+                except subprocess.TimeoutExpired:
+                    os.killpg(process.pid, signal.SIGKILL)
+                    process.wait()
+
+
+def test_deployed_pipeline_runs_fails_on_purpose_and_a_retry_reuses_finished_stages(prefect_server, tmp_path):
+    api, env, started = prefect_server
+    root = tmp_path / "artifacts"
+    for pool in ("cpu", "gpu"):
+        _cli(["work-pool", "create", pool, "--type", "process"], env)
+    _cli(["--no-prompt", "deploy", "--all"], env)
+    started.append(_start([*PREFECT, "worker", "start", "--pool", "cpu", "--type", "process"], env,
+                          tmp_path / "worker.log"))
+
+    with httpx.Client(base_url=api, timeout=30) as client:
+        deployment = client.get("/deployments/name/moplex-pipeline/synthetic-demo").raise_for_status().json()
+        overrides = [*SMALL, f"root={root}", "fault.stage=train"]
+        run = client.post(f"/deployments/{deployment['id']}/create_flow_run",
+                          json={"parameters": {"preset": "synthetic-demo", "overrides": overrides}}).raise_for_status().json()
+
+        failed = _wait_for_end(client, run["id"], tmp_path)
+        assert failed["state"]["type"] == "FAILED", failed["state"]
+        assert "fails on purpose" in failed["state"]["message"] or _task_failed(client, run["id"], "injected-fault")
+        finished = {stage: _manifest(root, stage) for stage in EARLY_STAGES}
+        assert not (root / "train").exists()
+
+        _cli(["flow-run", "retry", run["id"]], env)
+        retried = _wait_for_end(client, run["id"], tmp_path)
+        assert retried["state"]["type"] == "COMPLETED", retried["state"]
+        assert retried["run_count"] == 2
+
+        # the retry reused what the failed attempt finished: same versions, manifests untouched
+        for stage, (path, manifest, mtime) in finished.items():
+            again = _manifest(root, stage)
+            assert again[0] == path and again[1]["finished"] == manifest["finished"] and again[2] == mtime, stage
+        evaluation = _manifest(root, "evaluate")[0]
+        metrics = pd.read_parquet(evaluation / "metrics.parquet")
+        assert list(metrics.columns) == ["method", "split", "metric", "cluster", "value", "seed"]
+        assert {"clustering_accuracy", "ranking_accuracy_posterior", "ranking_accuracy_oracle",
+                "ranking_accuracy_marginal", "heldout_log_likelihood"} <= set(metrics.metric)
+        assert (evaluation / "report.md").is_file() and list((evaluation / "plots").glob("*.png"))
+
+        artifacts = client.post("/artifacts/filter", json={"artifacts": {"flow_run_id": {"any_": [run["id"]]}}}
+                                ).raise_for_status().json()
+        by_key = {a["key"]: a for a in artifacts if a["key"]}
+        assert {"moplex-stages", "moplex-metrics", "moplex-report"} <= set(by_key)
+        stages = json.loads(by_key["moplex-stages"]["data"])
+        assert [row["stage"] for row in stages] == [*EARLY_STAGES, "train", "evaluate"]
+        assert {row["stage"]: row["rows"] for row in stages}["ingest"] == 60
+        assert "data:image/png;base64," in by_key["moplex-report"]["data"]
+        links = [a for a in artifacts if a["type"] == "link"]
+        assert any("metrics.parquet" in a["data"] for a in links)
+
+
+def _start(command: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
+    return subprocess.Popen(command, cwd=REPO, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT,
+                            start_new_session=True)
+
+
+def _cli(args: list[str], env: dict[str, str]) -> str:
+    done = subprocess.run([*PREFECT, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, f"prefect {' '.join(args)} failed:\n{done.stdout}\n{done.stderr}"
+    return done.stdout
+
+
+def _healthy(api: str) -> bool:
+    try:
+        return httpx.get(f"{api}/health", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def _wait_for_end(client: httpx.Client, run_id: str, tmp_path: Path, timeout: float = 300) -> dict:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        run = client.get(f"/flow_runs/{run_id}").raise_for_status().json()
+        if run["state"]["type"] in ("COMPLETED", "FAILED", "CRASHED", "CANCELLED"):
+            return run
+        time.sleep(2)
+    pytest.fail(f"flow run {run_id} did not finish in {timeout} s; worker log:\n"
+                f"{(tmp_path / 'worker.log').read_text()[-4000:]}")
+
+
+def _task_failed(client: httpx.Client, run_id: str, name: str) -> bool:
+    tasks = client.post("/task_runs/filter", json={"flow_runs": {"id": {"any_": [run_id]}}}).raise_for_status().json()
+    return any(t["name"].startswith(name) and t["state"]["type"] == "FAILED" for t in tasks)
+
+
+def _manifest(root: Path, stage: str) -> tuple[Path, dict, int]:
+    """The one complete version of ``stage`` under ``root``: (folder, manifest, manifest mtime in ns)."""
+    versions = [p for p in (root / stage).iterdir() if (p / "manifest.json").is_file()]
+    assert len(versions) == 1, f"{stage}: expected one complete version, found {versions}"
+    path = versions[0] / "manifest.json"
+    return versions[0], json.loads(path.read_text()), path.stat().st_mtime_ns

@@ -1,0 +1,74 @@
+"""The evaluate stage on a real (tiny) trained mixture: metrics.parquet, report.md, plots; versioned."""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+
+from moplex_core.artifacts import ArtifactStore, verify
+from moplex_core.cache import run_cache
+from moplex_core.config import CacheConfig, EvaluateConfig, IngestConfig, SplitConfig, TinyModelConfig, TrainConfig
+from moplex_core.evaluate import METRICS_COLUMNS, plan_evaluate, run_evaluate
+from moplex_core.ingest import run_ingest
+from moplex_core.tiny_model import run_tiny_model
+from moplex_core.train import run_train
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """(store, train folder, cache folder): synthetic k = 3 rankings, the pipeline's tiny model, one EM iteration."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        store = ArtifactStore(tmp_path_factory.mktemp("artifacts"))
+        rankings = run_ingest(IngestConfig(dataset="synthetic", synthetic={"n": 36, "k": 3, "m": 3},
+                                           split=SplitConfig(fractions=(0.5, 0.25, 0.25))), store).path
+        model = run_tiny_model(TinyModelConfig(pretrain_steps=5, hidden_size=32), rankings, store)
+        cache = run_cache(CacheConfig(model=str(model)), rankings, store, progress=False).path
+        train = run_train(TrainConfig(k=3, lora_r=4, em_iterations=1, anchors=None, lora_targets=("q_proj", "v_proj")),
+                          cache, store, progress=False).path
+        yield store, train, cache
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_evaluation_writes_labelled_metrics_a_report_and_plots(trained):
+    store, train, cache = trained
+    result = run_evaluate(EvaluateConfig(), train, cache, store)
+    assert result.built
+    verify(result.path)
+    metrics = pd.read_parquet(result.path / "metrics.parquet")
+    assert tuple(metrics.columns) == METRICS_COLUMNS
+    assert set(metrics.split) == {"validation", "test"} and set(metrics.method) == {"moplex"}
+    assert set(metrics.seed) == {0}
+    overall = metrics[metrics.cluster == "all"].set_index(["split", "metric"]).value
+    for split in ("validation", "test"):
+        for metric in ("clustering_accuracy", "ranking_accuracy_posterior", "ranking_accuracy_oracle",
+                       "ranking_accuracy_marginal"):
+            assert 0.0 <= overall[split, metric] <= 1.0
+        assert np.isfinite(overall[split, "heldout_log_likelihood"]) and overall[split, "heldout_log_likelihood"] < 0
+    per_cluster = metrics[(metrics.metric == "clustering_accuracy") & (metrics.cluster != "all")]
+    assert set(per_cluster.cluster) <= {"c0", "c1", "c2"}
+    report = (result.path / "report.md").read_text()
+    assert "posterior" in report and "oracle" in report and "marginal" in report
+    for png in ("em_log_likelihood.png", "cluster_accuracy.png", "confusion_test.png"):
+        assert f"plots/{png}" in report
+        assert (result.path / "plots" / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_same_evaluation_is_a_version_that_is_skipped(trained):
+    store, train, cache = trained
+    first = run_evaluate(EvaluateConfig(), train, cache, store)
+    again = run_evaluate(EvaluateConfig(device="cpu", score_batch_size=4), train, cache, store)
+    assert again.ref == first.ref and not again.built
+    pd.testing.assert_frame_equal(again.metrics, first.metrics)
+    assert plan_evaluate(EvaluateConfig(method="k3"), train, cache, store).ref != first.ref
+
+
+def test_a_train_artifact_is_evaluated_only_with_its_own_cache(trained, tmp_path):
+    store, train, cache = trained
+    other = run_ingest(IngestConfig(dataset="synthetic", synthetic={"n": 12, "k": 3, "m": 3}), store).path
+    with pytest.raises(ValueError, match="was trained on cache/"):
+        plan_evaluate(EvaluateConfig(), train, other, store)
