@@ -9,6 +9,15 @@ the `validation` split and applied to `test`. Ranking accuracy is reported three
     marginal   the alpha-weighted mixture of the k scorers, no label and no ranking used
 
 Output rows: (split, metric, cluster, value); cluster is "all" for averages.
+
+The evaluate stage (`plan_evaluate`, `run_evaluate`) applies this to a finished train artifact:
+its final adapters score the cache's held-out splits exactly, once per split (the metrics and the
+generated-response diagnostics share those scores), and it writes the `evaluation` artifact::
+
+    evaluate/<version>/metrics.parquet      method, split, metric, cluster, value, seed
+                       diagnostics.parquet  moplex_core.diagnostics per split and EM cluster (when
+                                            the cache has generated responses)
+                       report.md, plots/    moplex_core.report
 """
 
 from __future__ import annotations
