@@ -40,7 +40,7 @@ def moplex_pipeline(preset: str = "synthetic-demo", overrides: list[str] | None 
 
     dirs = {"ingest": stage("ingest", ingest_flow, config.ingest)}
     augment, cache = config.augment, config.cache
-    if TINY_MODEL in (cache.model, augment and augment.model):
+    if config.uses_tiny_model():
         dirs["model"] = stage("model", tiny_model_flow, config.tiny_model, dirs["ingest"])
         tiny = {"model": str(Path(dirs["model"]) / MODEL_DIR)}
         cache = cache.model_copy(update=tiny) if cache.model == TINY_MODEL else cache

@@ -34,7 +34,8 @@ def per_cluster_table(metrics: pd.DataFrame, split: str) -> pd.DataFrame:
     """Per true cluster of ``split``: clustering accuracy and ranking accuracies (columns)."""
     rows = metrics[(metrics.split == split) & (metrics.cluster != "all")
                    & ~metrics.metric.str.startswith("generated_")]
-    return rows.pivot_table(index="cluster", columns="metric", values="value", sort=False)
+    table = rows.pivot_table(index="cluster", columns="metric", values="value", sort=False)
+    return table[[m for m in HEADLINE if m in table.columns]]
 
 
 def write_report(writer, metrics: pd.DataFrame, diagnostics: pd.DataFrame, history: list[float],
