@@ -25,6 +25,20 @@ def _experiment_identifiability(args: argparse.Namespace) -> int:
     return 0
 
 
+def _experiment_approximation(args: argparse.Namespace) -> int:
+    from moplex_core.artifacts import read_manifest
+    from moplex_core.cache import load_policy_inputs
+    from moplex_core.experiments.approximation import ApproximationConfig, run_approximation
+
+    model = read_manifest(args.cache)["config"]["model"]
+    inputs, _ = load_policy_inputs(args.cache, args.split)
+    config = ApproximationConfig(k=args.k, seeds=tuple(range(args.seed, args.seed + args.seeds)), examples=args.examples)
+    outputs = run_approximation(model, inputs, config, Path(args.out), progress=not args.quiet)
+    print(outputs.markdown)
+    print(f"\nerrors: {Path(args.out) / 'errors.parquet'}\ntable:  {Path(args.out) / 'table.md'}")
+    return 0
+
+
 def _ingest(args: argparse.Namespace) -> int:
     # Runs the stage in this process, without Prefect (moplex_core never imports it); the Prefect
     # flow (flows/ingest.py) calls the same run_ingest.
@@ -150,6 +164,21 @@ def build_parser() -> argparse.ArgumentParser:
     ident.add_argument("--restarts", type=int, default=2, help="EM restarts (best log-likelihood kept)")
     ident.add_argument("--quiet", action="store_true", help="no progress bar")
     ident.set_defaults(func=_experiment_identifiability)
+
+    approx = exp_sub.add_parser(
+        "approximation",
+        help="relative error of first-order score estimates by embedding distance (paper Table 1), "
+        "delta and logpi modes",
+    )
+    approx.add_argument("--cache", required=True, help="a cache artifact folder (its model is pi_ref)")
+    approx.add_argument("--out", default="data/artifacts/experiments/approximation")
+    approx.add_argument("--split", default="train", help="cache split to measure on")
+    approx.add_argument("--k", type=int, default=3, help="adapters trained briefly before measuring")
+    approx.add_argument("--seed", type=int, default=0, help="first seed")
+    approx.add_argument("--seeds", type=int, default=3, help="number of seeds")
+    approx.add_argument("--examples", type=int, default=50, help="examples per seed")
+    approx.add_argument("--quiet", action="store_true", help="no progress bar")
+    approx.set_defaults(func=_experiment_approximation)
 
     ingest = sub.add_parser(
         "ingest",
