@@ -197,3 +197,19 @@ def _augmented_section(version_dir: Path, shards: list[Path]) -> list[str]:
     ]
     distinct = settings.to_pandas().drop_duplicates()
     return lines + [_indent(distinct.to_string(index=False))]
+
+
+@stage_section("cache")
+def _cache_section(version_dir: Path, shards: list[Path]) -> list[str]:
+    table = _counting_columns(shards, ("ref_logp", "input_ids", "split"))
+    sizes = pc.list_value_length(table.column("ref_logp")).to_pandas()
+    ref_logp = pc.list_flatten(table.column("ref_logp")).to_pandas()
+    tokens = pc.list_value_length(pc.list_flatten(table.column("input_ids"))).to_pandas()
+    return [
+        "-- cache --",
+        "responses per example (m'): " + _distribution(sizes),
+        "examples per split:         " + _distribution(table.column("split").to_pandas()),
+        "tokens per sequence:        " + (f"median {tokens.median():.0f}, max {tokens.max()}" if len(tokens) else "-"),
+        "ref_logp:                   " + (f"median {ref_logp.median():.3f}, min {ref_logp.min():.3f}" if len(ref_logp) else "-"),
+    ]
+
