@@ -101,11 +101,13 @@ def log_likelihood(scores: torch.Tensor, index: RankingIndex) -> torch.Tensor:
     sorted_scores = torch.where(index.in_slate, sorted_scores, floor)
     # risk[p] = logsumexp of sorted_scores[:p + 1], everything ranked at or below position p.
     # A cumulative sum of exp(s - row max) is several times faster than logcumsumexp; rows where a
-    # partial sum underflows (scores hundreds of nats apart) fall back to the exact logcumsumexp.
+    # real item's partial sum nears underflow (scores ~80 nats apart in float32, ~700 in float64)
+    # fall back to the exact logcumsumexp. Padding slots (partial sum 0) never trigger it.
     shift = sorted_scores.detach().amax(-1, keepdim=True)
     partial = torch.cumsum(torch.exp(sorted_scores - shift), dim=-1)
-    underflow = (partial < 1e-200).any(-1, keepdim=True)
-    risk = shift + torch.log(torch.where(underflow, 1.0, partial))
+    finfo = torch.finfo(scores.dtype)
+    underflow = ((partial < finfo.tiny / finfo.eps) & index.in_slate).any(-1, keepdim=True)
+    risk = shift + torch.log(torch.where(underflow | ~index.in_slate, 1.0, partial))
     if underflow.any():
         risk = torch.where(underflow, torch.logcumsumexp(sorted_scores, dim=-1), risk)
     denominator = torch.gather(risk, -1, index.last)

@@ -146,13 +146,32 @@ def test_batch_dimensions_broadcast_over_clusters():
         assert torch.allclose(got[:, c], plackett_luce_log_likelihood(scores[:, c], tiers))
 
 
-def test_extreme_scores_give_finite_values_and_gradients():
-    scores = torch.tensor([[1e4, -1e4, 0.0, 3.0]], dtype=torch.float64, requires_grad=True)
-    tiers = torch.tensor([[1, 0, UNRANKED, PAD]])
-    logp = plackett_luce_log_likelihood(scores, tiers)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize(
+    "values, tiers, expected",
+    [
+        ([1e4, -1e4, 0.0, 3.0], [1, 0, UNRANKED, PAD], -2e4),
+        ([1e4, 0.0, -1e4, 5.0], [0, 1, 2, 3], -10005.0 - 5.0 - math.log1p(math.exp(-5.0))),
+        ([0.0, 1.0, -150.0], [0, 1, UNRANKED], -math.log1p(math.e)),
+    ],
+)
+def test_extreme_scores_give_finite_values_and_gradients(dtype, values, tiers, expected):
+    scores = torch.tensor([values], dtype=dtype, requires_grad=True)
+    logp = plackett_luce_log_likelihood(scores, torch.tensor([tiers]))
     logp.sum().backward()
     assert torch.isfinite(logp).all() and torch.isfinite(scores.grad).all()
-    assert logp.item() == pytest.approx(-2e4, rel=1e-9)
+    assert logp.item() == pytest.approx(expected, rel=1e-5 if dtype == torch.float32 else 1e-9)
+
+
+def test_float32_matches_the_float64_reference():
+    torch.manual_seed(0)
+    scores = torch.randn(500, 6, dtype=torch.float64) * 5
+    tiers = torch.stack([torch.randperm(6) for _ in range(500)])
+    tiers[::3, 4:] = UNRANKED
+    tiers[1::3, 5] = PAD
+    ref = plackett_luce_log_likelihood(scores, tiers)
+    got = plackett_luce_log_likelihood(scores.float(), tiers)
+    assert torch.allclose(got.double(), ref, rtol=1e-5, atol=1e-4)
 
 
 def test_fisher_score_at_zero_points_at_the_winner():
