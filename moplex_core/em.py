@@ -32,7 +32,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-from moplex_core.pl import LIKELIHOODS, RankingIndex, prepare_rankings
+from moplex_core.pl import LIKELIHOODS, PAD, UNRANKED, RankingIndex, prepare_rankings
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +59,14 @@ class Rankings:
     def index(self) -> RankingIndex:
         """The tiers sorted once (frozen dataclass: computed on first use and kept)."""
         return prepare_rankings(self.tiers, self.ranked_prefix)
+
+    @property
+    def observed_tiers(self) -> torch.Tensor:
+        """int64 [n, M]: tiers with those beyond ``ranked_prefix`` turned UNRANKED (never observed)."""
+        if self.ranked_prefix is None:
+            return self.tiers
+        beyond = (self.tiers != PAD) & (self.tiers >= self.ranked_prefix.unsqueeze(1))
+        return torch.where(beyond, UNRANKED, self.tiers)
 
     def log_likelihood(self, scores: torch.Tensor) -> torch.Tensor:
         """Per ranking (and cluster): scores [n, M] -> [n], or [n, k, M] -> [n, k]."""

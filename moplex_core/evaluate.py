@@ -100,7 +100,7 @@ def _ranking_rows(
     k_true: int,
     label_names: list[str] | None,
 ) -> list[tuple[str, str, str, float]]:
-    scores, tiers = out["scores"], split.rankings.tiers
+    scores, tiers = out["scores"], split.rankings.observed_tiers
     n = scores.shape[0]
     routed = {
         "posterior": scores[torch.arange(n), torch.as_tensor(out["assigned"])],

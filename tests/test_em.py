@@ -15,6 +15,7 @@ from moplex_core.em import EMConfig, Rankings, fit_mixture, initial_responsibili
 from moplex_core.metrics import clustering_accuracy, fit_matching
 from moplex_core.scorers.item import ItemScorer
 from moplex_core.scorers.linear import LinearScorer
+from moplex_core.pl import UNRANKED
 
 
 def synthetic(k=3, m=8, n=900, seed=0, **kw):
@@ -162,3 +163,14 @@ def test_pairwise_observation_model_runs_the_same_engine():
     assert clustering_accuracy(gamma.argmax(1).numpy(), data.labels, matching) > 0.9
     with pytest.raises(ValueError, match="unknown ranking model"):
         Rankings(rankings.tiers, model="mallows")
+
+
+def test_top_m_synthetic_rankings_are_partial_and_fit():
+    data = generate_synthetic(SyntheticConfig(n=300, k=2, m=2, n_generated=2, augment_mode="top_m", seed=1))
+    assert data.ranked_prefix.tolist() == [2] * 300
+    rankings = Rankings(torch.as_tensor(data.tiers), torch.as_tensor(data.ranked_prefix))
+    assert (rankings.observed_tiers == UNRANKED).sum(1).eq(2).all()
+    frame = data.to_frame()
+    assert frame.responses.map(len).eq(4).all() and frame.ranked_prefix.eq(2).all()
+    result, _ = fit_mixture(lambda: LinearScorer(2, 2), data.features(), rankings, EMConfig(k=2, max_iter=5))
+    assert np.isfinite(result.best.log_likelihood)

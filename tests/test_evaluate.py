@@ -45,3 +45,17 @@ def test_without_labels_only_label_free_metrics_are_reported(noise_free):
     # a zero scorer ties every pair: half credit each
     values = metrics.set_index("metric").value
     assert values["ranking_accuracy_marginal"] == pytest.approx(0.5)
+
+
+def test_pairs_beyond_the_ranked_prefix_are_not_scored():
+    from moplex_core.pl import UNRANKED
+
+    tiers = torch.tensor([[0, 1, 2, 3]])
+    top2 = Rankings(tiers, torch.tensor([2]))
+    assert top2.observed_tiers.tolist() == [[0, 1, UNRANKED, UNRANKED]]
+    scorer = LinearScorer(1, 1)
+    scorer.theta = torch.tensor([[1.0]], dtype=torch.float64)
+    # scores order 0 > 1 right, but 2 < 3 wrong: only pairs involving the observed top 2 count
+    x = torch.tensor([[[4.0], [3.0], [1.0], [2.0]]], dtype=torch.float64)
+    metrics = evaluate_mixture(scorer, torch.ones(1, dtype=torch.float64), {"test": EvalSplit(x, top2)})
+    assert metrics.set_index("metric").value["ranking_accuracy_marginal"] == 1.0

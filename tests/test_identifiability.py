@@ -13,9 +13,9 @@ def test_study_writes_results_plot_and_table(tmp_path, capsys):
     )
     assert code == 0
     results = pd.read_parquet(out / "results.parquet")
-    # k=2: m in {2, 8} plus m=2 augmented in two modes, two seeds, EM and oracle rows
-    assert len(results) == 4 * 2 * 2
-    assert set(results.augment) == {"none", "below", "random"}
+    # k=2: m in {2, 8} plus m=2 augmented in three modes, two seeds, EM and oracle rows
+    assert len(results) == 5 * 2 * 2
+    assert set(results.augment) == {"none", "below", "random", "top_m"}
     assert set(results[results.augment != "none"].m_prime) == {4}
     assert (out / "accuracy_vs_m.png").read_bytes()[:4] == b"\x89PNG"
     table = (out / "table.md").read_text()

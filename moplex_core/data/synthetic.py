@@ -5,9 +5,14 @@ noise of scale s > 0 on the utilities, a ranking of cluster c is an exact Placke
 scores ``value[c] / s``, so the true model exists and its posterior is the oracle. With s = 0 the
 ranking is deterministic and equal integers form tied tiers.
 
-Augmentation appends m' - m extra responses that every ranking leaves in the unordered bottom set:
-``below`` draws their integers strictly below every original's (every cluster truly ranks them last);
-``random`` draws them like the originals (the misspecified case).
+Augmentation appends m' - m extra responses. In ``below`` and ``random`` mode the ranking orders the
+m originals only and leaves the extras in the unordered bottom set, whatever their values — the
+paper's approximation: ``below`` draws their integers strictly below every original's (with noise > 0
+a cluster can still prefer one, rarely), ``random`` draws them like the originals (misspecified).
+Either way the extras carry no information about the cluster in the data itself.
+``top_m`` is the space of the paper's Proposition 2: all m' responses are drawn alike, ranked by the
+cluster's noisy utilities, and only the top m places are observed (``ranked_prefix`` = m); which
+responses reach the top varies with the cluster. It needs noise > 0.
 """
 
 from __future__ import annotations
@@ -36,7 +41,7 @@ class SyntheticConfig:
     """Gumbel scale on the utilities; 0 gives deterministic rankings (ties become tiers)."""
     n_generated: int = 0
     """m' - m extra responses below the originals."""
-    augment_mode: Literal["below", "random"] = "below"
+    augment_mode: Literal["below", "random", "top_m"] = "below"
     alpha: tuple[float, ...] | None = None
     """Cluster proportions; uniform when None."""
     seed: int = 0
@@ -50,6 +55,7 @@ class SyntheticRankings:
     values: np.ndarray  # int64 [n, m', k]: the k integers of every response
     tiers: np.ndarray  # int64 [n, m']: tier codes of moplex_core.pl (generated = UNRANKED)
     labels: np.ndarray  # int64 [n]: true cluster of each ranking
+    ranked_prefix: np.ndarray | None = None  # int64 [n]: observed tiers (top_m mode), else all
 
     @property
     def n_slots(self) -> int:
@@ -72,15 +78,16 @@ class SyntheticRankings:
         return torch.as_tensor(self.values, dtype=torch.float64)
 
     def subset(self, idx: np.ndarray) -> SyntheticRankings:
-        return SyntheticRankings(self.config, self.values[idx], self.tiers[idx], self.labels[idx])
+        prefix = None if self.ranked_prefix is None else self.ranked_prefix[idx]
+        return SyntheticRankings(self.config, self.values[idx], self.tiers[idx], self.labels[idx], prefix)
 
     def to_frame(self, split: np.ndarray | None = None) -> pd.DataFrame:
         """The canonical `rankings` rows (DESIGN.md 3) with responses rendered as text.
 
         Generated responses go to a `generated` column (the `augmented` contract); `responses` holds
-        the m originals only.
+        the m originals only. In ``top_m`` mode every response is ranked, so all m' are `responses`.
         """
-        m = self.config.m
+        m = self.n_slots if self.config.augment_mode == "top_m" else self.config.m
         rows = []
         for i in range(len(self.labels)):
             prompt = f"Synthetic example {self.config.seed}-{i}: which list of numbers is best?"
@@ -97,7 +104,7 @@ class SyntheticRankings:
                     "responses": texts[:m],
                     "generated": texts[m:],
                     "ranking": ranking,
-                    "ranked_prefix": len(ranking),
+                    "ranked_prefix": len(ranking) if self.ranked_prefix is None else int(self.ranked_prefix[i]),
                     "cluster": f"c{self.labels[i]}",
                     "split": None if split is None else str(split[i]),
                     "source": SOURCE,
@@ -125,20 +132,24 @@ def generate_synthetic(config: SyntheticConfig) -> SyntheticRankings:
     originals = rng.integers(0, config.n_values, size=(n, m, k))
     if config.augment_mode == "below":
         extra = rng.integers(-config.n_values, 0, size=(n, g, k))
-    elif config.augment_mode == "random":
+    elif config.augment_mode in ("random", "top_m"):
         extra = rng.integers(0, config.n_values, size=(n, g, k))
     else:
-        raise ValueError(f"augment_mode must be 'below' or 'random', got {config.augment_mode!r}")
+        raise ValueError(f"augment_mode must be 'below', 'random' or 'top_m', got {config.augment_mode!r}")
+    if config.augment_mode == "top_m" and config.noise <= 0:
+        raise ValueError("augment_mode='top_m' needs noise > 0 (the top m must be a strict PL draw)")
     values = np.concatenate([originals, extra], axis=1)
 
-    utility = originals[np.arange(n), :, labels].astype(np.float64)  # [n, m]
+    ranked = m + g if config.augment_mode == "top_m" else m  # responses the ranking orders
+    utility = values[np.arange(n), :ranked, labels].astype(np.float64)  # [n, ranked]
     if config.noise > 0:
-        utility = utility + config.noise * rng.gumbel(size=(n, m))
+        utility = utility + config.noise * rng.gumbel(size=(n, ranked))
     # Tier = number of distinct utilities strictly above (ties only possible when noise == 0).
-    tiers_orig = (utility[:, None, :] > utility[:, :, None]).sum(-1)  # [n, m] rank with gaps
-    tiers_orig = np.stack([np.unique(t, return_inverse=True)[1] for t in tiers_orig])
-    tiers = np.concatenate([tiers_orig, np.full((n, g), UNRANKED)], axis=1).astype(np.int64)
-    return SyntheticRankings(config, values.astype(np.int64), tiers, labels.astype(np.int64))
+    tiers_ranked = (utility[:, None, :] > utility[:, :, None]).sum(-1)  # [n, ranked] rank with gaps
+    tiers_ranked = np.stack([np.unique(t, return_inverse=True)[1] for t in tiers_ranked])
+    tiers = np.concatenate([tiers_ranked, np.full((n, m + g - ranked), UNRANKED)], axis=1).astype(np.int64)
+    prefix = np.full(n, m, dtype=np.int64) if config.augment_mode == "top_m" else None
+    return SyntheticRankings(config, values.astype(np.int64), tiers, labels.astype(np.int64), prefix)
 
 
 def _short_hash(text: str) -> str:

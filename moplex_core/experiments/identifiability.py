@@ -4,8 +4,13 @@ For k clusters and rankings of length m, fit the PL mixture by EM from the symme
 initialisation and compare its held-out clustering accuracy with the oracle: the posterior under
 the true parameters. Proposition 1 says the mixture is not identifiable for m <= 2k - 1; the
 oracle shows how much cluster information a single ranking carries at all. Pairwise data (m = 2) is
-also augmented to m' = 2 + k with extra responses in the bottom set, in both modes of
-`moplex_core.data.synthetic` (`below`: truly worse for every cluster; `random`: misspecified).
+also augmented to m' = 2 + k, in the three modes of `moplex_core.data.synthetic`: `below` and
+`random` append extras that the data always puts last (the paper's practice), `top_m` observes the
+top 2 of 2 + k alike responses (the space of the paper's Proposition 2).
+
+The oracle is the Bayes posterior under the process that generated the data: for `below` and
+`random` the ranking of the originals alone (the extras' place in the data says nothing about the
+cluster), for `top_m` the exact partial-ranking likelihood. EM always fits eq. 5, as moplex does.
 
 The scorer is the per-cluster linear model on the responses' integers, which contains the true
 model (scores = integers / noise), so EM's gap to the oracle is estimation, not misspecification.
@@ -24,6 +29,7 @@ import torch
 from moplex_core.data.synthetic import SyntheticConfig, SyntheticRankings, generate_synthetic
 from moplex_core.em import EMConfig, Rankings, fit_mixture
 from moplex_core.evaluate import EvalSplit, evaluate_mixture
+from moplex_core.pl import PAD
 from moplex_core.scorers.linear import LinearScorer
 
 
@@ -34,7 +40,7 @@ class StudyConfig:
     n_test: int = 1000
     ks: tuple[int, ...] = (2, 3, 4)
     ms: tuple[int, ...] = (2, 3, 4, 5, 6, 7, 8)
-    augment_modes: tuple[str, ...] = ("below", "random")
+    augment_modes: tuple[str, ...] = ("below", "random", "top_m")
     noise: float = 1.0
     seeds: tuple[int, ...] = (0, 1, 2)
     max_iter: int = 100
@@ -86,7 +92,13 @@ def run_cell(config: StudyConfig, k: int, m: int, n_generated: int, augment: str
             seed=data_seed,
         )
     )
-    rankings = Rankings(torch.as_tensor(data.tiers))
+    prefix = None if data.ranked_prefix is None else torch.as_tensor(data.ranked_prefix)
+    rankings = Rankings(torch.as_tensor(data.tiers), prefix)
+    # The Bayes posterior ignores extras whose place in the data is fixed (see the module docstring).
+    oracle_tiers = torch.as_tensor(data.tiers).clone()
+    if augment in ("below", "random"):
+        oracle_tiers[:, m:] = PAD
+    oracle_rankings = Rankings(oracle_tiers, prefix)
     features = data.features()
     train = np.arange(config.n_train)
     val = np.arange(config.n_train, config.n_train + config.n_val)
@@ -103,12 +115,12 @@ def run_cell(config: StudyConfig, k: int, m: int, n_generated: int, augment: str
 
     oracle = _OracleScorer(data)
     rows = []
-    for method, model, inputs_of, alpha in (
-        ("em", scorer, lambda idx: features[idx], result.best.alpha),
-        ("oracle", oracle, lambda idx: torch.as_tensor(idx), data.true_alpha()),
+    for method, model, inputs_of, observed, alpha in (
+        ("em", scorer, lambda idx: features[idx], rankings, result.best.alpha),
+        ("oracle", oracle, lambda idx: torch.as_tensor(idx), oracle_rankings, data.true_alpha()),
     ):
         splits = {
-            name: EvalSplit(inputs_of(idx), rankings.subset(idx), data.labels[idx])
+            name: EvalSplit(inputs_of(idx), observed.subset(idx), data.labels[idx])
             for name, idx in (("validation", val), ("test", test))
         }
         metrics = evaluate_mixture(model, alpha, splits)
@@ -173,7 +185,7 @@ def summary_table(results: pd.DataFrame) -> str:
 
     plain = results[results.augment == "none"]
     ms = sorted(plain.m.unique())
-    modes = [a for a in ("below", "random") if a in set(results.augment)]
+    modes = [a for a in ("below", "random", "top_m") if a in set(results.augment)]
     header = ["k", "method"] + [f"m={m}" for m in ms] + [f"m=2→m'=2+k ({a})" for a in modes]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for (k, method), frame in results.groupby(["k", "method"], sort=True):
@@ -206,7 +218,7 @@ def plot_study(results: pd.DataFrame, path: Path) -> None:
     ax.set_title("EM (solid) vs oracle posterior (dashed); thin lines = chance")
     ax.legend(fontsize=7, ncol=2)
 
-    groups = [("none", "m=2"), ("below", "aug below"), ("random", "aug random")]
+    groups = [("none", "m=2"), ("below", "aug below"), ("random", "aug random"), ("top_m", "top 2 of 2+k")]
     width = 0.8 / max(len(colors), 1)
     for i, k in enumerate(sorted(colors)):
         for j, (augment, _) in enumerate(groups):
