@@ -399,7 +399,7 @@ class ArtifactWriter:
     def _staged(self, name: str) -> Iterator[Path]:
         target = self.path / _check_relative(name)
         self._check_writable()
-        with _atomic_path(target) as tmp:
+        with atomic_path(target) as tmp:
             yield tmp
 
     def _check_writable(self) -> None:
@@ -437,13 +437,13 @@ class ArtifactWriter:
             "resumed": bool(self.reused),
             "library_versions": _library_versions(),
         }
-        with _atomic_path(self.path / MANIFEST) as tmp:
+        with atomic_path(self.path / MANIFEST) as tmp:
             tmp.write_text(json.dumps(manifest, indent=2, sort_keys=True, default=str) + "\n")
         started.unlink(missing_ok=True)
 
 
 @contextmanager
-def _atomic_path(target: Path) -> Iterator[Path]:
+def atomic_path(target: Path) -> Iterator[Path]:
     """A hidden temporary path beside ``target``, renamed onto it (durably) when the block ends."""
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_name(f".{target.name}.tmp-{uuid.uuid4().hex[:8]}")

@@ -17,12 +17,12 @@ resumes at the last finished iteration with identical results.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
-import os
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from functools import cached_property
 from pathlib import Path
 from typing import Any, Literal, Protocol
@@ -32,6 +32,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
+from moplex_core.artifacts import atomic_path
 from moplex_core.pl import LIKELIHOODS, PAD, UNRANKED, RankingIndex, prepare_rankings
 
 log = logging.getLogger(__name__)
@@ -70,8 +71,11 @@ class Rankings:
 
     def log_likelihood(self, scores: torch.Tensor) -> torch.Tensor:
         """Per ranking (and cluster): scores [n, M] -> [n], or [n, k, M] -> [n, k]."""
-        index = self.index if scores.dim() == 2 else self.index.expand(*scores.shape[1:-1])
-        return LIKELIHOODS[self.model](scores, index)
+        batch = tuple(scores.shape[1:-1])
+        expanded = self.__dict__.setdefault("_expanded_index", {})  # per batch shape, e.g. (k,)
+        if batch not in expanded:
+            expanded[batch] = self.index.expand(*batch) if batch else self.index
+        return LIKELIHOODS[self.model](scores, expanded[batch])
 
     def subset(self, idx: np.ndarray | torch.Tensor) -> Rankings:
         idx = torch.as_tensor(idx, dtype=torch.int64)
@@ -215,6 +219,8 @@ def fit_mixture(
     ``checkpoint_files(iter_dir, state, scorer)`` writes a caller's own files of an iteration (e.g.
     adapters in PEFT's format) before its state.json, so a finished iteration always has them.
     """
+    if checkpoint_dir is not None:
+        _claim_checkpoint_dir(Path(checkpoint_dir), config, rankings)
     finished: list[EMState] = []
     best: tuple[EMState, Scorer] | None = None
     for restart in range(config.restarts):
@@ -225,6 +231,27 @@ def fit_mixture(
         if best is None or state.log_likelihood > best[0].log_likelihood:
             best = (state, scorer)
     return EMResult(best[0], finished), best[1]
+
+
+def _claim_checkpoint_dir(checkpoint_dir: Path, config: EMConfig, rankings: Rankings) -> None:
+    """Record what the checkpoints belong to (run.json) and refuse to resume someone else's run."""
+    data = hashlib.sha256(rankings.tiers.numpy().tobytes())
+    if rankings.ranked_prefix is not None:
+        data.update(rankings.ranked_prefix.numpy().tobytes())
+    data.update(json.dumps([rankings.model, rankings.example_ids]).encode())
+    identity = {"config": asdict(config), "n": len(rankings), "rankings_sha256": data.hexdigest()}
+    run_file = checkpoint_dir / "run.json"
+    if run_file.exists():
+        recorded = json.loads(run_file.read_text())
+        if recorded != identity:
+            changed = sorted(key for key in identity if recorded.get(key) != identity[key])
+            raise ValueError(
+                f"{checkpoint_dir} holds EM checkpoints of another run (different {', '.join(changed)}); "
+                "resuming would mix the two. Use a new checkpoint directory or delete this one."
+            )
+        return
+    with atomic_path(run_file) as tmp:
+        tmp.write_text(json.dumps(identity, indent=2))
 
 
 def _run_restart(
@@ -305,9 +332,11 @@ def save_checkpoint(
             "assigned": pa.array(state.gamma.argmax(1).tolist(), pa.int32()),
         }
     )
-    _atomic(it_dir / "posteriors.parquet", lambda p: pq.write_table(table, p))
+    with atomic_path(it_dir / "posteriors.parquet") as tmp:
+        pq.write_table(table, tmp)
     payload = {"gamma": state.gamma, "alpha": state.alpha, "scorer": state.scorer_state}
-    _atomic(it_dir / "state.pt", lambda p: torch.save(payload, p))
+    with atomic_path(it_dir / "state.pt") as tmp:
+        torch.save(payload, tmp)
     if extra_files is not None:
         extra_files(it_dir)
     summary = {
@@ -318,7 +347,8 @@ def save_checkpoint(
         "history": state.history,
         "converged": state.converged,
     }
-    _atomic(it_dir / "state.json", lambda p: Path(p).write_text(json.dumps(summary, indent=2)))
+    with atomic_path(it_dir / "state.json") as tmp:
+        tmp.write_text(json.dumps(summary, indent=2))
     return it_dir
 
 
@@ -340,11 +370,3 @@ def load_last_checkpoint(restart_dir: Path) -> EMState | None:
         converged=summary["converged"],
         scorer_state=payload["scorer"],
     )
-
-
-def _atomic(path: Path, write: Callable[[str], Any]) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    write(str(tmp))
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, path)

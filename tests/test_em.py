@@ -39,7 +39,10 @@ def test_em_recovers_clusters_from_long_rankings():
 @pytest.mark.parametrize("init", ["kmeans", "dirichlet"])
 def test_log_likelihood_never_decreases(init):
     _, rankings, x = synthetic(k=2, m=4, n=400, seed=3)
-    result, _ = fit_mixture(lambda: LinearScorer(2, 2), x, rankings, EMConfig(k=2, init=init, max_iter=15, tol=0, seed=2))
+    # exact M-steps (no ridge, no skipping): EM's likelihood is then non-decreasing
+    result, _ = fit_mixture(
+        lambda: LinearScorer(2, 2, l2=0.0), x, rankings, EMConfig(k=2, init=init, max_iter=15, tol=0, gamma_min=0.0, seed=2)
+    )
     history = np.array(result.best.history)
     assert len(history) == 15
     assert (np.diff(history) >= -1e-7).all(), history
@@ -174,3 +177,12 @@ def test_top_m_synthetic_rankings_are_partial_and_fit():
     assert frame.responses.map(len).eq(4).all() and frame.ranked_prefix.eq(2).all()
     result, _ = fit_mixture(lambda: LinearScorer(2, 2), data.features(), rankings, EMConfig(k=2, max_iter=5))
     assert np.isfinite(result.best.log_likelihood)
+
+
+def test_a_checkpoint_dir_refuses_to_resume_another_run(tmp_path):
+    _, rankings, x = synthetic(k=2, m=4, n=100)
+    fit_mixture(lambda: LinearScorer(2, 2), x, rankings, EMConfig(k=2, max_iter=2), checkpoint_dir=tmp_path)
+    with pytest.raises(ValueError, match="another run .*config"):
+        fit_mixture(lambda: LinearScorer(2, 2), x, rankings, EMConfig(k=2, max_iter=2, gamma_min=0.2), checkpoint_dir=tmp_path)
+    with pytest.raises(ValueError, match="rankings_sha256"):
+        fit_mixture(lambda: LinearScorer(2, 2), x, rankings.subset(range(50)), EMConfig(k=2, max_iter=2), checkpoint_dir=tmp_path)
