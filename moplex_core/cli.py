@@ -119,8 +119,9 @@ def _run(args: argparse.Namespace) -> int:
         f"http://127.0.0.1:4200/runs/flow-run/{run_id} after `prefect server start` (same PREFECT_HOME)"
     if not state.is_completed():
         print(f"moplex run: the pipeline run {run_id} ended {state.type.value}: {state.message}\n"
-              f"finished stages are kept and reused: rerun the same command, or retry the run with "
-              f"`prefect flow-run retry {run_id} --entrypoint flows/pipeline.py:moplex_pipeline`\n"
+              f"finished stages are kept: retry the run (same PREFECT_HOME) with `prefect flow-run retry "
+              f"{run_id} --entrypoint flows/pipeline.py:moplex_pipeline`, or rerun the command (a "
+              f"fault.stage set on purpose fails again on a new run)\n"
               f"browse it in the Prefect UI: {ui}", file=sys.stderr)
         return 1
     dirs = state.result()
