@@ -60,3 +60,13 @@ def test_the_config_round_trips_through_json_as_a_flow_parameter_does():
     assert PipelineConfig.model_validate_json(demo.model_dump_json()) == demo
     schema = PipelineConfig.model_json_schema()  # what the Prefect UI renders as a form
     assert {"ingest", "augment", "cache", "train", "evaluate", "fault"} <= set(schema["properties"])
+
+
+def test_moplex_run_lists_the_presets_and_refuses_a_bad_override(capsys):
+    from moplex_core.cli import main
+
+    assert main(["run", "--list"]) == 0
+    listing = capsys.readouterr().out
+    assert all(name in listing for name in preset_names())
+    assert main(["run", "synthetic-demo", "--set", "train.clusters=3"]) == 1
+    assert "train.clusters" in capsys.readouterr().err
