@@ -9,7 +9,7 @@ export PREFECT_SERVER_ANALYTICS_ENABLED := false
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: test test-fast demo bench clean
+.PHONY: test test-fast demo study bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -23,8 +23,13 @@ test: $(STAMP)
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow"
 
+# The whole pipeline on the synthetic-demo preset with a tiny offline model, on Prefect's local server.
 demo: $(STAMP)
-	$(BIN)/moplex experiment identifiability --out data/artifacts/demo/identifiability \
+	PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS=120 $(BIN)/moplex run synthetic-demo --threads 1
+
+# The identifiability study (paper figure 4) at a size that finishes in a few minutes.
+study: $(STAMP)
+	$(BIN)/moplex experiment identifiability --out data/artifacts/experiments/identifiability \
 		--n 1000 --seeds 2 --max-iter 40 --restarts 1
 
 bench: $(STAMP)

@@ -72,7 +72,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--n", type=int, default=600, help="rankings (60/20/20 train/validation/test)")
     parser.add_argument("--iterations", type=int, default=8, help="EM iterations")
-    parser.add_argument("--anchors", type=int, default=2)
+    parser.add_argument("--anchors", type=int, default=2, help="anchors a per example; 0 = all (exact, a = m')")
+    parser.add_argument("--beta", type=float, default=0.1, help="DPO scale of the scores")
+    parser.add_argument("--lr", type=float, default=2e-3, help="LoRA learning rate")
     parser.add_argument("--pretrain-steps", type=int, default=150)
     parser.add_argument("--approx-seeds", type=int, default=3)
     parser.add_argument("--approx-examples", type=int, default=30)
@@ -100,7 +102,8 @@ def main() -> None:
         build_tiny_model(model_dir, pairs, hidden_size=64, layers=2, pretrain_steps=args.pretrain_steps)
 
     cache_config = CacheConfig(model=str(model_dir), batch_size=16, dtype="float32", device="cpu")
-    train_config = TrainConfig(k=k, anchors=args.anchors, lora_r=8, lora_alpha=16.0, lr=2e-3, epochs=2,
+    train_config = TrainConfig(k=k, anchors=args.anchors or None, beta=args.beta, lora_r=8, lora_alpha=16.0,
+                               lr=args.lr, epochs=2,
                                batch_size=16, em_iterations=args.iterations, tol=0.0, init="kmeans",
                                dtype="float32", device="cpu")
     results = {}
