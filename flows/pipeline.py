@@ -12,6 +12,7 @@ from pathlib import Path
 
 from prefect import flow, get_run_logger
 from prefect.runtime import flow_run
+from prefect.settings import PREFECT_API_URL, PREFECT_UI_URL
 
 from moplex_core.config import TINY_MODEL, PipelineConfig, pipeline_preset, with_overrides
 from moplex_core.tiny_model import MODEL_DIR
@@ -54,3 +55,24 @@ def moplex_pipeline(preset: str = "synthetic-demo", overrides: list[str] | None 
     publish_run_artifacts(dirs)
     get_run_logger().info("report: %s/report.md", dirs["evaluate"])
     return {**dirs, "report": f"{dirs['evaluate']}/report.md"}
+
+
+def run_in_process(config: PipelineConfig) -> tuple[bool, str]:
+    """Run the pipeline here (``moplex run``); (completed, what to tell the user)."""
+    state = moplex_pipeline(config=config, return_state=True)
+    run_id = state.state_details.flow_run_id
+    ui = f"{PREFECT_UI_URL.value()}/runs/flow-run/{run_id}" if PREFECT_API_URL.value() else \
+        f"http://127.0.0.1:4200/runs/flow-run/{run_id} after `prefect server start` (same PREFECT_HOME)"
+    if not state.is_completed():
+        return False, (
+            f"the pipeline run {run_id} ended {state.type.value}: {state.message}\n"
+            f"finished stages are kept: retry the run (same PREFECT_HOME) with `prefect flow-run retry "
+            f"{run_id} --entrypoint flows/pipeline.py:moplex_pipeline`, or rerun the command (a "
+            f"fault.stage set on purpose fails again on a new run)\n"
+            f"browse it in the Prefect UI: {ui}"
+        )
+    dirs = state.result()
+    lines = [Path(dirs["report"]).read_text(), "artifacts (moplex inspect PATH shows any of them):"]
+    lines += [f"  {stage:<9} {path}" for stage, path in dirs.items()]
+    lines.append(f"\nPrefect flow run {run_id} (stage versions, metrics, report and links under Artifacts):\n  {ui}")
+    return True, "\n".join(lines)

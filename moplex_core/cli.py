@@ -108,29 +108,11 @@ def _run(args: argparse.Namespace) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
-    from prefect.settings import PREFECT_API_URL, PREFECT_UI_URL
+    from flows.pipeline import run_in_process
 
-    from flows.pipeline import moplex_pipeline
-
-    state = moplex_pipeline(config=config, return_state=True)
-    run_id = state.state_details.flow_run_id
-    server = PREFECT_API_URL.value()
-    ui = f"{PREFECT_UI_URL.value()}/runs/flow-run/{run_id}" if server else \
-        f"http://127.0.0.1:4200/runs/flow-run/{run_id} after `prefect server start` (same PREFECT_HOME)"
-    if not state.is_completed():
-        print(f"moplex run: the pipeline run {run_id} ended {state.type.value}: {state.message}\n"
-              f"finished stages are kept: retry the run (same PREFECT_HOME) with `prefect flow-run retry "
-              f"{run_id} --entrypoint flows/pipeline.py:moplex_pipeline`, or rerun the command (a "
-              f"fault.stage set on purpose fails again on a new run)\n"
-              f"browse it in the Prefect UI: {ui}", file=sys.stderr)
-        return 1
-    dirs = state.result()
-    print(Path(dirs["report"]).read_text())
-    print("artifacts (moplex inspect PATH shows any of them):")
-    for stage, path in dirs.items():
-        print(f"  {stage:<9} {path}")
-    print(f"\nPrefect flow run {run_id} (stage versions, metrics, report and links under Artifacts):\n  {ui}")
-    return 0
+    completed, message = run_in_process(config)
+    print(message if completed else f"moplex run: {message}", file=sys.stdout if completed else sys.stderr)
+    return 0 if completed else 1
 
 
 def _inspect(args: argparse.Namespace) -> int:
