@@ -218,7 +218,7 @@ def plot_study(results: pd.DataFrame, path: Path) -> None:
     ax.set_title("EM (solid) vs oracle posterior (dashed); thin lines = chance")
     ax.legend(fontsize=7, ncol=2)
 
-    groups = [("none", "m=2"), ("below", "aug below"), ("random", "aug random"), ("top_m", "top 2 of 2+k")]
+    groups = [("none", "m=2"), ("below", "+below"), ("random", "+random"), ("top_m", "top-2 of 2+k")]
     width = 0.8 / max(len(colors), 1)
     for i, k in enumerate(sorted(colors)):
         for j, (augment, _) in enumerate(groups):
@@ -230,7 +230,7 @@ def plot_study(results: pd.DataFrame, path: Path) -> None:
                 x = j + (i - len(colors) / 2 + 0.5) * width + (0.0 if method == "em" else width / 2)
                 ax_aug.bar(x, acc.mean(), width / 2, yerr=acc.std(ddof=0), color=colors[k], hatch=hatch,
                            edgecolor="black", linewidth=0.4, label=f"k={k} {method}" if j == 0 else None)
-    ax_aug.set_xticks(range(len(groups)), [g[1] for g in groups])
+    ax_aug.set_xticks(range(len(groups)), [g[1] for g in groups], fontsize=8)
     ax_aug.set_title("m = 2 pairs, augmented to m' = 2 + k")
     ax_aug.set_ylim(0, 1)
     ax_aug.legend(fontsize=6, ncol=2)
