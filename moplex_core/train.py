@@ -34,7 +34,7 @@ import pyarrow.parquet as pq
 import torch
 from tqdm.auto import tqdm
 
-from moplex_core.artifacts import ArtifactRef, ArtifactStore, read_manifest
+from moplex_core.artifacts import ArtifactRef, ArtifactStore, atomic_path, read_manifest
 from moplex_core.cache import load_policy_inputs, resolve_device, resolve_dtype
 from moplex_core.config import TrainConfig
 from moplex_core.em import EMConfig, EMState, fit_mixture
@@ -157,9 +157,8 @@ def _iteration_files(it_dir: Path, state: EMState, scorer: LoRAPolicyScorer) -> 
     if record is None or record.iteration != state.iteration:
         raise RuntimeError(f"the scorer holds no E-step scores of iteration {state.iteration}")
     table = scores_table(record)
-    tmp = it_dir / f".scores.parquet.tmp-{os.getpid()}"
-    pq.write_table(table, tmp)
-    os.replace(tmp, it_dir / "scores.parquet")
+    with atomic_path(it_dir / "scores.parquet") as tmp:
+        pq.write_table(table, tmp)
     staging = it_dir / f".adapters.tmp-{os.getpid()}"
     shutil.rmtree(staging, ignore_errors=True)
     scorer.save_adapters(staging)
