@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
-import torch
 
 from lm_fixtures import tiny_model_dir  # noqa: F401 - fixture
 from moplex_core.artifacts import ArtifactStore, shard_paths
@@ -32,14 +31,6 @@ ROWS = [  # two rankings share each of the first two prompts (as PERSONA's profi
     ("Rank by criterion 2: which list is best?", ["1 2 3", "9"], "b"),
     ("Which list is best of all?", ["0", "1 1"], "a"),
 ]
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def rankings_dir(tmp_path: Path, root: Path, rows=ROWS) -> Path:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 
 import pyarrow.parquet as pq
-import pytest
 import torch
 from lm_fixtures import tiny_model_dir  # noqa: F401  (fixture)
 from stage_fixtures import write_synthetic
@@ -17,14 +16,6 @@ from moplex_core.estimate import reference_terms
 from moplex_core.lm.loading import load_model, load_tokenizer
 from moplex_core.lm.tokenize import tokenize_responses
 from moplex_core.pl import UNRANKED
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def test_augmented_input_caches_originals_then_generated_with_reference_terms(tiny_model_dir, tmp_path):  # noqa: F811

@@ -1,6 +1,5 @@
 """The mixture-EM engine on synthetic data with the CPU scorers."""
 
-import os
 import signal
 import subprocess
 import sys

@@ -22,14 +22,6 @@ from moplex_core.lm.tokenize import pad_batch, tokenize_responses
 RESPONSES = ["[3, 1, 2]", "[5, 0, 2, 7]", "[1, 1]", "[-4, -2, -9]"]
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def model64(tiny_model_dir):  # noqa: F811
     return load_model(tiny_model_dir, dtype=torch.float64), load_tokenizer(tiny_model_dir)

@@ -25,14 +25,6 @@ from moplex_core.lm.tokenize import encode_prompt
 PROMPTS = [f"Rank by criterion {i % 3}: which list is best?" + " Think." * (i % 4) for i in range(5)]
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def requests(n: int = 3, seed: int = 0) -> list[SampleRequest]:
     return [SampleRequest(f"p{i}", p, None, n, request_seed(seed, f"p{i}", 0)) for i, p in enumerate(PROMPTS)]
 

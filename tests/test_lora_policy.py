@@ -20,14 +20,6 @@ from moplex_core.scorers.lora_policy import LoRAPolicyScorer, LoRASettings
 SMALL = LoRASettings(r=4, alpha=8.0, target_modules=("q_proj", "v_proj", "down_proj"))
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def inputs(tiny_model_dir, tmp_path_factory):  # noqa: F811
     store = ArtifactStore(tmp_path_factory.mktemp("lora-policy"))

@@ -10,7 +10,6 @@ import textwrap
 
 import pyarrow.parquet as pq
 import pytest
-import torch
 from lm_fixtures import tiny_model_dir  # noqa: F401  (fixture)
 from stage_fixtures import write_synthetic
 
@@ -44,14 +43,6 @@ RUN_TRAIN = textwrap.dedent("""
     em.save_checkpoint = save_then_maybe_die
     run_train(TrainConfig.model_validate_json(config), cache, ArtifactStore(root), progress=False)
 """)
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
