@@ -40,7 +40,7 @@ from tqdm.auto import tqdm
 from moplex_core.artifacts import ArtifactRef, ArtifactStore, load_table, read_manifest, shard_name
 from moplex_core.config import AugmentConfig
 from moplex_core.generate.base import Generator, SampleRequest, normalise, request_seed
-from moplex_core.hashing import canonical_json, sha256_file, short_hash
+from moplex_core.hashing import model_fingerprint
 from moplex_core.schema import RANKINGS_SCHEMA, check_rankings
 
 log = logging.getLogger(__name__)
@@ -129,18 +129,6 @@ def plan_augment(config: AugmentConfig, rankings: str | Path, store: ArtifactSto
     version = store.version(STAGE, config.identity(), inputs, CODE_VERSION)
     return AugmentPlan(ArtifactRef(STAGE, version), store.path(STAGE, version), rankings, inputs,
                        store.is_complete(STAGE, version))
-
-
-def model_fingerprint(model: str) -> str:
-    """``sha256:<hash>`` of a local model directory's files (relative names and bytes), so that a
-    retrained model gets a new version and a moved one keeps it; ``hub:<name>`` for a hub name."""
-    path = Path(model).expanduser()
-    if not path.is_dir():
-        return f"hub:{model}"
-    files = sorted(p for p in path.rglob("*") if p.is_file()
-                   and not any(part.startswith(".") for part in p.relative_to(path).parts))
-    listing = [[f.relative_to(path).as_posix(), sha256_file(f)] for f in files]
-    return "sha256:" + short_hash(canonical_json(listing), length=64)
 
 
 def make_generator(config: AugmentConfig, rankings: pa.Table) -> Generator:

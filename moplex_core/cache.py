@@ -32,7 +32,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from moplex_core.artifacts import ArtifactRef, ArtifactStore, load_table, read_manifest
 from moplex_core.config import CacheConfig
 from moplex_core.estimate import reference_terms_batch
-from moplex_core.hashing import canonical_json, sha256_file, short_hash
+from moplex_core.hashing import model_fingerprint
 from moplex_core.lm.loading import load_model, load_tokenizer
 from moplex_core.lm.tokenize import TokenizedResponse, tokenize_responses
 from moplex_core.pl import encode_tiers_batch
@@ -171,16 +171,6 @@ def load_policy_inputs(cache_dir: str | Path, split: str | None = "train"):
     inputs = PolicyInputs(tuple(columns["example_id"]), tuple(sequences), ref_logp, ref_contraction, tiers,
                           torch.tensor(columns["ranked_prefix"], dtype=torch.int64))
     return inputs, columns["cluster"]
-
-
-def model_fingerprint(model: str) -> str:
-    """A local model directory's content ("sha256:<hash of its files>"), or a hub name as given."""
-    path = Path(model).expanduser()
-    if not path.is_dir():
-        return f"hub:{model}"
-    files = {p.relative_to(path).as_posix(): sha256_file(p) for p in sorted(path.rglob("*"))
-             if p.is_file() and not any(part.startswith(".") for part in p.relative_to(path).parts)}
-    return "sha256:" + short_hash(canonical_json(files), length=16)
 
 
 def _tokenize(row: dict, tokenizer: PreTrainedTokenizerBase, config: CacheConfig) -> list[TokenizedResponse]:

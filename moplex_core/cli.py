@@ -39,6 +39,14 @@ def _experiment_approximation(args: argparse.Namespace) -> int:
     return 0
 
 
+def _say_done(result, rows: str, note: str = "") -> None:
+    """One line for a stage run from the command line: what it wrote, or that it had nothing to do."""
+    if result.built:
+        print(f"{result.ref}: wrote {result.rows} {rows} to {result.path}{note}")
+    else:
+        print(f"{result.ref} is already complete at {result.path} ({result.rows} {rows}{note}); nothing to do")
+
+
 def _ingest(args: argparse.Namespace) -> int:
     # Runs the stage in this process, without Prefect (moplex_core never imports it); the Prefect
     # flow (flows/ingest.py) calls the same run_ingest.
@@ -58,10 +66,7 @@ def _ingest(args: argparse.Namespace) -> int:
     except (ValueError, DatasetUnavailableError, ArtifactError) as err:
         print(f"moplex ingest: {err}", file=sys.stderr)
         return 1
-    if result.built:
-        print(f"{result.ref}: wrote {result.rows} rankings to {result.path}")
-    else:
-        print(f"{result.ref} is already complete at {result.path} ({result.rows} rankings); nothing to do")
+    _say_done(result, "rankings")
     return 0
 
 
@@ -81,10 +86,7 @@ def _augment(args: argparse.Namespace) -> int:
         print(f"moplex augment: {err}", file=sys.stderr)
         return 1
     short = f"; {result.shortfall.num_rows} shortfall row(s) in shortfall.parquet" if result.shortfall.num_rows else ""
-    if result.built:
-        print(f"{result.ref}: wrote {result.rows} augmented rankings to {result.path}{short}")
-    else:
-        print(f"{result.ref} is already complete at {result.path} ({result.rows} rankings{short}); nothing to do")
+    _say_done(result, "augmented rankings", short)
     return 0
 
 

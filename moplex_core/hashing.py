@@ -30,3 +30,16 @@ def sha256_file(path: str | Path) -> str:
         while chunk := f.read(_CHUNK):
             digest.update(chunk)
     return digest.hexdigest()
+
+
+def model_fingerprint(model: str) -> str:
+    """``sha256:<hash>`` of a local model directory's files (relative names and bytes), so that a
+    retrained model gets a new version and a moved one keeps it; ``hub:<name>`` for a hub name.
+    Hidden files (temporaries) do not count."""
+    path = Path(model).expanduser()
+    if not path.is_dir():
+        return f"hub:{model}"
+    files = sorted(p for p in path.rglob("*") if p.is_file()
+                   and not any(part.startswith(".") for part in p.relative_to(path).parts))
+    listing = [[f.relative_to(path).as_posix(), sha256_file(f)] for f in files]
+    return "sha256:" + short_hash(canonical_json(listing), length=64)
