@@ -56,7 +56,7 @@ def below_extras(rankings_dir: Path, store: ArtifactStore, n_generated: int, k: 
 
 
 def evaluate(train_dir: str, cache_dir: str) -> dict[str, float]:
-    scorer, alpha = load_trained(train_dir)
+    scorer, alpha, _ = load_trained(train_dir)
     splits = {}
     for name in ("validation", "test"):
         inputs, clusters = load_policy_inputs(cache_dir, name)

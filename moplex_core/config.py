@@ -423,6 +423,11 @@ class TrainConfig(StageConfig):
     ``epochs`` passes over the weighted (example, cluster) pairs per M-step, in minibatches of
     ``batch_size`` pairs. Trains on the cache's ``train`` split.
 
+    ``likelihood`` is the observation model of a ranking: ``pl`` (Plackett-Luce, eq. 2 and 5) or
+    ``bt_pairs`` (Bradley-Terry over every ordered pair of the ranking, as DPO and the mixture-of-BT
+    baselines see it). ``hard`` replaces the posteriors by their one-hot argmax (MaxMin-RLHF's
+    assignment step). Both exist so that the baselines are presets of this one engine (DESIGN 7).
+
     Left out of the version: ``score_batch_size``, ``device``, ``chunk_size`` (how fast, not what).
     The base model is the one the cache was built from (its version pins the model's content).
     """
@@ -431,6 +436,8 @@ class TrainConfig(StageConfig):
     beta: float = Field(0.1, gt=0.0)
     anchors: int | None = Field(2, ge=1)
     estimation: Literal["delta", "logpi"] = "delta"
+    likelihood: Literal["pl", "bt_pairs"] = "pl"
+    hard: bool = False
     lora_r: int = Field(16, ge=1)
     lora_alpha: float = Field(32.0, gt=0.0)
     lora_dropout: float = Field(0.0, ge=0.0, lt=1.0)
@@ -550,13 +557,6 @@ class PipelineConfig(Options):
     fault: FaultConfig = FaultConfig()
     stage_retries: int = Field(1, ge=0)
     retry_delay_seconds: float = Field(5.0, ge=0.0)
-
-    @model_validator(mode="after")
-    def _k_fits_the_data(self) -> PipelineConfig:
-        if self.ingest.dataset == "synthetic" and self.train.k != self.ingest.synthetic.k:
-            raise ValueError(f"train.k = {self.train.k} but the synthetic data has ingest.synthetic.k = "
-                             f"{self.ingest.synthetic.k} clusters; set both (e.g. --set train.k=3)")
-        return self
 
     def uses_tiny_model(self) -> bool:
         models = [self.cache.model] + ([self.augment.model] if self.augment is not None else [])

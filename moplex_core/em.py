@@ -202,6 +202,11 @@ def initial_responsibilities(
     return gamma
 
 
+def _one_hot(gamma: torch.Tensor) -> torch.Tensor:
+    """Hard assignments: float64 [n, k] one-hot at argmax_c gamma_ic."""
+    return torch.nn.functional.one_hot(gamma.argmax(1), gamma.shape[1]).to(torch.float64)
+
+
 def fit_mixture(
     make_scorer: Callable[[], Scorer],
     inputs: Any,
@@ -278,6 +283,8 @@ def _run_restart(
         gamma, history, start = warm_start.to(torch.float64), [], 0
     else:
         gamma, history, start = initial_responsibilities(config, scorer, inputs, rankings, seed), [], 0
+        if config.hard:
+            gamma = _one_hot(gamma)
 
     n = len(rankings)
     for iteration in range(start, config.max_iter):
@@ -287,7 +294,7 @@ def _run_restart(
         scorer.fit(inputs, rankings, weights, iteration)
         gamma, ll = posteriors(scorer, inputs, rankings, alpha, iteration)
         if config.hard:
-            gamma = torch.nn.functional.one_hot(gamma.argmax(1), config.k).to(torch.float64)
+            gamma = _one_hot(gamma)
         history.append(ll.mean().item())
         converged = len(history) > 1 and abs(history[-1] - history[-2]) <= config.tol * abs(history[-2])
         state = EMState(restart, iteration, gamma, alpha, history, converged, scorer.state_dict())

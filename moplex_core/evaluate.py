@@ -9,6 +9,8 @@ the `validation` split and applied to `test`. Ranking accuracy is reported three
     marginal   the alpha-weighted mixture of the k scorers, no label and no ranking used
 
 Output rows: (split, metric, cluster, value); cluster is "all" for averages.
+``heldout_log_likelihood`` is per ranking under the trained model's own observation model (PL, or
+Bradley-Terry over pairs for the pairwise baselines): compare it only between methods that share one.
 
 The evaluate stage (`plan_evaluate`, `run_evaluate`) applies this to a finished train artifact:
 its final adapters score the cache's held-out splits exactly, once per split (the metrics and the
@@ -205,7 +207,7 @@ def run_evaluate(config: EvaluateConfig, train_dir: str | Path, cache_dir: str |
     if plan.complete:
         return EvaluateResult(plan.ref, plan.path, False, pd.read_parquet(plan.path / METRICS_FILE))
     train_dir, cache_dir = Path(train_dir), Path(cache_dir)
-    scorer, alpha = load_trained(train_dir, device=resolve_device(config.device))
+    scorer, alpha, trained = load_trained(train_dir, device=resolve_device(config.device))
     scorer.score_batch_size = config.score_batch_size
     label_names = _label_names(cache_dir)
     outputs = {}
@@ -215,9 +217,10 @@ def run_evaluate(config: EvaluateConfig, train_dir: str | Path, cache_dir: str |
             np.array([label_names.index(c) for c in clusters])
         outputs[split] = _SplitOutputs(inputs, labels, scorer.exact_scores(inputs),
                                        _n_original(cache_dir, inputs.example_ids))
-    splits = {name: EvalSplit(out.inputs, out.inputs.rankings(), out.labels) for name, out in outputs.items()}
+    splits = {name: EvalSplit(out.inputs, out.inputs.rankings(trained.likelihood), out.labels)
+              for name, out in outputs.items()}
     metrics = evaluate_mixture(_ScoredSplits(scorer.k, outputs), alpha, splits, label_names, config.fit_split)
-    diagnostics = _generated_diagnostics(outputs, alpha, scorer.k)
+    diagnostics = _generated_diagnostics(outputs, splits, alpha, scorer.k)
     seed = read_manifest(train_dir)["config"]["seed"]
     metrics = pd.concat([metrics, _diagnostic_metrics(diagnostics)], ignore_index=True)
     metrics.insert(0, "method", config.method)
@@ -252,7 +255,8 @@ def _n_original(cache_dir: Path, example_ids: tuple[str, ...]) -> np.ndarray:
     return np.array([by_id[e] for e in example_ids])
 
 
-def _generated_diagnostics(outputs: dict[str, _SplitOutputs], alpha: torch.Tensor, k: int) -> pd.DataFrame:
+def _generated_diagnostics(outputs: dict[str, _SplitOutputs], splits: dict[str, EvalSplit], alpha: torch.Tensor,
+                           k: int) -> pd.DataFrame:
     """generated_score_diagnostics per split, rankings grouped by their EM cluster (argmax gamma).
 
     Needs generated responses and one m for the whole split; splits without either are left out.
@@ -264,7 +268,7 @@ def _generated_diagnostics(outputs: dict[str, _SplitOutputs], alpha: torch.Tenso
             continue
         scores = out.scores.clone()
         scores[(out.inputs.tiers == PAD).unsqueeze(1).expand_as(scores)] = float("nan")  # missing generated
-        gamma, _ = mixture_posteriors(out.scores, out.inputs.rankings(), alpha)
+        gamma, _ = mixture_posteriors(out.scores, splits[name].rankings, alpha)
         frame = generated_score_diagnostics(scores, m.pop(), gamma.argmax(1), [f"adapter c{c}" for c in range(k)])
         frames.append(frame.assign(split=name))
     return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()

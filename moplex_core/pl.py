@@ -148,15 +148,16 @@ def plackett_luce_log_likelihood(
     return log_likelihood(scores, prepare_rankings(torch.broadcast_to(tiers, scores.shape), ranked_prefix))
 
 
-def score_gradient_at_zero(index: RankingIndex) -> torch.Tensor:
+def score_gradient_at_zero(index: RankingIndex, model: str = "pl") -> torch.Tensor:
     """d log P / d r at r = 0 for every ranking: float64 [..., M] in slot order.
 
-    The Fisher score of a ranking under uniform utilities: positive for items ranked high, negative
-    for items ranked low. Projected on response features it gives a ranking's feature vector (used
-    by the k-means initialisation of EM).
+    The Fisher score of a ranking under uniform utilities and the observation model ``model`` (a
+    key of LIKELIHOODS): positive for items ranked high, negative for items ranked low. Projected
+    on response features it gives a ranking's feature vector (used by the k-means initialisation
+    of EM).
     """
     scores = torch.zeros(index.order.shape, dtype=torch.float64, requires_grad=True)
-    (grad,) = torch.autograd.grad(log_likelihood(scores, index).sum(), scores)
+    (grad,) = torch.autograd.grad(LIKELIHOODS[model](scores, index).sum(), scores)
     return grad
 
 

@@ -17,7 +17,7 @@ scorer's state restores adapters, AdamW moments and the shuffling generator; anc
 
     plan_train    the version (config, the cache's version) and whether it exists
     run_train     fit (or resume) and write the artifact
-    load_trained  a finished train artifact as (scorer, alpha) for evaluation
+    load_trained  a finished train artifact as (scorer, alpha, config) for evaluation
 """
 
 from __future__ import annotations
@@ -100,9 +100,9 @@ def run_train(config: TrainConfig, cache_dir: str | Path, store: ArtifactStore, 
     if plan.complete:
         return _finished(plan)
     inputs, _ = load_policy_inputs(cache_dir, TRAIN_SPLIT)
-    rankings = inputs.rankings()
+    rankings = inputs.rankings(config.likelihood)
     em_config = EMConfig(k=config.k, max_iter=config.em_iterations, tol=config.tol, gamma_min=config.gamma_min,
-                         init=config.init, restarts=config.restarts, seed=config.seed)
+                         init=config.init, restarts=config.restarts, hard=config.hard, seed=config.seed)
     recorded = {**config.model_dump(mode="json"), "model": plan.model}
     with store.writer(STAGE, plan.ref.version, config=recorded, inputs=plan.inputs, code_version=CODE_VERSION) as writer:
         if writer.complete:
@@ -137,8 +137,10 @@ def run_train(config: TrainConfig, cache_dir: str | Path, store: ArtifactStore, 
     return TrainResult(plan.ref, plan.path, True, best.log_likelihood, best.iteration + 1)
 
 
-def load_trained(train_dir: str | Path, *, device: str | None = None) -> tuple[LoRAPolicyScorer, torch.Tensor]:
-    """The final adapters of a finished train artifact as a scorer, and the mixing weights alpha."""
+def load_trained(train_dir: str | Path, *, device: str | None = None
+                 ) -> tuple[LoRAPolicyScorer, torch.Tensor, TrainConfig]:
+    """The final adapters of a finished train artifact as a scorer, the mixing weights alpha, and
+    the config it was trained with (its ``likelihood`` is how its posteriors are computed)."""
     manifest = read_manifest(train_dir)
     recorded = dict(manifest["config"])
     model = recorded.pop("model")
@@ -148,7 +150,7 @@ def load_trained(train_dir: str | Path, *, device: str | None = None) -> tuple[L
     scorer = make_scorer(config, model)
     scorer.load_adapters(Path(train_dir) / "adapters")
     alpha = torch.tensor(json.loads((Path(train_dir) / "result.json").read_text())["alpha"], dtype=torch.float64)
-    return scorer, alpha
+    return scorer, alpha, config
 
 
 def _iteration_files(it_dir: Path, state: EMState, scorer: LoRAPolicyScorer) -> None:

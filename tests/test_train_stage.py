@@ -64,10 +64,23 @@ def test_train_writes_every_iteration_and_the_final_adapters(cache_dir, tmp_path
         assert len(scores) == n * 2 * 5
         assert (scores.groupby(["example_id", "cluster"]).is_anchor.sum() == 2).all()
         assert (scores.estimated == ~scores.is_anchor).all()
-    scorer, alpha = load_trained(result.path)
+    scorer, alpha, _ = load_trained(result.path)
     assert alpha.sum().item() == pytest.approx(1.0)
     assert (result.path / "posteriors.parquet").is_file()
     assert run_train(CONFIG, cache_dir, ArtifactStore(tmp_path), progress=False).built is False
+
+
+def test_pairwise_hard_em_trains_on_bt_pairs_with_one_hot_posteriors(cache_dir, tmp_path):
+    """The maxmin_bt baseline's settings: the M-step objective is Bradley-Terry over pairs (its
+    value differs from the PL run's from the same start) and every posterior is one-hot."""
+    runs = {}
+    for likelihood, hard in (("pl", False), ("bt_pairs", True)):
+        config = CONFIG.model_copy(update={"likelihood": likelihood, "hard": hard, "em_iterations": 1})
+        runs[likelihood] = run_train(config, cache_dir, ArtifactStore(tmp_path / likelihood), progress=False)
+    gamma = pq.read_table(runs["bt_pairs"].path / "posteriors.parquet").column("gamma").to_pylist()
+    assert all(sorted(g) == [0.0, 1.0] for g in gamma)
+    assert runs["bt_pairs"].log_likelihood != pytest.approx(runs["pl"].log_likelihood)
+    assert runs["bt_pairs"].path.name != runs["pl"].path.name  # the likelihood is part of the version
 
 
 def versions(root):

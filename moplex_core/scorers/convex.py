@@ -67,7 +67,7 @@ class ConvexScorer(ABC):
         self.theta = theta.detach()
 
     def ranking_features(self, inputs: Any, rankings: Rankings) -> torch.Tensor:
-        return self._project(score_gradient_at_zero(rankings.index), inputs)
+        return self._project(score_gradient_at_zero(rankings.index, rankings.model), inputs)
 
     def state_dict(self) -> dict[str, Any]:
         return {"theta": self.theta.clone()}

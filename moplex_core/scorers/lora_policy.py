@@ -83,8 +83,9 @@ class PolicyInputs:
     def __len__(self) -> int:
         return len(self.example_ids)
 
-    def rankings(self) -> Rankings:
-        return Rankings(self.tiers, self.ranked_prefix, self.example_ids)
+    def rankings(self, model: str = "pl") -> Rankings:
+        """The rankings of these examples under the observation model ``model`` (pl, bt_pairs)."""
+        return Rankings(self.tiers, self.ranked_prefix, self.example_ids, model)
 
     def subset(self, idx: Sequence[int] | np.ndarray | torch.Tensor) -> PolicyInputs:
         idx = torch.as_tensor(np.asarray(idx), dtype=torch.int64)
@@ -242,7 +243,7 @@ class LoRAPolicyScorer:
         """
         from moplex_core.pl import score_gradient_at_zero
 
-        slot_weights = score_gradient_at_zero(rankings.index)  # [n, M]
+        slot_weights = score_gradient_at_zero(rankings.index, rankings.model)  # [n, M]
         d = self.model.get_base_model().get_input_embeddings().weight.shape[1]
         generator = torch.Generator().manual_seed(self.seed)
         projection = torch.randn(width * d, dim, generator=generator, dtype=torch.float64) / dim**0.5
