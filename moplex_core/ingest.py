@@ -77,14 +77,15 @@ def build_rankings(config: IngestConfig, inputs: dict[str, str] | None = None) -
     adapted = _adapt(config, _source_label(config, _inputs(config) if inputs is None else inputs))
     if not adapted.rows:
         raise ValueError(
-            f"the {config.dataset} source gave no rankings ({adapted.stats}); check the source and the "
-            "dataset options"
+            f"the {config.dataset} source{f' at {config.path}' if config.path else ''} gave no rankings "
+            f"({adapted.stats}); check the source and the dataset options"
         )
     labels = default_labels(config)
     if config.validation == "strict":
-        table, rejected = check_rankings(adapted.rows, labels, require_split=config.split.from_source), None
+        table = check_rankings(adapted.rows, labels, config.split.from_source, adapted.where)
+        rejected = None
     else:
-        table, rejected = split_rejected(adapted.rows, labels, require_split=config.split.from_source)
+        table, rejected = split_rejected(adapted.rows, labels, config.split.from_source, adapted.where)
     if not config.split.from_source:
         splits = assign_splits(table.column("prompt_id").to_pylist(), config.split, config.seed)
         table = table.set_column(table.schema.get_field_index("split"), "split", pa.array(splits, pa.string()))

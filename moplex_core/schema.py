@@ -63,12 +63,14 @@ class RowIssue:
     example_id: str | None
     field: str
     reason: str
+    where: str | None = None  # where the row was read, e.g. "data.jsonl line 3"
 
     def __str__(self) -> str:
         if self.row is None:
             return f"column {self.field!r}: {self.reason}"
-        eid = f" (example_id {self.example_id!r})" if self.example_id else ""
-        return f"row {self.row}{eid}, field {self.field!r}: {self.reason}"
+        about = ", ".join(([self.where] if self.where else [])
+                          + ([f"example_id {self.example_id!r}"] if self.example_id else []))
+        return f"row {self.row}{f' ({about})' if about else ''}, field {self.field!r}: {self.reason}"
 
 
 class SchemaError(ValueError):
@@ -95,13 +97,15 @@ def check_rankings(
     data: pa.Table | pd.DataFrame | Sequence[dict[str, Any]],
     labels: Collection[str] | None = None,
     require_split: bool = True,
+    where: Sequence[str] | None = None,
 ) -> pa.Table:
     """The rows in the canonical schema, or `SchemaError` listing every bad row.
 
     ``labels``, when given, is the declared cluster label set; a non-null cluster outside it is an
     error. With ``require_split=False`` a null split is accepted (rows validated before splitting).
+    ``where``, one entry per row (e.g. "data.jsonl line 3"), is named beside each bad row.
     """
-    table, issues = _validate(data, labels, require_split)
+    table, issues = _validate(data, labels, require_split, where)
     if issues:
         raise SchemaError(issues)
     return _cast(table, require_split)
@@ -111,13 +115,14 @@ def split_rejected(
     data: pa.Table | pd.DataFrame | Sequence[dict[str, Any]],
     labels: Collection[str] | None = None,
     require_split: bool = True,
+    where: Sequence[str] | None = None,
 ) -> tuple[pa.Table, pa.Table]:
     """(valid rows in the canonical schema, one `REJECTED_SCHEMA` row per issue of the others).
 
     Table-level problems (missing columns, a column of the wrong type) cannot be fixed by dropping
     rows and still raise `SchemaError`.
     """
-    table, issues = _validate(data, labels, require_split)
+    table, issues = _validate(data, labels, require_split, where)
     table_level = [i for i in issues if i.row is None]
     if table_level:
         raise SchemaError(table_level)
@@ -180,6 +185,7 @@ def _validate(
     data: pa.Table | pd.DataFrame | Sequence[dict[str, Any]],
     labels: Collection[str] | None,
     require_split: bool,
+    where: Sequence[str] | None = None,
 ) -> tuple[pa.Table, list[RowIssue]]:
     columns, n = _columns(data)
     missing = [f.name for f in RANKINGS_SCHEMA if f.name not in columns and f.name not in OPTIONAL_COLUMNS]
@@ -207,7 +213,8 @@ def _validate(
     # A value of the wrong type was nulled by _convert; do not report it a second time as missing.
     typed = {(i.row, i.field) for i in issues}
     issues += [i for i in _row_issues(values, n, labels, require_split) if (i.row, i.field) not in typed]
-    issues = [RowIssue(i.row, values["example_id"][i.row], i.field, i.reason) if i.example_id is None else i
+    issues = [RowIssue(i.row, values["example_id"][i.row] if i.example_id is None else i.example_id, i.field,
+                       i.reason, None if where is None else where[i.row])
               for i in issues]
     order = {f.name: k for k, f in enumerate(RANKINGS_SCHEMA)}
     issues.sort(key=lambda i: (i.row, order[i.field]))

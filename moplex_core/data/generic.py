@@ -20,7 +20,7 @@ COLUMNS = tuple(RANKINGS_SCHEMA.names)
 
 
 def to_rankings(records: Iterable[Record], *, source: str) -> AdapterOutput:
-    rows = []
+    rows, where = [], []
     stats: Counter[str] = Counter()
     for record in records:
         stats["records"] += 1
@@ -43,5 +43,6 @@ def to_rankings(records: Iterable[Record], *, source: str) -> AdapterOutput:
         if row["source"] is None:
             row["source"] = source
         rows.append(row)
+        where.append(record.where)
     stats["rankings"] = len(rows)
-    return AdapterOutput(rows, dict(stats))
+    return AdapterOutput(rows, dict(stats), where)

@@ -15,12 +15,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 
 from moplex_core.hashing import canonical_json, sha256_file, short_hash
 
 DATA_SUFFIXES = (".jsonl", ".jsonl.gz", ".json", ".parquet")
 _HUB_SPLIT_ORDER = ("train", "validation", "test")
+NEWLINE = b"\n"
 
 
 class DatasetUnavailableError(RuntimeError):
@@ -71,31 +73,75 @@ def source_fingerprint(path: str | Path) -> str:
 
 
 def iter_local_records(path: str | Path) -> Iterator[Record]:
+    """Every record of a local source, in file order. A file that cannot be read as its format says
+    (not UTF-8, not JSON, not Parquet) raises `RawSchemaError` naming the file and line."""
     for file in local_files(path):
         if file.name.endswith(".parquet"):
-            row = 0
-            for batch in pq.ParquetFile(file).iter_batches(batch_size=1024):
-                for data in batch.to_pylist():
-                    yield Record(f"{file} row {row}", data)
-                    row += 1
+            yield from _parquet_records(file)
         elif file.name.endswith(".json"):
-            rows = json.loads(file.read_text())
+            rows = _parse_json(_utf8(file.read_bytes(), str(file), whole_file=True), str(file), whole_file=True)
             if not isinstance(rows, list):
                 raise RawSchemaError(f"{file} must hold a JSON array of records (or use .jsonl, one per line)")
             for row, data in enumerate(rows):
                 yield Record(f"{file} record {row}", _as_object(data, f"{file} record {row}"))
         else:
             opener = gzip.open if file.name.endswith(".gz") else open
-            with opener(file, "rt", encoding="utf-8") as f:
-                for line_no, line in enumerate(f, start=1):
-                    if not line.strip():
-                        continue
-                    where = f"{file} line {line_no}"
-                    try:
-                        data = json.loads(line)
-                    except json.JSONDecodeError as err:
-                        raise RawSchemaError(f"{where} is not valid JSON: {err}") from None
-                    yield Record(where, _as_object(data, where))
+            try:
+                with opener(file, "rb") as f:
+                    for line_no, raw in enumerate(f, start=1):
+                        where = f"{file} line {line_no}"
+                        line = _utf8(raw, where, whole_file=False)
+                        if line.strip():
+                            yield Record(where, _as_object(_parse_json(line, where, whole_file=False), where))
+            except (gzip.BadGzipFile, EOFError) as err:
+                raise RawSchemaError(f"{file} is not a readable gzip file ({err}); recompress it or pass the "
+                                     ".jsonl uncompressed") from None
+
+
+def _parquet_records(file: Path) -> Iterator[Record]:
+    try:
+        batches = pq.ParquetFile(file).iter_batches(batch_size=1024)
+    except (pa.ArrowException, OSError) as err:
+        raise RawSchemaError(f"{file} is not a readable Parquet file ({err}); rewrite it with pyarrow or "
+                             "pandas.to_parquet, or pass the data as .jsonl") from None
+    row = 0
+    while True:
+        try:
+            batch = next(batches, None)
+        except (pa.ArrowException, OSError) as err:
+            raise RawSchemaError(f"{file} is damaged after row {row} ({err}); rewrite the file") from None
+        if batch is None:
+            return
+        for data in batch.to_pylist():
+            yield Record(f"{file} row {row}", data)
+            row += 1
+
+
+def _utf8(raw: bytes, where: str, *, whole_file: bool) -> str:
+    """``raw`` (one line of a file, or a whole .json file) decoded, or an error saying where it is not UTF-8."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        line_start = raw.rfind(NEWLINE, 0, err.start) + 1
+        at = f"byte {err.start - line_start + 1}"
+        if whole_file:
+            at = f"line {raw.count(NEWLINE, 0, err.start) + 1}, {at}"
+        raise RawSchemaError(
+            f"{where} is not UTF-8 text ({at} is {raw[err.start:err.end]!r}); re-encode the file as UTF-8, "
+            "e.g. `iconv -f latin1 -t utf-8 IN > OUT`"
+        ) from None
+
+
+def _parse_json(text: str, where: str, *, whole_file: bool) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as err:
+        if whole_file:
+            at = f"line {err.lineno}, column {err.colno}"
+        else:  # the line's own column; a record cut short fails past its last character
+            at = "at the end of the line" if err.pos >= len(text.rstrip()) else f"column {err.pos + 1}"
+        expected = "a JSON array of objects" if whole_file else "one JSON object per line"
+        raise RawSchemaError(f"{where} is not valid JSON ({at}: {err.msg}); expected {expected}") from None
 
 
 def iter_hub_records(name: str, revision: str | None, dataset: str) -> Iterator[Record]:
@@ -110,7 +156,8 @@ def iter_hub_records(name: str, revision: str | None, dataset: str) -> Iterator[
             f"Without hub access, download it where the hub is reachable, e.g. `huggingface-cli download "
             f"{name} --repo-type dataset{f' --revision {revision}' if revision else ''} --local-dir DIR`, copy "
             f"DIR here and pass it as the local path: `moplex ingest --dataset {dataset} --path DIR` "
-            f"(or IngestConfig(dataset={dataset!r}, path='DIR')). A file or folder of .jsonl/.json/.parquet "
+            f"(`moplex run ... --set ingest.path=DIR` in a pipeline; IngestConfig(dataset={dataset!r}, "
+            "path='DIR') in Python). A file or folder of .jsonl/.json/.parquet "
             "in the dataset's raw schema works. Gated datasets (PERSONA) also need their terms accepted "
             "and `huggingface-cli login`."
         ) from err
@@ -133,3 +180,5 @@ class AdapterOutput:
 
     rows: list[dict[str, Any]]
     stats: dict[str, int]
+    where: list[str] | None = None
+    """Per row, where its record was read (adapters that make one row per record), for error messages."""
