@@ -57,12 +57,18 @@ def moplex_pipeline(preset: str = "synthetic-demo", overrides: list[str] | None 
     return {**dirs, "report": f"{dirs['evaluate']}/report.md"}
 
 
+def flow_run_url(run_id) -> str:
+    """Where the Prefect UI shows a flow run (a temporary server's runs stay in PREFECT_HOME)."""
+    if PREFECT_API_URL.value():
+        return f"{PREFECT_UI_URL.value()}/runs/flow-run/{run_id}"
+    return f"http://127.0.0.1:4200/runs/flow-run/{run_id} after `prefect server start` (same PREFECT_HOME)"
+
+
 def run_in_process(config: PipelineConfig) -> tuple[bool, str]:
     """Run the pipeline here (``moplex run``); (completed, what to tell the user)."""
     state = moplex_pipeline(config=config, return_state=True)
     run_id = state.state_details.flow_run_id
-    ui = f"{PREFECT_UI_URL.value()}/runs/flow-run/{run_id}" if PREFECT_API_URL.value() else \
-        f"http://127.0.0.1:4200/runs/flow-run/{run_id} after `prefect server start` (same PREFECT_HOME)"
+    ui = flow_run_url(run_id)
     if not state.is_completed():
         return False, (
             f"the pipeline run {run_id} ended {state.type.value}: {state.message}\n"

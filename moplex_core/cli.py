@@ -39,6 +39,34 @@ def _experiment_approximation(args: argparse.Namespace) -> int:
     return 0
 
 
+def _experiment_compare(args: argparse.Namespace) -> int:
+    # Runs the compare flow (several pipeline subflows) in this process, like `moplex run`.
+    from moplex_core.config import pipeline_preset, with_overrides
+    from moplex_core.config import METHODS
+    from moplex_core.experiments.compare import plan_runs
+
+    methods = args.methods or list(METHODS)
+    overrides = args.set + ([f"root={args.root}"] if args.root else [])
+    try:
+        base = with_overrides(pipeline_preset(args.data), overrides)
+        runs = plan_runs(base, methods, list(range(args.seed, args.seed + args.seeds)))
+    except ValueError as err:
+        print(f"moplex experiment compare: {err}", file=sys.stderr)
+        return 1
+    print(f"{len(runs)} runs: {', '.join(methods)} x seeds {args.seed}..{args.seed + args.seeds - 1} on {args.data}",
+          file=sys.stderr)
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    from flows.compare import run_compare_in_process
+
+    completed, message = run_compare_in_process(methods, args.seeds, args.seed, args.data, overrides)
+    print(message if completed else f"moplex experiment compare: {message}",
+          file=sys.stdout if completed else sys.stderr)
+    return 0 if completed else 1
+
+
 def _say_done(result, rows: str, note: str = "") -> None:
     """One line for a stage run from the command line: what it wrote, or that it had nothing to do."""
     if result.built:
@@ -164,6 +192,30 @@ def build_parser() -> argparse.ArgumentParser:
     approx.add_argument("--examples", type=int, default=50, help="examples per seed")
     approx.add_argument("--quiet", action="store_true", help="no progress bar")
     approx.set_defaults(func=_experiment_approximation)
+
+    from moplex_core.config import METHODS
+
+    compare = exp_sub.add_parser(
+        "compare",
+        help="baselines and ablations (methods) x seeds on one dataset preset, one report in the shape of "
+        "paper Tables 2 and 3",
+        description="Run every METHOD (a preset of the one engine: "
+        + "; ".join(f"{m.name} = {m.paper}" for m in METHODS.values())
+        + ") with train seeds SEED..SEED+SEEDS-1 on the pipeline preset --data, as subflows of one Prefect "
+        "flow, and write a `compare` artifact: report.md (tables, % mean +- std over seeds), "
+        "plots/comparison.png, comparison.parquet. Shared stages are computed once; a rerun reuses every "
+        "finished run.",
+    )
+    compare.add_argument("methods", nargs="*", metavar="METHOD", help=f"default: all ({', '.join(METHODS)})")
+    compare.add_argument("--data", default="synthetic-compare",
+                         help="the base pipeline preset: MoPLEx itself (generated responses, train.anchors < m')")
+    compare.add_argument("--seeds", type=int, default=3, help="number of train seeds")
+    compare.add_argument("--seed", type=int, default=0, help="first train seed")
+    compare.add_argument("--root", help="artifact root (default: the preset's)")
+    compare.add_argument("--threads", type=int, help="torch CPU threads (as moplex run)")
+    compare.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                         help="override a field of the base PipelineConfig before the methods' own; repeatable")
+    compare.set_defaults(func=_experiment_compare)
 
     ingest = sub.add_parser(
         "ingest",

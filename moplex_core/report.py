@@ -66,11 +66,11 @@ def write_report(writer, metrics: pd.DataFrame, diagnostics: pd.DataFrame, histo
         "",
         "## Overall",
         "",
-        _markdown(headline_table(metrics)),
+        markdown_table(headline_table(metrics)),
         "",
     ]
     if not clusters.empty:
-        lines += [f"## Per cluster ({last})", "", _markdown(clusters), "",
+        lines += [f"## Per cluster ({last})", "", markdown_table(clusters), "",
                   "![per-cluster accuracy](plots/cluster_accuracy.png)", ""]
     lines += ["## EM training log-likelihood", "",
               f"{len(history)} iteration(s); log-likelihood per training ranking: "
@@ -83,11 +83,11 @@ def write_report(writer, metrics: pd.DataFrame, diagnostics: pd.DataFrame, histo
                   "Per EM cluster (rankings grouped by argmax gamma), that cluster's exact scores: the fraction of "
                   "generated responses scored below every original, the fraction of rankings whose generated "
                   "scores are pairwise distinct (Proposition 2's assumption), and their coefficient of variation.",
-                  "", _markdown(diagnostics.set_index(["split", "cluster"])), ""]
+                  "", markdown_table(diagnostics.set_index(["split", "cluster"])), ""]
     writer.write_file("report.md", "\n".join(lines))
 
 
-def _markdown(frame: pd.DataFrame) -> str:
+def markdown_table(frame: pd.DataFrame) -> str:
     """A GitHub table (pandas' to_markdown needs tabulate, which we do not depend on)."""
     index_names = [n or "" for n in frame.index.names]
     header = index_names + [str(c) for c in frame.columns]
@@ -105,7 +105,7 @@ def _cell(value: object) -> str:
     return str(value)
 
 
-def _png(figure: Figure) -> bytes:
+def png_bytes(figure: Figure) -> bytes:
     buffer = io.BytesIO()
     figure.savefig(buffer, format="png", dpi=110, bbox_inches="tight")
     return buffer.getvalue()
@@ -126,7 +126,7 @@ def _cluster_accuracy_plot(clusters: pd.DataFrame, split: str) -> bytes:
     ax.set_ylabel("accuracy")
     ax.set_title(f"per-cluster accuracy ({split})")
     ax.legend(fontsize=7, loc="lower right")
-    return _png(figure)
+    return png_bytes(figure)
 
 
 def _log_likelihood_plot(history: list[float]) -> bytes:
@@ -136,7 +136,7 @@ def _log_likelihood_plot(history: list[float]) -> bytes:
     ax.set_xlabel("EM iteration")
     ax.set_ylabel("log-likelihood per ranking (train)")
     ax.set_title("EM")
-    return _png(figure)
+    return png_bytes(figure)
 
 
 def _confusion_plot(confusion: pd.DataFrame, split: str) -> bytes:
@@ -151,4 +151,4 @@ def _confusion_plot(confusion: pd.DataFrame, split: str) -> bytes:
         ax.text(c, r, f"{value:.2f}", ha="center", va="center", fontsize=7)
     figure.colorbar(image, ax=ax, fraction=0.05)
     ax.set_title(f"mean posterior ({split})")
-    return _png(figure)
+    return png_bytes(figure)

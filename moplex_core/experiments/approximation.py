@@ -101,7 +101,7 @@ def summarise(errors: pd.DataFrame, max_distance: float = 0.5) -> pd.DataFrame:
     return table
 
 
-def markdown_table(table: pd.DataFrame) -> str:
+def approximation_markdown(table: pd.DataFrame) -> str:
     modes = [m for m in ESTIMATION_MODES if m in set(table["mode"])]
     lines = ["| distance | " + " | ".join(f"{m} (eps/r)^2" for m in modes) + " | pairs |",
              "|---|" + "---|" * len(modes) + "---|"]
@@ -131,7 +131,7 @@ def run_approximation(
         frames.append(measure_errors(scorer, examples, seed))
     errors = pd.concat(frames, ignore_index=True)
     table = summarise(errors, config.max_distance)
-    markdown = markdown_table(table)
+    markdown = approximation_markdown(table)
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
         errors.to_parquet(out / "errors.parquet", index=False)

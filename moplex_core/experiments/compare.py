@@ -1,0 +1,202 @@
+"""Baselines and ablations as presets of one engine, and the comparison report (paper Tables 2, 3).
+
+A *method* (moplex_core.config.METHODS) is a list of ``key=value`` overrides applied to a base pipeline config (a `PipelineConfig`
+whose train/augment settings are MoPLEx itself: generated responses and a < m' anchors). Every
+method runs the same ingest, tiny model, augment and cache artifacts (the store reuses them); only
+train and evaluate differ. Seeds vary ``train.seed``: the LoRA initialisation, the EM start, the
+M-step shuffling and the anchor draws; the data and the generated responses stay fixed.
+
+    method       paper row                   what changes from the base (MoPLEx)
+    dpo          DPO                         k = 1, Bradley-Terry over pairs, no generated responses, exact
+    single_pl    LiPO (list MLE)             k = 1, no generated responses, exact
+    mixture_bt   EM-DPO                      soft EM over pairs, no generated responses, exact
+    maxmin_bt    MaxMin-RLHF                 hard EM over pairs, no generated responses, exact
+    moplex       MoPLEx (Alg. 2)             -
+    no_pl        w/o Plackett-Luce models    Bradley-Terry over pairs (generated responses kept)
+    no_aug       w/o generated responses     no generated responses
+    k1           w/o mixture models          k = 1
+    full         w/o gradient estimation     a = m' (every response exact)
+
+The report (`write_comparison`) is a `compare` artifact: comparison.parquet (every run's metric
+rows), report.md with the two tables and plots/comparison.png.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+from matplotlib.figure import Figure
+
+from moplex_core.artifacts import ArtifactRef, ArtifactStore, read_manifest
+from moplex_core.config import METHODS, PipelineConfig, method_config
+from moplex_core.evaluate import METRICS_FILE
+from moplex_core.report import markdown_table, png_bytes
+
+STAGE = "compare"
+CODE_VERSION = "compare-1"  # bump when a change here changes what the report holds
+SPLIT = "test"
+
+
+def plan_runs(base: PipelineConfig, methods: list[str], seeds: list[int]) -> list[tuple[str, int, PipelineConfig]]:
+    """(method, seed, config) of every run, methods in the given order, seeds inner."""
+    if not methods or not seeds or len(set(methods)) != len(methods) or len(set(seeds)) != len(seeds):
+        raise ValueError(f"need distinct methods and seeds, got methods {methods} and seeds {seeds}")
+    return [(method, seed, method_config(base, method, seed)) for method in methods for seed in seeds]
+
+
+def collect_metrics(evaluations: list[tuple[str, int, str | Path]]) -> pd.DataFrame:
+    """Every run's metrics.parquet (method, split, metric, cluster, value, seed) in one frame."""
+    frames = [pd.read_parquet(Path(path) / METRICS_FILE) for _, _, path in evaluations]
+    return pd.concat(frames, ignore_index=True)
+
+
+def summary_table(metrics: pd.DataFrame, metric: str, split: str = SPLIT) -> pd.DataFrame:
+    """Mean and std over seeds of one metric per method (rows) and cluster (columns, "all" last)."""
+    rows = metrics[(metrics.metric == metric) & (metrics.split == split)]
+    stats = rows.groupby(["method", "cluster"], sort=False)["value"].agg(["mean", "std", "count"])
+    stats["std"] = stats["std"].fillna(0.0)
+    return stats.reset_index()
+
+
+def _cell(mean: float, std: float) -> str:
+    return f"{100 * mean:.1f} ± {100 * std:.1f}"
+
+
+def table2(metrics: pd.DataFrame, dataset: str, split: str = SPLIT) -> str:
+    """Paper Table 2's shape: clustering accuracy of the mixture methods, then the ranking accuracy
+    (posterior-routed, the paper's number) of every method, on one dataset; % mean ± std over seeds."""
+    methods = list(dict.fromkeys(metrics.method))
+    lines = [f"| Methods | {dataset} |", "|---|---|", "| **Clustering accuracy** | |"]
+    clustering = summary_table(metrics, "clustering_accuracy", split).query("cluster == 'all'").set_index("method")
+    lines += [f"| {_label(m)} | {_cell(*clustering.loc[m, ['mean', 'std']])} |" for m in methods
+              if _is_mixture(m) and m in clustering.index]
+    lines.append("| **Ranking accuracy** | |")
+    ranking = summary_table(metrics, "ranking_accuracy_posterior", split).query("cluster == 'all'").set_index("method")
+    lines += [f"| {_label(m)} | {_cell(*ranking.loc[m, ['mean', 'std']])} |" for m in methods if m in ranking.index]
+    return "\n".join(lines)
+
+
+def table3(metrics: pd.DataFrame, metric: str = "ranking_accuracy_posterior", split: str = SPLIT) -> str:
+    """Paper Table 3's shape: ``metric`` per true cluster and their average, one row per method."""
+    stats = summary_table(metrics, metric, split)
+    clusters = [c for c in dict.fromkeys(stats.cluster) if c != "all"] + ["all"]
+    header = [str(c) if c != "all" else "Average" for c in clusters]
+    lines = ["| method | " + " | ".join(header) + " |", "|---|" + "---|" * len(clusters)]
+    for method, group in stats.groupby("method", sort=False):
+        by_cluster = group.set_index("cluster")
+        cells = [_cell(*by_cluster.loc[c, ["mean", "std"]]) if c in by_cluster.index else "-" for c in clusters]
+        lines.append(f"| {_label(method)} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def all_variants_table(metrics: pd.DataFrame, split: str = SPLIT) -> pd.DataFrame:
+    """Every headline metric (columns) per method (rows), mean over seeds, as fractions."""
+    overall = metrics[(metrics.split == split) & (metrics.cluster == "all")]
+    columns = ["clustering_accuracy", "ari", "nmi", "ranking_accuracy_posterior", "ranking_accuracy_oracle",
+               "ranking_accuracy_marginal"]
+    table = overall.pivot_table(index="method", columns="metric", values="value", aggfunc="mean", sort=False)
+    return table[[c for c in columns if c in table.columns]]
+
+
+def _is_mixture(method: str) -> bool:
+    """Whether clustering accuracy means anything for ``method`` (k > 1)."""
+    return METHODS[method].is_mixture if method in METHODS else True
+
+
+def _label(method: str) -> str:
+    return f"{METHODS[method].paper} (`{method}`)" if method in METHODS else method
+
+
+def comparison_plot(metrics: pd.DataFrame, chance: float | None, split: str = SPLIT) -> bytes:
+    """Two bar panels with std error bars: clustering accuracy (mixture methods) and ranking
+    accuracy (posterior, every method)."""
+    figure = Figure(figsize=(10, 3.8))
+    axes = figure.subplots(1, 2, gridspec_kw={"width_ratios": [1, 1.5]})
+    for ax, metric, title in ((axes[0], "clustering_accuracy", "clustering accuracy"),
+                              (axes[1], "ranking_accuracy_posterior", "ranking accuracy (posterior)")):
+        stats = summary_table(metrics, metric, split).query("cluster == 'all'")
+        if metric == "clustering_accuracy":
+            stats = stats[[_is_mixture(m) for m in stats.method]]
+        x = np.arange(len(stats))
+        ax.bar(x, 100 * stats["mean"], yerr=100 * stats["std"], capsize=3,
+               color=["tab:orange" if m == "moplex" else "tab:blue" for m in stats.method])
+        ax.set_xticks(x, stats.method, rotation=35, ha="right")
+        ax.set_ylim(0, 100)
+        ax.set_ylabel(f"% ({split})")
+        ax.set_title(title)
+        if metric == "clustering_accuracy" and chance is not None:
+            ax.axhline(100 * chance, color="grey", linestyle="--", linewidth=1)
+            ax.text(len(stats) - 0.5, 100 * chance + 1, "chance", ha="right", fontsize=7, color="grey")
+    figure.tight_layout()
+    return png_bytes(figure)
+
+
+def write_comparison(store: ArtifactStore, dataset: str, evaluations: list[tuple[str, int, str | Path]],
+                     identity: dict) -> Path:
+    """The `compare` artifact of these evaluations ((method, seed, evaluate folder) each); returns its folder.
+
+    ``identity`` is what the runs were asked for (base preset, overrides, methods, seeds); the
+    evaluate artifacts are the version's inputs, so reruns that reuse every stage reuse it too.
+    """
+    inputs = {}
+    for method, seed, path in evaluations:
+        manifest = read_manifest(path)
+        inputs[f"{method}/seed{seed}"] = f"{manifest['stage']}/{manifest['version']}"
+    ref = ArtifactRef(STAGE, store.version(STAGE, identity, inputs, CODE_VERSION))
+    if store.is_complete(STAGE, ref.version):
+        return store.path(STAGE, ref.version)
+    metrics = collect_metrics(evaluations)
+    labels = sorted(c for c in metrics.cluster.unique() if c != "all")
+    chance = 1 / len(labels) if labels else None
+    seeds = sorted({seed for _, seed, _ in evaluations})
+    with store.writer(STAGE, ref.version, config=identity, inputs=inputs, code_version=CODE_VERSION) as writer:
+        if not writer.complete:
+            writer.write_table("comparison.parquet", metrics)
+            writer.write_file("plots/comparison.png", comparison_plot(metrics, chance))
+            writer.write_file("report.md", _report(metrics, dataset, seeds, evaluations))
+            writer.summary.update({"methods": list(dict.fromkeys(m for m, _, _ in evaluations)), "seeds": seeds,
+                                   "dataset": dataset})
+    return store.path(STAGE, ref.version)
+
+
+def _report(metrics: pd.DataFrame, dataset: str, seeds: list[int], evaluations: list[tuple[str, int, str | Path]]
+            ) -> str:
+    methods = list(dict.fromkeys(m for m, _, _ in evaluations))
+    lines = [
+        f"# moplex method comparison on `{dataset}`",
+        "",
+        f"{len(methods)} methods x {len(seeds)} seeds (train.seed = {', '.join(map(str, seeds))}), {SPLIT} split; "
+        "% mean ± std over seeds (sample std). Cluster ids are matched to the true labels on validation. "
+        "Ranking accuracy is routed by each ranking's own posterior (the paper's number); the oracle and "
+        "marginal variants are in the last table and in comparison.parquet.",
+        "",
+        "## Paper Table 2 shape",
+        "",
+        table2(metrics, dataset),
+        "",
+        "![comparison](plots/comparison.png)",
+        "",
+        "## Paper Table 3 shape: ranking accuracy per true cluster",
+        "",
+        table3(metrics),
+        "",
+        "## Clustering accuracy per true cluster (recall of each label)",
+        "",
+        table3(metrics, "clustering_accuracy"),
+        "",
+        "## Every headline metric (mean over seeds, fractions)",
+        "",
+        markdown_table(all_variants_table(metrics)),
+        "",
+        "## Methods",
+        "",
+        "| method | paper row | overrides of the base config | what it is |",
+        "|---|---|---|---|",
+    ]
+    lines += [f"| `{m}` | {METHODS[m].paper} | {', '.join(f'`{o}`' for o in METHODS[m].overrides) or '-'} | "
+              f"{METHODS[m].description} |" for m in methods if m in METHODS]
+    lines += ["", "## Runs", "", "| method | seed | evaluation |", "|---|---|---|"]
+    lines += [f"| {m} | {s} | `{p}` |" for m, s, p in evaluations]
+    return "\n".join(lines) + "\n"

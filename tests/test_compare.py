@@ -1,0 +1,107 @@
+"""Baselines as presets of one engine, the comparison tables, and the compare flow end to end."""
+
+from __future__ import annotations
+
+import pandas as pd
+import pytest
+
+from moplex_core.artifacts import verify
+from moplex_core.config import METHODS, PipelineConfig, method_config, pipeline_preset, with_overrides
+from moplex_core.experiments.compare import plan_runs, table2, table3
+
+TINY_BASE = PipelineConfig.model_validate({
+    "ingest": {"dataset": "synthetic", "synthetic": {"n": 36, "k": 3, "m": 3},
+               "split": {"fractions": [0.5, 0.25, 0.25]}},
+    "tiny_model": {"pretrain_steps": 5, "hidden_size": 32},
+    "augment": {"backend": "hf", "model": "tiny", "n_generated": 1, "max_new_tokens": 4,
+                "on_shortfall": "keep_fewer"},
+    "cache": {"model": "tiny"},
+    "train": {"k": 3, "anchors": 1, "em_iterations": 1, "lora_r": 4, "lora_targets": ["q_proj", "v_proj"]},
+    "stage_retries": 0,
+})
+
+
+def test_every_method_is_the_base_config_with_its_documented_differences():
+    expected = {  # method: (k, likelihood, hard, augmented, anchors)
+        "dpo": (1, "bt_pairs", False, False, None),
+        "single_pl": (1, "pl", False, False, None),
+        "mixture_bt": (3, "bt_pairs", False, False, None),
+        "maxmin_bt": (3, "bt_pairs", True, False, None),
+        "moplex": (3, "pl", False, True, 1),
+        "no_pl": (3, "bt_pairs", False, True, 1),
+        "no_aug": (3, "pl", False, False, 1),
+        "k1": (1, "pl", False, True, 1),
+        "full": (3, "pl", False, True, None),
+    }
+    assert set(expected) == set(METHODS)
+    for method, (k, likelihood, hard, augmented, anchors) in expected.items():
+        config = method_config(TINY_BASE, method, seed=7)
+        train = config.train
+        assert (train.k, train.likelihood, train.hard, config.augment is not None, train.anchors) == \
+            (k, likelihood, hard, augmented, anchors), method
+        assert train.seed == 7 and config.evaluate.method == method
+        # nothing else moves: the shared stages keep their versions
+        assert (config.ingest, config.cache, config.tiny_model) == (TINY_BASE.ingest, TINY_BASE.cache, TINY_BASE.tiny_model)
+        assert train.lr == TINY_BASE.train.lr and train.em_iterations == TINY_BASE.train.em_iterations
+
+
+def test_a_base_that_is_not_moplex_and_unknown_methods_are_refused():
+    with pytest.raises(ValueError, match="base config must be MoPLEx"):
+        method_config(with_overrides(TINY_BASE, ["train.anchors=null"]), "moplex", 0)
+    with pytest.raises(ValueError, match="unknown method 'ppo'"):
+        method_config(TINY_BASE, "ppo", 0)
+    with pytest.raises(ValueError, match="distinct"):
+        plan_runs(TINY_BASE, ["moplex", "moplex"], [0])
+    runs = plan_runs(TINY_BASE, ["dpo", "moplex"], [0, 1])
+    assert [(m, s) for m, s, _ in runs] == [("dpo", 0), ("dpo", 1), ("moplex", 0), ("moplex", 1)]
+
+
+def test_the_shipped_compare_preset_is_a_moplex_base():
+    base = pipeline_preset("synthetic-compare")
+    assert [m for m, _, _ in plan_runs(base, list(METHODS), [0])] == list(METHODS)
+
+
+def _metrics(rows):
+    return pd.DataFrame(rows, columns=["method", "split", "metric", "cluster", "value", "seed"])
+
+
+def test_tables_report_percent_mean_and_sample_std_over_seeds():
+    rows = []
+    for seed, (acc, rank_a, rank_b) in enumerate([(0.6, 0.7, 0.9), (0.8, 0.8, 0.7)]):
+        rows += [("moplex", "test", "clustering_accuracy", "all", acc, seed),
+                 ("moplex", "test", "ranking_accuracy_posterior", "a", rank_a, seed),
+                 ("moplex", "test", "ranking_accuracy_posterior", "b", rank_b, seed),
+                 ("moplex", "test", "ranking_accuracy_posterior", "all", (rank_a + rank_b) / 2, seed),
+                 ("moplex", "validation", "clustering_accuracy", "all", 0.0, seed),
+                 ("dpo", "test", "clustering_accuracy", "all", 1 / 3, seed),
+                 ("dpo", "test", "ranking_accuracy_posterior", "a", 0.5, seed),
+                 ("dpo", "test", "ranking_accuracy_posterior", "b", 0.5, seed),
+                 ("dpo", "test", "ranking_accuracy_posterior", "all", 0.5, seed)]
+    metrics = _metrics(rows)
+    t2 = table2(metrics, "toy")
+    # clustering accuracy: mean 70.0, sample std of (0.6, 0.8) = 0.1414 -> 14.1; dpo (k = 1) has no clustering row
+    assert "| MoPLEx (Alg. 2) (`moplex`) | 70.0 ± 14.1 |" in t2
+    assert t2.count("`dpo`") == 1 and "| DPO (`dpo`) | 50.0 ± 0.0 |" in t2
+    assert "| MoPLEx (Alg. 2) (`moplex`) | 77.5 ± 3.5 |" in t2  # ranking: (0.8, 0.75)
+    t3 = table3(metrics)
+    assert t3.splitlines()[0] == "| method | a | b | Average |"
+    assert "| MoPLEx (Alg. 2) (`moplex`) | 75.0 ± 7.1 | 80.0 ± 14.1 | 77.5 ± 3.5 |" in t3
+
+
+@pytest.mark.slow
+def test_compare_flow_runs_methods_and_seeds_sharing_stages_and_reuses_them(prefect_env, tmp_path):
+    from flows.compare import compare_flow
+
+    base = with_overrides(TINY_BASE, [f"root={tmp_path}"])
+    methods = ["moplex", "mixture_bt"]
+    folder = compare_flow(methods, seeds=2, config=base, preset="tiny")
+    verify(folder)
+    comparison = pd.read_parquet(f"{folder}/comparison.parquet")
+    assert sorted(set(zip(comparison.method, comparison.seed))) == sorted((m, s) for m in methods for s in (0, 1))
+    report = open(f"{folder}/report.md").read()
+    assert "## Paper Table 2 shape" in report and "MaxMin" not in report and "EM-DPO (`mixture_bt`) |" in report
+    # ingest, model and augment once; a cache with and one without generated responses; a train per run
+    count = {stage: len([p for p in (tmp_path / stage).iterdir() if not p.name.startswith(".")])
+             for stage in ("ingest", "model", "augment", "cache", "train", "evaluate")}
+    assert count == {"ingest": 1, "model": 1, "augment": 1, "cache": 2, "train": 4, "evaluate": 4}
+    assert compare_flow(methods, seeds=2, config=base, preset="tiny") == folder
