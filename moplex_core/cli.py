@@ -41,8 +41,7 @@ def _experiment_approximation(args: argparse.Namespace) -> int:
 
 def _experiment_compare(args: argparse.Namespace) -> int:
     # Runs the compare flow (several pipeline subflows) in this process, like `moplex run`.
-    from moplex_core.config import pipeline_preset, with_overrides
-    from moplex_core.config import METHODS
+    from moplex_core.config import METHODS, pipeline_preset, with_overrides
     from moplex_core.experiments.compare import plan_runs
 
     methods = args.methods or list(METHODS)

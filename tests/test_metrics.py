@@ -50,3 +50,13 @@ def test_pairwise_accuracy_excludes_ground_truth_ties_unranked_and_padding():
     assert pairwise_ranking_accuracy(torch.tensor([[1.0, 1.0, 0.0, 0, 0]]), tiers).tolist() == [0.75]
     all_tied = torch.tensor([[0, 0, PAD, PAD, PAD]])
     assert np.isnan(pairwise_ranking_accuracy(scores, all_tied).item())
+
+
+def test_nmi_of_a_merged_cluster_matches_the_hand_computed_value():
+    # true {0,0,1,1}, predicted {0,0,0,1}: H(true) = ln 2, H(pred) = H(3/4, 1/4) = 0.562335,
+    # I = 1/2 ln(4/3) + 1/4 ln(2/3) + 1/4 ln 2 = 0.215761; arithmetic-mean normalisation
+    assert normalized_mutual_information(np.array([0, 0, 0, 1]), np.array([0, 0, 1, 1])) == \
+        pytest.approx(0.215761 / ((0.693147 + 0.562335) / 2), abs=1e-5)
+    # ARI by hand: index = sum_ij C(n_ij, 2) = C(2, 2) = 1; true pairs a = 2 C(2, 2) = 2, predicted pairs
+    # b = C(3, 2) = 3; expected index = a b / C(4, 2) = 1; max = (a + b) / 2 = 2.5; ARI = (1 - 1) / (2.5 - 1)
+    assert adjusted_rand_index(np.array([0, 0, 0, 1]), np.array([0, 0, 1, 1])) == pytest.approx(0.0)
