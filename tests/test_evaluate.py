@@ -59,3 +59,26 @@ def test_pairs_beyond_the_ranked_prefix_are_not_scored():
     x = torch.tensor([[[4.0], [3.0], [1.0], [2.0]]], dtype=torch.float64)
     metrics = evaluate_mixture(scorer, torch.ones(1, dtype=torch.float64), {"test": EvalSplit(x, top2)})
     assert metrics.set_index("metric").value["ranking_accuracy_marginal"] == 1.0
+
+
+def test_heldout_log_likelihood_is_the_hand_computed_mean_under_the_rankings_model():
+    import math
+
+    scorer = LinearScorer(1, 1)
+    scorer.theta = torch.tensor([[1.0]], dtype=torch.float64)
+    x = torch.tensor([[[2.0], [1.0], [0.0]], [[0.0], [1.0], [2.0]]], dtype=torch.float64)  # scores = x
+    tiers = torch.tensor([[0, 1, 2], [0, 1, 2]])
+    one = torch.ones(1, dtype=torch.float64)
+
+    def ll(model):
+        split = EvalSplit(x, Rankings(tiers, model=model))
+        return evaluate_mixture(scorer, one, {"test": split}).set_index("metric").value["heldout_log_likelihood"]
+
+    def log_pl(a, b, c):  # P(a > b > c) = e^a / (e^a + e^b + e^c) * e^b / (e^b + e^c)
+        return a - math.log(math.exp(a) + math.exp(b) + math.exp(c)) + b - math.log(math.exp(b) + math.exp(c))
+
+    def log_pairs(a, b, c):
+        return sum(-math.log1p(math.exp(-(u - v))) for u, v in ((a, b), (a, c), (b, c)))
+
+    assert ll("pl") == pytest.approx((log_pl(2, 1, 0) + log_pl(0, 1, 2)) / 2, rel=1e-12)
+    assert ll("bt_pairs") == pytest.approx((log_pairs(2, 1, 0) + log_pairs(0, 1, 2)) / 2, rel=1e-12)
