@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from lm_fixtures import tiny_model_dir  # noqa: F401  (fixture)
@@ -106,3 +108,14 @@ def test_adapters_round_trip_through_peft_format(tiny_model_dir, inputs, tmp_pat
     reloaded = scorer(tiny_model_dir, anchors=2)
     reloaded.load_adapters(tmp_path / "adapters")
     torch.testing.assert_close(reloaded.exact_scores(inputs), trained.exact_scores(inputs))
+
+
+def test_saved_adapter_configs_list_their_target_modules_sorted(tiny_model_dir, tmp_path):  # noqa: F811
+    # PEFT writes its target_modules set in hash-seed order; two processes saving equal adapters
+    # (a killed train run and its rerun) must write equal bytes.
+    targets = ("v_proj", "up_proj", "q_proj", "o_proj", "k_proj", "gate_proj", "down_proj")
+    policy = LoRAPolicyScorer(tiny_model_dir, 2, lora=LoRASettings(r=2, alpha=4.0, target_modules=targets))
+    policy.save_adapters(tmp_path)
+    for name in ("c0", "c1"):
+        config = json.loads((tmp_path / name / "adapter_config.json").read_text())
+        assert config["target_modules"] == sorted(targets)

@@ -22,6 +22,7 @@ frozen (full computation: a forward only).
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -277,8 +278,17 @@ class LoRAPolicyScorer:
 
     def save_adapters(self, directory: str | Path) -> Path:
         """Write ``directory/cN/`` (adapter_config.json + adapter_model.safetensors) for every
-        cluster: each loads with ``PeftModel.from_pretrained(base, directory / "cN")``."""
+        cluster: each loads with ``PeftModel.from_pretrained(base, directory / "cN")``.
+
+        ``target_modules`` is written sorted: PEFT keeps it as a set and writes the set's order,
+        which follows the process's string hash seed, so equal adapters saved by two processes (a
+        killed train run and its rerun) would get different bytes."""
         self.model.save_pretrained(str(directory), selected_adapters=self.adapter_names)
+        for name in self.adapter_names:
+            config_file = Path(directory) / name / "adapter_config.json"
+            config = json.loads(config_file.read_text())
+            config["target_modules"] = sorted(config["target_modules"])
+            config_file.write_text(json.dumps(config, indent=2, sort_keys=True))  # as PEFT writes it
         return Path(directory)
 
     def load_adapters(self, directory: str | Path) -> None:
