@@ -9,7 +9,7 @@ export PREFECT_SERVER_ANALYTICS_ENABLED := false
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: test test-fast demo study bench clean
+.PHONY: test test-fast demo study compare bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -31,6 +31,10 @@ demo: $(STAMP)
 study: $(STAMP)
 	$(BIN)/moplex experiment identifiability --out data/artifacts/experiments/identifiability \
 		--n 1000 --seeds 2 --max-iter 40 --restarts 1
+
+# Every baseline and ablation x 3 seeds on the synthetic-compare preset (paper Tables 2 and 3 shape).
+compare: $(STAMP)
+	PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS=120 $(BIN)/moplex experiment compare --seeds 3 --threads 1
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/pl_core.py
