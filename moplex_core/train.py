@@ -38,7 +38,8 @@ from moplex_core.artifacts import ArtifactRef, ArtifactStore, atomic_path, read_
 from moplex_core.cache import load_policy_inputs, resolve_device, resolve_dtype
 from moplex_core.config import TrainConfig
 from moplex_core.em import EMConfig, EMState, fit_mixture
-from moplex_core.scorers.lora_policy import LoRAPolicyScorer, LoRASettings, ScoreRecord
+from moplex_core.pl import PAD
+from moplex_core.scorers.lora_policy import LoRAPolicyScorer, LoRASettings, PolicyInputs, ScoreRecord
 
 log = logging.getLogger(__name__)
 
@@ -100,6 +101,7 @@ def run_train(config: TrainConfig, cache_dir: str | Path, store: ArtifactStore, 
     if plan.complete:
         return _finished(plan)
     inputs, _ = load_policy_inputs(cache_dir, TRAIN_SPLIT)
+    check_config_fits_data(config, inputs, cache_dir)
     rankings = inputs.rankings(config.likelihood)
     em_config = EMConfig(k=config.k, max_iter=config.em_iterations, tol=config.tol, gamma_min=config.gamma_min,
                          init=config.init, restarts=config.restarts, hard=config.hard, seed=config.seed)
@@ -135,6 +137,30 @@ def run_train(config: TrainConfig, cache_dir: str | Path, store: ArtifactStore, 
         writer.summary.update({k: summary[k] for k in ("restart", "iterations", "converged", "log_likelihood",
                                                        "alpha", "train_examples")})
     return TrainResult(plan.ref, plan.path, True, best.log_likelihood, best.iteration + 1)
+
+
+def check_config_fits_data(config: TrainConfig, inputs: PolicyInputs, cache_dir: str | Path) -> None:
+    """Refuse, before EM writes anything, what only the data can show: more clusters than training
+    rankings, or more anchors than responses (a > m'). An example with fewer responses than ``a``
+    (ragged slates) is computed exactly, as ``a = m'`` would."""
+    n = len(inputs)
+    if config.k > n:
+        raise ValueError(
+            f"train.k = {config.k} clusters, but the cache at {cache_dir} has only {n} training ranking(s): "
+            f"EM cannot fill more clusters than rankings. Set train.k to at most {n}, or ingest more rankings."
+        )
+    responses = (inputs.tiers != PAD).sum(1)  # [n]: m' of every example
+    largest, smallest = int(responses.max()), int(responses.min())
+    if config.anchors is not None and config.anchors > largest:
+        shown = f"m' = {largest}" if largest == smallest else f"m' = {smallest}..{largest}"
+        raise ValueError(
+            f"train.anchors a = {config.anchors} > {shown} responses per example in the cache at {cache_dir} "
+            f"(m originals + m' - m generated). Set train.anchors to at most {largest}, or to null to compute "
+            "every response exactly (the full ablation)."
+        )
+    if config.anchors is not None and config.anchors > smallest:
+        log.info("%d example(s) have fewer than a = %d responses; they are computed exactly",
+                 int((responses < config.anchors).sum()), config.anchors)
 
 
 def load_trained(train_dir: str | Path, *, device: str | None = None
