@@ -20,6 +20,7 @@ part of an artifact.
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -67,6 +68,31 @@ class ArtifactIncompleteError(ArtifactError):
 
 class ArtifactCorruptError(ArtifactError):
     pass
+
+
+class ArtifactStorageError(ArtifactError, OSError):
+    """The artifact root cannot take a write: read-only, permission denied, or no space left."""
+
+
+_STORAGE_PROBLEMS = {
+    errno.ENOSPC: "no space is left on the device",
+    errno.EDQUOT: "the disk quota is exceeded",
+    errno.EROFS: "the file system is read-only",
+    errno.EACCES: "permission is denied",
+    errno.EPERM: "the operation is not permitted",
+}
+
+
+def _storage_error(err: OSError, path: Path) -> ArtifactStorageError | None:
+    """A user-facing error for a write that failed because of where it writes, else None."""
+    problem = _STORAGE_PROBLEMS.get(err.errno)
+    if problem is None:
+        return None
+    return ArtifactStorageError(
+        f"cannot write {path}: {problem} ({err.strerror}: {err.filename or path}). Nothing was marked "
+        "complete, and files already finished stay for a resume. Free space or make the artifact root "
+        "writable, or choose another root (moplex --root DIR, or root=DIR in the config)."
+    )
 
 
 @dataclass(frozen=True)
@@ -301,6 +327,19 @@ class ArtifactWriter:
         self._open = False
 
     def __enter__(self) -> ArtifactWriter:
+        try:
+            self._enter()
+        except OSError as err:
+            if self._lock.is_locked:
+                self._lock.release()
+            storage = None if isinstance(err, ArtifactError) else _storage_error(err, self.path)
+            if storage is None:
+                raise
+            raise storage from err
+        self._open = True
+        return self
+
+    def _enter(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         try:
             self._lock.acquire(timeout=0)
@@ -323,8 +362,6 @@ class ArtifactWriter:
             started = self.path / _STARTED
             if not started.exists():
                 started.write_text(_now())
-        self._open = True
-        return self
 
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
@@ -336,6 +373,12 @@ class ArtifactWriter:
                 self.complete = True
         finally:
             self._lock.release()
+        # A full or read-only root met by code writing its own files in the block (e.g. PEFT's
+        # save_pretrained) gets the same sentence as the store's own writes.
+        storage = _storage_error(exc, self.path) if isinstance(exc, OSError) and not isinstance(exc, ArtifactError) \
+            else None
+        if storage is not None:
+            raise storage from exc
 
     def has_shard(self, index: int) -> bool:
         """Whether shard ``index`` is finished: visible (renamed into place) with a readable footer."""
@@ -445,14 +488,19 @@ class ArtifactWriter:
 @contextmanager
 def atomic_path(target: Path) -> Iterator[Path]:
     """A hidden temporary path beside ``target``, renamed onto it (durably) when the block ends."""
-    target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_name(f".{target.name}.tmp-{uuid.uuid4().hex[:8]}")
     try:
+        target.parent.mkdir(parents=True, exist_ok=True)
         yield tmp
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
         os.replace(tmp, target)
         _fsync_dir(target.parent)
+    except OSError as err:
+        storage = None if isinstance(err, ArtifactError) else _storage_error(err, target)
+        if storage is None:
+            raise
+        raise storage from err
     finally:
         tmp.unlink(missing_ok=True)
 
