@@ -25,11 +25,12 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+import pyarrow.parquet as pq
 import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from moplex_core.artifacts import ArtifactRef, ArtifactStore, load_table, read_manifest
+from moplex_core.artifacts import ArtifactRef, ArtifactStore, load_table, read_manifest, shard_name
 from moplex_core.config import CacheConfig
 from moplex_core.estimate import reference_terms_batch
 from moplex_core.hashing import model_fingerprint
@@ -94,8 +95,8 @@ def run_cache(config: CacheConfig, rankings_dir: str | Path, store: ArtifactStor
             return CacheResult(plan.ref, plan.path, False, store.manifest(STAGE, plan.ref.version)["rows"])
         starts = list(range(0, table.num_rows, config.shard_rows))
         todo = [s for s, _ in enumerate(starts) if not writer.has_shard(s)]
+        tokenizer = load_tokenizer(config.model)
         if todo:
-            tokenizer = load_tokenizer(config.model)
             model = load_model(config.model, dtype=dtype, device=device)
             done = (len(starts) - len(todo)) * config.shard_rows
             bar = tqdm(total=table.num_rows, initial=min(done, table.num_rows), desc="cache: pi_ref terms",
@@ -104,9 +105,18 @@ def run_cache(config: CacheConfig, rankings_dir: str | Path, store: ArtifactStor
                 for shard in todo:
                     part = table.slice(starts[shard], config.shard_rows)
                     writer.write_shard(shard, cache_rows(part, model, tokenizer, config, bar.update))
+        truncated = sum(truncated_responses(pq.read_table(writer.path / shard_name(s), columns=TRUNCATION_COLUMNS),
+                                            config.max_response_tokens, tokenizer.eos_token_id)
+                        for s in range(len(starts)))
+        if truncated:
+            log.warning("%d response(s) are longer than cache.max_response_tokens = %d and lost their end "
+                        "(and EOS); their scores are of the kept start. Raise max_response_tokens to keep them whole.",
+                        truncated, config.max_response_tokens)
         writer.summary.update({
             "examples": table.num_rows,
             "responses_per_example": _distribution(table),
+            "truncated_responses": truncated,
+            "max_response_tokens": config.max_response_tokens,
             "input": plan.inputs["rankings"],
         })
     log.info("wrote the cache of %d examples to %s", table.num_rows, plan.path)
@@ -143,6 +153,22 @@ def cache_rows(
         }
         for row, seqs, (ref_logp, s_ref) in zip(rows, examples, terms, strict=True)
     ], schema=CACHE_SCHEMA)
+
+
+TRUNCATION_COLUMNS = ["input_ids", "response_start"]
+
+
+def truncated_responses(rows: pa.Table, max_response_tokens: int | None, eos_token_id: int) -> int:
+    """How many responses of cache ``rows`` were cut at ``max_response_tokens``: exactly that many
+    response tokens and no EOS at the end (moplex_core.lm.tokenize appends EOS only to whole ones)."""
+    if max_response_tokens is None or rows.num_rows == 0:
+        return 0
+    sequences = pc.list_flatten(rows.column("input_ids")).combine_chunks()  # one list per response
+    offsets = np.asarray(sequences.offsets)
+    lengths = np.diff(offsets)
+    starts = np.asarray(pc.list_flatten(rows.column("response_start")))
+    last = np.asarray(sequences.values)[offsets[1:] - 1]
+    return int(((lengths - starts == max_response_tokens) & (last != eos_token_id)).sum())
 
 
 def load_policy_inputs(cache_dir: str | Path, split: str | None = "train"):
