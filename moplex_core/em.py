@@ -165,8 +165,20 @@ class EMResult:
 def posteriors(
     scorer: Scorer, inputs: Any, rankings: Rankings, alpha: torch.Tensor, iteration: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """E-step: (gamma float64 [n, k], per-ranking mixture log-likelihood float64 [n])."""
-    return mixture_posteriors(scorer.score(inputs, iteration), rankings, alpha)
+    """E-step: (gamma float64 [n, k], per-ranking mixture log-likelihood float64 [n]).
+
+    Scores of any finite size are fine (the likelihood is a logsumexp in float64); a non-finite
+    score of a response in a slate raises `FloatingPointError` instead of spreading NaN."""
+    scores = scorer.score(inputs, iteration)  # [n, k, M]
+    bad = ~torch.isfinite(scores) & (rankings.tiers != PAD).unsqueeze(1)
+    if bad.any():
+        clusters = bad.any(2).any(0).nonzero().flatten().tolist()
+        raise FloatingPointError(
+            f"EM iteration {iteration}: {int(bad.sum())} score(s) of cluster(s) {clusters} are inf or NaN, so "
+            "their parameters diverged (or the inputs hold inf/NaN). Lower the learning rate (train.lr) or "
+            "beta, or check the inputs; the last finished iteration's checkpoint is kept."
+        )
+    return mixture_posteriors(scores, rankings, alpha)
 
 
 def mixture_posteriors(
@@ -224,6 +236,9 @@ def fit_mixture(
     ``checkpoint_files(iter_dir, state, scorer)`` writes a caller's own files of an iteration (e.g.
     adapters in PEFT's format) before its state.json, so a finished iteration always has them.
     """
+    if config.k > len(rankings):
+        raise ValueError(f"EM with k = {config.k} clusters needs at least {config.k} rankings, got {len(rankings)}")
+    _warn_on_tied_rankings(rankings)
     if checkpoint_dir is not None:
         _claim_checkpoint_dir(Path(checkpoint_dir), config, rankings)
     finished: list[EMState] = []
@@ -306,6 +321,25 @@ def _run_restart(
         if converged:
             break
     return state
+
+
+def _warn_on_tied_rankings(rankings: Rankings) -> None:
+    """Rankings with every response in one observed tier order nothing: under Breslow ties (pl) they
+    only pull a cluster's scores together, under bt_pairs they have no pair at all. EM still runs;
+    if every ranking is tied, no cluster can be told apart and the posteriors stay at the mixing
+    weights of the initialisation."""
+    tiers = rankings.observed_tiers
+    tied = ((tiers == 0) | (tiers == PAD)).all(1)
+    if tied.any():
+        n_tied, n = int(tied.sum()), len(rankings)
+        warnings.warn(
+            f"{n_tied} of {n} rankings put every response in one tier (all tied); they say nothing about "
+            "which response is better or which cluster they came from"
+            + (". With every ranking tied the clusters cannot be told apart: the posteriors stay at the "
+               "initialisation's mixing weights." if n_tied == n else "; EM fits on the others."),
+            RuntimeWarning,
+            stacklevel=3,
+        )
 
 
 def _warn_on_empty_clusters(alpha: torch.Tensor, n: int, iteration: int) -> None:
