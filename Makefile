@@ -9,7 +9,7 @@ export PREFECT_SERVER_ANALYTICS_ENABLED := false
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: test test-fast demo study compare bench clean
+.PHONY: test test-fast demo study compare chaos bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -35,6 +35,12 @@ study: $(STAMP)
 # Every baseline and ablation x 3 seeds on the synthetic-compare preset (paper Tables 2 and 3 shape).
 compare: $(STAMP)
 	PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS=120 $(BIN)/moplex experiment compare --seeds 3 --threads 1
+
+# SIGKILL every stage at 12 seeded points, rerun, compare with uninterrupted runs; then the bad-input
+# catalogue. Prints both tables and counts; about 10 minutes on 2 cores (tests/test_chaos.py runs the
+# short schedule). `python -m chaos --help` for --seed and --short.
+chaos: $(STAMP)
+	$(BIN)/python -m chaos
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/pl_core.py
