@@ -63,7 +63,22 @@ def with_overrides(config: C, assignments: Sequence[str]) -> C:
     try:
         return type(config).model_validate(data)
     except ValidationError as err:
-        raise ValueError(f"invalid {type(config).__name__} override(s) {list(assignments)}:\n{err}") from None
+        raise ValueError(f"invalid {type(config).__name__} override(s) {list(assignments)}:\n"
+                         f"{describe_validation_error(err)}") from None
+
+
+def describe_validation_error(err: ValidationError) -> str:
+    """One line per problem, ``dotted.key: what is wrong (got value)``, without pydantic's URLs."""
+    lines = []
+    for problem in err.errors():
+        key = ".".join(str(part) for part in problem["loc"])
+        if problem["type"] == "extra_forbidden":
+            lines.append(f"  {key}: unknown key (not a setting of this block; check the spelling)")
+            continue
+        message = problem["msg"].removeprefix("Value error, ")
+        got = "" if isinstance(problem.get("input"), dict) else f" (got {problem.get('input')!r})"
+        lines.append(f"  {key + ': ' if key else ''}{message}{got}")
+    return "\n".join(lines)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -562,6 +577,27 @@ class PipelineConfig(Options):
     def uses_tiny_model(self) -> bool:
         models = [self.cache.model] + ([self.augment.model] if self.augment is not None else [])
         return TINY_MODEL in models
+
+    def responses_per_example(self) -> int | None:
+        """m' (at most) where the config alone tells it: the dataset's m plus the generated ones; None
+        for a generic source (the train stage checks against the data then)."""
+        m = {"synthetic": self.ingest.synthetic.m, "ultrafeedback": self.ingest.ultrafeedback.m,
+             "helpsteer2": 2, "persona": 2}.get(self.ingest.dataset)
+        if m is None:
+            return None
+        return m + (self.augment.n_generated if self.augment is not None else 0)
+
+    @model_validator(mode="after")
+    def _anchors_fit_the_slates(self) -> PipelineConfig:
+        m_prime = self.responses_per_example()
+        if m_prime is not None and self.train.anchors is not None and self.train.anchors > m_prime:
+            generated = self.augment.n_generated if self.augment is not None else 0
+            raise ValueError(
+                f"train.anchors a = {self.train.anchors} > m' = {m_prime} responses per example "
+                f"({m_prime - generated} from {self.ingest.dataset} + {generated} generated). Set "
+                f"train.anchors to at most {m_prime}, or to null to compute every response exactly."
+            )
+        return self
 
 
 def preset_names() -> list[str]:
