@@ -185,8 +185,9 @@ def mixture_posteriors(
     scores: torch.Tensor, rankings: Rankings, alpha: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """gamma_ic = softmax_c(log alpha_c + log P_c(sigma_i)) from scores [n, k, M]; also the
-    per-ranking mixture log-likelihood logsumexp_c(...) [n]. Empty clusters (alpha = 0) get gamma 0."""
-    joint = torch.log(alpha.clamp_min(1e-300)).unsqueeze(0) + rankings.log_likelihood(scores)  # [n, k]
+    per-ranking mixture log-likelihood logsumexp_c(...) [n]. Empty clusters (alpha = 0) get gamma 0
+    exactly, however well they score (log 0 = -inf; a clamped alpha would lose to a 1e3-nat margin)."""
+    joint = torch.log(alpha).unsqueeze(0) + rankings.log_likelihood(scores)  # [n, k]
     ll = torch.logsumexp(joint, dim=1)
     return torch.exp(joint - ll.unsqueeze(1)), ll
 
