@@ -13,6 +13,7 @@ from pathlib import Path
 from prefect import flow, get_run_logger
 from prefect.runtime import flow_run
 from prefect.settings import PREFECT_API_URL, PREFECT_UI_URL
+from prefect.states import State
 
 from moplex_core.config import TINY_MODEL, PipelineConfig, pipeline_preset, with_overrides
 from moplex_core.tiny_model import MODEL_DIR
@@ -23,6 +24,8 @@ from flows.ingest import ingest_flow
 from flows.tiny_model import tiny_model_flow
 from flows.train import train_flow
 from tasks.pipeline import fail_on_purpose, publish_run_artifacts
+
+_STAGE_NOTE = "moplex pipeline stage: "
 
 
 @flow(name="moplex-pipeline")
@@ -37,7 +40,11 @@ def moplex_pipeline(preset: str = "synthetic-demo", overrides: list[str] | None 
         if config.fault.stage == name and run_count <= config.fault.times:
             fail_on_purpose(config.fault, name, run_count)
         retried = stage_flow.with_options(retries=config.stage_retries, retry_delay_seconds=config.retry_delay_seconds)
-        return retried(*args, root=root)
+        try:
+            return retried(*args, root=root)
+        except Exception as err:
+            err.add_note(f"{_STAGE_NOTE}{name}")  # for run_in_process's one-line account of the failure
+            raise
 
     dirs = {"ingest": stage("ingest", ingest_flow, config.ingest)}
     augment, cache = config.augment, config.cache
@@ -64,6 +71,20 @@ def flow_run_url(run_id) -> str:
     return f"http://127.0.0.1:4200/runs/flow-run/{run_id} after `prefect server start` (same PREFECT_HOME)"
 
 
+def failure_cause(state: State) -> str:
+    """What failed a pipeline run, first: ``the <stage> stage failed: <Error>: <message>`` from the
+    exception itself (its message names the file, row, field or setting), not Prefect's wrapping."""
+    try:
+        err = state.result(raise_on_failure=False)
+    except Exception:  # noqa: BLE001 -- the result may not be readable back; fall back to the state's message
+        err = None
+    if not isinstance(err, BaseException) or type(err).__module__.startswith("prefect."):  # no exception of ours
+        return state.message or f"the pipeline run ended {state.type.value}"
+    stages = [note.removeprefix(_STAGE_NOTE) for note in getattr(err, "__notes__", ()) if note.startswith(_STAGE_NOTE)]
+    where = f"the {stages[0]} stage failed: " if stages else ""
+    return f"{where}{type(err).__name__}: {err}"
+
+
 def run_in_process(config: PipelineConfig) -> tuple[bool, str]:
     """Run the pipeline here (``moplex run``); (completed, what to tell the user)."""
     state = moplex_pipeline(config=config, return_state=True)
@@ -71,11 +92,11 @@ def run_in_process(config: PipelineConfig) -> tuple[bool, str]:
     ui = flow_run_url(run_id)
     if not state.is_completed():
         return False, (
-            f"the pipeline run {run_id} ended {state.type.value}: {state.message}\n"
-            f"finished stages are kept: retry the run (same PREFECT_HOME) with `prefect flow-run retry "
-            f"{run_id} --entrypoint flows/pipeline.py:moplex_pipeline`, or rerun the command (a "
-            f"fault.stage set on purpose fails again on a new run)\n"
-            f"browse it in the Prefect UI: {ui}"
+            f"{failure_cause(state)}\n"
+            f"(pipeline run {run_id} ended {state.type.value}; Prefect's log above has the traceback.) Finished "
+            f"stages are kept: fix the cause and rerun the command, or retry the run (same PREFECT_HOME) with "
+            f"`prefect flow-run retry {run_id} --entrypoint flows/pipeline.py:moplex_pipeline` (a fault.stage set on "
+            f"purpose fails again on a new run). Prefect UI: {ui}"
         )
     dirs = state.result()
     lines = [Path(dirs["report"]).read_text(), "artifacts (moplex inspect PATH shows any of them):"]
