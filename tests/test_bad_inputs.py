@@ -1,0 +1,241 @@
+"""Bad input is rejected with a sentence naming the file, row and field (issue 8, item 2).
+
+The first test runs the short catalogue of chaos/bad_inputs.py through `moplex ingest` / `moplex run`
+(the Prefect flow included); the others pin each fix it forced, one at a time and fast.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import logging
+import sys
+import types
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+from lm_fixtures import tiny_model_dir  # noqa: F401  (fixture)
+
+from moplex_core.artifacts import ArtifactStore, read_manifest
+from moplex_core.cache import run_cache, truncated_responses
+from moplex_core.config import CacheConfig, IngestConfig, TrainConfig, pipeline_preset, with_overrides
+from moplex_core.data.sources import DatasetUnavailableError, RawSchemaError, iter_hub_records, iter_local_records
+from moplex_core.ingest import build_rankings, run_ingest
+from moplex_core.lm.tokenize import TokenizedResponse
+from moplex_core.pl import PAD
+from moplex_core.schema import SchemaError
+from moplex_core.scorers.lora_policy import PolicyInputs
+from moplex_core.train import check_config_fits_data, run_train
+
+GOOD = {"example_id": "e0", "prompt": "Which is best?", "responses": ["a", "b", "c"], "ranking": [[0], [1], [2]]}
+
+
+@pytest.mark.slow  # ~1.5 min: one Prefect test server, a tiny model, a cache and a short EM on 2 cores
+@pytest.mark.timeout(600)
+def test_the_short_catalogue_rejects_every_bad_input_cleanly():
+    from chaos.bad_inputs import run_catalogue
+
+    results = run_catalogue(short=True)
+    failed = [f"{r.name}: {r.detail}" for r in results if not r.ok]
+    assert not failed, "\n".join(failed)
+    names = {r.name for r in results}
+    assert len(results) >= 20
+    assert any(n.startswith("flow:") for n in names) and any(n.startswith("row:") for n in names)
+    assert "flow: over-long responses truncated and reported" in names
+
+
+# ---------------------------------------------------------------------------------------------------
+# sources: the file and line of what cannot be read
+
+
+def _write(path: Path, data: bytes) -> Path:
+    path.write_bytes(data)
+    return path
+
+
+def _error(path: Path) -> str:
+    with pytest.raises(RawSchemaError) as err:
+        list(iter_local_records(path))
+    return str(err.value)
+
+
+def test_non_utf8_jsonl_names_the_file_line_and_byte(tmp_path):
+    path = _write(tmp_path / "x.jsonl", json.dumps(GOOD).encode() + b'\n{"prompt": "caf\xe9"}\n')
+    assert _error(path) == (f"{path} line 2 is not UTF-8 text (byte 16 is b'\\xe9'); re-encode the file as UTF-8, "
+                            "e.g. `iconv -f latin1 -t utf-8 IN > OUT`")
+
+
+def test_non_utf8_json_names_the_line_within_the_file(tmp_path):
+    path = _write(tmp_path / "x.json", b'[{"a": 1},\n {"b": "\xff"}]')
+    assert f"{path} is not UTF-8 text (line 2, byte 9 is b'\\xff')" in _error(path)
+
+
+def test_malformed_jsonl_names_the_line_and_where_in_it(tmp_path):
+    path = _write(tmp_path / "x.jsonl", b'{"a": 1}\n\n{"a": 1, "b": [1, \n{"a": 1 "b": 2}\n')
+    assert _error(path).startswith(f"{path} line 3 is not valid JSON (at the end of the line: Expecting value)")
+    path = _write(tmp_path / "y.jsonl", b'{"a": 1 "b": 2}\n')
+    assert _error(path).startswith(f"{path} line 1 is not valid JSON (column 9: Expecting ',' delimiter)")
+
+
+def test_unreadable_parquet_and_gzip_name_the_file(tmp_path):
+    assert "not a readable Parquet file" in _error(_write(tmp_path / "a.parquet", b"PAR1 not really"))
+    whole = tmp_path / "whole.parquet"
+    pq.write_table(pa.Table.from_pylist([GOOD] * 40), whole, row_group_size=5)
+    cut = _write(tmp_path / "cut.parquet", whole.read_bytes()[:-200])
+    assert _error(cut).startswith(f"{cut} is not a readable Parquet file")
+    gz = _write(tmp_path / "cut.jsonl.gz", gzip.compress(json.dumps(GOOD).encode() * 30)[:30])
+    assert _error(gz).startswith(f"{gz} is not a readable gzip file")
+
+
+def test_bad_rows_of_a_generic_source_name_file_line_and_field(tmp_path):
+    path = tmp_path / "rankings.jsonl"
+    rows = [GOOD, {**GOOD, "example_id": "e1", "ranking": [[0], [4], [1, 2]]}, {**GOOD, "example_id": "e2"}]
+    path.write_text("".join(json.dumps(r) + "\n\n" for r in rows))  # blank lines: line numbers are the file's
+    with pytest.raises(SchemaError) as err:
+        build_rankings(IngestConfig(dataset="generic", path=str(path)))
+    assert (f"row 1 ({path} line 3, example_id 'e1'), field 'ranking': index 4 in tier 1 is outside 0..2"
+            in str(err.value))
+
+
+def test_parquet_rows_are_named_by_file_and_row(tmp_path):
+    path = tmp_path / "rankings.parquet"
+    pq.write_table(pa.Table.from_pylist([GOOD, {**GOOD, "example_id": "e1", "responses": ["a", " ", "c"]}]), path)
+    with pytest.raises(SchemaError, match=f"row 1 \\({path} row 1, example_id 'e1'\\), field 'responses'"):
+        build_rankings(IngestConfig(dataset="generic", path=str(path)))
+
+
+def test_an_empty_source_names_its_path(tmp_path):
+    path = tmp_path / "blank.jsonl"
+    path.write_text("\n")
+    with pytest.raises(ValueError, match=f"the generic source at {path} gave no rankings"):
+        run_ingest(IngestConfig(dataset="generic", path=str(path)), ArtifactStore(tmp_path / "root"))
+    assert not (tmp_path / "root").exists()
+
+
+def test_a_hub_dataset_while_offline_says_how_to_pass_a_local_path(monkeypatch):
+    def offline(*args, **kwargs):
+        raise ConnectionError("Couldn't reach 'openbmb/UltraFeedback' on the Hub (OfflineModeIsEnabled)")
+
+    monkeypatch.setitem(sys.modules, "datasets", types.SimpleNamespace(load_dataset=offline))
+    with pytest.raises(DatasetUnavailableError) as err:
+        next(iter_hub_records("openbmb/UltraFeedback", None, "ultrafeedback"))
+    message = str(err.value)
+    assert "moplex ingest --dataset ultrafeedback --path DIR" in message
+    assert "moplex run ... --set ingest.path=DIR" in message
+
+
+# ---------------------------------------------------------------------------------------------------
+# config: one line per problem, naming the key
+
+
+@pytest.mark.parametrize(("assignment", "expected"), [
+    ("train.clusters=3", "train.clusters: unknown key"),
+    ("train.k=0", "train.k: Input should be greater than or equal to 1 (got 0)"),
+    ("train.beta=0", "train.beta: Input should be greater than 0 (got 0)"),
+    ("augment.temperature=-0.5", "augment.temperature: Input should be greater than 0 (got -0.5)"),
+    ("augment.n_generated=-1", "augment.n_generated: Input should be greater than or equal to 1 (got -1)"),
+    ("train.anchors=7", "train.anchors a = 7 > m' = 6 responses per example (4 from synthetic + 2 generated)"),
+])
+def test_config_errors_name_the_key_in_one_line(assignment, expected):
+    with pytest.raises(ValueError) as err:
+        with_overrides(pipeline_preset("synthetic-demo"), [assignment])
+    assert expected in str(err.value)
+    assert "errors.pydantic.dev" not in str(err.value)
+
+
+def test_anchors_up_to_m_prime_and_generic_sources_pass_the_config_check():
+    demo = pipeline_preset("synthetic-demo")
+    assert with_overrides(demo, ["train.anchors=6"]).train.anchors == 6
+    assert with_overrides(demo, ["augment=null", "train.anchors=4"]).train.anchors == 4
+    generic = with_overrides(demo, ["ingest.dataset=generic", "ingest.path=x.jsonl", "train.anchors=50"])
+    assert generic.responses_per_example() is None  # the train stage checks it against the data
+
+
+# ---------------------------------------------------------------------------------------------------
+# train: what only the data can show, refused before anything is written
+
+
+def _policy_inputs(sizes: list[int]) -> PolicyInputs:
+    n, width = len(sizes), max(sizes)
+    tiers = torch.full((n, width), PAD, dtype=torch.int64)
+    for i, m in enumerate(sizes):
+        tiers[i, :m] = torch.arange(m)
+    sequences = tuple(tuple(TokenizedResponse([1, 2, 3], 1) for _ in range(m)) for m in sizes)
+    return PolicyInputs(tuple(f"e{i}" for i in range(n)), sequences, torch.zeros(n, width, dtype=torch.float64),
+                        torch.zeros(n, width, width), tiers)
+
+
+def test_k_larger_than_the_training_rankings_is_refused():
+    with pytest.raises(ValueError, match=r"train.k = 4 clusters, but the cache at C has only 3 training ranking\(s\)"):
+        check_config_fits_data(TrainConfig(k=4), _policy_inputs([3, 3, 3]), "C")
+    check_config_fits_data(TrainConfig(k=3, anchors=None), _policy_inputs([3, 3, 3]), "C")
+
+
+def test_anchors_above_m_prime_are_refused_and_ragged_slates_name_the_range():
+    with pytest.raises(ValueError, match=r"train.anchors a = 5 > m' = 4 responses per example in the cache at C"):
+        check_config_fits_data(TrainConfig(k=1, anchors=5), _policy_inputs([4, 4]), "C")
+    with pytest.raises(ValueError, match=r"a = 5 > m' = 2..4"):
+        check_config_fits_data(TrainConfig(k=1, anchors=5), _policy_inputs([2, 4]), "C")
+    check_config_fits_data(TrainConfig(k=1, anchors=3), _policy_inputs([2, 4]), "C")  # the 2-slate is exact
+
+
+def test_run_train_refuses_before_writing_anything(tmp_path, monkeypatch):
+    store = ArtifactStore(tmp_path)
+    with store.writer("cache", "c1", config={"model": "unused"}) as writer:
+        writer.write_file("note.txt", "a stand-in cache; its rows come from the patched loader")
+    monkeypatch.setattr("moplex_core.train.load_policy_inputs", lambda cache_dir, split: (_policy_inputs([3] * 5), []))
+    with pytest.raises(ValueError, match="train.anchors a = 4 > m' = 3"):
+        run_train(TrainConfig(k=2, anchors=4), store.path("cache", "c1"), store, progress=False)
+    assert not (tmp_path / "train").exists()
+
+
+# ---------------------------------------------------------------------------------------------------
+# cache: over-long responses are truncated as configured, counted and reported
+
+
+def test_truncated_responses_counts_cut_responses_only():
+    eos = 9
+    rows = pa.table({
+        "input_ids": [[[1, 2, 3, 4, 5], [1, 2, 3, 9], [1, 2, 3, 4, 9]]],  # prompt [1, 2], then the responses
+        "response_start": [[2, 2, 2]],
+    })
+    # max 3 response tokens: [3, 4, 5] was cut (no EOS), [3, 9] is whole, [3, 4, 9] fits exactly with EOS
+    assert truncated_responses(rows, 3, eos) == 1
+    assert truncated_responses(rows, None, eos) == 0
+
+
+def test_the_cache_reports_truncated_responses_in_its_manifest_and_log(tiny_model_dir, tmp_path, caplog):  # noqa: F811
+    store = ArtifactStore(tmp_path)
+    long = " ".join(["4 5 6 7"] * 20)
+    rows = [{"example_id": f"e{i}", "prompt_id": f"p{i}", "prompt": "Rank by criterion 0: which list is best?",
+             "prompt_messages": None, "responses": ["1 2", long if i < 2 else "3", "5"], "ranking": [[0], [1], [2]],
+             "ranked_prefix": 3, "cluster": "c0", "split": "train", "source": "test"} for i in range(4)]
+    with store.writer("ingest", "r1", config={}) as writer:
+        writer.write_shard(0, pa.Table.from_pylist(rows))
+    with caplog.at_level(logging.WARNING, logger="moplex_core.cache"):
+        result = run_cache(CacheConfig(model=str(tiny_model_dir), max_response_tokens=8), store.path("ingest", "r1"),
+                           store, progress=False)
+    summary = read_manifest(result.path)["summary"]
+    assert summary["truncated_responses"] == 2 and summary["max_response_tokens"] == 8
+    assert "2 response(s) are longer than cache.max_response_tokens = 8" in caplog.text
+
+
+# ---------------------------------------------------------------------------------------------------
+# moplex run: the root cause, first, on stderr
+
+
+def test_a_failed_pipeline_run_reports_the_stage_and_the_exception_not_prefects_wrapping():
+    from prefect.states import Failed
+
+    from flows.pipeline import failure_cause
+
+    err = RawSchemaError("x.jsonl line 2 is not valid JSON (column 9: Expecting ',' delimiter)")
+    err.add_note("moplex pipeline stage: ingest")
+    state = Failed(data=err, message="Flow run encountered an exception: RawSchemaError: x.jsonl line 2 ...")
+    assert failure_cause(state) == ("the ingest stage failed: RawSchemaError: x.jsonl line 2 is not valid JSON "
+                                    "(column 9: Expecting ',' delimiter)")
+    assert failure_cause(Failed(message="the run crashed")) == "the run crashed"
+
