@@ -59,7 +59,9 @@ TRAIN_ANCHORED = TrainConfig(k=2, anchors=2, lora_r=4, lora_alpha=8.0, lora_targ
                              batch_size=4, em_iterations=3, tol=0.0, init="dirichlet", dtype="float32", device="cpu")
 TRAIN_EXACT = TRAIN_ANCHORED.model_copy(update={"anchors": None})
 
-Phase = Literal["shard", "M-step", "E-step"]
+Phase = Literal["shard", "M-step", "E-step", "saved"]
+"""What a kill point waits for: shard j's file, EM iteration t's M-step or E-step progress bar on
+stderr, or iteration t's checkpoint (its state.json, written last)."""
 
 
 @dataclass(frozen=True)
@@ -82,13 +84,16 @@ TARGETS = (
     Target("train-anchored", "E-step", range(TRAIN_ANCHORED.em_iterations), 0.1, full=2, short=1),
     Target("train-exact", "M-step", range(TRAIN_EXACT.em_iterations), 0.5, full=1, short=0),
     Target("train-exact", "E-step", range(TRAIN_EXACT.em_iterations), 0.05, full=1, short=0),
+    # After the last iteration is saved: the final adapters, posteriors and manifest are being written.
+    Target("train-anchored", "saved", range(TRAIN_ANCHORED.em_iterations - 1, TRAIN_ANCHORED.em_iterations), 0.02,
+           full=1, short=0),
 )
 
 
 @dataclass(frozen=True)
 class KillPoint:
-    """Kill ``case`` ``delay_s`` seconds after shard ``index`` is finished, or after EM iteration
-    ``index``'s M-step or E-step starts."""
+    """Kill ``case`` ``delay_s`` seconds after shard ``index`` is finished, after EM iteration
+    ``index``'s M-step or E-step starts, or after that iteration is saved."""
 
     case: str
     phase: Phase
@@ -96,12 +101,15 @@ class KillPoint:
     delay_s: float
 
     def describe(self) -> str:
-        aim = f"shard {self.index} written" if self.phase == "shard" else f"{self.phase} {self.index} started"
+        aim = {"shard": f"shard {self.index} written", "saved": f"iteration {self.index} saved"}.get(
+            self.phase, f"{self.phase} {self.index} started")
         return f"{aim} + {self.delay_s:.3f} s"
 
     def reached(self, version_dir: Path, child: Child) -> bool:
         if self.phase == "shard":
             return (version_dir / shard_name(self.index)).is_file()
+        if self.phase == "saved":
+            return (version_dir / f"em/restart-00/iter-{self.index:04d}/state.json").is_file()
         return f"{self.phase} {self.index}:" in child.stderr()
 
 
@@ -249,7 +257,7 @@ def _kill_rerun_compare(point: KillPoint, job: StageJob, root: Path, reference: 
                                f"ends:\n{child.tail()}")
         return
     result.landed = _landed(point, version_dir, child.stderr())
-    if point.phase != "shard" and not result.landed.startswith(f"{point.phase} {point.index},"):
+    if point.phase in ("M-step", "E-step") and not result.landed.startswith(f"{point.phase} {point.index},"):
         result.problems.append(f"aimed at {point.phase} {point.index} but landed in {result.landed}")
     if is_complete(version_dir):
         result.problems.append("the killed run's version is marked complete")
@@ -322,14 +330,15 @@ _BAR = re.compile(r"([EM]-step \d+): +\d+%\|[^|\r\n]*\| *(\d+)/(\d+)")
 
 
 def _landed(point: KillPoint, version_dir: Path, stderr: str) -> str:
-    """Where the kill landed: shards finished, or the last EM progress bar shown and its batch."""
+    """Where the kill landed: the shards finished, or the last EM progress bar shown and the
+    iterations saved; and the partial files (hidden temporaries) it left behind."""
+    partial = sum(".tmp-" in p.name for p in version_dir.rglob(".*"))
+    left = f", {partial} partial file(s) left" if partial else ""
     if point.phase == "shard":
-        return f"{len(shard_paths(version_dir))} shard(s) finished"
+        return f"{len(shard_paths(version_dir))} shard(s) finished{left}"
     bars = _BAR.findall(stderr)
-    if not bars:
-        return "before the first M-step"
-    bar, done, total = bars[-1]
-    return f"{bar}, bar at {done}/{total}; {_finished_iterations(version_dir)} iteration(s) saved"
+    where = f"{bars[-1][0]}, bar at {bars[-1][1]}/{bars[-1][2]}" if bars else "before the first M-step"
+    return f"{where}; {_finished_iterations(version_dir)} iteration(s) saved{left}"
 
 
 def _finished_iterations(version_dir: Path) -> int:

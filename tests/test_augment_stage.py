@@ -14,6 +14,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
+from chaos.kills import finished_work
 from lm_fixtures import tiny_model_dir  # noqa: F401 - fixture
 from moplex_core.artifacts import ArtifactStore, shard_paths
 from moplex_core.augment import AUGMENTED_SCHEMA, SHORTFALL_FILE, STAGE, ShortfallError, run_augment
@@ -134,13 +135,11 @@ def test_a_run_killed_mid_way_resumes_from_its_finished_shards(tmp_path, tiny_mo
     process.wait()
     [version_dir] = [p for p in (killed_root / STAGE).iterdir() if p.is_dir()]
     assert not (version_dir / "manifest.json").exists()
-    finished = {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in shard_paths(version_dir)}
+    finished = finished_work(version_dir, STAGE)  # (inode, mtime) of each finished shard
     assert 2 <= len(finished) < 8
 
     assert main(_augment_argv(rankings, killed_root, tiny_model_dir)) == 0
-    assert {name: (version_dir / name).stat().st_ino for name in finished} == {n: i for n, (i, _) in finished.items()}
-    assert {name: (version_dir / name).stat().st_mtime_ns for name in finished} == {
-        n: m for n, (_, m) in finished.items()}
+    assert {name: stamp for name, stamp in finished_work(version_dir, STAGE).items() if name in finished} == finished
     assert json.loads((version_dir / "manifest.json").read_text())["resumed"]
 
     clean_rankings = rankings_dir(tmp_path, clean_root, rows)
