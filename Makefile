@@ -36,7 +36,7 @@ study: $(STAMP)
 compare: $(STAMP)
 	PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS=120 $(BIN)/moplex experiment compare --seeds 3 --threads 1
 
-# SIGKILL every stage at 12 seeded points, rerun, compare with uninterrupted runs; then the bad-input
+# SIGKILL every stage at 13 seeded points, rerun, compare with uninterrupted runs; then the bad-input
 # catalogue. Prints both tables and counts; about 10 minutes on 2 cores (tests/test_chaos.py runs the
 # short schedule). `python -m chaos --help` for --seed and --short.
 chaos: $(STAMP)

@@ -6,8 +6,9 @@ augment, cache and train (anchored, a = 2, and exact, a = m') built on it. Every
 gets a fresh artifact root and
 
 1. runs its stage in a child process (``python -m chaos.stage``) with the reference's config and inputs;
-2. waits for its progress point: shard j of the version folder appearing (ingest, augment, cache), or
-   the train stage's progress bar of EM iteration t's M-step or E-step appearing on stderr;
+2. waits for its progress point: shard j of the version folder appearing (ingest, augment, cache),
+   the train stage's progress bar of EM iteration t's M-step or E-step appearing on stderr, or
+   iteration t's checkpoint being saved;
 3. waits a seeded delay and SIGKILLs the child: no handler and no clean-up run;
 4. checks that the version is not marked complete and notes the work already finished (shards,
    EM iterations whose state.json exists);
@@ -40,7 +41,15 @@ from typing import Literal
 import pyarrow.parquet as pq
 
 from chaos.stage import StageJob, run_stage
-from moplex_core.artifacts import ArtifactError, ArtifactStore, is_complete, read_manifest, shard_name, shard_paths, verify
+from moplex_core.artifacts import (
+    ArtifactError,
+    ArtifactStore,
+    is_complete,
+    read_manifest,
+    shard_name,
+    shard_paths,
+    verify,
+)
 from moplex_core.config import IngestConfig, SyntheticOptions, TinyModelConfig, TrainConfig
 from moplex_core.tiny_model import run_tiny_model
 
@@ -157,7 +166,6 @@ class KillResult:
     """One kill point's outcome; ``name``, ``ok`` and ``detail`` as the bad-input catalogue's cases."""
 
     point: KillPoint
-    stage: str
     landed: str = ""
     completed: bool = False
     reused: str = ""
@@ -226,11 +234,12 @@ def run_schedule(points: list[KillPoint], workdir: str | Path,
 
 
 def run_kill_point(point: KillPoint, bench: Bench, root: Path) -> KillResult:
+    """Kill the point's stage, rerun it and compare, in the artifact root ``root`` (module docstring)."""
     started = time.perf_counter()
     job = bench.jobs[point.case]
     reference = bench.references[point.case]
     version_dir = root / reference.relative_to(bench.root)
-    result = KillResult(point, job.stage)
+    result = KillResult(point)
     try:
         _kill_rerun_compare(point, job, root, reference, version_dir, result)
     finally:
@@ -260,7 +269,8 @@ def _kill_rerun_compare(point: KillPoint, job: StageJob, root: Path, reference: 
     if point.phase in ("M-step", "E-step") and not result.landed.startswith(f"{point.phase} {point.index},"):
         result.problems.append(f"aimed at {point.phase} {point.index} but landed in {result.landed}")
     if is_complete(version_dir):
-        result.problems.append("the killed run's version is marked complete")
+        result.problems.append("the version was complete when the kill landed: the stage finished first, or "
+                               "marked itself complete before it had finished")
     finished = finished_work(version_dir, job.stage)
     iterations_done = _finished_iterations(version_dir)
 

@@ -3,9 +3,14 @@ schedule's points reruns to the artifact of an uninterrupted run, reusing what w
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
-from chaos.kills import kill_schedule, run_schedule
+from chaos.kills import compare_artifacts, kill_schedule, run_schedule
+from moplex_core.artifacts import ArtifactStore, shard_name
 
 
 def test_one_seed_fixes_the_kill_points_and_the_short_schedule_is_part_of_the_full_one():
@@ -17,6 +22,27 @@ def test_one_seed_fixes_the_kill_points_and_the_short_schedule_is_part_of_the_fu
         ("train-anchored", "M-step"), ("train-anchored", "E-step"),
     }
     assert {(p.case, p.phase) for p in full} >= {("train-exact", "M-step"), ("train-exact", "E-step")}
+
+
+def one_shard_artifact(root: Path, table: pa.Table, compression: str = "snappy") -> Path:
+    store = ArtifactStore(root)
+    with store.writer("ingest", "v1", config={}) as writer:
+        sink = pa.BufferOutputStream()
+        pq.write_table(table, sink, compression=compression)
+        writer.write_file(shard_name(0), sink.getvalue().to_pybytes())
+    return store.path("ingest", "v1")
+
+
+def test_artifacts_compare_by_their_bytes_then_by_their_values(tmp_path):
+    table = pa.table({"score": [0.25, -1.5]})
+    reference = one_shard_artifact(tmp_path / "reference", table)
+    problems: list[str] = []
+    assert compare_artifacts(reference, one_shard_artifact(tmp_path / "same", table), problems) == "bytes (1 files)"
+    recompressed = one_shard_artifact(tmp_path / "zstd", table, "zstd")
+    assert compare_artifacts(reference, recompressed, problems).startswith("values") and not problems
+    other = one_shard_artifact(tmp_path / "other", pa.table({"score": [0.25, -1.0]}))
+    assert compare_artifacts(reference, other, problems) == "DIFFERS"
+    assert problems == ["part-00000.parquet differs from the reference's"]
 
 
 @pytest.mark.slow
