@@ -91,6 +91,7 @@ def _row(**changes: Any) -> dict[str, Any]:
 # name -> (the second line of a two-line JSONL file, extra `moplex ingest` arguments, the field named)
 BAD_ROWS: dict[str, tuple[dict[str, Any], tuple[str, ...], str]] = {
     "empty prompt": (_row(prompt="  "), (), "prompt"),
+    "prompt not text": (_row(prompt=42), (), "prompt"),
     "blank example_id": (_row(example_id=" "), (), "example_id"),
     "empty source": (_row(source=""), (), "source"),
     "duplicate example_id": (_row(example_id="good-0"), (), "example_id"),

@@ -87,7 +87,11 @@ def test_two_processes_writing_one_version_the_second_waits_then_reuses(tmp_path
 @pytest.mark.timeout(900)
 def test_two_moplex_runs_of_one_config_on_one_root(tmp_path):
     """The whole pipeline twice at once, same config, same root, same PREFECT_HOME (as one user
-    starting it twice): both complete with the same artifacts, each written once, and all verify."""
+    starting it twice): both complete with the same artifacts, each written once, and all verify.
+
+    The home's database is created first: two temporary servers starting on a fresh PREFECT_HOME
+    race on Prefect's own first migration ("duplicate column name"; Prefect then restarts the
+    server), which is Prefect's start-up, not the artifact store this test is about."""
     root = tmp_path / "artifacts"
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
     env.update({"PREFECT_HOME": str(tmp_path / "prefect-home"), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
@@ -96,6 +100,8 @@ def test_two_moplex_runs_of_one_config_on_one_root(tmp_path):
     command = [sys.executable, "-m", "moplex_core.cli", "run", "synthetic-demo", "--threads", "1", "--root", str(root),
                "--set", "ingest.synthetic.n=60", "--set", "tiny_model.pretrain_steps=20",
                "--set", "train.em_iterations=2", "--set", "stage_retries=0"]
+    subprocess.run([sys.executable, "-m", "prefect", "server", "database", "upgrade", "-y"], cwd=REPO, env=env,
+                   check=True, capture_output=True, timeout=300)
     logs = [tmp_path / f"run-{i}.log" for i in range(2)]
     processes = [subprocess.Popen(command, cwd=REPO, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT,
                                   start_new_session=True) for log in logs]
