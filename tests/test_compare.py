@@ -7,7 +7,7 @@ import pytest
 
 from moplex_core.artifacts import verify
 from moplex_core.config import METHODS, PipelineConfig, method_config, pipeline_preset, with_overrides
-from moplex_core.experiments.compare import plan_runs, table2, table3
+from moplex_core.experiments.compare import chance_level, plan_runs, table2, table3
 
 TINY_BASE = PipelineConfig.model_validate({
     "ingest": {"dataset": "synthetic", "synthetic": {"n": 36, "k": 3, "m": 3},
@@ -83,6 +83,11 @@ def test_tables_report_percent_mean_and_sample_std_over_seeds():
     assert "| MoPLEx (Alg. 2) (`moplex`) | 70.0 ± 14.1 |" in t2
     assert t2.count("`dpo`") == 1 and "| DPO (`dpo`) | 50.0 ± 0.0 |" in t2
     assert "| MoPLEx (Alg. 2) (`moplex`) | 77.5 ± 3.5 |" in t2  # ranking: (0.8, 0.75)
+    metrics_with_diagnostics = pd.concat([metrics, _metrics([("moplex", "test", "generated_cv", "adapter c0", 0.1, 0)])])
+    assert chance_level(metrics_with_diagnostics) is None  # no per-label clustering rows: labels unknown
+    labelled = pd.concat([metrics_with_diagnostics, _metrics([("moplex", "test", "clustering_accuracy", c, 0.5, 0)
+                                                               for c in "ab"])])
+    assert chance_level(labelled) == 0.5
     t3 = table3(metrics)
     assert t3.splitlines()[0] == "| method | a | b | Average |"
     assert "| MoPLEx (Alg. 2) (`moplex`) | 75.0 ± 7.1 | 80.0 ± 14.1 | 77.5 ± 3.5 |" in t3
