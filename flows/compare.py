@@ -20,9 +20,9 @@ from flows.pipeline import flow_run_url, moplex_pipeline
 
 
 @task(name="write-comparison", cache_policy=NO_CACHE)
-def write_comparison_task(root: str, dataset: str, evaluations: list[tuple[str, int, str]], identity: dict) -> str:
+def write_comparison_task(root: str, dataset: str, evaluations: list[tuple[str, int, str]]) -> str:
     """The compare artifact of the runs' evaluations ((method, seed, evaluate folder) each)."""
-    path = write_comparison(ArtifactStore(root), dataset, evaluations, identity)
+    path = write_comparison(ArtifactStore(root), dataset, evaluations)
     get_run_logger().info("comparison report: %s/report.md", path)
     return str(path)
 
@@ -41,8 +41,7 @@ def compare_flow(methods: list[str] | None = None, seeds: int = 3, first_seed: i
     for method, seed, run_config in plan_runs(base, methods, seed_list):
         run = moplex_pipeline.with_options(flow_run_name=f"{method}-seed{seed}")
         evaluations.append((method, seed, run(config=run_config)["evaluate"]))
-    identity = {"base": base.model_dump(mode="json", exclude={"root"}), "methods": methods, "seeds": seed_list}
-    return write_comparison_task(base.root, preset, evaluations, identity)
+    return write_comparison_task(base.root, preset, evaluations)
 
 
 def run_compare_in_process(methods: list[str], seeds: int, first_seed: int, preset: str,

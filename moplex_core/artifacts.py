@@ -20,6 +20,8 @@ part of an artifact.
 
 from __future__ import annotations
 
+import contextlib
+
 import errno
 import json
 import logging
@@ -502,7 +504,8 @@ def atomic_path(target: Path) -> Iterator[Path]:
             raise
         raise storage from err
     finally:
-        tmp.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):  # an unwritable folder must not hide the error above
+            tmp.unlink(missing_ok=True)
 
 
 def _visible_files(version_dir: Path) -> list[str]:

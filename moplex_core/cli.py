@@ -45,6 +45,9 @@ def _experiment_compare(args: argparse.Namespace) -> int:
     from moplex_core.experiments.compare import plan_runs
 
     methods = args.methods or list(METHODS)
+    if args.seeds < 1:
+        print(f"moplex experiment compare: --seeds must be at least 1, got {args.seeds}", file=sys.stderr)
+        return 1
     overrides = args.set + ([f"root={args.root}"] if args.root else [])
     try:
         base = with_overrides(pipeline_preset(args.data), overrides)

@@ -624,7 +624,7 @@ def preset_description(name: str) -> str:
 # methods: the paper's baselines and ablations as presets of the one engine (DESIGN 7,
 # moplex_core.experiments.compare)
 
-_PAIRWISE_EXACT = ("augment=null", "train.anchors=null")
+_ORIGINALS_EXACT = ("augment=null", "train.anchors=null")
 
 
 @dataclass(frozen=True)
@@ -640,14 +640,15 @@ class Method:
 
 
 METHODS: dict[str, Method] = {m.name: m for m in (
-    Method("dpo", "DPO", ("train.k=1", "train.likelihood=bt_pairs", *_PAIRWISE_EXACT),
+    Method("dpo", "DPO", ("train.k=1", "train.likelihood=bt_pairs", *_ORIGINALS_EXACT),
            "one policy, Bradley-Terry over every pair of the original ranking"),
-    Method("single_pl", "LiPO (list MLE)", ("train.k=1", *_PAIRWISE_EXACT),
+    Method("single_pl", "LiPO (list MLE)", ("train.k=1", *_ORIGINALS_EXACT),
            "one Plackett-Luce policy on the original rankings"),
-    Method("mixture_bt", "EM-DPO", ("train.likelihood=bt_pairs", *_PAIRWISE_EXACT),
+    Method("mixture_bt", "EM-DPO", ("train.likelihood=bt_pairs", *_ORIGINALS_EXACT),
            "soft EM over k Bradley-Terry models on the pairs of the original rankings"),
-    Method("maxmin_bt", "MaxMin-RLHF", ("train.likelihood=bt_pairs", "train.hard=true", *_PAIRWISE_EXACT),
-           "hard EM (argmax assignments) over k Bradley-Terry models on pairs"),
+    Method("maxmin_bt", "MaxMin-RLHF", ("train.likelihood=bt_pairs", "train.hard=true", *_ORIGINALS_EXACT),
+           "hard EM over k Bradley-Terry models on pairs (argmax of the alpha-weighted posterior; "
+           "MaxMin-RLHF's own assignment uses the likelihood alone)"),
     Method("moplex", "MoPLEx (Alg. 2)", (), "k Plackett-Luce models on augmented rankings, a anchors"),
     Method("no_pl", "w/o Plackett-Luce models", ("train.likelihood=bt_pairs",),
            "MoPLEx with Bradley-Terry over pairs of the augmented rankings"),

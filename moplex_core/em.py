@@ -127,7 +127,8 @@ class EMConfig:
     restarts: int = 1
     """Independent runs from different initialisations; the best final log-likelihood is kept."""
     hard: bool = False
-    """Hard EM (gamma is the one-hot argmax), as in MaxMin-RLHF."""
+    """Hard EM: gamma is one-hot at argmax_c (log alpha_c + log P_c), from the start on. MaxMin-RLHF
+    assigns by the likelihood alone; with the alpha prior a large cluster keeps borderline rankings."""
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -295,12 +296,10 @@ def _run_restart(
         if state.converged or state.iteration + 1 >= config.max_iter:
             return state
         gamma, history, start = state.gamma, list(state.history), state.iteration + 1
-    elif warm_start is not None:
-        gamma, history, start = warm_start.to(torch.float64), [], 0
     else:
-        gamma, history, start = initial_responsibilities(config, scorer, inputs, rankings, seed), [], 0
-        if config.hard:
-            gamma = _one_hot(gamma)
+        gamma = warm_start.to(torch.float64) if warm_start is not None else \
+            initial_responsibilities(config, scorer, inputs, rankings, seed)
+        gamma, history, start = (_one_hot(gamma) if config.hard else gamma), [], 0
 
     n = len(rankings)
     for iteration in range(start, config.max_iter):
@@ -336,8 +335,8 @@ def _warn_on_tied_rankings(rankings: Rankings) -> None:
         warnings.warn(
             f"{n_tied} of {n} rankings put every response in one tier (all tied); they say nothing about "
             "which response is better or which cluster they came from"
-            + (". With every ranking tied the clusters cannot be told apart: the posteriors stay at the "
-               "initialisation's mixing weights." if n_tied == n else "; EM fits on the others."),
+            + (". With every ranking tied the clusters cannot be told apart: the posteriors tend to the "
+               "mixing weights." if n_tied == n else "; EM fits on the others."),
             RuntimeWarning,
             stacklevel=3,
         )

@@ -10,7 +10,8 @@ the `validation` split and applied to `test`. Ranking accuracy is reported three
 
 Output rows: (split, metric, cluster, value); cluster is "all" for averages.
 ``heldout_log_likelihood`` is per ranking under the trained model's own observation model (PL, or
-Bradley-Terry over pairs for the pairwise baselines): compare it only between methods that share one.
+Bradley-Terry over pairs for the pairwise baselines) over the cache's slates (originals, plus generated
+responses when augmented): compare it only between methods with the same model and the same slates.
 
 The evaluate stage (`plan_evaluate`, `run_evaluate`) applies this to a finished train artifact:
 its final adapters score the cache's held-out splits exactly, once per split (the metrics and the

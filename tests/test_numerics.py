@@ -77,10 +77,10 @@ def test_hard_em_that_empties_a_cluster_warns_and_stays_finite():
     order = torch.argsort(rankings.tiers, dim=1)
     aligned = torch.empty(n, m, dtype=torch.float64).scatter_(1, order, good.expand(n, m))
     scores = torch.stack([aligned * 5, aligned * 3, -aligned * 5], dim=1)  # [n, 3, m]
-    gamma0 = torch.full((n, 3), 1 / 3, dtype=torch.float64)
-    gamma0[:, 2] = 0.0
-    gamma0[:, :2] = 0.5
-    with pytest.warns(RuntimeWarning, match="cluster\\(s\\) \\[2\\] hold less than half a ranking"):
+    # a soft start that gives cluster 2 a third of the rankings: hard EM's own argmax must empty it
+    gamma0 = torch.as_tensor(np.random.default_rng(0).dirichlet(np.ones(3), n))
+    assert (gamma0.argmax(1) == 2).sum() > 5
+    with pytest.warns(RuntimeWarning, match="cluster\\(s\\) \\[(0, )?2\\] hold less than half a ranking"):
         result, _ = fit_mixture(lambda: FixedScorer(scores), None, rankings,
                                 EMConfig(k=3, max_iter=3, tol=0, hard=True), warm_start=gamma0)
     assert result.best.alpha[2] == 0

@@ -71,8 +71,9 @@ def test_train_writes_every_iteration_and_the_final_adapters(cache_dir, tmp_path
 
 
 def test_pairwise_hard_em_trains_on_bt_pairs_with_one_hot_posteriors(cache_dir, tmp_path):
-    """The maxmin_bt baseline's settings: the M-step objective is Bradley-Terry over pairs (its
-    value differs from the PL run's from the same start) and every posterior is one-hot."""
+    """The maxmin_bt baseline's settings reach EM: its log-likelihood is Bradley-Terry over pairs
+    (it differs from the PL run's from the same start; EM hands the M-step the same Rankings) and
+    every posterior is one-hot."""
     runs = {}
     for likelihood, hard in (("pl", False), ("bt_pairs", True)):
         config = CONFIG.model_copy(update={"likelihood": likelihood, "hard": hard, "em_iterations": 1})

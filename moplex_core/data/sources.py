@@ -9,6 +9,7 @@ adapters can name the file and line of a bad record.
 from __future__ import annotations
 
 import gzip
+import zlib
 import json
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -93,7 +94,7 @@ def iter_local_records(path: str | Path) -> Iterator[Record]:
                         line = _utf8(raw, where, whole_file=False)
                         if line.strip():
                             yield Record(where, _as_object(_parse_json(line, where, whole_file=False), where))
-            except (gzip.BadGzipFile, EOFError) as err:
+            except (gzip.BadGzipFile, EOFError, zlib.error) as err:
                 raise RawSchemaError(f"{file} is not a readable gzip file ({err}); recompress it or pass the "
                                      ".jsonl uncompressed") from None
 

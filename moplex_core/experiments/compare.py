@@ -17,6 +17,9 @@ M-step shuffling and the anchor draws; the data and the generated responses stay
     k1           w/o mixture models          k = 1
     full         w/o gradient estimation     a = m' (every response exact)
 
+MiCRo (the paper's third mixture-of-BT baseline: a BT mixture with a learned context router) has
+no preset: its router is a separate model, not a setting of this engine.
+
 The report (`write_comparison`) is a `compare` artifact: comparison.parquet (every run's metric
 rows), report.md with the two tables and plots/comparison.png.
 """
@@ -52,16 +55,31 @@ def collect_metrics(evaluations: list[tuple[str, int, str | Path]]) -> pd.DataFr
     return pd.concat(frames, ignore_index=True)
 
 
+AVERAGE = "Average"
+
+
 def summary_table(metrics: pd.DataFrame, metric: str, split: str = SPLIT) -> pd.DataFrame:
-    """Mean and std over seeds of one metric per method (rows) and cluster (columns, "all" last)."""
+    """Mean, std (sample; NaN for one seed) and count over seeds of one metric, per method and true
+    cluster, plus ``AVERAGE``: per seed the mean of the per-cluster values (every cluster weighted
+    alike, as the paper's tables average their columns), or the all-rankings value of a method that
+    has no per-cluster rows (no labels)."""
     rows = metrics[(metrics.metric == metric) & (metrics.split == split)]
-    stats = rows.groupby(["method", "cluster"], sort=False)["value"].agg(["mean", "std", "count"])
-    stats["std"] = stats["std"].fillna(0.0)
+    per_cluster = rows[rows.cluster != "all"]
+    averages = per_cluster.groupby(["method", "seed"], sort=False)["value"].mean().reset_index()
+    unlabelled = rows[(rows.cluster == "all") & ~rows.method.isin(per_cluster.method)]
+    combined = pd.concat([per_cluster, averages.assign(cluster=AVERAGE), unlabelled.assign(cluster=AVERAGE)])
+    stats = combined.groupby(["method", "cluster"], sort=False)["value"].agg(["mean", "std", "count"])
     return stats.reset_index()
 
 
+def _averages(metrics: pd.DataFrame, metric: str, split: str) -> pd.DataFrame:
+    """summary_table's AVERAGE rows, indexed by method."""
+    stats = summary_table(metrics, metric, split)
+    return stats[stats.cluster == AVERAGE].set_index("method")
+
+
 def _cell(mean: float, std: float) -> str:
-    return f"{100 * mean:.1f} ± {100 * std:.1f}"
+    return f"{100 * mean:.1f}" if np.isnan(std) else f"{100 * mean:.1f} ± {100 * std:.1f}"
 
 
 def table2(metrics: pd.DataFrame, dataset: str, split: str = SPLIT) -> str:
@@ -69,21 +87,23 @@ def table2(metrics: pd.DataFrame, dataset: str, split: str = SPLIT) -> str:
     (posterior-routed, the paper's number) of every method, on one dataset; % mean ± std over seeds."""
     methods = list(dict.fromkeys(metrics.method))
     lines = [f"| Methods | {dataset} |", "|---|---|", "| **Clustering accuracy** | |"]
-    clustering = summary_table(metrics, "clustering_accuracy", split).query("cluster == 'all'").set_index("method")
+    clustering = _averages(metrics, "clustering_accuracy", split)
     lines += [f"| {_label(m)} | {_cell(*clustering.loc[m, ['mean', 'std']])} |" for m in methods
               if _is_mixture(m) and m in clustering.index]
     lines.append("| **Ranking accuracy** | |")
-    ranking = summary_table(metrics, "ranking_accuracy_posterior", split).query("cluster == 'all'").set_index("method")
+    ranking = _averages(metrics, "ranking_accuracy_posterior", split)
     lines += [f"| {_label(m)} | {_cell(*ranking.loc[m, ['mean', 'std']])} |" for m in methods if m in ranking.index]
     return "\n".join(lines)
 
 
 def table3(metrics: pd.DataFrame, metric: str = "ranking_accuracy_posterior", split: str = SPLIT) -> str:
-    """Paper Table 3's shape: ``metric`` per true cluster and their average, one row per method."""
+    """Paper Table 3's shape: ``metric`` per true cluster and their average, one row per method
+    (only the mixtures for clustering accuracy)."""
     stats = summary_table(metrics, metric, split)
-    clusters = [c for c in dict.fromkeys(stats.cluster) if c != "all"] + ["all"]
-    header = [str(c) if c != "all" else "Average" for c in clusters]
-    lines = ["| method | " + " | ".join(header) + " |", "|---|" + "---|" * len(clusters)]
+    if metric == "clustering_accuracy":
+        stats = stats[[_is_mixture(m) for m in stats.method]]
+    clusters = [c for c in dict.fromkeys(stats.cluster) if c != AVERAGE] + [AVERAGE]
+    lines = ["| method | " + " | ".join(map(str, clusters)) + " |", "|---|" + "---|" * len(clusters)]
     for method, group in stats.groupby("method", sort=False):
         by_cluster = group.set_index("cluster")
         cells = [_cell(*by_cluster.loc[c, ["mean", "std"]]) if c in by_cluster.index else "-" for c in clusters]
@@ -124,11 +144,11 @@ def comparison_plot(metrics: pd.DataFrame, chance: float | None, split: str = SP
     axes = figure.subplots(1, 2, gridspec_kw={"width_ratios": [1, 1.5]})
     for ax, metric, title in ((axes[0], "clustering_accuracy", "clustering accuracy"),
                               (axes[1], "ranking_accuracy_posterior", "ranking accuracy (posterior)")):
-        stats = summary_table(metrics, metric, split).query("cluster == 'all'")
+        stats = _averages(metrics, metric, split).reset_index()
         if metric == "clustering_accuracy":
             stats = stats[[_is_mixture(m) for m in stats.method]]
         x = np.arange(len(stats))
-        ax.bar(x, 100 * stats["mean"], yerr=100 * stats["std"], capsize=3,
+        ax.bar(x, 100 * stats["mean"], yerr=100 * stats["std"].fillna(0.0), capsize=3,
                color=["tab:orange" if m == "moplex" else "tab:blue" for m in stats.method])
         ax.set_xticks(x, stats.method, rotation=35, ha="right")
         ax.set_ylim(0, 100)
@@ -141,30 +161,30 @@ def comparison_plot(metrics: pd.DataFrame, chance: float | None, split: str = SP
     return png_bytes(figure)
 
 
-def write_comparison(store: ArtifactStore, dataset: str, evaluations: list[tuple[str, int, str | Path]],
-                     identity: dict) -> Path:
+def write_comparison(store: ArtifactStore, dataset: str, evaluations: list[tuple[str, int, str | Path]]) -> Path:
     """The `compare` artifact of these evaluations ((method, seed, evaluate folder) each); returns its folder.
 
-    ``identity`` is what the runs were asked for (base preset, overrides, methods, seeds); the
-    evaluate artifacts are the version's inputs, so reruns that reuse every stage reuse it too.
+    The version hashes the dataset name, methods and seeds; the evaluate artifacts are its inputs and
+    pin everything else, so a rerun that reuses every stage reuses the report too.
     """
     inputs = {}
     for method, seed, path in evaluations:
         manifest = read_manifest(path)
         inputs[f"{method}/seed{seed}"] = f"{manifest['stage']}/{manifest['version']}"
+    methods = list(dict.fromkeys(m for m, _, _ in evaluations))
+    seeds = sorted({seed for _, seed, _ in evaluations})
+    identity = {"dataset": dataset, "methods": methods, "seeds": seeds}
     ref = ArtifactRef(STAGE, store.version(STAGE, identity, inputs, CODE_VERSION))
     if store.is_complete(STAGE, ref.version):
         return store.path(STAGE, ref.version)
     metrics = collect_metrics(evaluations)
     chance = chance_level(metrics)
-    seeds = sorted({seed for _, seed, _ in evaluations})
     with store.writer(STAGE, ref.version, config=identity, inputs=inputs, code_version=CODE_VERSION) as writer:
         if not writer.complete:
             writer.write_table("comparison.parquet", metrics)
             writer.write_file("plots/comparison.png", comparison_plot(metrics, chance))
             writer.write_file("report.md", _report(metrics, dataset, seeds, evaluations))
-            writer.summary.update({"methods": list(dict.fromkeys(m for m, _, _ in evaluations)), "seeds": seeds,
-                                   "dataset": dataset})
+            writer.summary.update(identity)
     return store.path(STAGE, ref.version)
 
 

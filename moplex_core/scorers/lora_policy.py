@@ -321,7 +321,7 @@ class LoRAPolicyScorer:
                     bar.update()
                 logp = sub.rankings().log_likelihood(scores[rows, :, :width])  # [B, k]
                 best.append(logp.max(1).values)
-                bar.set_postfix(best_cluster_logP=f"{torch.cat(best).mean().item():.4f}")
+                bar.set_postfix(best_cluster_PL_logP=f"{torch.cat(best).mean().item():.4f}")
         finally:
             bar.close()
         return scores, is_anchor
