@@ -88,6 +88,10 @@ def test_unreadable_parquet_and_gzip_name_the_file(tmp_path):
     assert _error(cut).startswith(f"{cut} is not a readable Parquet file")
     gz = _write(tmp_path / "cut.jsonl.gz", gzip.compress(json.dumps(GOOD).encode() * 30)[:30])
     assert _error(gz).startswith(f"{gz} is not a readable gzip file")
+    stream = bytearray(gzip.compress(b"".join(b'{"a": %d, "b": "xyz"}\n' % i for i in range(5000))))
+    stream[30:90] = bytes(b ^ 0x5A for b in stream[30:90])  # a corrupt deflate body: zlib.error, not EOF
+    corrupt = _write(tmp_path / "corrupt.jsonl.gz", bytes(stream))
+    assert _error(corrupt).startswith(f"{corrupt} is not a readable gzip file")
 
 
 def test_bad_rows_of_a_generic_source_name_file_line_and_field(tmp_path):

@@ -9,8 +9,8 @@ adapters can name the file and line of a bad record.
 from __future__ import annotations
 
 import gzip
-import zlib
 import json
+import zlib
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
