@@ -13,14 +13,9 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from chaos import format_table
 from chaos.bad_inputs import format_results, run_catalogue
 from chaos.kills import KillResult, kill_schedule, run_schedule
-
-
-def format_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
-    widths = [max(len(cell) for cell in column) for column in zip(header, *rows, strict=True)]
-    lines = [header, ["-" * w for w in widths], *rows]
-    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(line, widths, strict=True)).rstrip() for line in lines)
 
 
 def kill_table(results: Sequence[KillResult]) -> str:

@@ -45,6 +45,8 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from chaos import format_table
+
 REPO = Path(__file__).resolve().parents[1]
 PRESET = "synthetic-demo"
 DETAIL_CHARS = 160
@@ -492,12 +494,10 @@ def worker(spec: Path, out: Path) -> None:
 
 
 def format_results(results: Sequence[CaseResult]) -> str:
-    width = max(len(r.name) for r in results)
-    lines = [f"{'case':<{width}}  ok   seconds  what the user was told"]
-    lines += [f"{r.name:<{width}}  {'yes' if r.ok else 'NO ':<3}  {r.seconds:7.1f}  {r.detail}" for r in results]
+    rows = [[r.name, "yes" if r.ok else "NO", f"{r.seconds:.1f}", r.detail] for r in results]
     ok = sum(r.ok for r in results)
-    lines.append(f"\n{ok}/{len(results)} bad inputs handled cleanly")
-    return "\n".join(lines)
+    table = format_table(["case", "ok", "seconds", "what the user was told"], rows)
+    return f"{table}\n\n{ok}/{len(results)} bad inputs handled cleanly"
 
 
 def main(argv: Sequence[str] | None = None) -> int:

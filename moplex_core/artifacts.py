@@ -20,8 +20,6 @@ part of an artifact.
 
 from __future__ import annotations
 
-import contextlib
-
 import errno
 import json
 import logging
@@ -31,7 +29,7 @@ import shutil
 import sys
 import uuid
 from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from importlib import metadata
@@ -85,8 +83,11 @@ _STORAGE_PROBLEMS = {
 }
 
 
-def _storage_error(err: OSError, path: Path) -> ArtifactStorageError | None:
-    """A user-facing error for a write that failed because of where it writes, else None."""
+def _storage_error(err: BaseException | None, path: Path) -> ArtifactStorageError | None:
+    """A user-facing error for a write that failed because of where it writes, else None (also for
+    an error that is already the store's own)."""
+    if not isinstance(err, OSError) or isinstance(err, ArtifactError):
+        return None
     problem = _STORAGE_PROBLEMS.get(err.errno)
     if problem is None:
         return None
@@ -95,6 +96,18 @@ def _storage_error(err: OSError, path: Path) -> ArtifactStorageError | None:
         "complete, and files already finished stay for a resume. Free space or make the artifact root "
         "writable, or choose another root (moplex --root DIR, or root=DIR in the config)."
     )
+
+
+@contextmanager
+def _storage_errors(path: Path) -> Iterator[None]:
+    """Re-raise an OSError of the block as `ArtifactStorageError` when it is about where ``path`` lives."""
+    try:
+        yield
+    except OSError as err:
+        storage = _storage_error(err, path)
+        if storage is None:
+            raise
+        raise storage from err
 
 
 @dataclass(frozen=True)
@@ -330,14 +343,12 @@ class ArtifactWriter:
 
     def __enter__(self) -> ArtifactWriter:
         try:
-            self._enter()
-        except OSError as err:
+            with _storage_errors(self.path):
+                self._enter()
+        except OSError:
             if self._lock.is_locked:
                 self._lock.release()
-            storage = None if isinstance(err, ArtifactError) else _storage_error(err, self.path)
-            if storage is None:
-                raise
-            raise storage from err
+            raise
         self._open = True
         return self
 
@@ -377,8 +388,7 @@ class ArtifactWriter:
             self._lock.release()
         # A full or read-only root met by code writing its own files in the block (e.g. PEFT's
         # save_pretrained) gets the same sentence as the store's own writes.
-        storage = _storage_error(exc, self.path) if isinstance(exc, OSError) and not isinstance(exc, ArtifactError) \
-            else None
+        storage = _storage_error(exc, self.path)
         if storage is not None:
             raise storage from exc
 
@@ -492,19 +502,15 @@ def atomic_path(target: Path) -> Iterator[Path]:
     """A hidden temporary path beside ``target``, renamed onto it (durably) when the block ends."""
     tmp = target.with_name(f".{target.name}.tmp-{uuid.uuid4().hex[:8]}")
     try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        yield tmp
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, target)
-        _fsync_dir(target.parent)
-    except OSError as err:
-        storage = None if isinstance(err, ArtifactError) else _storage_error(err, target)
-        if storage is None:
-            raise
-        raise storage from err
+        with _storage_errors(target):
+            target.parent.mkdir(parents=True, exist_ok=True)
+            yield tmp
+            with open(tmp, "rb") as f:
+                os.fsync(f.fileno())
+            os.replace(tmp, target)
+            _fsync_dir(target.parent)
     finally:
-        with contextlib.suppress(OSError):  # an unwritable folder must not hide the error above
+        with suppress(OSError):  # an unwritable folder must not hide the error above
             tmp.unlink(missing_ok=True)
 
 

@@ -326,8 +326,8 @@ def _run_restart(
 def _warn_on_tied_rankings(rankings: Rankings) -> None:
     """Rankings with every response in one observed tier order nothing: under Breslow ties (pl) they
     only pull a cluster's scores together, under bt_pairs they have no pair at all. EM still runs;
-    if every ranking is tied, no cluster can be told apart and the posteriors stay at the mixing
-    weights of the initialisation."""
+    if every ranking is tied, no cluster can be told apart and the posteriors tend to the mixing
+    weights."""
     tiers = rankings.observed_tiers
     tied = ((tiers == 0) | (tiers == PAD)).all(1)
     if tied.any():

@@ -183,15 +183,14 @@ def write_comparison(store: ArtifactStore, dataset: str, evaluations: list[tuple
         if not writer.complete:
             writer.write_table("comparison.parquet", metrics)
             writer.write_file("plots/comparison.png", comparison_plot(metrics, chance))
-            writer.write_file("report.md", _report(metrics, dataset, seeds, evaluations))
+            writer.write_file("report.md", _report(metrics, dataset, seeds, evaluations, chance))
             writer.summary.update(identity)
     return store.path(STAGE, ref.version)
 
 
-def _report(metrics: pd.DataFrame, dataset: str, seeds: list[int], evaluations: list[tuple[str, int, str | Path]]
-            ) -> str:
+def _report(metrics: pd.DataFrame, dataset: str, seeds: list[int], evaluations: list[tuple[str, int, str | Path]],
+            chance: float | None) -> str:
     methods = list(dict.fromkeys(m for m, _, _ in evaluations))
-    chance = chance_level(metrics)
     chance_note = f"; chance clustering accuracy is {100 * chance:.1f}%. " if chance else ". "
     lines = [
         f"# moplex method comparison on `{dataset}`",
