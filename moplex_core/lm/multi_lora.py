@@ -1,0 +1,192 @@
+"""k LoRA adapters on one base model, applied per row of a batch (DESIGN 5.5).
+
+Every target ``nn.Linear`` (W: d_in -> d_out) of a causal LM is replaced in place by a
+`MultiLoRALinear` holding the k adapters stacked,
+
+    A: float32 [k, d_in, r]    (PEFT's ``lora_A.weight`` [r, d_in] of adapter c, transposed)
+    B: float32 [k, r, d_out]   (PEFT's ``lora_B.weight`` [d_out, r], transposed)
+
+and computing, for row b of a batch routed to adapter c_b,
+
+    y_b = x_b W^T + (alpha / r) * (dropout(x_b) A[c_b]) B[c_b]
+
+as the base GEMM plus two batched GEMMs over the gathered adapters, the second fused with the add
+(``torch.baddbmm``), so one forward serves rows of all k clusters at once. `MultiLoRA.route` says
+which adapter each row of the next forwards uses; outside it every adapter is off and the model is
+exactly the base model, pi_ref (no second copy of the weights).
+
+The adapters are read and written in PEFT's format (``adapter_config.json`` +
+``adapter_model.safetensors`` per adapter), so ``PeftModel.from_pretrained(base, path)`` loads what
+`MultiLoRA.save_peft` writes, and `MultiLoRA.load_peft` reads what PEFT saved. The adapter weights
+are float32 under a bf16/fp16 base model (the optimizer's master copy; cast to the activations'
+dtype in the forward, as PEFT's ``autocast_adapter_dtype`` does) and the base model's dtype otherwise.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from peft import LoraConfig
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+PEFT_WEIGHTS = "adapter_model.safetensors"
+PEFT_CONFIG = "adapter_config.json"
+_PEFT_PREFIX = "base_model.model."  # PeftModel(base) names base's modules base_model.model.<name>
+
+
+@dataclass(frozen=True)
+class LoRASettings:
+    r: int = 16
+    alpha: float = 32.0
+    dropout: float = 0.0
+    target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+    @property
+    def scaling(self) -> float:
+        return self.alpha / self.r
+
+
+class _Route:
+    """Which adapter each row of the current batch uses: int64 [B] on the model's device, or None
+    (adapters off). One instance is shared by every layer of a `MultiLoRA`."""
+
+    ids: torch.Tensor | None = None
+
+
+class MultiLoRALinear(nn.Module):
+    """A frozen ``nn.Linear`` plus k LoRA adapters, one chosen per row by the shared route."""
+
+    def __init__(self, base: nn.Linear, k: int, settings: LoRASettings, route: _Route,
+                 generator: torch.Generator) -> None:
+        super().__init__()
+        self.base, self.route, self.scaling = base, route, settings.scaling
+        d_in, d_out = base.in_features, base.out_features
+        device = base.weight.device
+        dtype = base.weight.dtype if base.weight.dtype in (torch.float32, torch.float64) else torch.float32
+        # PEFT's default init: A ~ kaiming_uniform(a=sqrt(5)) = U(-1/sqrt(d_in), 1/sqrt(d_in)), B = 0,
+        # so every adapter starts exactly at the base model.
+        bound = 1.0 / math.sqrt(d_in)
+        a = (torch.rand(k, d_in, settings.r, generator=generator, dtype=torch.float64) * 2 - 1) * bound
+        self.lora_A = nn.Parameter(a.to(device=device, dtype=dtype))  # [k, d_in, r]
+        self.lora_B = nn.Parameter(torch.zeros(k, settings.r, d_out, device=device, dtype=dtype))  # [k, r, d_out]
+        self.dropout = nn.Dropout(settings.dropout) if settings.dropout > 0 else nn.Identity()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.base(x)  # [B, ..., d_out]
+        ids = self.route.ids
+        if ids is None:
+            return out
+        if x.shape[0] != ids.shape[0]:
+            raise ValueError(f"the batch has {x.shape[0]} rows but the route names adapters for {ids.shape[0]}; "
+                             "route exactly the rows of the batch (MultiLoRA.route)")
+        rows = x.shape[0]
+        a = self.lora_A[ids].to(x.dtype)  # [B, d_in, r]
+        b = self.lora_B[ids].to(x.dtype)  # [B, r, d_out]
+        xa = torch.bmm(self.dropout(x).reshape(rows, -1, x.shape[-1]), a)  # [B, L, r]
+        return torch.baddbmm(out.reshape(rows, -1, out.shape[-1]), xa, b, alpha=self.scaling).view(out.shape)
+
+
+class MultiLoRA:
+    """k LoRA adapters injected into ``model`` (modified in place; its other weights untouched).
+
+    The LoRA A matrices are drawn from a generator seeded by ``seed`` (the same adapters for the
+    same seed, whatever the global RNG).
+    """
+
+    def __init__(self, model: nn.Module, k: int, settings: LoRASettings, seed: int = 0) -> None:
+        if k < 1:
+            raise ValueError(f"need at least one adapter, got k = {k}")
+        self.model, self.k, self.settings = model, k, settings
+        self._route = _Route()
+        generator = torch.Generator().manual_seed(seed)
+        targets = set(settings.target_modules)
+        self.layers: dict[str, MultiLoRALinear] = {}
+        for name, module in list(model.named_modules()):
+            if name.rsplit(".", 1)[-1] in targets and isinstance(module, nn.Linear):
+                layer = MultiLoRALinear(module, k, settings, self._route, generator)
+                model.set_submodule(name, layer)
+                self.layers[name] = layer
+        if not self.layers:
+            raise ValueError(f"no LoRA parameters were created: target_modules {settings.target_modules} match no "
+                             f"linear layer of {type(model).__name__}; name its linear layers, e.g. q_proj, v_proj")
+
+    def named_parameters(self) -> dict[str, nn.Parameter]:
+        """Every adapter parameter by a stable name, sorted (a reproducible optimizer order)."""
+        params = {f"{name}.{part}": getattr(layer, part) for name, layer in self.layers.items()
+                  for part in ("lora_A", "lora_B")}
+        return dict(sorted(params.items()))
+
+    def at_base(self) -> bool:
+        """True when every adapter is exactly the base model (all B = 0, as initialised)."""
+        return all(not layer.lora_B.any() for layer in self.layers.values())
+
+    @contextmanager
+    def route(self, adapters: Sequence[int] | torch.Tensor) -> Iterator[None]:
+        """Forwards inside use adapter ``adapters[b]`` for row b (int [B], values in 0..k-1)."""
+        ids = torch.as_tensor(adapters, dtype=torch.long)
+        if ids.ndim != 1 or (ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.k)):
+            raise ValueError(f"route needs one adapter index in 0..{self.k - 1} per row, got {ids.tolist()}")
+        device = next(iter(self.layers.values())).lora_A.device
+        previous, self._route.ids = self._route.ids, ids.to(device)
+        try:
+            yield
+        finally:
+            self._route.ids = previous
+
+    # -- PEFT's format -------------------------------------------------------------------------
+
+    def peft_state_dict(self, c: int) -> dict[str, torch.Tensor]:
+        """Adapter c under PEFT's names and shapes (lora_A.weight [r, d_in], lora_B.weight [d_out, r])."""
+        state = {}
+        for name, layer in self.layers.items():
+            state[f"{_PEFT_PREFIX}{name}.lora_A.weight"] = layer.lora_A[c].detach().T.contiguous().cpu()
+            state[f"{_PEFT_PREFIX}{name}.lora_B.weight"] = layer.lora_B[c].detach().T.contiguous().cpu()
+        return state
+
+    def save_peft(self, directory: str | Path, names: Sequence[str], base_model_name_or_path: str) -> Path:
+        """Write ``directory/<names[c]>/`` in PEFT's format for every adapter c.
+
+        ``target_modules`` is written sorted and the JSON with sorted keys, so equal adapters give
+        equal bytes in any process (PEFT writes its target set in hash-seed order)."""
+        if len(names) != self.k:
+            raise ValueError(f"need one name per adapter ({self.k}), got {len(names)}")
+        config = LoraConfig(r=self.settings.r, lora_alpha=self.settings.alpha, lora_dropout=self.settings.dropout,
+                            target_modules=sorted(self.settings.target_modules), bias="none",
+                            base_model_name_or_path=base_model_name_or_path, inference_mode=True).to_dict()
+        config["target_modules"] = sorted(config["target_modules"])
+        for c, name in enumerate(names):
+            out = Path(directory) / name
+            out.mkdir(parents=True, exist_ok=True)
+            save_file(self.peft_state_dict(c), str(out / PEFT_WEIGHTS), metadata={"format": "pt"})
+            (out / PEFT_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True))
+        return Path(directory)
+
+    def load_peft(self, c: int, path: str | Path) -> None:
+        """Load the PEFT LoRA adapter saved at ``path`` into adapter c. Its rank, alpha and target
+        modules must equal these adapters' (a different alpha would silently rescale it)."""
+        path = Path(path)
+        if not (path / PEFT_CONFIG).is_file() or not (path / PEFT_WEIGHTS).is_file():
+            raise FileNotFoundError(f"{path} holds no PEFT adapter ({PEFT_CONFIG} and {PEFT_WEIGHTS})")
+        config = json.loads((path / PEFT_CONFIG).read_text())
+        saved = (config.get("r"), float(config.get("lora_alpha", 0)), sorted(config.get("target_modules") or []))
+        ours = (self.settings.r, float(self.settings.alpha), sorted(self.settings.target_modules))
+        if saved != ours:
+            raise ValueError(f"the adapter at {path} has r, lora_alpha, target_modules = {saved}; these adapters "
+                             f"have {ours}")
+        weights = load_file(str(path / PEFT_WEIGHTS))
+        expected = set(self.peft_state_dict(0))
+        if set(weights) != expected:
+            unknown = sorted(set(weights) ^ expected)
+            raise ValueError(f"the adapter at {path} does not fit this model: {len(unknown)} weight name(s) differ, "
+                             f"e.g. {unknown[:2]}")
+        with torch.no_grad():
+            for name, layer in self.layers.items():
+                layer.lora_A[c].copy_(weights[f"{_PEFT_PREFIX}{name}.lora_A.weight"].T)
+                layer.lora_B[c].copy_(weights[f"{_PEFT_PREFIX}{name}.lora_B.weight"].T)

@@ -1,0 +1,161 @@
+"""The batched multi-LoRA layer (DESIGN 5.5) against PEFT, the reference it must equal."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+from lm_fixtures import tiny_model_dir  # noqa: F401  (fixture)
+from peft import LoraConfig, PeftModel, get_peft_model
+
+from moplex_core.lm.loading import load_model
+from moplex_core.lm.multi_lora import PEFT_CONFIG, LoRASettings, MultiLoRA
+
+SETTINGS = LoRASettings(r=4, alpha=8.0, target_modules=("q_proj", "v_proj", "gate_proj", "down_proj"))
+K = 3
+
+
+@pytest.fixture(scope="module")
+def trained(tiny_model_dir, tmp_path_factory):  # noqa: F811
+    """A float64 MultiLoRA with nonzero adapters, saved in PEFT's format, and PEFT holding all three."""
+    model = load_model(tiny_model_dir, dtype=torch.float64)
+    lora = MultiLoRA(model, K, SETTINGS, seed=3)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in lora.named_parameters().values():
+            p.copy_(torch.randn(p.shape, generator=generator, dtype=p.dtype) * 0.3)
+    out = tmp_path_factory.mktemp("multi-lora")
+    lora.save_peft(out, [f"c{c}" for c in range(K)], str(tiny_model_dir))
+    peft = PeftModel.from_pretrained(load_model(tiny_model_dir, dtype=torch.float64), str(out / "c0"),
+                                     adapter_name="c0")
+    for c in range(1, K):
+        peft.load_adapter(str(out / f"c{c}"), adapter_name=f"c{c}")
+    return model, lora, peft.eval(), out
+
+
+def batch(rows: int = 6, length: int = 9) -> tuple[torch.Tensor, torch.Tensor]:
+    ids = torch.randint(3, 60, (rows, length), generator=torch.Generator().manual_seed(1))
+    return ids, torch.ones_like(ids)
+
+
+def test_outside_a_route_the_model_is_the_base_model(tiny_model_dir):  # noqa: F811
+    base = load_model(tiny_model_dir, dtype=torch.float64)
+    model = copy.deepcopy(base)
+    lora = MultiLoRA(model, K, SETTINGS)
+    with torch.no_grad():
+        for p in lora.named_parameters().values():
+            p.add_(1.0)
+    ids, mask = batch()
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids, attention_mask=mask).logits, base(ids, attention_mask=mask).logits,
+                                   rtol=0, atol=0)
+
+
+def test_fresh_adapters_start_exactly_at_the_base_model(tiny_model_dir):  # noqa: F811
+    base = load_model(tiny_model_dir, dtype=torch.float64)
+    model = copy.deepcopy(base)
+    lora = MultiLoRA(model, K, SETTINGS, seed=5)
+    assert lora.at_base()
+    ids, mask = batch()
+    with torch.no_grad(), lora.route([0, 1, 2, 0, 1, 2]):
+        torch.testing.assert_close(model(ids, attention_mask=mask).logits, base(ids, attention_mask=mask).logits)
+
+
+def test_a_mixed_batch_equals_peft_with_each_rows_adapter(trained):
+    model, lora, peft, _ = trained
+    ids, mask = batch()
+    route = [2, 0, 1, 1, 2, 0]
+    with torch.no_grad():
+        with lora.route(route):
+            ours = model(ids, attention_mask=mask).logits
+        theirs = peft(input_ids=ids, attention_mask=mask, adapter_names=[f"c{c}" for c in route]).logits
+        for c in range(K):  # and one adapter at a time, PEFT's ordinary path
+            peft.set_adapter(f"c{c}")
+            rows = [b for b, r in enumerate(route) if r == c]
+            single = peft(input_ids=ids[rows], attention_mask=mask[rows]).logits
+            torch.testing.assert_close(ours[rows], single, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(ours, theirs, rtol=1e-10, atol=1e-10)
+    assert (ours - peft.get_base_model()(ids, attention_mask=mask).logits.detach()).abs().max() > 1e-2
+
+
+def test_gradients_match_peft_for_inputs_and_adapter_weights(trained):
+    model, lora, peft, _ = trained
+    ids, mask = batch(rows=3)
+    emb = model.get_input_embeddings()(ids).detach().requires_grad_(True)
+    with lora.route([1, 1, 1]):
+        loss = model(inputs_embeds=emb, attention_mask=mask).logits.square().mean()
+    grads = torch.autograd.grad(loss, [emb, lora.layers["model.layers.0.self_attn.q_proj"].lora_B])
+    peft.set_adapter("c1")
+    peft_emb = emb.detach().clone().requires_grad_(True)
+    peft_loss = peft(inputs_embeds=peft_emb, attention_mask=mask).logits.square().mean()
+    peft_b = dict(peft.named_parameters())["base_model.model.model.layers.0.self_attn.q_proj.lora_B.c1.weight"]
+    peft_grads = torch.autograd.grad(peft_loss, [peft_emb, peft_b])
+    torch.testing.assert_close(grads[0], peft_grads[0], rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close(grads[1][1], peft_grads[1].T, rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close(grads[1][0], torch.zeros_like(grads[1][0]), rtol=0, atol=0)  # other adapters: 0
+
+
+def test_peft_saved_adapters_load_back_and_mismatches_are_refused(trained, tiny_model_dir):  # noqa: F811
+    model, lora, _, out = trained
+    again = MultiLoRA(load_model(tiny_model_dir, dtype=torch.float64), K, SETTINGS, seed=9)
+    for c in range(K):
+        again.load_peft(c, out / f"c{c}")
+    for name, p in lora.named_parameters().items():
+        torch.testing.assert_close(again.named_parameters()[name], p, rtol=0, atol=0)
+    config = json.loads((out / "c0" / PEFT_CONFIG).read_text())
+    assert config["target_modules"] == sorted(SETTINGS.target_modules) and config["peft_type"] == "LORA"
+    other = MultiLoRA(load_model(tiny_model_dir), K, LoRASettings(r=2, target_modules=SETTINGS.target_modules))
+    with pytest.raises(ValueError, match="r, lora_alpha, target_modules"):
+        other.load_peft(0, out / "c0")
+    with pytest.raises(FileNotFoundError, match="holds no PEFT adapter"):
+        other.load_peft(0, out)
+
+
+def test_peft_trained_adapters_load_into_the_layer(tiny_model_dir, tmp_path):  # noqa: F811
+    reference = get_peft_model(load_model(tiny_model_dir, dtype=torch.float64),
+                               LoraConfig(r=SETTINGS.r, lora_alpha=SETTINGS.alpha,
+                                          target_modules=list(SETTINGS.target_modules)))
+    with torch.no_grad():
+        for name, p in reference.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.2)
+    reference.save_pretrained(str(tmp_path))
+    model = load_model(tiny_model_dir, dtype=torch.float64)
+    lora = MultiLoRA(model, 2, SETTINGS)
+    lora.load_peft(1, tmp_path)
+    ids, mask = batch(rows=2)
+    with torch.no_grad(), lora.route([1, 1]):
+        torch.testing.assert_close(model(ids, attention_mask=mask).logits,
+                                   reference(input_ids=ids, attention_mask=mask).logits, rtol=1e-10, atol=1e-10)
+
+
+def test_bad_routes_and_targets_are_refused(tiny_model_dir):  # noqa: F811
+    model = load_model(tiny_model_dir)
+    lora = MultiLoRA(model, K, SETTINGS)
+    ids, mask = batch(rows=2)
+    with pytest.raises(ValueError, match="route needs one adapter index in 0..2"), lora.route([0, 3]):
+        pass
+    with pytest.raises(ValueError, match="route exactly the rows"), lora.route([0, 1, 2]):
+        model(ids, attention_mask=mask)
+    with pytest.raises(ValueError, match="match no linear layer"):
+        MultiLoRA(load_model(tiny_model_dir), K, LoRASettings(target_modules=("nothing",)))
+
+
+def test_bf16_model_keeps_float32_adapters_and_matches_float64_closely(tiny_model_dir):  # noqa: F811
+    reference = load_model(tiny_model_dir, dtype=torch.float64)
+    low = load_model(tiny_model_dir, dtype=torch.bfloat16)
+    ref_lora, low_lora = MultiLoRA(reference, K, SETTINGS, seed=2), MultiLoRA(low, K, SETTINGS, seed=2)
+    generator = torch.Generator().manual_seed(4)
+    with torch.no_grad():
+        for (name, p), q in zip(ref_lora.named_parameters().items(), low_lora.named_parameters().values(), strict=True):
+            value = torch.randn(p.shape, generator=generator, dtype=torch.float64) * 0.1
+            p.copy_(value)
+            q.copy_(value)
+            assert q.dtype == torch.float32, name
+    ids, mask = batch(rows=3)
+    with torch.no_grad(), ref_lora.route([0, 1, 2]), low_lora.route([0, 1, 2]):
+        exact = reference(ids, attention_mask=mask).logits
+        approx = low(ids, attention_mask=mask).logits.double()
+    assert (approx - exact).abs().max() < 0.05 * exact.abs().max()
