@@ -437,7 +437,9 @@ class TrainConfig(StageConfig):
     paper Algorithm 1); ``None`` computes every response (the `full` ablation). ``estimation``:
     ``delta`` linearises log pi_c - log pi_ref, ``logpi`` log pi_c alone (the authors' code).
     ``epochs`` passes over the weighted (example, cluster) pairs per M-step, in minibatches of
-    ``batch_size`` pairs. Trains on the cache's ``train`` split.
+    ``batch_size`` pairs (a rows each, m' without anchors: the M-step's memory). ``score_batch_size``
+    is the rows (one response under one adapter, clusters mixed) per E-step or exact-scoring pass.
+    Trains on the cache's ``train`` split.
 
     ``likelihood`` is the observation model of a ranking: ``pl`` (Plackett-Luce, eq. 2 and 5) or
     ``bt_pairs`` (Bradley-Terry over every ordered pair of the ranking, as DPO and the mixture-of-BT
@@ -469,7 +471,7 @@ class TrainConfig(StageConfig):
     seed: int = 0
     dtype: ModelDtype = "auto"
     device: str = "auto"
-    score_batch_size: int = Field(16, ge=1)
+    score_batch_size: int = Field(32, ge=1)
     chunk_size: int = Field(1024, ge=1)
 
     @field_validator("lora_targets")
@@ -514,7 +516,8 @@ class EvaluateConfig(StageConfig):
     """The evaluate stage: the trained mixture on held-out splits with exact scores (DESIGN 7).
 
     The Hungarian matching of EM's cluster ids to the true labels is fitted on ``fit_split`` and
-    applied to every split. Left out of the version: ``device`` and ``score_batch_size``.
+    applied to every split. ``score_batch_size`` is the rows (one response under one adapter) per
+    scoring pass. Left out of the version: ``device`` and ``score_batch_size``.
     """
 
     splits: tuple[str, ...] = ("validation", "test")
@@ -522,7 +525,7 @@ class EvaluateConfig(StageConfig):
     method: str = "moplex"
     """The `method` column of metrics.parquet (a baseline preset names itself here)."""
     device: str = "auto"
-    score_batch_size: int = Field(16, ge=1)
+    score_batch_size: int = Field(32, ge=1)
 
     @model_validator(mode="after")
     def _fit_split_is_evaluated(self) -> EvaluateConfig:

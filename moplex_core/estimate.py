@@ -15,6 +15,17 @@ reference); ``logpi`` linearises log pi_c alone and adds the exact cached log pi
 authors' released code does. Anchors keep their exact delta (with its autograd graph, for the
 M-step); estimated entries are constants.
 
+Both modes are the anchors' mean delta plus an offset that depends on the anchors only through
+their input gradients:
+
+    delta_hat_c(y_j) = mean_{i in anchors} delta_c(y_i) + o_c[j]
+    delta mode:  o_c[j] = mean_i ( s_c[i][j] - s_ref[i][j] )
+    logpi mode:  o_c[j] = mean_i ( log pi_ref(y_i) + s_c[i][j] ) - log pi_ref(y_j)
+
+so an E-step's offsets (`estimate_offsets`) serve the next M-step, which starts from the same
+parameters and recomputes only the anchors' exact deltas (`apply_offsets`): the M-step then needs
+no input-gradient pass of its own (DESIGN 5.4's pass count).
+
 The contraction never forms a [L, V] product: the embedding rows of y_j are gathered ([T, d]) and
 multiplied elementwise with the anchor's gradient ([T, d]).
 
@@ -60,8 +71,8 @@ def anchor_indices(example_id: str, n_responses: int, a: int | None, seed: int, 
 class AnchorPass:
     """log pi(y_i|x) of anchor rows and, when asked, d log pi / d h at their response positions."""
 
-    logp: torch.Tensor  # float64 [R]; carries the parameters' graph when they require grad
-    input_grads: torch.Tensor | None  # float32 [R, T, d], t = 0 at the response start; 0 past the end
+    logp: torch.Tensor  # float64 [R] on the CPU; carries the parameters' graph when they require grad
+    input_grads: torch.Tensor | None  # float32 [R, T, d] on the model's device, t = 0 at the response start
     lengths: torch.Tensor  # int64 [R] response tokens (EOS included)
 
 
@@ -97,7 +108,7 @@ def anchor_pass(
     grads = None
     if input_grads:
         (full,) = torch.autograd.grad(logp.sum(), embeds, retain_graph=keep_graph)  # [R, L, d]
-        grads = _response_rows(full.float().cpu(), starts, lengths)
+        grads = _response_rows(full.float(), starts.to(device), lengths.to(device))
     return AnchorPass((logp if keep_graph else logp.detach()).cpu(), grads, lengths)
 
 
@@ -106,17 +117,19 @@ def response_embeddings(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Input embeddings of every response of one example at its response positions.
 
-    Returns (float32 [M, T, d] zero past each response's end, int64 [M] response lengths).
+    Returns (float32 [M, T, d] on the model's device, zero past each response's end; int64 [M]
+    response lengths on the same device).
     """
+    device = next(model.parameters()).device
     lengths = torch.tensor([len(s.input_ids) - s.response_start for s in sequences], dtype=torch.long)
     width = int(lengths.max())
     ids = torch.zeros(len(sequences), width, dtype=torch.long)  # [M, T]
     for row, seq in enumerate(sequences):
         ids[row, : lengths[row]] = torch.tensor(seq.input_ids[seq.response_start :], dtype=torch.long)
-    device = next(model.parameters()).device
+    lengths = lengths.to(device)
     with torch.no_grad():
-        emb = embed(model, ids.to(device)).float().cpu()  # [M, T, d]
-    valid = torch.arange(width)[None, :] < lengths[:, None]  # [M, T]
+        emb = embed(model, ids.to(device)).float()  # [M, T, d]
+    valid = torch.arange(width, device=device)[None, :] < lengths[:, None]  # [M, T]
     return emb * valid[..., None], lengths
 
 
@@ -129,6 +142,7 @@ def contraction(
     anchor_idx:   int64 [a]            which responses the anchors are
     emb:          float32 [M, T, d]    input embeddings of all responses (response_embeddings)
     lengths:      int64 [M]            response lengths
+    All on one device (the model's: no [a, T, d] tensor crosses to the CPU); the result is there too.
     """
     width = min(anchor_grads.shape[1], emb.shape[1])
     g = anchor_grads[:, :width]  # [a, T, d]
@@ -136,8 +150,37 @@ def contraction(
     cross = torch.einsum("atd,mtd->amt", g, e)  # [a, M, T]: <g_i[t], e_j[t]>, a batched matmul over t
     own = (g * e[anchor_idx]).sum(-1)  # [a, T]: <g_i[t], e_i[t]>
     cut = torch.minimum(lengths[anchor_idx][:, None], lengths[None, :])  # [a, M]
-    aligned = torch.arange(width)[None, None, :] < cut[..., None]  # [a, M, T]
+    aligned = torch.arange(width, device=g.device)[None, None, :] < cut[..., None]  # [a, M, T]
     return torch.where(aligned, cross - own[:, None, :], 0.0).sum(-1).to(torch.float64)
+
+
+def estimate_offsets(
+    mode: EstimationMode,
+    anchor_idx: torch.Tensor,
+    s_policy: torch.Tensor,
+    ref_logp: torch.Tensor,
+    s_ref: torch.Tensor,
+) -> torch.Tensor:
+    """o_c[j] of the M responses of one example: float64 [M] (module docstring), 0 at the anchors.
+
+    anchor_idx [a]; s_policy float [a, M] (the policy's contraction at the anchors); ref_logp
+    float64 [M]; s_ref float [M, M] (the cached reference contraction).
+    """
+    s_policy = s_policy.detach().to(torch.float64)
+    if mode == "delta":
+        offsets = (s_policy - s_ref[anchor_idx].to(torch.float64)).mean(0)  # [M]
+    elif mode == "logpi":
+        offsets = (ref_logp[anchor_idx, None] + s_policy).mean(0) - ref_logp  # [M]
+    else:
+        raise ValueError(f"estimation mode must be one of {ESTIMATION_MODES}, got {mode!r}")
+    return offsets.index_fill(0, anchor_idx, 0.0)
+
+
+def apply_offsets(anchor_idx: torch.Tensor, anchor_delta: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """delta_hat_c of one example: float64 [M]. Anchors keep their exact delta (float64 [a], with its
+    graph); every other entry is the constant mean_i delta_c(y_i) + o_c[j]."""
+    estimate = anchor_delta.detach().mean() + offsets  # [M]
+    return estimate.index_put((anchor_idx,), anchor_delta)
 
 
 def estimate_delta(
@@ -150,7 +193,7 @@ def estimate_delta(
 ) -> torch.Tensor:
     """delta_hat_c(y_j) for the M responses of one example: float64 [M] (module docstring).
 
-    anchor_idx [a]; anchor_logp float64 [a] (exact log pi_c, may carry a graph); s_policy float64
+    anchor_idx [a]; anchor_logp float64 [a] (exact log pi_c, may carry a graph); s_policy float
     [a, M] (None when every response is an anchor); ref_logp float64 [M]; s_ref float [M, M].
     Anchor entries are the exact delta with its graph; every other entry is a constant.
     """
@@ -158,15 +201,7 @@ def estimate_delta(
     m = ref_logp.shape[0]
     if anchor_idx.numel() == m:
         return torch.zeros(m, dtype=torch.float64).index_put((anchor_idx,), anchor_delta)
-    with torch.no_grad():
-        if mode == "delta":
-            terms = anchor_delta[:, None] + s_policy - s_ref[anchor_idx].to(torch.float64)  # [a, M]
-            estimate = terms.mean(0)
-        elif mode == "logpi":
-            estimate = (anchor_logp[:, None] + s_policy).mean(0) - ref_logp  # [M]
-        else:
-            raise ValueError(f"estimation mode must be one of {ESTIMATION_MODES}, got {mode!r}")
-    return estimate.detach().clone().index_put((anchor_idx,), anchor_delta)
+    return apply_offsets(anchor_idx, anchor_delta, estimate_offsets(mode, anchor_idx, s_policy, ref_logp, s_ref))
 
 
 def reference_terms(
@@ -198,9 +233,10 @@ def reference_terms_batch(
     out, offset = [], 0
     for sequences in examples:
         emb, lengths = response_embeddings(model, sequences)
-        every = torch.arange(len(sequences))
+        every = torch.arange(len(sequences), device=emb.device)
         grads = ref.input_grads[offset : offset + len(sequences)]
-        out.append((ref.logp[offset : offset + len(sequences)].clone(), contraction(grads, every, emb, lengths).float()))
+        s_ref = contraction(grads, every, emb, lengths).float().cpu()  # [M, M]
+        out.append((ref.logp[offset : offset + len(sequences)].clone(), s_ref))
         offset += len(sequences)
     return out
 
@@ -213,7 +249,7 @@ def embedding_distance(emb: torch.Tensor, lengths: torch.Tensor, anchor: int, fu
     """
     width = emb.shape[1]
     cut = torch.minimum(lengths[anchor], lengths)  # [M]
-    aligned = torch.arange(width)[None, :] < cut[:, None]  # [M, T]
+    aligned = torch.arange(width, device=emb.device)[None, :] < cut[:, None]  # [M, T]
     diff = torch.where(aligned[..., None], emb - emb[anchor][None], 0.0)  # [M, T, d]
     return (diff.double().pow(2).sum((1, 2)).sqrt() / full_norm.double())
 
@@ -221,7 +257,7 @@ def embedding_distance(emb: torch.Tensor, lengths: torch.Tensor, anchor: int, fu
 def _response_rows(full: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     """Rows of a [R, L, d] tensor at response positions, left-aligned: [R, T, d], zero past the end."""
     width = int(lengths.max())
-    t = torch.arange(width)[None, :]  # [1, T]
+    t = torch.arange(width, device=full.device)[None, :]  # [1, T]
     positions = (starts[:, None] + t.clamp_max(lengths[:, None] - 1)).clamp_max(full.shape[1] - 1)  # [R, T]
     rows = torch.gather(full, 1, positions[..., None].expand(-1, -1, full.shape[2]))  # [R, T, d]
     return rows * (t < lengths[:, None])[..., None]

@@ -136,7 +136,7 @@ def _name(c: int, label_names: list[str] | None) -> str:
 # the evaluate stage: a train artifact and its cache in, `evaluation` out (DESIGN 3, 7)
 
 STAGE = "evaluate"
-CODE_VERSION = "evaluate-1"  # bump when a change to this stage changes what it writes
+CODE_VERSION = "evaluate-2"  # bump when a change to this stage changes what it writes
 METRICS_FILE = "metrics.parquet"
 METRICS_COLUMNS = ("method", "split", "metric", "cluster", "value", "seed")
 

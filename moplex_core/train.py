@@ -39,12 +39,13 @@ from moplex_core.cache import load_policy_inputs, resolve_device, resolve_dtype
 from moplex_core.config import TrainConfig
 from moplex_core.em import EMConfig, EMState, fit_mixture
 from moplex_core.pl import PAD
-from moplex_core.scorers.lora_policy import LoRAPolicyScorer, LoRASettings, PolicyInputs, ScoreRecord
+from moplex_core.lm.multi_lora import LoRASettings
+from moplex_core.scorers.lora_policy import LoRAPolicyScorer, PolicyInputs, ScoreRecord
 
 log = logging.getLogger(__name__)
 
 STAGE = "train"
-CODE_VERSION = "train-1"  # bump when a change to this stage changes what it writes
+CODE_VERSION = "train-2"  # bump when a change to this stage changes what it writes
 TRAIN_SPLIT = "train"
 
 SCORES_SCHEMA = pa.schema([

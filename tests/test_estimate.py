@@ -10,8 +10,10 @@ from lm_fixtures import tiny_model_dir  # noqa: F401  (fixture)
 from moplex_core.estimate import (
     anchor_indices,
     anchor_pass,
+    apply_offsets,
     contraction,
     estimate_delta,
+    estimate_offsets,
     reference_terms,
     response_embeddings,
 )
@@ -75,6 +77,31 @@ def test_delta_mode_is_exact_for_the_reference_and_logpi_mode_adds_the_cached_re
     expected = ((ref_logp[0] + s_ref[0, 1]) + (ref_logp[2] + s_ref[2, 1])) / 2 - ref_logp[1]
     assert logpi[1].item() == pytest.approx(expected.item())
     assert logpi[0] == 0 and logpi[2] == 0
+
+
+def test_offsets_plus_the_anchors_mean_delta_are_the_per_anchor_mean_of_algorithm_1():
+    generator = torch.Generator().manual_seed(0)
+    m, anchors = 6, torch.tensor([1, 4])
+    ref_logp = -5 * torch.rand(m, generator=generator, dtype=torch.float64)
+    s_ref = torch.randn(m, m, generator=generator, dtype=torch.float64)
+    logp = ref_logp[anchors] + torch.randn(2, generator=generator, dtype=torch.float64)  # log pi_c at anchors
+    s_pol = torch.randn(2, m, generator=generator, dtype=torch.float64)
+    delta = logp - ref_logp[anchors]
+    explicit = {
+        "delta": torch.stack([delta[a] + s_pol[a] - s_ref[i] for a, i in enumerate(anchors.tolist())]).mean(0),
+        "logpi": torch.stack([logp[a] + s_pol[a] for a in range(2)]).mean(0) - ref_logp,
+    }
+    for mode, expected in explicit.items():
+        expected[anchors] = delta
+        offsets = estimate_offsets(mode, anchors, s_pol, ref_logp, s_ref)
+        assert offsets[anchors].abs().max() == 0
+        torch.testing.assert_close(apply_offsets(anchors, delta, offsets), expected)
+        torch.testing.assert_close(estimate_delta(mode, anchors, logp, s_pol, ref_logp, s_ref), expected)
+    # The M-step's view: the anchors' deltas move, the offsets stay; estimates follow their mean.
+    moved = delta + torch.tensor([0.3, -0.1], dtype=torch.float64)
+    offsets = estimate_offsets("delta", anchors, s_pol, ref_logp, s_ref)
+    shifted = apply_offsets(anchors, moved, offsets) - apply_offsets(anchors, delta, offsets)
+    torch.testing.assert_close(shifted[[0, 2, 3, 5]], torch.full((4,), 0.1, dtype=torch.float64))
 
 
 def test_anchors_depend_only_on_seed_iteration_and_example():

@@ -30,7 +30,8 @@ from moplex_core.estimate import (
     response_embeddings,
 )
 from moplex_core.lm.logprobs import embed
-from moplex_core.scorers.lora_policy import LoRAPolicyScorer, LoRASettings, PolicyInputs
+from moplex_core.lm.multi_lora import LoRASettings
+from moplex_core.scorers.lora_policy import LoRAPolicyScorer, PolicyInputs
 
 BIN_WIDTH = 0.05
 
@@ -64,16 +65,16 @@ def measure_errors(scorer: LoRAPolicyScorer, inputs: PolicyInputs, seed: int) ->
     for e, seqs in enumerate(inputs.sequences):
         m = len(seqs)
         anchor = int(rng.integers(m))
-        emb, lengths = response_embeddings(scorer.model, seqs)
+        emb, lengths = (t.cpu() for t in response_embeddings(scorer.model, seqs))
         ids = torch.tensor(seqs[anchor].input_ids)[None]
         with torch.no_grad():
             anchor_norm = embed(scorer.model, ids).double().norm()
         distance = embedding_distance(emb, lengths, anchor, anchor_norm)  # [m]
         ref_logp, s_ref = inputs.ref_logp[e, :m], inputs.ref_contraction[e, :m, :m]
         for c in range(scorer.k):
-            with scorer._activate(c, param_grads=False):
+            with scorer.lora.route([c]):
                 passed = anchor_pass(scorer.model, [seqs[anchor]], scorer.pad_token_id, input_grads=True)
-            s_policy = contraction(passed.input_grads, torch.tensor([anchor]), emb, lengths)  # [1, m]
+            s_policy = contraction(passed.input_grads.cpu(), torch.tensor([anchor]), emb, lengths)  # [1, m]
             for mode in ESTIMATION_MODES:
                 estimate = estimate_delta(mode, torch.tensor([anchor]), passed.logp, s_policy, ref_logp, s_ref)
                 for j in range(m):

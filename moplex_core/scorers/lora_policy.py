@@ -1,27 +1,36 @@
 """k LoRA adapters on one base language model as the k clusters' scorers (DESIGN 5.1, 5.3-5.5).
 
-    r_c(x, y) = beta * (log pi_c(y|x) - log pi_ref(y|x)),   pi_c = base + adapter "c<c>",
-                                                              pi_ref = base, adapters disabled
+    r_c(x, y) = beta * (log pi_c(y|x) - log pi_ref(y|x)),   pi_c = base + adapter c,
+                                                              pi_ref = base, adapters off
 
+The k adapters live in one batched multi-LoRA layer (moplex_core.lm.multi_lora): one forward serves
+rows of every cluster, each routed to its own adapter, and one AdamW optimizer holds them all.
 log pi_ref of every response and the reference contraction s_ref come from the `cache` artifact
 (`PolicyInputs`), so pi_ref is never run here. With ``anchors = a < m'`` the scores of non-anchor
-responses are estimated from a anchors per example (moplex_core.estimate, paper Algorithm 1); the
-anchors of EM iteration t are the same in its M-step (`fit`) and E-step (`score`).
+responses are estimated from a anchors per example (moplex_core.estimate, paper Algorithm 1).
 
-M-step: minibatches of (example, cluster) pairs with nonzero weight, shuffled by a seeded generator
-whose state is part of `state_dict`; the rows of one minibatch are grouped by cluster and each group
-runs under its adapter; one AdamW optimizer holds every adapter's parameters. (PEFT's
-``set_adapter`` switches requires_grad off on the other adapters; `_activate` switches it back, so
-the optimizer never silently loses an adapter.) Per minibatch and cluster group: one forward with
-the anchors' input embeddings requiring grad, grad_h for the estimated scores (constants), then the
-backward of the weighted loss into the LoRA parameters through the anchors' exact scores only.
+Passes per EM iteration t, per example (full computation: a = m'):
 
-E-step: per cluster, one forward + input-gradient pass over the anchors with every LoRA parameter
-frozen (full computation: a forward only).
+    M-step t   one forward + backward into the LoRA weights over the a anchors of every (example,
+               cluster) pair with nonzero weight, in minibatches of ``batch_size`` pairs (clusters
+               mixed). A non-anchor score is a constant: the anchors' current mean delta plus the
+               offsets o_c of the E-step of iteration t-1 (moplex_core.estimate), which ran at the
+               parameters this M-step starts from, on the same anchors. So the M-step runs no
+               input-gradient pass of its own. At t = 0 every adapter is the base model, so s_c =
+               s_ref and the offsets come from the cache alone.
+    E-step t   one forward + input-gradient pass over the a anchors under each of the k adapters
+               (full computation: a forward only), ``score_batch_size`` rows per pass, clusters
+               mixed; its offsets are kept for the M-step of t + 1.
+
+The anchors of round t serve the M-step of t and the E-step of t - 1; they are drawn from
+(seed, t, example_id), so they never depend on batching, and a resumed run (the offsets are part of
+`state_dict`) repeats an uninterrupted one exactly.
 """
 
 from __future__ import annotations
 
+import copy
+import hashlib
 import json
 import logging
 from collections.abc import Iterator, Sequence
@@ -32,7 +41,6 @@ from typing import Any
 
 import numpy as np
 import torch
-from peft import LoraConfig, PeftModel, get_peft_model, load_peft_weights, set_peft_model_state_dict
 from tqdm.auto import tqdm
 
 from moplex_core.em import Rankings
@@ -41,11 +49,13 @@ from moplex_core.estimate import (
     EstimationMode,
     anchor_indices,
     anchor_pass,
+    apply_offsets,
     contraction,
-    estimate_delta,
+    estimate_offsets,
     response_embeddings,
 )
 from moplex_core.lm.loading import load_model
+from moplex_core.lm.multi_lora import LoRASettings, MultiLoRA
 from moplex_core.lm.tokenize import TokenizedResponse
 from moplex_core.pl import PAD
 
@@ -102,14 +112,6 @@ class PolicyInputs:
         )
 
 
-@dataclass(frozen=True)
-class LoRASettings:
-    r: int = 16
-    alpha: float = 32.0
-    dropout: float = 0.0
-    target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-
-
 @dataclass
 class ScoreRecord:
     """What one `score` call computed, for scores.parquet."""
@@ -121,6 +123,18 @@ class ScoreRecord:
     in_slate: torch.Tensor  # bool [n, M]
 
 
+@dataclass(frozen=True)
+class _EStepOffsets:
+    """What an E-step leaves for the next M-step: the offsets o_c of its anchors (round ``round``)."""
+
+    round: int
+    inputs: str  # sha256 of the example ids: the offsets belong to these inputs only
+    offsets: torch.Tensor  # float64 [n, k, M], 0 at anchors and padding
+
+
+Row = tuple[int, int, int]  # (example in the inputs, cluster, response): one response under one adapter
+
+
 class LoRAPolicyScorer:
     """The Scorer of moplex_core.em for a language model with k LoRA adapters.
 
@@ -129,8 +143,8 @@ class LoRAPolicyScorer:
     anchors:           a per example, None = every response exact (the full-computation ablation).
     estimation:        "delta" or "logpi" (moplex_core.estimate).
     lr, epochs:        AdamW learning rate; passes over the weighted pairs per M-step.
-    batch_size:        (example, cluster) pairs per M-step minibatch.
-    score_batch_size:  examples per E-step batch (times a anchor rows per forward).
+    batch_size:        (example, cluster) pairs per M-step minibatch (a rows each, m' when full).
+    score_batch_size:  rows (one response under one adapter) per E-step or exact-scoring pass.
     seed:              adapter initialisation (LoRA A), M-step shuffling and anchor draws.
     """
 
@@ -146,7 +160,7 @@ class LoRAPolicyScorer:
         lr: float = 1e-4,
         epochs: int = 1,
         batch_size: int = 16,
-        score_batch_size: int = 16,
+        score_batch_size: int = 32,
         chunk_size: int = 1024,
         seed: int = 0,
         dtype: str | torch.dtype = torch.float32,
@@ -162,33 +176,24 @@ class LoRAPolicyScorer:
         self.epochs, self.batch_size, self.score_batch_size = epochs, batch_size, score_batch_size
         self.chunk_size, self.seed, self.progress = chunk_size, seed, progress
         self.adapter_names = [f"c{c}" for c in range(k)]
-        base = load_model(model_path, dtype=dtype, device=device)
-        self.pad_token_id = base.config.pad_token_id if base.config.pad_token_id is not None else 0
-        config = LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
-                            target_modules=list(lora.target_modules), bias="none")
-        with torch.random.fork_rng(devices=[]):
-            # PEFT draws LoRA A from the global RNG; seed it here without touching the caller's.
-            torch.manual_seed(seed)
-            self.model: PeftModel = get_peft_model(base, config, adapter_name=self.adapter_names[0])
-            for name in self.adapter_names[1:]:
-                self.model.add_adapter(name, config)
+        self.model = load_model(model_path, dtype=dtype, device=device)
+        self.pad_token_id = self.model.config.pad_token_id if self.model.config.pad_token_id is not None else 0
+        self.lora = MultiLoRA(self.model, k, lora, seed)
         self.model.eval()
-        # Sorted names: the optimizer's parameter order (and so its state_dict) is reproducible.
-        self._lora = dict(sorted((n, p) for n, p in self.model.named_parameters() if ".lora_" in n))
-        if not self._lora:
-            raise ValueError(f"no LoRA parameters were created: target_modules {lora.target_modules} match "
-                             f"no module of {type(base).__name__}; name its linear layers, e.g. q_proj, v_proj")
-        self._set_param_grads(True)
+        self._lora = self.lora.named_parameters()
         self.optimizer = torch.optim.AdamW(list(self._lora.values()), lr=lr, weight_decay=0.0)
         self._shuffle = torch.Generator().manual_seed(seed)
+        self._estep: _EStepOffsets | None = None
         self.last_scores: ScoreRecord | None = None
         self.last_fit: dict[str, Any] = {}
 
     # -- the Scorer protocol -------------------------------------------------------------------
 
     def score(self, inputs: PolicyInputs, iteration: int = 0) -> torch.Tensor:
-        """E-step scores float64 [n, k, M] (estimated for non-anchors when anchors < m')."""
-        scores, is_anchor = self._score_all(inputs, iteration, self.anchors, "E-step")
+        """E-step scores float64 [n, k, M] (estimated for non-anchors when anchors < m'), with the
+        anchors of round ``iteration + 1``, whose offsets the next M-step reuses."""
+        scores, is_anchor, offsets = self._score_all(inputs, iteration + 1, self.anchors, f"E-step {iteration}")
+        self._estep = _EStepOffsets(iteration + 1, _inputs_key(inputs), offsets)
         self.last_scores = ScoreRecord(iteration, inputs.example_ids, scores, is_anchor, inputs.tiers != PAD)
         return scores
 
@@ -205,6 +210,9 @@ class LoRAPolicyScorer:
         pairs = torch.nonzero(weights > 0)  # [P, 2] (example, cluster)
         if pairs.shape[0] == 0:
             return
+        picks = self._anchor_picks(inputs, iteration, self.anchors)
+        offsets = self._offsets(inputs, iteration, picks)  # [n, k, M]
+        width = rankings.tiers.shape[1]
         losses = []
         self.model.train()
         bar = tqdm(total=self.epochs * -(-pairs.shape[0] // self.batch_size), desc=f"M-step {iteration}",
@@ -213,20 +221,22 @@ class LoRAPolicyScorer:
             for _ in range(self.epochs):
                 order = pairs[torch.randperm(pairs.shape[0], generator=self._shuffle)]
                 for start in range(0, order.shape[0], self.batch_size):
-                    batch = order[start : start + self.batch_size]
+                    batch = order[start : start + self.batch_size]  # [B, 2]
+                    rows = [(i, c, j) for i, c in batch.tolist() for j in picks[i].tolist()]
+                    logp, _ = self._pass(inputs, rows, input_grads=False, train=True)  # [R]
+                    deltas, offset = [], 0
+                    for i, c in batch.tolist():
+                        size, idx = len(inputs.sequences[i]), picks[i]
+                        anchor_delta = logp[offset : offset + len(idx)] - inputs.ref_logp[i, idx]  # [a]
+                        delta = apply_offsets(idx, anchor_delta, offsets[i, c, :size])  # [m'_i]
+                        deltas.append(torch.nn.functional.pad(delta, (0, width - size)))
+                        offset += len(idx)
+                    logp_rank = rankings.subset(batch[:, 0]).log_likelihood(self.beta * torch.stack(deltas))  # [B]
+                    objective = (weights[batch[:, 0], batch[:, 1]] * logp_rank).sum() / batch.shape[0]
                     self.optimizer.zero_grad(set_to_none=True)
-                    weighted_logp = 0.0
-                    for c in batch[:, 1].unique().tolist():
-                        rows = batch[batch[:, 1] == c, 0]
-                        sub = inputs.subset(rows)
-                        scores, _ = self._cluster_scores(sub, c, iteration, self.anchors, train=True)
-                        padded = torch.nn.functional.pad(scores, (0, rankings.tiers.shape[1] - scores.shape[1]))
-                        logp = rankings.subset(rows).log_likelihood(padded)  # [B_c]
-                        objective = (weights[rows, c] * logp).sum() / batch.shape[0]
-                        (-objective).backward()
-                        weighted_logp += objective.item()
+                    (-objective).backward()
                     self.optimizer.step()
-                    losses.append(weighted_logp)
+                    losses.append(objective.item())
                     bar.update()
                     bar.set_postfix(weighted_logP=f"{np.mean(losses[-20:]):.4f}")
         finally:
@@ -245,132 +255,163 @@ class LoRAPolicyScorer:
         from moplex_core.pl import score_gradient_at_zero
 
         slot_weights = score_gradient_at_zero(rankings.index, rankings.model)  # [n, M]
-        d = self.model.get_base_model().get_input_embeddings().weight.shape[1]
+        d = self.model.get_input_embeddings().weight.shape[1]
         generator = torch.Generator().manual_seed(self.seed)
         projection = torch.randn(width * d, dim, generator=generator, dtype=torch.float64) / dim**0.5
         features = torch.zeros(len(inputs), dim, dtype=torch.float64)
         for i, seqs in enumerate(inputs.sequences):
-            emb, _ = response_embeddings(self.model, seqs)  # [m', T, d]
+            emb = response_embeddings(self.model, seqs)[0].cpu()  # [m', T, d]
             emb = torch.nn.functional.pad(emb[:, :width], (0, 0, 0, max(0, width - emb.shape[1])))
             pooled = (slot_weights[i, : len(seqs), None, None] * emb.double()).sum(0)  # [width, d]
             features[i] = pooled.flatten() @ projection
         return features
 
     def state_dict(self) -> dict[str, Any]:
+        """A snapshot (copies, not views) of everything a resumed run needs."""
+        estep = None if self._estep is None else {"round": self._estep.round, "inputs": self._estep.inputs,
+                                                   "offsets": self._estep.offsets.clone()}
         return {
             "adapters": {name: p.detach().clone() for name, p in self._lora.items()},
-            "optimizer": self.optimizer.state_dict(),
+            "optimizer": copy.deepcopy(self.optimizer.state_dict()),
             "shuffle_rng": self._shuffle.get_state(),
+            "estep": estep,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         missing = set(self._lora) ^ set(state["adapters"])
         if missing:
             raise ValueError(f"the saved state's LoRA parameters differ from this scorer's ({len(missing)} "
-                             "names); was it saved with another k, rank or target_modules?")
+                             "names); was it saved with another k, rank, target_modules or moplex version?")
         with torch.no_grad():
             for name, p in self._lora.items():
                 p.copy_(state["adapters"][name])
         self.optimizer.load_state_dict(state["optimizer"])
         self._shuffle.set_state(state["shuffle_rng"])
+        estep = state.get("estep")
+        self._estep = None if estep is None else _EStepOffsets(estep["round"], estep["inputs"], estep["offsets"])
 
     # -- adapters in PEFT's format -------------------------------------------------------------
 
     def save_adapters(self, directory: str | Path) -> Path:
         """Write ``directory/cN/`` (adapter_config.json + adapter_model.safetensors) for every
-        cluster: each loads with ``PeftModel.from_pretrained(base, directory / "cN")``.
-
-        ``target_modules`` is written sorted: PEFT keeps it as a set and writes the set's order,
-        which follows the process's string hash seed, so equal adapters saved by two processes (a
-        killed train run and its rerun) would get different bytes."""
-        self.model.save_pretrained(str(directory), selected_adapters=self.adapter_names)
-        for name in self.adapter_names:
-            config_file = Path(directory) / name / "adapter_config.json"
-            config = json.loads(config_file.read_text())
-            config["target_modules"] = sorted(config["target_modules"])
-            config_file.write_text(json.dumps(config, indent=2, sort_keys=True))  # as PEFT writes it
-        return Path(directory)
+        cluster: each loads with ``PeftModel.from_pretrained(base, directory / "cN")``."""
+        return self.lora.save_peft(directory, self.adapter_names, self.model.name_or_path)
 
     def load_adapters(self, directory: str | Path) -> None:
-        """Load ``directory/cN/`` written by `save_adapters` into the k adapters."""
-        for name in self.adapter_names:
+        """Load ``directory/cN/`` written by `save_adapters` (or by PEFT) into the k adapters."""
+        for c, name in enumerate(self.adapter_names):
             path = Path(directory) / name
-            if not (path / "adapter_config.json").is_file():
-                raise FileNotFoundError(f"{path} holds no PEFT adapter (adapter_config.json); expected one "
-                                        f"folder per cluster c0..c{self.k - 1} as save_adapters writes")
-            set_peft_model_state_dict(self.model, load_peft_weights(str(path)), adapter_name=name)
+            if not path.is_dir():
+                raise FileNotFoundError(f"{path} does not exist; expected one PEFT adapter folder per cluster "
+                                        f"c0..c{self.k - 1} as save_adapters writes")
+            self.lora.load_peft(c, path)
 
     # -- internals -----------------------------------------------------------------------------
 
-    def _score_all(self, inputs: PolicyInputs, iteration: int, anchors: int | None, what: str
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    def _anchor_picks(self, inputs: PolicyInputs, round_: int, anchors: int | None) -> list[torch.Tensor]:
+        """The anchors of round ``round_`` of every example: int64 [a_i] each (all responses when full)."""
+        return [torch.as_tensor(anchor_indices(eid, len(seqs), anchors, self.seed, round_))
+                for eid, seqs in zip(inputs.example_ids, inputs.sequences, strict=True)]
+
+    def _score_all(self, inputs: PolicyInputs, round_: int, anchors: int | None, what: str
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Scores float64 [n, k, M] with the anchors of round ``round_``, the anchor mask bool [n, M]
+        and the offsets float64 [n, k, M] (0 where every response is an anchor)."""
         n, m = inputs.tiers.shape
-        scores = torch.zeros(n, self.k, m, dtype=torch.float64)
-        is_anchor = torch.zeros(n, m, dtype=torch.bool)
-        batches = [list(range(s, min(s + self.score_batch_size, n))) for s in range(0, n, self.score_batch_size)]
-        bar = tqdm(total=len(batches) * self.k, desc=f"{what} {iteration}", disable=not self.progress, leave=False)
-        best = []
+        picks = self._anchor_picks(inputs, round_, anchors)
+        full = all(len(p) == len(seqs) for p, seqs in zip(picks, inputs.sequences, strict=True))
+        rows = [(i, c, j) for i, p in enumerate(picks) for c in range(self.k) for j in p.tolist()]
+        logp = torch.empty(len(rows), dtype=torch.float64)  # [R]
+        s_policy: list[torch.Tensor | None] = [None] * len(rows)  # [m'_i] per row
+        bar = tqdm(total=len(rows), desc=what, unit="row", disable=not self.progress, leave=False)
         try:
-            for rows in batches:
-                sub = inputs.subset(rows)
-                width = sub.tiers.shape[1]
-                for c in range(self.k):
-                    s, mask = self._cluster_scores(sub, c, iteration, anchors, train=False)
-                    scores[rows, c, :width] = s
-                    is_anchor[rows, :width] = mask
-                    bar.update()
-                logp = sub.rankings().log_likelihood(scores[rows, :, :width])  # [B, k]
-                best.append(logp.max(1).values)
-                bar.set_postfix(best_cluster_PL_logP=f"{torch.cat(best).mean().item():.4f}")
+            for start in range(0, len(rows), self.score_batch_size):
+                chunk = rows[start : start + self.score_batch_size]
+                logp[start : start + len(chunk)], s_chunk = self._pass(inputs, chunk, input_grads=not full, train=False)
+                if s_chunk is not None:
+                    s_policy[start : start + len(chunk)] = s_chunk
+                bar.update(len(chunk))
         finally:
             bar.close()
-        return scores, is_anchor
+        scores = torch.zeros(n, self.k, m, dtype=torch.float64)
+        offsets = torch.zeros(n, self.k, m, dtype=torch.float64)
+        is_anchor = torch.zeros(n, m, dtype=torch.bool)
+        offset = 0
+        for i, idx in enumerate(picks):
+            size, a = len(inputs.sequences[i]), len(idx)
+            is_anchor[i, idx] = True
+            for c in range(self.k):
+                anchor_delta = logp[offset : offset + a] - inputs.ref_logp[i, idx]  # [a]
+                if a < size:
+                    offsets[i, c, :size] = estimate_offsets(
+                        self.estimation, idx, torch.stack(s_policy[offset : offset + a]), inputs.ref_logp[i, :size],
+                        inputs.ref_contraction[i, :size, :size])
+                scores[i, c, :size] = self.beta * apply_offsets(idx, anchor_delta, offsets[i, c, :size])
+                offset += a
+        return scores, is_anchor, offsets
 
-    def _cluster_scores(self, inputs: PolicyInputs, c: int, iteration: int, anchors: int | None, *, train: bool
-                        ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Scores of cluster c for every example of ``inputs``: (float64 [n, M], anchor mask [n, M]).
-
-        With ``train`` the anchors' scores carry the graph into adapter c's parameters.
-        """
+    def _offsets(self, inputs: PolicyInputs, round_: int, picks: list[torch.Tensor]) -> torch.Tensor:
+        """The offsets float64 [n, k, M] of round ``round_``'s anchors at the current parameters: the
+        last E-step's when it ran on these inputs with these anchors; from the cache when every
+        adapter is still the base model (s_c = s_ref); else an input-gradient pass now."""
         n, m = inputs.tiers.shape
-        picks = [torch.as_tensor(anchor_indices(eid, len(seqs), anchors, self.seed, iteration))
-                 for eid, seqs in zip(inputs.example_ids, inputs.sequences, strict=True)]
-        full = all(len(p) == len(seqs) for p, seqs in zip(picks, inputs.sequences, strict=True))
-        rows = [inputs.sequences[i][j] for i, p in enumerate(picks) for j in p.tolist()]
-        with self._activate(c, param_grads=train):
-            passed = anchor_pass(self.model, rows, self.pad_token_id, input_grads=not full, keep_graph=train,
-                                 chunk_size=self.chunk_size)
-            deltas, masks = [], torch.zeros(n, m, dtype=torch.bool)
-            offset = 0
-            for i, p in enumerate(picks):
+        if all(len(p) == len(seqs) for p, seqs in zip(picks, inputs.sequences, strict=True)):
+            return torch.zeros(n, self.k, m, dtype=torch.float64)
+        if self._estep is not None and self._estep.round == round_ and self._estep.inputs == _inputs_key(inputs):
+            return self._estep.offsets
+        if self.lora.at_base():
+            offsets = torch.zeros(n, self.k, m, dtype=torch.float64)
+            for i, idx in enumerate(picks):
                 size = len(inputs.sequences[i])
-                logp = passed.logp[offset : offset + len(p)]  # [a]
-                s_policy = None
-                if len(p) < size:
-                    emb, lengths = response_embeddings(self.model, inputs.sequences[i])
-                    s_policy = contraction(passed.input_grads[offset : offset + len(p)], p, emb, lengths)
-                delta = estimate_delta(self.estimation, p, logp, s_policy, inputs.ref_logp[i, :size],
-                                       inputs.ref_contraction[i, :size, :size])
-                deltas.append(torch.nn.functional.pad(delta, (0, m - size)))
-                masks[i, p] = True
-                offset += len(p)
-        return self.beta * torch.stack(deltas), masks
+                if len(idx) < size:
+                    s_ref = inputs.ref_contraction[i, :size, :size]
+                    offsets[i, :, :size] = estimate_offsets(self.estimation, idx, s_ref[idx], inputs.ref_logp[i, :size],
+                                                            s_ref)
+            return offsets
+        log.info("M-step %d: no E-step of these inputs at these anchors; computing their input gradients first",
+                 round_)
+        return self._score_all(inputs, round_, self.anchors, f"input gradients {round_}")[2]
+
+    def _pass(self, inputs: PolicyInputs, rows: Sequence[Row], *, input_grads: bool, train: bool
+              ) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
+        """One forward over ``rows``, each under its cluster's adapter: log pi_c(y_j|x_i) float64 [R]
+        (with the graph into the adapters when ``train``) and, with ``input_grads``, each row's
+        contraction s_c[j][:] with its example's responses (float64 [m'_i] each, on the CPU)."""
+        seqs: list[TokenizedResponse] = [inputs.sequences[i][j] for i, _, j in rows]
+        with self.lora.route([c for _, c, _ in rows]), self._param_grads(train):
+            passed = anchor_pass(self.model, seqs, self.pad_token_id, input_grads=input_grads, keep_graph=train,
+                                 chunk_size=self.chunk_size)
+        if not input_grads:
+            return passed.logp, None
+        contractions: list[torch.Tensor] = []
+        start = 0
+        while start < len(rows):  # consecutive rows of one example share its response embeddings
+            i = rows[start][0]
+            end = start
+            while end < len(rows) and rows[end][0] == i:
+                end += 1
+            emb, lengths = response_embeddings(self.model, inputs.sequences[i])  # [m', T, d], [m']
+            idx = torch.tensor([j for _, _, j in rows[start:end]], device=emb.device)
+            s = contraction(passed.input_grads[start:end], idx, emb, lengths).cpu()  # [rows, m'_i]
+            contractions.extend(s.unbind(0))
+            start = end
+        return passed.logp, contractions
 
     @contextmanager
-    def _activate(self, c: int, *, param_grads: bool) -> Iterator[None]:
-        """Adapter c active; LoRA parameters require grad only in the M-step (E-step gradients
-        are w.r.t. the input embeddings alone)."""
-        self.model.set_adapter(self.adapter_names[c])
-        self._set_param_grads(param_grads)
+    def _param_grads(self, flag: bool) -> Iterator[None]:
+        """LoRA parameters require grad only in the M-step (E-step gradients are w.r.t. the input
+        embeddings alone)."""
+        for p in self._lora.values():
+            p.requires_grad_(flag)
         try:
             yield
         finally:
-            self._set_param_grads(True)
+            for p in self._lora.values():
+                p.requires_grad_(True)
 
-    def _set_param_grads(self, flag: bool) -> None:
-        for p in self._lora.values():
-            p.requires_grad_(flag)
 
+def _inputs_key(inputs: PolicyInputs) -> str:
+    return hashlib.sha256(json.dumps(inputs.example_ids).encode()).hexdigest()
 
 class ExactView:
     """A LoRAPolicyScorer whose `score` is always exact (DESIGN 5.4: evaluation uses exact scores)."""
