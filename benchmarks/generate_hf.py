@@ -23,12 +23,12 @@ import time
 from pathlib import Path
 
 import torch
-from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
+from transformers import GenerationConfig
 
 from moplex_core.generate.base import SampleRequest, request_seed
 from moplex_core.generate.hf import HFGenerator, resolve_dtype
 from moplex_core.lm.loading import load_model, load_tokenizer
-from moplex_core.lm.tiny import build_tiny_model, build_tiny_tokenizer
+from moplex_core.lm.tiny import build_qwen3_0_6b_shape, build_tiny_model
 from moplex_core.lm.tokenize import encode_prompt
 
 
@@ -40,24 +40,6 @@ def tiny_pairs(n: int = 120) -> list[tuple[str, str]]:
         digits = torch.randint(0, 10, (int(torch.randint(2, 6, (1,), generator=generator)),), generator=generator)
         pairs.append((f"Rank by criterion {i % 3}: which list is best?", " ".join(map(str, digits.tolist()))))
     return pairs
-
-
-def build_qwen3_0_6b_shape(out_dir: Path, dtype: torch.dtype) -> Path:
-    """Qwen3-0.6B's architecture (its config.json values) with seeded random weights."""
-    tokenizer = build_tiny_tokenizer([text for pair in tiny_pairs() for text in pair])
-    config = Qwen3Config(
-        vocab_size=151_936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
-        num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=40_960,
-        rope_theta=1_000_000, rms_norm_eps=1e-6, tie_word_embeddings=True,
-        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
-    )
-    torch.manual_seed(0)
-    model = Qwen3ForCausalLM(config).to(dtype)
-    model.generation_config.eos_token_id = tokenizer.eos_token_id
-    model.generation_config.pad_token_id = tokenizer.pad_token_id
-    model.save_pretrained(out_dir)
-    tokenizer.save_pretrained(out_dir)
-    return out_dir
 
 
 def plain_sampling_tokens_per_s(model_dir: Path, device: torch.device, dtype: str, prompts: list[str], n: int,
@@ -110,7 +92,8 @@ def main() -> None:
         device = torch.device(args.device)
         if args.qwen:
             weights = torch.bfloat16 if device.type == "cuda" else torch.float32
-            model_dir = build_qwen3_0_6b_shape(Path(tmp) / "qwen3-0.6b-shape", weights)
+            texts = [text for pair in tiny_pairs() for text in pair]
+            model_dir = build_qwen3_0_6b_shape(Path(tmp) / "qwen3-0.6b-shape", texts, weights)
             name = "Qwen3-0.6B shape, random weights"
         else:
             model_dir = build_tiny_model(Path(tmp) / "tiny", tiny_pairs(), pretrain_steps=40)

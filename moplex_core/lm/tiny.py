@@ -7,6 +7,9 @@ optionally, a few steps of next-token pre-training on the (prompt, response) pai
 the chat template, so that log-probs are those of a model that has seen the data rather than of
 noise. The result is an ordinary Hugging Face directory: ``AutoModelForCausalLM.from_pretrained`` and
 ``AutoTokenizer.from_pretrained`` load it, ``generate`` runs on it.
+
+`build_qwen3_0_6b_shape` makes a model of Qwen3-0.6B's size the same way (random weights), for
+benchmarks of the cost of the LM path at the paper's scale.
 """
 
 from __future__ import annotations
@@ -140,6 +143,36 @@ def build_tiny_model(
     finally:
         torch.set_num_threads(threads)
     model.eval()
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    return out_dir
+
+
+def build_qwen3_0_6b_shape(
+    out_dir: str | Path, texts: Sequence[str], dtype: torch.dtype = torch.bfloat16, *, seed: int = 0
+) -> Path:
+    """Save a model of Qwen3-0.6B's architecture (its config.json values: 28 layers, hidden 1024,
+    16 query / 8 key-value heads of 128, vocabulary 151,936, tied embeddings) with seeded random
+    weights in ``dtype``, and the tiny tokenizer trained on ``texts``, to ``out_dir``.
+
+    No download. The tokenizer covers only the first few hundred of the 151,936 embedding rows,
+    which is all that prompts need for cost measurements; token ids beyond it are valid model inputs.
+    The caller's RNG is untouched. Returns ``out_dir`` as a Path.
+    """
+    out_dir = Path(out_dir)
+    tokenizer = build_tiny_tokenizer(texts)
+    config = Qwen3Config(
+        vocab_size=151_936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+        num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=40_960,
+        rope_theta=1_000_000, rms_norm_eps=1e-6, tie_word_embeddings=True,
+        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Qwen3ForCausalLM(config).to(dtype)
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     out_dir.mkdir(parents=True, exist_ok=True)

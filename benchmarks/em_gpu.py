@@ -1,0 +1,539 @@
+"""Cost of one EM iteration over k LoRA adapters, full computation vs MoPLEx anchors (issue 9).
+
+    PYTHONPATH=. python3 benchmarks/em_gpu.py --out DIR [--examples 2] [--sections em,throughput,matmul]
+    PYTHONPATH=. python3 benchmarks/em_gpu.py --tiny --out DIR      # the CPU path the tests run
+
+The model is Qwen3-0.6B-shaped with seeded random weights (moplex_core.lm.tiny.build_qwen3_0_6b_shape:
+28 layers, hidden 1024, 16 / 8 heads of 128, vocabulary 151,936) in bf16 with SDPA attention,
+built into a temporary directory. Every row is 1024 random token ids: 512 prompt + 512 response
+tokens, EOS last. Three measurements, in one process:
+
+1. EM iteration cost (the paper's Figure 5). `LoRAPolicyScorer` with k = 12 adapters (r = 16,
+   alpha 32, all 7 projections) on n synthetic examples of m' responses (m = min(4, m') originals
+   ranked, the others generated, in the unranked bottom set), every (example, cluster) pair
+   weighted 1/k: all above gamma_min, the M-step's worst case. Configurations: full computation
+   (a = m') and a in {2, 4, 6} anchors (a < m') at m' in {4, 8, 16, 26, 32}. Each configuration gets
+   a fresh scorer and a warm-up, untimed: fit on one (example, cluster) pair at iteration 0 (the
+   M-step's kernels and optimizer) and a full score(iteration 0) (the E-step's, and what it leaves
+   for the next M-step). Then fit(iteration 1) (M-step) and score(iteration 1) (E-step) are timed
+   separately, CUDA synchronised; peak GPU memory (max_memory_allocated) is taken over both. An
+   M-step minibatch is one (example, cluster) pair: m' rows (full) or a rows (MoPLEx) per backward,
+   the paper's memory-per-response comparison. The E-step runs `score_batch_size` rows (one response
+   under one adapter) per forward. A configuration that runs out of GPU memory is reported as OOM.
+2. Anchor-pass throughput over B rows: forward with response-only chunked log-probs
+   (moplex_core.lm.logprobs.sequence_logprobs) + gradient w.r.t. inputs_embeds (the E-step's anchor
+   pass) for the plain base model (a separate copy, no adapters); moplex_core.lm.multi_lora with the
+   rows routed to all k adapters in turn (LoRA B small and random); the same with the backward into
+   the LoRA weights instead (the M-step's pass); PEFT with k adapters, one active; PEFT's mixed-batch
+   ``adapter_names`` path over all k. Tokens/s = B * 1024 / median time of 5 passes after 2 warm-ups,
+   and the ratio to the plain model; peak GPU memory over the timed passes.
+3. The card's bf16 matmul rate (an 8192^3 GEMM), for reference.
+
+Prints markdown tables under one heading (date, device, versions) and writes OUT/em_gpu.json (every
+number) and OUT/em_gpu.png (Figure 5's layout: time per example and peak memory vs m', one line per
+method, OOM points left out).
+
+``--tiny`` runs the same code on the CPU in float32 on the tests' kind of tiny Qwen3 (2 layers,
+hidden 64; random weights): k = 3, rows of 12 + 16 tokens, m' in {4, 6}, a = 2, B = 4, a 256^3
+matmul, one thread, no CUDA call (peak memory "-"). tests/test_em_gpu_benchmark.py runs it.
+
+Only moplex_core modules that import neither pydantic nor prefect are used (the GPU machine has
+neither): moplex_core.scorers.lora_policy (with estimate, em and pl) and moplex_core.lm.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Literal
+
+import peft
+import torch
+import transformers
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+from peft import LoraConfig, get_peft_model
+from torch import nn
+from transformers import AutoConfig
+
+from moplex_core.lm.loading import load_model
+from moplex_core.lm.logprobs import embed, sequence_logprobs
+from moplex_core.lm.multi_lora import LoRASettings, MultiLoRA
+from moplex_core.lm.tiny import build_qwen3_0_6b_shape, build_tiny_model
+from moplex_core.lm.tokenize import PaddedBatch, TokenizedResponse, pad_batch
+from moplex_core.pl import encode_tiers_batch
+from moplex_core.scorers.lora_policy import LoRAPolicyScorer, PolicyInputs
+
+TOKENIZER_TEXTS = ("Rank these answers by the criterion you were given.", "0 1 2 3 4 5 6 7 8 9")
+LORA = LoRASettings(r=16, alpha=32.0)  # all 7 projections (LoRASettings' default targets)
+BETA = 0.1
+
+PLAIN = "plain base model, fwd + grad w.r.t. inputs_embeds"
+MULTI_E = "multi-LoRA, k adapters mixed, fwd + grad w.r.t. inputs_embeds (E-step)"
+MULTI_M = "multi-LoRA, k adapters mixed, fwd + backward into LoRA weights (M-step)"
+PEFT_ONE = "PEFT, 1 active adapter of k, fwd + grad w.r.t. inputs_embeds"
+PEFT_MIXED = "PEFT mixed adapter_names, k adapters, fwd + grad w.r.t. inputs_embeds"
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """Everything the GPU run and the ``--tiny`` CPU run differ in."""
+
+    model: Literal["qwen3-0.6b", "tiny"]
+    description: str
+    device: str
+    dtype: torch.dtype
+    threads: int | None  # torch CPU threads; None keeps torch's default
+    k: int  # clusters = LoRA adapters
+    prompt_tokens: int
+    response_tokens: int  # EOS included
+    originals: int  # m, ranked responses per example (at most m')
+    m_primes: tuple[int, ...]
+    anchors: tuple[int, ...]  # a values of MoPLEx; each runs where a < m'
+    score_batch_size: int  # E-step rows (one response under one adapter) per forward
+    batch_rows: tuple[int, ...]  # B of the throughput section
+    warmups: int
+    repeats: int
+    matmul_n: int
+
+    @property
+    def cuda(self) -> bool:
+        return self.device.startswith("cuda")
+
+    @property
+    def row_tokens(self) -> int:
+        return self.prompt_tokens + self.response_tokens
+
+
+GPU = Sizes(model="qwen3-0.6b", description="Qwen3-0.6B shape, random weights, bf16", device="cuda",
+            dtype=torch.bfloat16, threads=None, k=12, prompt_tokens=512, response_tokens=512, originals=4,
+            m_primes=(4, 8, 16, 26, 32), anchors=(2, 4, 6), score_batch_size=16, batch_rows=(8, 32),
+            warmups=2, repeats=5, matmul_n=8192)
+TINY = Sizes(model="tiny", description="tiny Qwen3 (2 layers, hidden 64), random weights, float32", device="cpu",
+             dtype=torch.float32, threads=1, k=3, prompt_tokens=12, response_tokens=16, originals=4,
+             m_primes=(4, 6), anchors=(2,), score_batch_size=16, batch_rows=(4,), warmups=1, repeats=3,
+             matmul_n=256)
+
+
+# -- device helpers --------------------------------------------------------------------------
+
+
+def _sync(sizes: Sizes) -> None:
+    if sizes.cuda:
+        torch.cuda.synchronize()
+
+
+def _reset_peak(sizes: Sizes) -> None:
+    if sizes.cuda:
+        torch.cuda.reset_peak_memory_stats()
+
+
+def _peak_gib(sizes: Sizes) -> float | None:
+    """Peak GPU memory since the last reset, GiB; None on the CPU (not measured)."""
+    return torch.cuda.max_memory_allocated() / 2**30 if sizes.cuda else None
+
+
+def _free(sizes: Sizes) -> None:
+    gc.collect()
+    if sizes.cuda:
+        torch.cuda.empty_cache()
+
+
+# -- model and data --------------------------------------------------------------------------
+
+
+def build_model(sizes: Sizes, directory: Path) -> Path:
+    if sizes.model == "qwen3-0.6b":
+        return build_qwen3_0_6b_shape(directory, TOKENIZER_TEXTS, sizes.dtype)
+    return build_tiny_model(directory, [TOKENIZER_TEXTS], pretrain_steps=0, seed=0)
+
+
+def random_responses(generator: torch.Generator, count: int, sizes: Sizes, vocab_size: int, eos_id: int
+                     ) -> tuple[TokenizedResponse, ...]:
+    """``count`` responses to one prompt: random ids (uniform over the vocabulary), EOS last."""
+    prompt = torch.randint(vocab_size, (sizes.prompt_tokens,), generator=generator).tolist()
+    rows = []
+    for _ in range(count):
+        response = torch.randint(vocab_size, (sizes.response_tokens - 1,), generator=generator).tolist()
+        rows.append(TokenizedResponse(prompt + response + [eos_id], response_start=len(prompt)))
+    return tuple(rows)
+
+
+def synthetic_inputs(sizes: Sizes, m_prime: int, examples: int, vocab_size: int, eos_id: int) -> PolicyInputs:
+    """``examples`` examples of m' responses: the first m = min(originals, m') ranked best first in
+    singleton tiers, the other m' - m generated (UNRANKED, the bottom set). The reference terms are
+    zeros: they cost nothing to read and do not change the scorer's work."""
+    generator = torch.Generator().manual_seed(m_prime)
+    m = min(sizes.originals, m_prime)
+    sequences = tuple(random_responses(generator, m_prime, sizes, vocab_size, eos_id) for _ in range(examples))
+    tiers = encode_tiers_batch([[[j] for j in range(m)]] * examples, [m_prime] * examples)  # int64 [n, m']
+    return PolicyInputs(
+        example_ids=tuple(f"example-{i}" for i in range(examples)),
+        sequences=sequences,
+        ref_logp=torch.zeros(examples, m_prime, dtype=torch.float64),  # [n, m']
+        ref_contraction=torch.zeros(examples, m_prime, m_prime, dtype=torch.float32),  # [n, m', m']
+        tiers=tiers,
+    )
+
+
+def _model_vocab(model_dir: Path) -> tuple[int, int]:
+    config = AutoConfig.from_pretrained(model_dir)
+    return config.vocab_size, config.eos_token_id
+
+
+# -- 1. EM iteration cost --------------------------------------------------------------------
+
+
+def em_iteration_costs(model_dir: Path, sizes: Sizes, examples: int) -> list[dict[str, Any]]:
+    """One row per (m', method), methods "full" (anchors None) and "a=<a>" for each a < m'."""
+    vocab_size, eos_id = _model_vocab(model_dir)
+    rows = []
+    for m_prime in sizes.m_primes:
+        inputs = synthetic_inputs(sizes, m_prime, examples, vocab_size, eos_id)
+        for anchors in (None, *(a for a in sizes.anchors if a < m_prime)):
+            rows.append({"m_prime": m_prime, "method": "full" if anchors is None else f"a={anchors}",
+                         "anchors": m_prime if anchors is None else anchors,
+                         **_em_iteration(model_dir, sizes, inputs, anchors)})
+    for row in rows:
+        full = next(r for r in rows if r["m_prime"] == row["m_prime"] and r["method"] == "full")
+        both = not (row["oom"] or full["oom"])
+        row["speedup_vs_full"] = full["total_s_per_example"] / row["total_s_per_example"] if both else None
+        row["memory_ratio_full_over_this"] = (full["peak_gib"] / row["peak_gib"]
+                                              if both and row["peak_gib"] is not None else None)
+    return rows
+
+
+def _em_iteration(model_dir: Path, sizes: Sizes, inputs: PolicyInputs, anchors: int | None) -> dict[str, Any]:
+    n = len(inputs)
+    rankings = inputs.rankings()
+    weights = torch.full((n, sizes.k), 1.0 / sizes.k, dtype=torch.float64)  # [n, k]: every pair fitted
+    one_pair = torch.zeros_like(weights)  # [n, k]: the warm-up M-step's single pair
+    one_pair[0, 0] = weights[0, 0]
+    scorer = None
+    try:
+        scorer = LoRAPolicyScorer(model_dir, sizes.k, beta=BETA, anchors=anchors, lora=LORA, lr=1e-4,
+                                  batch_size=1, score_batch_size=sizes.score_batch_size, seed=0,
+                                  dtype=sizes.dtype, device=sizes.device)
+        scorer.fit(inputs, rankings, one_pair, 0)
+        scorer.score(inputs, 0)
+        _sync(sizes)
+        _reset_peak(sizes)
+        start = time.perf_counter()
+        scorer.fit(inputs, rankings, weights, 1)
+        _sync(sizes)
+        fitted = time.perf_counter()
+        scorer.score(inputs, 1)
+        _sync(sizes)
+        scored = time.perf_counter()
+        return {"oom": False, "e_step_s_per_example": (scored - fitted) / n,
+                "m_step_s_per_example": (fitted - start) / n, "total_s_per_example": (scored - start) / n,
+                "peak_gib": _peak_gib(sizes)}
+    except torch.cuda.OutOfMemoryError:
+        return {"oom": True, "e_step_s_per_example": None, "m_step_s_per_example": None,
+                "total_s_per_example": None, "peak_gib": None}
+    finally:
+        del scorer
+        _free(sizes)
+
+
+# -- 2. anchor-pass throughput ---------------------------------------------------------------
+
+
+def anchor_pass_throughput(model_dir: Path, sizes: Sizes) -> dict[str, Any]:
+    """A row per pass (PLAIN, MULTI_E, MULTI_M, PEFT_ONE, PEFT_MIXED) and B, one model on the device
+    at a time, and the attention implementation the model loaded with."""
+    vocab_size, eos_id = _model_vocab(model_dir)
+    generator = torch.Generator().manual_seed(0)
+    batches = {}
+    for b in sizes.batch_rows:
+        rows = [row for _ in range(b) for row in random_responses(generator, 1, sizes, vocab_size, eos_id)]
+        padded = pad_batch(rows, eos_id)  # equal lengths: no padding
+        batches[b] = PaddedBatch(input_ids=padded.input_ids.to(sizes.device),  # [B, L]
+                                 attention_mask=padded.attention_mask.to(sizes.device),  # [B, L]
+                                 response_mask=padded.response_mask.to(sizes.device))  # [B, L]
+    attention, rows = _plain_rows(model_dir, sizes, batches)
+    _free(sizes)
+    rows += _multi_lora_rows(model_dir, sizes, batches)
+    _free(sizes)
+    rows += _peft_rows(model_dir, sizes, batches)
+    _free(sizes)
+    for row in rows:
+        plain = next(r for r in rows if r["pass"] == PLAIN and r["batch"] == row["batch"])
+        both = not (row["oom"] or plain["oom"])
+        row["ratio_vs_plain"] = row["tokens_per_s"] / plain["tokens_per_s"] if both else None
+    return {"attention": attention, "rows": rows}
+
+
+def _input_grad_pass(model: nn.Module, batch: PaddedBatch) -> None:
+    """The E-step's anchor pass: log pi(y|x) of every row, then d/d inputs_embeds."""
+    embeds = embed(model, batch.input_ids).detach().requires_grad_(True)  # [B, L, d]
+    logp = sequence_logprobs(model, batch.input_ids, batch.attention_mask, batch.response_mask,
+                             inputs_embeds=embeds)  # [B]
+    torch.autograd.grad(logp.sum(), embeds)
+
+
+def _weight_grad_pass(model: nn.Module, batch: PaddedBatch, params: list[nn.Parameter]) -> None:
+    """The M-step's pass: log pi(y|x) of every row, backward into ``params`` (then dropped)."""
+    logp = sequence_logprobs(model, batch.input_ids, batch.attention_mask, batch.response_mask)  # [B]
+    logp.sum().backward()
+    for p in params:
+        p.grad = None
+
+
+def _measure(label: str, run: Callable[[PaddedBatch], None], batches: dict[int, PaddedBatch], sizes: Sizes
+             ) -> list[dict[str, Any]]:
+    rows = []
+    for b, batch in batches.items():
+        try:
+            for _ in range(sizes.warmups):
+                run(batch)
+            _sync(sizes)
+            _reset_peak(sizes)
+            times = []
+            for _ in range(sizes.repeats):
+                start = time.perf_counter()
+                run(batch)
+                _sync(sizes)
+                times.append(time.perf_counter() - start)
+            seconds = statistics.median(times)
+            rows.append({"pass": label, "batch": b, "oom": False, "ms": 1000 * seconds,
+                         "tokens_per_s": b * sizes.row_tokens / seconds, "peak_gib": _peak_gib(sizes)})
+        except torch.cuda.OutOfMemoryError:
+            rows.append({"pass": label, "batch": b, "oom": True, "ms": None, "tokens_per_s": None, "peak_gib": None})
+        _free(sizes)
+    return rows
+
+
+def _frozen_model(model_dir: Path, sizes: Sizes) -> nn.Module:
+    model = load_model(model_dir, dtype=sizes.dtype, device=sizes.device)
+    model.requires_grad_(False)  # only inputs_embeds or LoRA weights get gradients
+    return model
+
+
+def _perturb_lora_b(params: list[nn.Parameter]) -> None:
+    """Small random LoRA B (it starts at 0), so the adapters are not all the base model."""
+    with torch.no_grad():
+        for p in params:
+            p.normal_(0.0, 1e-3)
+
+
+def _plain_rows(model_dir: Path, sizes: Sizes, batches: dict[int, PaddedBatch]) -> tuple[str, list[dict[str, Any]]]:
+    """(the attention implementation the model loaded with, its rows)."""
+    model = _frozen_model(model_dir, sizes)
+    rows = _measure(PLAIN, lambda batch: _input_grad_pass(model, batch), batches, sizes)
+    return model.config._attn_implementation, rows
+
+
+def _multi_lora_rows(model_dir: Path, sizes: Sizes, batches: dict[int, PaddedBatch]) -> list[dict[str, Any]]:
+    model = _frozen_model(model_dir, sizes)
+    lora = MultiLoRA(model, sizes.k, LORA, seed=0)
+    params = lora.named_parameters()
+    _perturb_lora_b([p for name, p in params.items() if name.endswith(".lora_B")])
+
+    def mixed(batch: PaddedBatch, weight_grads: bool) -> None:
+        with lora.route(torch.arange(batch.input_ids.shape[0]) % sizes.k):  # row b -> adapter b mod k
+            if weight_grads:
+                _weight_grad_pass(model, batch, list(params.values()))
+            else:
+                _input_grad_pass(model, batch)
+
+    for p in params.values():
+        p.requires_grad_(False)
+    rows = _measure(MULTI_E, lambda batch: mixed(batch, False), batches, sizes)
+    for p in params.values():
+        p.requires_grad_(True)
+    return rows + _measure(MULTI_M, lambda batch: mixed(batch, True), batches, sizes)
+
+
+def _peft_rows(model_dir: Path, sizes: Sizes, batches: dict[int, PaddedBatch]) -> list[dict[str, Any]]:
+    config = LoraConfig(r=LORA.r, lora_alpha=LORA.alpha, lora_dropout=LORA.dropout,
+                        target_modules=list(LORA.target_modules), bias="none")
+    names = [f"c{c}" for c in range(sizes.k)]
+    model = get_peft_model(_frozen_model(model_dir, sizes), config, adapter_name=names[0])
+    for name in names[1:]:
+        model.add_adapter(name, config)
+    model.set_adapter(names[0])
+    model.eval()  # PEFT refuses adapter_names in training mode
+    lora = {name: p for name, p in model.named_parameters() if ".lora_" in name}
+    _perturb_lora_b([p for name, p in lora.items() if ".lora_B." in name])
+    for p in lora.values():  # after set_adapter, which switches requires_grad on for its adapter
+        p.requires_grad_(False)
+
+    def mixed(batch: PaddedBatch) -> None:
+        # PeftModel.forward applies `adapter_names` through pre-forward hooks that this private
+        # context manager (peft 0.21) registers on every LoRA layer; sequence_logprobs calls the
+        # decoder and lm_head directly, not PeftModel.forward, so it enters the context itself.
+        adapter_names = [names[b % sizes.k] for b in range(batch.input_ids.shape[0])]  # row b -> adapter b mod k
+        with model._enable_peft_forward_hooks(adapter_names=adapter_names):
+            _input_grad_pass(model, batch)
+
+    rows = _measure(PEFT_ONE, lambda batch: _input_grad_pass(model, batch), batches, sizes)
+    return rows + _measure(PEFT_MIXED, mixed, batches, sizes)
+
+
+# -- 3. matmul rate --------------------------------------------------------------------------
+
+
+def matmul_tflops(sizes: Sizes) -> dict[str, Any]:
+    """TFLOP/s of an n x n x n matmul in the run's dtype: 2 n^3 per product, median of ``repeats``."""
+    n = sizes.matmul_n
+    generator = torch.Generator().manual_seed(0)
+    a = torch.randn(n, n, generator=generator).to(device=sizes.device, dtype=sizes.dtype)  # [n, n]
+    b = torch.randn(n, n, generator=generator).to(device=sizes.device, dtype=sizes.dtype)  # [n, n]
+    for _ in range(sizes.warmups):
+        a @ b
+    times = []
+    for _ in range(sizes.repeats):
+        _sync(sizes)
+        start = time.perf_counter()
+        a @ b
+        _sync(sizes)
+        times.append(time.perf_counter() - start)
+    tflops = 2 * n**3 / statistics.median(times) / 1e12
+    return {"n": n, "dtype": str(sizes.dtype).removeprefix("torch."), "tflops": tflops}
+
+
+# -- report ----------------------------------------------------------------------------------
+
+
+def _fmt(value: float | None, spec: str, oom: bool) -> str:
+    if oom:
+        return "OOM"
+    return "-" if value is None else format(value, spec)
+
+
+def print_report(results: dict[str, Any]) -> None:
+    sizes = results["sizes"]
+    attention = results.get("throughput", {}).get("attention")
+    print(f"## EM iteration cost and anchor-pass throughput on {results['device']}\n")
+    print(f"{results['date']}; {sizes['description']}{f', {attention} attention' if attention else ''}; torch "
+          f"{results['versions']['torch']}, transformers {results['versions']['transformers']}, peft "
+          f"{results['versions']['peft']}; {results['threads']} CPU thread(s). Rows of {sizes['row_tokens']} "
+          f"random tokens ({sizes['prompt_tokens']} prompt + {sizes['response_tokens']} response incl. EOS).\n")
+    if "em" in results:
+        print(f"### One EM iteration, k = {sizes['k']} LoRA adapters (r = {LORA.r}, alpha {LORA.alpha:g}, "
+              f"{len(LORA.target_modules)} projections), n = {results['examples']} examples\n")
+        print(f"M-step minibatch: 1 (example, cluster) pair = m' rows (full) or a rows (a=...) per backward; "
+              f"E-step: {sizes['score_batch_size']} rows per forward; every pair weighted 1/k (all above "
+              "gamma_min, the worst case). Times per example; peak memory over the timed iteration.\n")
+        print("| m' | method | E-step s/ex | M-step s/ex | total s/ex | peak GiB | speedup vs full "
+              "| memory full/this |")
+        print("|---|---|---|---|---|---|---|---|")
+        for row in results["em"]:
+            oom = row["oom"]
+            print(f"| {row['m_prime']} | {row['method']} | {_fmt(row['e_step_s_per_example'], '.3g', oom)} | "
+                  f"{_fmt(row['m_step_s_per_example'], '.3g', oom)} | {_fmt(row['total_s_per_example'], '.3g', oom)} | "
+                  f"{_fmt(row['peak_gib'], '.1f', oom)} | {_fmt(row['speedup_vs_full'], '.2f', False)} | "
+                  f"{_fmt(row['memory_ratio_full_over_this'], '.2f', False)} |")
+        print()
+    if "throughput" in results:
+        print(f"### Anchor pass over B rows, response-only chunked log-probs (k = {sizes['k']}, median of "
+              f"{sizes['repeats']} after {sizes['warmups']} warm-up(s))\n")
+        print("| pass | B | ms | tokens/s | vs plain | peak GiB |")
+        print("|---|---|---|---|---|---|")
+        for row in results["throughput"]["rows"]:
+            oom = row["oom"]
+            print(f"| {row['pass']} | {row['batch']} | {_fmt(row['ms'], '.1f', oom)} | "
+                  f"{_fmt(row['tokens_per_s'], ',.0f', oom)} | {_fmt(row['ratio_vs_plain'], '.2f', False)} | "
+                  f"{_fmt(row['peak_gib'], '.1f', oom)} |")
+        print()
+    if "matmul" in results:
+        mm = results["matmul"]
+        print(f"{mm['dtype']} matmul, {mm['n']}^3: {mm['tflops']:.1f} TFLOP/s")
+
+
+def plot_figure5(results: dict[str, Any], path: Path) -> None:
+    """Time per example (left) and peak memory (right) vs m', one line per method; OOM left out."""
+    figure = Figure(figsize=(10, 4))
+    FigureCanvasAgg(figure)
+    time_axes, memory_axes = figure.subplots(1, 2)
+    methods = dict.fromkeys(row["method"] for row in results.get("em", []))
+    for method in methods:
+        points = [r for r in results["em"] if r["method"] == method and not r["oom"]]
+        m_primes = [r["m_prime"] for r in points]
+        time_axes.plot(m_primes, [r["total_s_per_example"] for r in points], marker="o", label=method)
+        if all(r["peak_gib"] is not None for r in points):
+            memory_axes.plot(m_primes, [r["peak_gib"] for r in points], marker="o", label=method)
+    m_primes = sorted({row["m_prime"] for row in results.get("em", [])})
+    time_axes.set(xlabel="m' (responses per example)", ylabel="runtime per example (s)", xticks=m_primes,
+                  title="one EM iteration (E-step + M-step)")
+    memory_axes.set(xlabel="m' (responses per example)", ylabel="peak memory (GiB)", xticks=m_primes,
+                    title="peak GPU memory")
+    if not memory_axes.lines:
+        memory_axes.text(0.5, 0.5, "measured on CUDA only", ha="center", va="center", transform=memory_axes.transAxes)
+    for axes in (time_axes, memory_axes):
+        if axes.lines:
+            axes.legend()
+    figure.suptitle(f"Full computation vs MoPLEx anchors, k = {results['sizes']['k']}: {results['device']}")
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True, help="folder for em_gpu.json and em_gpu.png")
+    parser.add_argument("--examples", type=int, default=2, help="examples n of the EM section")
+    parser.add_argument("--sections", default="em,throughput,matmul",
+                        help="comma-separated subset of em, throughput, matmul")
+    parser.add_argument("--tiny", action="store_true", help="the tiny model on the CPU (the tests' path)")
+    args = parser.parse_args()
+    sections = set(args.sections.split(","))
+    if not sections <= {"em", "throughput", "matmul"} or args.examples < 1:
+        parser.error(f"--sections takes em, throughput, matmul (got {args.sections!r}); --examples >= 1")
+    sizes = TINY if args.tiny else GPU
+    if sizes.cuda and not torch.cuda.is_available():
+        sys.exit("no CUDA device: run on the GPU machine, or pass --tiny for the CPU path")
+    if sizes.threads:
+        torch.set_num_threads(sizes.threads)
+    transformers.utils.logging.disable_progress_bar()
+    torch.manual_seed(0)  # PEFT's LoRA A and the random LoRA B of the throughput section
+    args.out.mkdir(parents=True, exist_ok=True)
+
+    results: dict[str, Any] = {
+        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "device": torch.cuda.get_device_name() if sizes.cuda else f"CPU ({platform.processor() or platform.machine()})",
+        "versions": {"python": platform.python_version(), "torch": torch.__version__,
+                     "transformers": transformers.__version__, "peft": peft.__version__},
+        "threads": torch.get_num_threads(),
+        "examples": args.examples,
+        "sizes": {"description": sizes.description, "k": sizes.k, "prompt_tokens": sizes.prompt_tokens,
+                  "response_tokens": sizes.response_tokens, "row_tokens": sizes.row_tokens,
+                  "originals": sizes.originals, "score_batch_size": sizes.score_batch_size,
+                  "lora": {"r": LORA.r, "alpha": LORA.alpha, "target_modules": list(LORA.target_modules)},
+                  "warmups": sizes.warmups, "repeats": sizes.repeats},
+        "protocol": {
+            "m_step_minibatch": "1 (example, cluster) pair: m' rows (full) or a rows (MoPLEx) per backward",
+            "e_step_batch": f"{sizes.score_batch_size} rows (one response under one adapter) per forward",
+            "fit_weights": "1/k for every (example, cluster) pair: all above gamma_min, the worst case",
+            "em_warmup": "fit on one pair at iteration 0, then score(iteration 0); timed: fit and score of "
+                         "iteration 1",
+            "throughput": f"median of {sizes.repeats} passes after {sizes.warmups} warm-up(s)",
+        },
+    }
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = build_model(sizes, Path(tmp) / "model")
+        if "em" in sections:
+            results["em"] = em_iteration_costs(model_dir, sizes, args.examples)
+        if "throughput" in sections:
+            results["throughput"] = anchor_pass_throughput(model_dir, sizes)
+    if "matmul" in sections:
+        results["matmul"] = matmul_tflops(sizes)
+
+    print_report(results)
+    (args.out / "em_gpu.json").write_text(json.dumps(results, indent=2, allow_nan=False))
+    plot_figure5(results, args.out / "em_gpu.png")
+    print(f"\nwrote {args.out / 'em_gpu.json'} and {args.out / 'em_gpu.png'}")
+
+
+if __name__ == "__main__":
+    main()
