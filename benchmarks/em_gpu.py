@@ -16,7 +16,7 @@ tokens, EOS last. Three measurements, in one process:
    a fresh scorer and a warm-up, untimed: fit on one (example, cluster) pair at iteration 0 (the
    M-step's kernels and optimizer) and a full score(iteration 0) (the E-step's, and what it leaves
    for the next M-step). Then fit(iteration 1) (M-step) and score(iteration 1) (E-step) are timed
-   separately, CUDA synchronised; peak GPU memory (max_memory_allocated) is taken over both. An
+   separately, CUDA synchronised; peak GPU memory (max_memory_allocated) of each step. An
    M-step minibatch is one (example, cluster) pair: m' rows (full) or a rows (MoPLEx) per backward,
    the paper's memory-per-response comparison. The E-step runs `score_batch_size` rows (one response
    under one adapter) per forward. A configuration that runs out of GPU memory is reported as OOM.
@@ -60,8 +60,6 @@ from typing import Any, Literal
 import peft
 import torch
 import transformers
-from matplotlib.backends.backend_agg import FigureCanvasAgg
-from matplotlib.figure import Figure
 from peft import LoraConfig, get_peft_model
 from torch import nn
 from transformers import AutoConfig
@@ -141,6 +139,11 @@ def _reset_peak(sizes: Sizes) -> None:
 def _peak_gib(sizes: Sizes) -> float | None:
     """Peak GPU memory since the last reset, GiB; None on the CPU (not measured)."""
     return torch.cuda.max_memory_allocated() / 2**30 if sizes.cuda else None
+
+
+def _out_of_memory(error: RuntimeError) -> bool:
+    """A CUDA allocation failure: torch's own, or one inside cuBLAS (a plain RuntimeError)."""
+    return isinstance(error, torch.cuda.OutOfMemoryError) or "CUBLAS_STATUS_ALLOC_FAILED" in str(error)
 
 
 def _free(sizes: Sizes) -> None:
@@ -232,15 +235,21 @@ def _em_iteration(model_dir: Path, sizes: Sizes, inputs: PolicyInputs, anchors: 
         scorer.fit(inputs, rankings, weights, 1)
         _sync(sizes)
         fitted = time.perf_counter()
+        m_step_peak = _peak_gib(sizes)
+        _reset_peak(sizes)
         scorer.score(inputs, 1)
         _sync(sizes)
         scored = time.perf_counter()
+        e_step_peak = _peak_gib(sizes)
         return {"oom": False, "e_step_s_per_example": (scored - fitted) / n,
                 "m_step_s_per_example": (fitted - start) / n, "total_s_per_example": (scored - start) / n,
-                "peak_gib": _peak_gib(sizes)}
-    except torch.cuda.OutOfMemoryError:
+                "m_step_peak_gib": m_step_peak, "e_step_peak_gib": e_step_peak,
+                "peak_gib": None if m_step_peak is None else max(m_step_peak, e_step_peak)}
+    except RuntimeError as error:  # torch.cuda.OutOfMemoryError, or cuBLAS failing to allocate
+        if not _out_of_memory(error):
+            raise
         return {"oom": True, "e_step_s_per_example": None, "m_step_s_per_example": None,
-                "total_s_per_example": None, "peak_gib": None}
+                "total_s_per_example": None, "m_step_peak_gib": None, "e_step_peak_gib": None, "peak_gib": None}
     finally:
         del scorer
         _free(sizes)
@@ -308,7 +317,9 @@ def _measure(label: str, run: Callable[[PaddedBatch], None], batches: dict[int, 
             seconds = statistics.median(times)
             rows.append({"pass": label, "batch": b, "oom": False, "ms": 1000 * seconds,
                          "tokens_per_s": b * sizes.row_tokens / seconds, "peak_gib": _peak_gib(sizes)})
-        except torch.cuda.OutOfMemoryError:
+        except RuntimeError as error:
+            if not _out_of_memory(error):
+                raise
             rows.append({"pass": label, "batch": b, "oom": True, "ms": None, "tokens_per_s": None, "peak_gib": None})
         _free(sizes)
     return rows
@@ -425,15 +436,18 @@ def print_report(results: dict[str, Any]) -> None:
               f"{len(LORA.target_modules)} projections), n = {results['examples']} examples\n")
         print(f"M-step minibatch: 1 (example, cluster) pair = m' rows (full) or a rows (a=...) per backward; "
               f"E-step: {sizes['score_batch_size']} rows per forward; every pair weighted 1/k (all above "
-              "gamma_min, the worst case). Times per example; peak memory over the timed iteration.\n")
-        print("| m' | method | E-step s/ex | M-step s/ex | total s/ex | peak GiB | speedup vs full "
-              "| memory full/this |")
-        print("|---|---|---|---|---|---|---|---|")
+              "gamma_min, the worst case); a = 2 makes 2-row M-step passes, which a GPU runs below its "
+              "throughput. Times per example; peak memory (weights included) of each step, and their "
+              "maximum for the ratio.\n")
+        print("| m' | method | E-step s/ex | M-step s/ex | total s/ex | E-step peak GiB | M-step peak GiB "
+              "| speedup vs full | memory full/this |")
+        print("|---|---|---|---|---|---|---|---|---|")
         for row in results["em"]:
             oom = row["oom"]
             print(f"| {row['m_prime']} | {row['method']} | {_fmt(row['e_step_s_per_example'], '.3g', oom)} | "
                   f"{_fmt(row['m_step_s_per_example'], '.3g', oom)} | {_fmt(row['total_s_per_example'], '.3g', oom)} | "
-                  f"{_fmt(row['peak_gib'], '.1f', oom)} | {_fmt(row['speedup_vs_full'], '.2f', False)} | "
+                  f"{_fmt(row['e_step_peak_gib'], '.1f', oom)} | {_fmt(row['m_step_peak_gib'], '.1f', oom)} | "
+                  f"{_fmt(row['speedup_vs_full'], '.2f', False)} | "
                   f"{_fmt(row['memory_ratio_full_over_this'], '.2f', False)} |")
         print()
     if "throughput" in results:
@@ -454,6 +468,9 @@ def print_report(results: dict[str, Any]) -> None:
 
 def plot_figure5(results: dict[str, Any], path: Path) -> None:
     """Time per example (left) and peak memory (right) vs m', one line per method; OOM left out."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg  # only here: the tables need no matplotlib
+    from matplotlib.figure import Figure
+
     figure = Figure(figsize=(10, 4))
     FigureCanvasAgg(figure)
     time_axes, memory_axes = figure.subplots(1, 2)

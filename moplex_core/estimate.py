@@ -29,8 +29,9 @@ no input-gradient pass of its own (DESIGN 5.4's pass count).
 The contraction never forms a [L, V] product: the embedding rows of y_j are gathered ([T, d]) and
 multiplied elementwise with the anchor's gradient ([T, d]).
 
-Anchors are drawn per example from a generator seeded by (seed, iteration, example_id), so the
-E-step and the M-step of one EM iteration see the same anchors whatever the batching.
+Anchors are drawn per example from a generator seeded by (seed, round, example_id), never by batch
+composition or call order; the scorer (moplex_core.scorers.lora_policy) gives the E-step of EM
+iteration t and the M-step of iteration t + 1 the same round, t + 1.
 """
 
 from __future__ import annotations
@@ -85,7 +86,8 @@ def anchor_pass(
     keep_graph: bool = False,
     chunk_size: int = 1024,
 ) -> AnchorPass:
-    """One forward over ``sequences`` with the model's active adapter.
+    """One forward over ``sequences`` (under whatever adapter routing the caller set up, e.g.
+    ``MultiLoRA.route``; the base model outside one).
 
     input_grads: also take grad_h log pi(y|x) w.r.t. the input embeddings (torch.autograd.grad on
                  the embeddings only; no parameter's .grad is touched).
@@ -108,7 +110,7 @@ def anchor_pass(
     grads = None
     if input_grads:
         (full,) = torch.autograd.grad(logp.sum(), embeds, retain_graph=keep_graph)  # [R, L, d]
-        grads = _response_rows(full.float(), starts.to(device), lengths.to(device))
+        grads = _response_rows(full.float(), starts, lengths)
     return AnchorPass((logp if keep_graph else logp.detach()).cpu(), grads, lengths)
 
 
@@ -211,8 +213,8 @@ def reference_terms(
     *,
     chunk_size: int = 1024,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """What the cache stage stores for one example under pi_ref (pass the base model, or call
-    inside ``peft_model.disable_adapter()``): (ref_logp float64 [M], s_ref float32 [M, M]).
+    """What the cache stage stores for one example under pi_ref (the base model; a model with
+    `MultiLoRA` adapters outside a route is the same): (ref_logp float64 [M], s_ref float32 [M, M]).
 
     Every response is an anchor once, so any later anchor choice finds its row of s_ref.
     """
@@ -255,9 +257,11 @@ def embedding_distance(emb: torch.Tensor, lengths: torch.Tensor, anchor: int, fu
 
 
 def _response_rows(full: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-    """Rows of a [R, L, d] tensor at response positions, left-aligned: [R, T, d], zero past the end."""
+    """Rows of a [R, L, d] tensor at response positions, left-aligned: [R, T, d], zero past the end.
+    ``starts`` and ``lengths`` (int64 [R]) are on the CPU; only the [R, T] index crosses to the device."""
     width = int(lengths.max())
-    t = torch.arange(width, device=full.device)[None, :]  # [1, T]
+    t = torch.arange(width)[None, :]  # [1, T]
     positions = (starts[:, None] + t.clamp_max(lengths[:, None] - 1)).clamp_max(full.shape[1] - 1)  # [R, T]
-    rows = torch.gather(full, 1, positions[..., None].expand(-1, -1, full.shape[2]))  # [R, T, d]
-    return rows * (t < lengths[:, None])[..., None]
+    valid = (t < lengths[:, None]).to(full.device)  # [R, T]
+    rows = torch.gather(full, 1, positions.to(full.device)[..., None].expand(-1, -1, full.shape[2]))  # [R, T, d]
+    return rows * valid[..., None]

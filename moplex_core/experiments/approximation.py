@@ -66,13 +66,13 @@ def measure_errors(scorer: LoRAPolicyScorer, inputs: PolicyInputs, seed: int) ->
         m = len(seqs)
         anchor = int(rng.integers(m))
         emb, lengths = (t.cpu() for t in response_embeddings(scorer.model, seqs))
-        ids = torch.tensor(seqs[anchor].input_ids)[None]
+        ids = torch.tensor(seqs[anchor].input_ids, device=scorer.model.device)[None]
         with torch.no_grad():
-            anchor_norm = embed(scorer.model, ids).double().norm()
+            anchor_norm = embed(scorer.model, ids).double().norm().cpu()
         distance = embedding_distance(emb, lengths, anchor, anchor_norm)  # [m]
         ref_logp, s_ref = inputs.ref_logp[e, :m], inputs.ref_contraction[e, :m, :m]
         for c in range(scorer.k):
-            with scorer.lora.route([c]):
+            with scorer.lora.route([c]), scorer.lora.requires_grad(False):
                 passed = anchor_pass(scorer.model, [seqs[anchor]], scorer.pad_token_id, input_grads=True)
             s_policy = contraction(passed.input_grads.cpu(), torch.tensor([anchor]), emb, lengths)  # [1, m]
             for mode in ESTIMATION_MODES:

@@ -9,9 +9,10 @@ full-vocabulary log_softmax would hold a [B, L, V] float32 tensor (Qwen3: V = 15
 8 x 1024 tokens); here at most [chunk_size, V] logits exist at once, and under autograd each chunk is
 recomputed in the backward pass instead of being kept.
 
-Works for a Hugging Face causal LM and for a PEFT ``PeftModel`` wrapping one: PEFT injects the LoRA
-layers into the wrapped model's modules, so calling its decoder and ``lm_head`` directly applies the
-active adapter (and none inside ``peft_model.disable_adapter()``, which gives pi_ref).
+Works for a Hugging Face causal LM, with or without moplex's `MultiLoRA` adapters (routed per row,
+moplex_core.lm.multi_lora), and for a PEFT ``PeftModel`` wrapping one: PEFT injects its LoRA layers
+into the wrapped model's modules, so calling its decoder and ``lm_head`` directly applies the active
+adapter (the tests and benchmarks compare against it).
 """
 
 from __future__ import annotations

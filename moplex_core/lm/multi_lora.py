@@ -1,25 +1,28 @@
 """k LoRA adapters on one base model, applied per row of a batch (DESIGN 5.5).
 
 Every target ``nn.Linear`` (W: d_in -> d_out) of a causal LM is replaced in place by a
-`MultiLoRALinear` holding the k adapters stacked,
+`MultiLoRALinear` holding k adapters, adapter c as
 
-    A: float32 [k, d_in, r]    (PEFT's ``lora_A.weight`` [r, d_in] of adapter c, transposed)
-    B: float32 [k, r, d_out]   (PEFT's ``lora_B.weight`` [d_out, r], transposed)
+    A_c: [d_in, r]    (PEFT's ``lora_A.weight`` [r, d_in], transposed)
+    B_c: [r, d_out]   (PEFT's ``lora_B.weight`` [d_out, r], transposed)
 
 and computing, for row b of a batch routed to adapter c_b,
 
-    y_b = x_b W^T + (alpha / r) * (dropout(x_b) A[c_b]) B[c_b]
+    y_b = x_b W^T + (alpha / r) * (dropout(x_b) A_{c_b}) B_{c_b}
 
-as the base GEMM plus two batched GEMMs over the gathered adapters, the second fused with the add
-(``torch.baddbmm``), so one forward serves rows of all k clusters at once. `MultiLoRA.route` says
-which adapter each row of the next forwards uses; outside it every adapter is off and the model is
-exactly the base model, pi_ref (no second copy of the weights).
+`MultiLoRA.route` says which adapter each row of the next forwards uses. The adapters present in a
+batch are stacked ([p, d_in, r], [p, r, d_out]) and gathered per row, then applied by one ``bmm``
+and one ``baddbmm`` fused with the base output, so one forward serves rows of all k clusters; a batch
+of one adapter takes two plain matmuls. Only the routed adapters enter the autograd graph: the
+others get no gradient (None), so an optimizer step leaves them exactly where they are, as PEFT's
+inactive adapters. Outside a route every adapter is off and the model is exactly the base model,
+pi_ref (no second copy of the weights). The base model's own weights are frozen.
 
 The adapters are read and written in PEFT's format (``adapter_config.json`` +
 ``adapter_model.safetensors`` per adapter), so ``PeftModel.from_pretrained(base, path)`` loads what
-`MultiLoRA.save_peft` writes, and `MultiLoRA.load_peft` reads what PEFT saved. The adapter weights
-are float32 under a bf16/fp16 base model (the optimizer's master copy; cast to the activations'
-dtype in the forward, as PEFT's ``autocast_adapter_dtype`` does) and the base model's dtype otherwise.
+`MultiLoRA.save_peft` writes, and `MultiLoRA.load_peft` reads what PEFT saved. Under a bf16/fp16
+base model the adapter weights are float32 (the optimizer's master copy) and are cast to the
+activations' dtype for the two matmuls; otherwise they have the base model's dtype.
 """
 
 from __future__ import annotations
@@ -53,11 +56,13 @@ class LoRASettings:
         return self.alpha / self.r
 
 
+@dataclass
 class _Route:
-    """Which adapter each row of the current batch uses: int64 [B] on the model's device, or None
-    (adapters off). One instance is shared by every layer of a `MultiLoRA`."""
+    """The current batch's routing, shared by every layer of a `MultiLoRA`; adapters off when
+    ``present`` is empty."""
 
-    ids: torch.Tensor | None = None
+    present: tuple[int, ...] = ()  # the adapters the batch uses, ascending
+    local: torch.Tensor | None = None  # int64 [B] on the model's device: row b -> index into present
 
 
 class MultiLoRALinear(nn.Module):
@@ -74,27 +79,35 @@ class MultiLoRALinear(nn.Module):
         # so every adapter starts exactly at the base model.
         bound = 1.0 / math.sqrt(d_in)
         a = (torch.rand(k, d_in, settings.r, generator=generator, dtype=torch.float64) * 2 - 1) * bound
-        self.lora_A = nn.Parameter(a.to(device=device, dtype=dtype))  # [k, d_in, r]
-        self.lora_B = nn.Parameter(torch.zeros(k, settings.r, d_out, device=device, dtype=dtype))  # [k, r, d_out]
+        self.lora_A = nn.ParameterList([nn.Parameter(a[c].to(device=device, dtype=dtype)) for c in range(k)])
+        self.lora_B = nn.ParameterList([nn.Parameter(torch.zeros(settings.r, d_out, device=device, dtype=dtype))
+                                        for _ in range(k)])
         self.dropout = nn.Dropout(settings.dropout) if settings.dropout > 0 else nn.Identity()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.base(x)  # [B, ..., d_out]
-        ids = self.route.ids
-        if ids is None:
+        present, local = self.route.present, self.route.local
+        if not present:
             return out
-        if x.shape[0] != ids.shape[0]:
-            raise ValueError(f"the batch has {x.shape[0]} rows but the route names adapters for {ids.shape[0]}; "
+        if x.shape[0] != local.shape[0]:
+            raise ValueError(f"the batch has {x.shape[0]} rows but the route names adapters for {local.shape[0]}; "
                              "route exactly the rows of the batch (MultiLoRA.route)")
-        rows = x.shape[0]
-        a = self.lora_A[ids].to(x.dtype)  # [B, d_in, r]
-        b = self.lora_B[ids].to(x.dtype)  # [B, r, d_out]
-        xa = torch.bmm(self.dropout(x).reshape(rows, -1, x.shape[-1]), a)  # [B, L, r]
-        return torch.baddbmm(out.reshape(rows, -1, out.shape[-1]), xa, b, alpha=self.scaling).view(out.shape)
+        rows, d_in, d_out = x.shape[0], x.shape[-1], out.shape[-1]
+        x = self.dropout(x)
+        if len(present) == 1:
+            a = self.lora_A[present[0]].to(x.dtype)  # [d_in, r]
+            b = self.lora_B[present[0]].to(x.dtype)  # [r, d_out]
+            xa = x.reshape(-1, d_in) @ a  # [B*L, r]
+            return torch.addmm(out.reshape(-1, d_out), xa, b, alpha=self.scaling).view(out.shape)
+        a = torch.stack([self.lora_A[c] for c in present]).to(x.dtype)[local]  # [B, d_in, r]
+        b = torch.stack([self.lora_B[c] for c in present]).to(x.dtype)[local]  # [B, r, d_out]
+        xa = torch.bmm(x.reshape(rows, -1, d_in), a)  # [B, L, r]
+        return torch.baddbmm(out.reshape(rows, -1, d_out), xa, b, alpha=self.scaling).view(out.shape)
 
 
 class MultiLoRA:
-    """k LoRA adapters injected into ``model`` (modified in place; its other weights untouched).
+    """k LoRA adapters injected into ``model`` (modified in place: its own weights are frozen and
+    untouched, target linear layers are wrapped).
 
     The LoRA A matrices are drawn from a generator seeded by ``seed`` (the same adapters for the
     same seed, whatever the global RNG).
@@ -104,6 +117,7 @@ class MultiLoRA:
         if k < 1:
             raise ValueError(f"need at least one adapter, got k = {k}")
         self.model, self.k, self.settings = model, k, settings
+        model.requires_grad_(False)
         self._route = _Route()
         generator = torch.Generator().manual_seed(seed)
         targets = set(settings.target_modules)
@@ -116,29 +130,46 @@ class MultiLoRA:
         if not self.layers:
             raise ValueError(f"no LoRA parameters were created: target_modules {settings.target_modules} match no "
                              f"linear layer of {type(model).__name__}; name its linear layers, e.g. q_proj, v_proj")
+        self._device = next(iter(self.layers.values())).lora_A[0].device
 
     def named_parameters(self) -> dict[str, nn.Parameter]:
-        """Every adapter parameter by a stable name, sorted (a reproducible optimizer order)."""
-        params = {f"{name}.{part}": getattr(layer, part) for name, layer in self.layers.items()
-                  for part in ("lora_A", "lora_B")}
+        """Every adapter parameter by a stable name, ``<module>.lora_A.<c>``, sorted (a reproducible
+        optimizer order)."""
+        params = {f"{name}.{part}.{c}": getattr(layer, part)[c] for name, layer in self.layers.items()
+                  for part in ("lora_A", "lora_B") for c in range(self.k)}
         return dict(sorted(params.items()))
 
     def at_base(self) -> bool:
         """True when every adapter is exactly the base model (all B = 0, as initialised)."""
-        return all(not layer.lora_B.any() for layer in self.layers.values())
+        return all(not b.any() for layer in self.layers.values() for b in layer.lora_B)
 
     @contextmanager
     def route(self, adapters: Sequence[int] | torch.Tensor) -> Iterator[None]:
         """Forwards inside use adapter ``adapters[b]`` for row b (int [B], values in 0..k-1)."""
         ids = torch.as_tensor(adapters, dtype=torch.long)
-        if ids.ndim != 1 or (ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.k)):
-            raise ValueError(f"route needs one adapter index in 0..{self.k - 1} per row, got {ids.tolist()}")
-        device = next(iter(self.layers.values())).lora_A.device
-        previous, self._route.ids = self._route.ids, ids.to(device)
+        if ids.ndim != 1 or ids.numel() == 0 or int(ids.min()) < 0 or int(ids.max()) >= self.k:
+            shown = ids.unique().tolist()[:10] if ids.numel() else "none"
+            raise ValueError(f"route needs one adapter index in 0..{self.k - 1} per row, got {shown}")
+        present, local = torch.unique(ids, return_inverse=True)  # [p] ascending, [B]
+        previous = (self._route.present, self._route.local)
+        self._route.present, self._route.local = tuple(present.tolist()), local.to(self._device)
         try:
             yield
         finally:
-            self._route.ids = previous
+            self._route.present, self._route.local = previous
+
+    @contextmanager
+    def requires_grad(self, flag: bool) -> Iterator[None]:
+        """Adapter parameters require grad (``flag``) inside; they require it again after. Off for
+        passes that take gradients w.r.t. the inputs alone."""
+        params = list(self.named_parameters().values())
+        for p in params:
+            p.requires_grad_(flag)
+        try:
+            yield
+        finally:
+            for p in params:
+                p.requires_grad_(True)
 
     # -- PEFT's format -------------------------------------------------------------------------
 
@@ -170,18 +201,24 @@ class MultiLoRA:
 
     def load_peft(self, c: int, path: str | Path) -> None:
         """Load the PEFT LoRA adapter saved at ``path`` into adapter c. Its rank, alpha and target
-        modules must equal these adapters' (a different alpha would silently rescale it)."""
+        modules must equal these adapters', and it must be plain LoRA: a different alpha, rsLoRA,
+        DoRA or per-module rank/alpha patterns would change what the weights mean."""
         path = Path(path)
         if not (path / PEFT_CONFIG).is_file() or not (path / PEFT_WEIGHTS).is_file():
             raise FileNotFoundError(f"{path} holds no PEFT adapter ({PEFT_CONFIG} and {PEFT_WEIGHTS})")
         config = json.loads((path / PEFT_CONFIG).read_text())
+        unsupported = [key for key in ("use_rslora", "use_dora", "rank_pattern", "alpha_pattern") if config.get(key)]
+        if config.get("peft_type", "LORA") != "LORA" or unsupported or isinstance(config.get("target_modules"), str):
+            raise ValueError(f"the adapter at {path} is not a plain LoRA adapter over a list of modules (peft_type "
+                             f"{config.get('peft_type')!r}, target_modules {config.get('target_modules')!r}, "
+                             f"set: {unsupported}); moplex reads only plain LoRA")
         saved = (config.get("r"), float(config.get("lora_alpha", 0)), sorted(config.get("target_modules") or []))
         ours = (self.settings.r, float(self.settings.alpha), sorted(self.settings.target_modules))
         if saved != ours:
             raise ValueError(f"the adapter at {path} has r, lora_alpha, target_modules = {saved}; these adapters "
                              f"have {ours}")
         weights = load_file(str(path / PEFT_WEIGHTS))
-        expected = set(self.peft_state_dict(0))
+        expected = {f"{_PEFT_PREFIX}{name}.{part}.weight" for name in self.layers for part in ("lora_A", "lora_B")}
         if set(weights) != expected:
             unknown = sorted(set(weights) ^ expected)
             raise ValueError(f"the adapter at {path} does not fit this model: {len(unknown)} weight name(s) differ, "

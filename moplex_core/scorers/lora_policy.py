@@ -13,11 +13,16 @@ Passes per EM iteration t, per example (full computation: a = m'):
 
     M-step t   one forward + backward into the LoRA weights over the a anchors of every (example,
                cluster) pair with nonzero weight, in minibatches of ``batch_size`` pairs (clusters
-               mixed). A non-anchor score is a constant: the anchors' current mean delta plus the
-               offsets o_c of the E-step of iteration t-1 (moplex_core.estimate), which ran at the
-               parameters this M-step starts from, on the same anchors. So the M-step runs no
-               input-gradient pass of its own. At t = 0 every adapter is the base model, so s_c =
-               s_ref and the offsets come from the cache alone.
+               mixed; passes of at most ``score_batch_size`` rows, gradients accumulated, one
+               optimizer step per minibatch). A non-anchor score is a constant: the anchors' current
+               mean delta plus the offsets o_c of the E-step of iteration t-1 (moplex_core.estimate),
+               which ran at the parameters this M-step starts from, on the same anchors. So the
+               M-step runs no input-gradient pass of its own. The offsets (the first-order terms)
+               stay at the M-step's starting parameters for all its minibatches and epochs while
+               the anchors' deltas follow the current ones: exact at the first minibatch, then
+               stale by the M-step's own progress (recomputing them would cost an input-gradient
+               pass per minibatch). At t = 0 every adapter is the base model, so s_c = s_ref and
+               the offsets come from the cache alone.
     E-step t   one forward + input-gradient pass over the a anchors under each of the k adapters
                (full computation: a forward only), ``score_batch_size`` rows per pass, clusters
                mixed; its offsets are kept for the M-step of t + 1.
@@ -34,7 +39,6 @@ import hashlib
 import json
 import logging
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -212,8 +216,7 @@ class LoRAPolicyScorer:
             return
         picks = self._anchor_picks(inputs, iteration, self.anchors)
         offsets = self._offsets(inputs, iteration, picks)  # [n, k, M]
-        width = rankings.tiers.shape[1]
-        losses = []
+        losses: list[float] = []
         self.model.train()
         bar = tqdm(total=self.epochs * -(-pairs.shape[0] // self.batch_size), desc=f"M-step {iteration}",
                    disable=not self.progress, leave=False)
@@ -222,21 +225,13 @@ class LoRAPolicyScorer:
                 order = pairs[torch.randperm(pairs.shape[0], generator=self._shuffle)]
                 for start in range(0, order.shape[0], self.batch_size):
                     batch = order[start : start + self.batch_size]  # [B, 2]
-                    rows = [(i, c, j) for i, c in batch.tolist() for j in picks[i].tolist()]
-                    logp, _ = self._pass(inputs, rows, input_grads=False, train=True)  # [R]
-                    deltas, offset = [], 0
-                    for i, c in batch.tolist():
-                        size, idx = len(inputs.sequences[i]), picks[i]
-                        anchor_delta = logp[offset : offset + len(idx)] - inputs.ref_logp[i, idx]  # [a]
-                        delta = apply_offsets(idx, anchor_delta, offsets[i, c, :size])  # [m'_i]
-                        deltas.append(torch.nn.functional.pad(delta, (0, width - size)))
-                        offset += len(idx)
-                    logp_rank = rankings.subset(batch[:, 0]).log_likelihood(self.beta * torch.stack(deltas))  # [B]
-                    objective = (weights[batch[:, 0], batch[:, 1]] * logp_rank).sum() / batch.shape[0]
                     self.optimizer.zero_grad(set_to_none=True)
-                    (-objective).backward()
+                    objective = 0.0
+                    for group in self._row_groups(batch.tolist(), picks):
+                        objective += self._weighted_logp(inputs, rankings, weights, group, picks, offsets,
+                                                         batch.shape[0])
                     self.optimizer.step()
-                    losses.append(objective.item())
+                    losses.append(objective)
                     bar.update()
                     bar.set_postfix(weighted_logP=f"{np.mean(losses[-20:]):.4f}")
         finally:
@@ -267,12 +262,16 @@ class LoRAPolicyScorer:
         return features
 
     def state_dict(self) -> dict[str, Any]:
-        """A snapshot (copies, not views) of everything a resumed run needs."""
+        """A snapshot on the CPU (copies, not views) of everything a resumed run needs."""
         estep = None if self._estep is None else {"round": self._estep.round, "inputs": self._estep.inputs,
                                                    "offsets": self._estep.offsets.clone()}
+        optimizer = self.optimizer.state_dict()
+        optimizer["state"] = {index: {key: value.detach().cpu().clone() if torch.is_tensor(value) else value
+                                      for key, value in state.items()}
+                              for index, state in optimizer["state"].items()}
         return {
-            "adapters": {name: p.detach().clone() for name, p in self._lora.items()},
-            "optimizer": copy.deepcopy(self.optimizer.state_dict()),
+            "adapters": {name: p.detach().cpu().clone() for name, p in self._lora.items()},
+            "optimizer": copy.deepcopy(optimizer),
             "shuffle_rng": self._shuffle.get_state(),
             "estep": estep,
         }
@@ -312,6 +311,41 @@ class LoRAPolicyScorer:
         """The anchors of round ``round_`` of every example: int64 [a_i] each (all responses when full)."""
         return [torch.as_tensor(anchor_indices(eid, len(seqs), anchors, self.seed, round_))
                 for eid, seqs in zip(inputs.example_ids, inputs.sequences, strict=True)]
+
+    def _row_groups(self, pairs: list[list[int]], picks: list[torch.Tensor]) -> Iterator[list[list[int]]]:
+        """Consecutive runs of (example, cluster) pairs of at most ``score_batch_size`` rows (a pair's
+        rows never split: its likelihood needs all its anchors; a pair larger than that is alone)."""
+        group: list[list[int]] = []
+        rows = 0
+        for pair in pairs:
+            size = len(picks[pair[0]])
+            if group and rows + size > self.score_batch_size:
+                yield group
+                group, rows = [], 0
+            group.append(pair)
+            rows += size
+        if group:
+            yield group
+
+    def _weighted_logp(self, inputs: PolicyInputs, rankings: Rankings, weights: torch.Tensor, pairs: list[list[int]],
+                       picks: list[torch.Tensor], offsets: torch.Tensor, batch_pairs: int) -> float:
+        """One forward + backward over the anchors of ``pairs``: accumulates the gradient of
+        -sum w_ic log P_c(sigma_i) / batch_pairs into the adapters; returns the weighted log-likelihood."""
+        rows = [(i, c, j) for i, c in pairs for j in picks[i].tolist()]
+        logp, _ = self._pass(inputs, rows, input_grads=False, train=True)  # [R]
+        width = rankings.tiers.shape[1]
+        deltas, offset = [], 0
+        for i, c in pairs:
+            size, idx = len(inputs.sequences[i]), picks[i]
+            anchor_delta = logp[offset : offset + len(idx)] - inputs.ref_logp[i, idx]  # [a]
+            delta = apply_offsets(idx, anchor_delta, offsets[i, c, :size])  # [m'_i]
+            deltas.append(torch.nn.functional.pad(delta, (0, width - size)))
+            offset += len(idx)
+        examples, clusters = torch.tensor(pairs).T  # [P], [P]
+        logp_rank = rankings.subset(examples).log_likelihood(self.beta * torch.stack(deltas))  # [P]
+        objective = (weights[examples, clusters] * logp_rank).sum() / batch_pairs
+        (-objective).backward()
+        return objective.item()
 
     def _score_all(self, inputs: PolicyInputs, round_: int, anchors: int | None, what: str
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -378,7 +412,7 @@ class LoRAPolicyScorer:
         (with the graph into the adapters when ``train``) and, with ``input_grads``, each row's
         contraction s_c[j][:] with its example's responses (float64 [m'_i] each, on the CPU)."""
         seqs: list[TokenizedResponse] = [inputs.sequences[i][j] for i, _, j in rows]
-        with self.lora.route([c for _, c, _ in rows]), self._param_grads(train):
+        with self.lora.route([c for _, c, _ in rows]), self.lora.requires_grad(train):
             passed = anchor_pass(self.model, seqs, self.pad_token_id, input_grads=input_grads, keep_graph=train,
                                  chunk_size=self.chunk_size)
         if not input_grads:
@@ -397,21 +431,10 @@ class LoRAPolicyScorer:
             start = end
         return passed.logp, contractions
 
-    @contextmanager
-    def _param_grads(self, flag: bool) -> Iterator[None]:
-        """LoRA parameters require grad only in the M-step (E-step gradients are w.r.t. the input
-        embeddings alone)."""
-        for p in self._lora.values():
-            p.requires_grad_(flag)
-        try:
-            yield
-        finally:
-            for p in self._lora.values():
-                p.requires_grad_(True)
-
 
 def _inputs_key(inputs: PolicyInputs) -> str:
     return hashlib.sha256(json.dumps(inputs.example_ids).encode()).hexdigest()
+
 
 class ExactView:
     """A LoRAPolicyScorer whose `score` is always exact (DESIGN 5.4: evaluation uses exact scores)."""
