@@ -1,13 +1,17 @@
 """Cost of one EM iteration over k LoRA adapters, full computation vs MoPLEx anchors (issue 9).
 
-    PYTHONPATH=. python3 benchmarks/em_gpu.py --out DIR [--examples 2] [--sections em,throughput,matmul]
+    PYTHONPATH=. python3 benchmarks/em_gpu.py --out DIR [--examples 2] [--sections check,em,throughput,matmul]
     PYTHONPATH=. python3 benchmarks/em_gpu.py --tiny --out DIR      # the CPU path the tests run
 
 The model is Qwen3-0.6B-shaped with seeded random weights (moplex_core.lm.tiny.build_qwen3_0_6b_shape:
 28 layers, hidden 1024, 16 / 8 heads of 128, vocabulary 151,936) in bf16 with SDPA attention,
 built into a temporary directory. Every row is 1024 random token ids: 512 prompt + 512 response
-tokens, EOS last. Three measurements, in one process:
+tokens, EOS last. A check and three measurements, in one process:
 
+0. Agreement (``check``): log pi(y|x) of B rows routed to all k adapters in one multi-LoRA pass
+   against PEFT running the same saved adapters one at a time, in bf16, and both against the
+   multi-LoRA model in float32 (max |difference|, nats, next to what the adapters change), so
+   the speed below is the speed of a layer that computes the right thing at this scale.
 1. EM iteration cost (the paper's Figure 5). `LoRAPolicyScorer` with k = 12 adapters (r = 16,
    alpha 32, all 7 projections) on n synthetic examples of m' responses (m = min(4, m') originals
    ranked, the others generated, in the unranked bottom set), every (example, cluster) pair
@@ -261,15 +265,7 @@ def _em_iteration(model_dir: Path, sizes: Sizes, inputs: PolicyInputs, anchors: 
 def anchor_pass_throughput(model_dir: Path, sizes: Sizes) -> dict[str, Any]:
     """A row per pass (PLAIN, MULTI_E, MULTI_M, PEFT_ONE, PEFT_MIXED) and B, one model on the device
     at a time, and the attention implementation the model loaded with."""
-    vocab_size, eos_id = _model_vocab(model_dir)
-    generator = torch.Generator().manual_seed(0)
-    batches = {}
-    for b in sizes.batch_rows:
-        rows = [row for _ in range(b) for row in random_responses(generator, 1, sizes, vocab_size, eos_id)]
-        padded = pad_batch(rows, eos_id)  # equal lengths: no padding
-        batches[b] = PaddedBatch(input_ids=padded.input_ids.to(sizes.device),  # [B, L]
-                                 attention_mask=padded.attention_mask.to(sizes.device),  # [B, L]
-                                 response_mask=padded.response_mask.to(sizes.device))  # [B, L]
+    batches = _batches(model_dir, sizes)
     attention, rows = _plain_rows(model_dir, sizes, batches)
     _free(sizes)
     rows += _multi_lora_rows(model_dir, sizes, batches)
@@ -281,6 +277,20 @@ def anchor_pass_throughput(model_dir: Path, sizes: Sizes) -> dict[str, Any]:
         both = not (row["oom"] or plain["oom"])
         row["ratio_vs_plain"] = row["tokens_per_s"] / plain["tokens_per_s"] if both else None
     return {"attention": attention, "rows": rows}
+
+
+def _batches(model_dir: Path, sizes: Sizes) -> dict[int, PaddedBatch]:
+    """One batch of B random rows (prompt + response, no padding) per B of ``sizes.batch_rows``, seeded."""
+    vocab_size, eos_id = _model_vocab(model_dir)
+    generator = torch.Generator().manual_seed(0)
+    batches = {}
+    for b in sizes.batch_rows:
+        rows = [row for _ in range(b) for row in random_responses(generator, 1, sizes, vocab_size, eos_id)]
+        padded = pad_batch(rows, eos_id)  # equal lengths: no padding
+        batches[b] = PaddedBatch(input_ids=padded.input_ids.to(sizes.device),  # [B, L]
+                                 attention_mask=padded.attention_mask.to(sizes.device),  # [B, L]
+                                 response_mask=padded.response_mask.to(sizes.device))  # [B, L]
+    return batches
 
 
 def _input_grad_pass(model: nn.Module, batch: PaddedBatch) -> None:
@@ -349,7 +359,7 @@ def _multi_lora_rows(model_dir: Path, sizes: Sizes, batches: dict[int, PaddedBat
     model = _frozen_model(model_dir, sizes)
     lora = MultiLoRA(model, sizes.k, LORA, seed=0)
     params = lora.named_parameters()
-    _perturb_lora_b([p for name, p in params.items() if name.endswith(".lora_B")])
+    _perturb_lora_b([p for name, p in params.items() if ".lora_B." in name])
 
     def mixed(batch: PaddedBatch, weight_grads: bool) -> None:
         with lora.route(torch.arange(batch.input_ids.shape[0]) % sizes.k):  # row b -> adapter b mod k
@@ -358,11 +368,8 @@ def _multi_lora_rows(model_dir: Path, sizes: Sizes, batches: dict[int, PaddedBat
             else:
                 _input_grad_pass(model, batch)
 
-    for p in params.values():
-        p.requires_grad_(False)
-    rows = _measure(MULTI_E, lambda batch: mixed(batch, False), batches, sizes)
-    for p in params.values():
-        p.requires_grad_(True)
+    with lora.requires_grad(False):
+        rows = _measure(MULTI_E, lambda batch: mixed(batch, False), batches, sizes)
     return rows + _measure(MULTI_M, lambda batch: mixed(batch, True), batches, sizes)
 
 
@@ -390,6 +397,67 @@ def _peft_rows(model_dir: Path, sizes: Sizes, batches: dict[int, PaddedBatch]) -
 
     rows = _measure(PEFT_ONE, lambda batch: _input_grad_pass(model, batch), batches, sizes)
     return rows + _measure(PEFT_MIXED, mixed, batches, sizes)
+
+
+# -- 0. agreement with PEFT at this scale ---------------------------------------------------
+
+
+def lora_agreement(model_dir: Path, sizes: Sizes, batch: PaddedBatch) -> dict[str, Any]:
+    """log pi(y|x) of B rows routed to all k adapters in one pass, against PEFT running the same
+    adapters one at a time (PeftModel.from_pretrained of what MultiLoRA.save_peft wrote), both in the
+    run's dtype, and both against MultiLoRA in a wider dtype (float32 for a bf16 run, float64 for a
+    float32 one). Max |difference| in nats; "adapter effect" is max |log pi_c - log pi_ref| in the
+    wide dtype, so a difference can be read against what the adapters change."""
+    from peft import PeftModel
+
+    wide = torch.float64 if sizes.dtype == torch.float32 else torch.float32
+    route = torch.arange(batch.input_ids.shape[0]) % sizes.k  # [B]: row b -> adapter b mod k
+    names = [f"c{c}" for c in range(sizes.k)]
+
+    def logp(model: nn.Module) -> torch.Tensor:
+        with torch.no_grad():
+            return sequence_logprobs(model, batch.input_ids, batch.attention_mask, batch.response_mask).double().cpu()
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model = _frozen_model(model_dir, sizes)
+        lora = MultiLoRA(model, sizes.k, LORA, seed=0)
+        with torch.no_grad():
+            for name, p in lora.named_parameters().items():
+                if ".lora_B." in name:
+                    p.normal_(0.0, 0.02)
+        lora.save_peft(tmp, names, str(model_dir))
+        with lora.route(route):
+            ours = logp(model)
+        del model, lora
+        _free(sizes)
+        peft_model = PeftModel.from_pretrained(_frozen_model(model_dir, sizes), str(Path(tmp) / names[0]),
+                                               adapter_name=names[0]).eval()
+        for name in names[1:]:
+            peft_model.load_adapter(str(Path(tmp) / name), adapter_name=name)
+        theirs = torch.zeros_like(ours)
+        for c in route.unique().tolist():
+            rows = (route == c).nonzero().flatten()
+            peft_model.set_adapter(names[c])
+            sub = PaddedBatch(batch.input_ids[rows], batch.attention_mask[rows], batch.response_mask[rows])
+            with torch.no_grad():
+                theirs[rows] = sequence_logprobs(peft_model, sub.input_ids, sub.attention_mask,
+                                                 sub.response_mask).double().cpu()
+        del peft_model
+        _free(sizes)
+        reference_model = load_model(model_dir, dtype=wide, device=sizes.device)
+        reference_lora = MultiLoRA(reference_model, sizes.k, LORA, seed=0)
+        for c, name in enumerate(names):
+            reference_lora.load_peft(c, Path(tmp) / name)
+        base = logp(reference_model)
+        with reference_lora.route(route):
+            reference = logp(reference_model)
+        del reference_model, reference_lora
+        _free(sizes)
+    return {"rows": int(route.shape[0]), "dtype": str(sizes.dtype).removeprefix("torch."),
+            "wide_dtype": str(wide).removeprefix("torch."), "mean_abs_logp": float(reference.abs().mean()),
+            "ours_vs_peft": float((ours - theirs).abs().max()), "ours_vs_wide": float((ours - reference).abs().max()),
+            "peft_vs_wide": float((theirs - reference).abs().max()),
+            "adapter_effect": float((reference - base).abs().max())}
 
 
 # -- 3. matmul rate --------------------------------------------------------------------------
@@ -461,6 +529,15 @@ def print_report(results: dict[str, Any]) -> None:
                   f"{_fmt(row['tokens_per_s'], ',.0f', oom)} | {_fmt(row['ratio_vs_plain'], '.2f', False)} | "
                   f"{_fmt(row['peak_gib'], '.1f', oom)} |")
         print()
+    if "check" in results:
+        check = results["check"]
+        print(f"### Agreement: {check['rows']} rows, all k adapters mixed in one pass, against PEFT (one adapter "
+              f"at a time) in {check['dtype']} and MultiLoRA in {check['wide_dtype']}; max |difference| of "
+              f"log pi(y|x), nats (mean |log pi| {check['mean_abs_logp']:.1f})\n")
+        print("| ours vs PEFT | ours vs wide | PEFT vs wide | adapter effect |")
+        print("|---|---|---|---|")
+        print(f"| {check['ours_vs_peft']:.3g} | {check['ours_vs_wide']:.3g} | {check['peft_vs_wide']:.3g} | "
+              f"{check['adapter_effect']:.3g} |\n")
     if "matmul" in results:
         mm = results["matmul"]
         print(f"{mm['dtype']} matmul, {mm['n']}^3: {mm['tflops']:.1f} TFLOP/s")
@@ -500,13 +577,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True, help="folder for em_gpu.json and em_gpu.png")
     parser.add_argument("--examples", type=int, default=2, help="examples n of the EM section")
-    parser.add_argument("--sections", default="em,throughput,matmul",
-                        help="comma-separated subset of em, throughput, matmul")
+    parser.add_argument("--sections", default="check,em,throughput,matmul",
+                        help="comma-separated subset of check, em, throughput, matmul")
     parser.add_argument("--tiny", action="store_true", help="the tiny model on the CPU (the tests' path)")
     args = parser.parse_args()
     sections = set(args.sections.split(","))
-    if not sections <= {"em", "throughput", "matmul"} or args.examples < 1:
-        parser.error(f"--sections takes em, throughput, matmul (got {args.sections!r}); --examples >= 1")
+    if not sections <= {"check", "em", "throughput", "matmul"} or args.examples < 1:
+        parser.error(f"--sections takes check, em, throughput, matmul (got {args.sections!r}); --examples >= 1")
     sizes = TINY if args.tiny else GPU
     if sizes.cuda and not torch.cuda.is_available():
         sys.exit("no CUDA device: run on the GPU machine, or pass --tiny for the CPU path")
@@ -539,6 +616,8 @@ def main() -> None:
     }
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = build_model(sizes, Path(tmp) / "model")
+        if "check" in sections:
+            results["check"] = lora_agreement(model_dir, sizes, _batches(model_dir, sizes)[min(sizes.batch_rows)])
         if "em" in sections:
             results["em"] = em_iteration_costs(model_dir, sizes, args.examples)
         if "throughput" in sections:

@@ -69,6 +69,16 @@ def test_table_has_every_configuration_and_pass(tiny_run: tuple[Path, str]) -> N
     assert re.search(r"^float32 matmul, 256\^3: [\d.]+ TFLOP/s$", stdout, flags=re.MULTILINE)
 
 
+def test_mixed_multi_lora_pass_agrees_with_peft(tiny_run: tuple[Path, str]) -> None:
+    out, stdout = tiny_run
+    check = json.loads((out / "em_gpu.json").read_text())["check"]
+    assert check["dtype"] == "float32" and check["wide_dtype"] == "float64"
+    assert check["adapter_effect"] > 1e-2  # the adapters change log pi, so agreement means something
+    for key in ("ours_vs_peft", "ours_vs_wide", "peft_vs_wide"):
+        assert check[key] < 1e-3 * check["adapter_effect"] + 1e-4, (key, check)
+    assert len(_table(stdout, "| ours vs PEFT |")) == 1
+
+
 def test_json_numbers_are_positive_and_finite(tiny_run: tuple[Path, str]) -> None:
     out, _ = tiny_run
     results = json.loads((out / "em_gpu.json").read_text())
