@@ -102,7 +102,10 @@ class Sizes:
     originals: int  # m, ranked responses per example (at most m')
     m_primes: tuple[int, ...]
     anchors: tuple[int, ...]  # a values of MoPLEx; each runs where a < m'
-    score_batch_size: int  # E-step rows (one response under one adapter) per forward
+    # E-step rows (one response under one adapter) per pass. With anchors each pass keeps its
+    # activations for the input-gradient backward, so this, not the a-row M-step, can set MoPLEx's
+    # peak memory: 8 rows of 1024 tokens is about 16 GiB on the plain model (DESIGN.md 8).
+    score_batch_size: int
     batch_rows: tuple[int, ...]  # B of the throughput section
     warmups: int
     repeats: int
@@ -119,7 +122,7 @@ class Sizes:
 
 GPU = Sizes(model="qwen3-0.6b", description="Qwen3-0.6B shape, random weights, bf16", device="cuda",
             dtype=torch.bfloat16, threads=None, k=12, prompt_tokens=512, response_tokens=512, originals=4,
-            m_primes=(4, 8, 16, 26, 32), anchors=(2, 4, 6), score_batch_size=16, batch_rows=(8, 32),
+            m_primes=(4, 8, 16, 26, 32), anchors=(2, 4, 6), score_batch_size=8, batch_rows=(8, 32),
             warmups=2, repeats=5, matmul_n=8192)
 TINY = Sizes(model="tiny", description="tiny Qwen3 (2 layers, hidden 64), random weights, float32", device="cpu",
              dtype=torch.float32, threads=1, k=3, prompt_tokens=12, response_tokens=16, originals=4,

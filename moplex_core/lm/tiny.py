@@ -143,12 +143,7 @@ def build_tiny_model(
     finally:
         torch.set_num_threads(threads)
     model.eval()
-    model.generation_config.eos_token_id = tokenizer.eos_token_id
-    model.generation_config.pad_token_id = tokenizer.pad_token_id
-    out_dir.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out_dir)
-    tokenizer.save_pretrained(out_dir)
-    return out_dir
+    return _save(model, tokenizer, out_dir)
 
 
 def build_qwen3_0_6b_shape(
@@ -173,6 +168,12 @@ def build_qwen3_0_6b_shape(
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = Qwen3ForCausalLM(config).to(dtype)
+    return _save(model, tokenizer, out_dir)
+
+
+def _save(model: Qwen3ForCausalLM, tokenizer: PreTrainedTokenizerFast, out_dir: Path) -> Path:
+    """Save ``model`` (generation stopping at the tokenizer's EOS, padding with its PAD) and
+    ``tokenizer`` into ``out_dir``; return it."""
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     out_dir.mkdir(parents=True, exist_ok=True)
