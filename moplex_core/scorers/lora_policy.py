@@ -34,7 +34,6 @@ The anchors of round t serve the M-step of t and the E-step of t - 1; they are d
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import json
 import logging
@@ -265,13 +264,13 @@ class LoRAPolicyScorer:
         """A snapshot on the CPU (copies, not views) of everything a resumed run needs."""
         estep = None if self._estep is None else {"round": self._estep.round, "inputs": self._estep.inputs,
                                                    "offsets": self._estep.offsets.clone()}
-        optimizer = self.optimizer.state_dict()
+        optimizer = self.optimizer.state_dict()  # new dicts; only its state tensors are the live ones
         optimizer["state"] = {index: {key: value.detach().cpu().clone() if torch.is_tensor(value) else value
                                       for key, value in state.items()}
                               for index, state in optimizer["state"].items()}
         return {
             "adapters": {name: p.detach().cpu().clone() for name, p in self._lora.items()},
-            "optimizer": copy.deepcopy(optimizer),
+            "optimizer": optimizer,
             "shuffle_rng": self._shuffle.get_state(),
             "estep": estep,
         }
