@@ -214,6 +214,8 @@ def em_iteration_costs(model_dir: Path, sizes: Sizes, examples: int) -> list[dic
             rows.append({"m_prime": m_prime, "method": "full" if anchors is None else f"a={anchors}",
                          "anchors": m_prime if anchors is None else anchors,
                          **_em_iteration(model_dir, sizes, inputs, anchors)})
+            print(f"em m'={m_prime} {rows[-1]['method']}: {rows[-1]['total_s_per_example']} s/example, peak "
+                  f"{rows[-1]['peak_gib']} GiB", file=sys.stderr, flush=True)
     for row in rows:
         full = next(r for r in rows if r["m_prime"] == row["m_prime"] and r["method"] == "full")
         both = not (row["oom"] or full["oom"])
@@ -617,19 +619,25 @@ def main() -> None:
             "throughput": f"median of {sizes.repeats} passes after {sizes.warmups} warm-up(s)",
         },
     }
+    def finished(section: str, value: Any) -> None:
+        """Keep a section's numbers on disk at once: a run stopped by a time limit keeps what it did."""
+        results[section] = value
+        (args.out / "em_gpu.json").write_text(json.dumps(results, indent=2, allow_nan=False))
+        print(f"{section} done ({time.perf_counter() - started:.0f} s)", file=sys.stderr, flush=True)
+
+    started = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = build_model(sizes, Path(tmp) / "model")
         if "check" in sections:
-            results["check"] = lora_agreement(model_dir, sizes, _batches(model_dir, sizes)[min(sizes.batch_rows)])
+            finished("check", lora_agreement(model_dir, sizes, _batches(model_dir, sizes)[min(sizes.batch_rows)]))
         if "em" in sections:
-            results["em"] = em_iteration_costs(model_dir, sizes, args.examples)
+            finished("em", em_iteration_costs(model_dir, sizes, args.examples))
         if "throughput" in sections:
-            results["throughput"] = anchor_pass_throughput(model_dir, sizes)
+            finished("throughput", anchor_pass_throughput(model_dir, sizes))
     if "matmul" in sections:
-        results["matmul"] = matmul_tflops(sizes)
+        finished("matmul", matmul_tflops(sizes))
 
     print_report(results)
-    (args.out / "em_gpu.json").write_text(json.dumps(results, indent=2, allow_nan=False))
     plot_figure5(results, args.out / "em_gpu.png")
     print(f"\nwrote {args.out / 'em_gpu.json'} and {args.out / 'em_gpu.png'}")
 
