@@ -24,9 +24,9 @@ tokens, EOS last. A check and three measurements, in one process:
    M-step minibatch is one (example, cluster) pair: m' rows (full) or a rows (MoPLEx) per backward,
    the paper's memory-per-response comparison. The E-step runs `score_batch_size` rows (one response
    under one adapter) per forward. A configuration that runs out of GPU memory is reported as OOM.
-2. Anchor-pass throughput over B rows: forward with response-only chunked log-probs
-   (moplex_core.lm.logprobs.sequence_logprobs) + gradient w.r.t. inputs_embeds (the E-step's anchor
-   pass) for the plain base model (a separate copy, no adapters); moplex_core.lm.multi_lora with the
+2. Anchor-pass throughput over B rows: the scorer's own anchor pass (moplex_core.estimate.anchor_pass:
+   forward with response-only chunked log-probs + gradient w.r.t. inputs_embeds at the response
+   positions) for the plain base model (a separate copy, no adapters); moplex_core.lm.multi_lora with the
    rows routed to all k adapters in turn (LoRA B small and random); the same with the backward into
    the LoRA weights instead (the M-step's pass); PEFT with k adapters, one active; PEFT's mixed-batch
    ``adapter_names`` path over all k. Tokens/s = B * 1024 / median time of 5 passes after 2 warm-ups,
@@ -68,17 +68,18 @@ from peft import LoraConfig, get_peft_model
 from torch import nn
 from transformers import AutoConfig
 
+from moplex_core.estimate import AnchorPass, anchor_pass
 from moplex_core.lm.loading import load_model
-from moplex_core.lm.logprobs import embed, sequence_logprobs
 from moplex_core.lm.multi_lora import LoRASettings, MultiLoRA
 from moplex_core.lm.tiny import build_qwen3_0_6b_shape, build_tiny_model
-from moplex_core.lm.tokenize import PaddedBatch, TokenizedResponse, pad_batch
+from moplex_core.lm.tokenize import TokenizedResponse
 from moplex_core.pl import encode_tiers_batch
 from moplex_core.scorers.lora_policy import LoRAPolicyScorer, PolicyInputs
 
 TOKENIZER_TEXTS = ("Rank these answers by the criterion you were given.", "0 1 2 3 4 5 6 7 8 9")
 LORA = LoRASettings(r=16, alpha=32.0)  # all 7 projections (LoRASettings' default targets)
 BETA = 0.1
+PAD_ID = 0  # the rows of one benchmark batch have equal lengths: no padding is ever written
 
 PLAIN = "plain base model, fwd + grad w.r.t. inputs_embeds"
 MULTI_E = "multi-LoRA, k adapters mixed, fwd + grad w.r.t. inputs_embeds (E-step)"
@@ -284,37 +285,29 @@ def anchor_pass_throughput(model_dir: Path, sizes: Sizes) -> dict[str, Any]:
     return {"attention": attention, "rows": rows}
 
 
-def _batches(model_dir: Path, sizes: Sizes) -> dict[int, PaddedBatch]:
-    """One batch of B random rows (prompt + response, no padding) per B of ``sizes.batch_rows``, seeded."""
+def _batches(model_dir: Path, sizes: Sizes) -> dict[int, list[TokenizedResponse]]:
+    """B random rows (prompt + response, equal lengths) per B of ``sizes.batch_rows``, seeded."""
     vocab_size, eos_id = _model_vocab(model_dir)
     generator = torch.Generator().manual_seed(0)
-    batches = {}
-    for b in sizes.batch_rows:
-        rows = [row for _ in range(b) for row in random_responses(generator, 1, sizes, vocab_size, eos_id)]
-        padded = pad_batch(rows, eos_id)  # equal lengths: no padding
-        batches[b] = PaddedBatch(input_ids=padded.input_ids.to(sizes.device),  # [B, L]
-                                 attention_mask=padded.attention_mask.to(sizes.device),  # [B, L]
-                                 response_mask=padded.response_mask.to(sizes.device))  # [B, L]
-    return batches
+    return {b: [row for _ in range(b) for row in random_responses(generator, 1, sizes, vocab_size, eos_id)]
+            for b in sizes.batch_rows}
 
 
-def _input_grad_pass(model: nn.Module, batch: PaddedBatch) -> None:
-    """The E-step's anchor pass: log pi(y|x) of every row, then d/d inputs_embeds."""
-    embeds = embed(model, batch.input_ids).detach().requires_grad_(True)  # [B, L, d]
-    logp = sequence_logprobs(model, batch.input_ids, batch.attention_mask, batch.response_mask,
-                             inputs_embeds=embeds)  # [B]
-    torch.autograd.grad(logp.sum(), embeds)
+def _input_grad_pass(model: nn.Module, rows: list[TokenizedResponse]) -> AnchorPass:
+    """The E-step's anchor pass, as the scorer runs it: log pi(y|x) of every row and d/d inputs_embeds
+    at the response positions."""
+    return anchor_pass(model, rows, PAD_ID, input_grads=True)
 
 
-def _weight_grad_pass(model: nn.Module, batch: PaddedBatch, params: list[nn.Parameter]) -> None:
+def _weight_grad_pass(model: nn.Module, rows: list[TokenizedResponse], params: list[nn.Parameter]) -> None:
     """The M-step's pass: log pi(y|x) of every row, backward into ``params`` (then dropped)."""
-    logp = sequence_logprobs(model, batch.input_ids, batch.attention_mask, batch.response_mask)  # [B]
-    logp.sum().backward()
+    anchor_pass(model, rows, PAD_ID, input_grads=False, keep_graph=True).logp.sum().backward()
     for p in params:
         p.grad = None
 
 
-def _measure(label: str, run: Callable[[PaddedBatch], None], batches: dict[int, PaddedBatch], sizes: Sizes
+def _measure(label: str, run: Callable[[list[TokenizedResponse]], Any], batches: dict[int, list[TokenizedResponse]],
+             sizes: Sizes
              ) -> list[dict[str, Any]]:
     rows = []
     for b, batch in batches.items():
@@ -346,28 +339,30 @@ def _frozen_model(model_dir: Path, sizes: Sizes) -> nn.Module:
     return model
 
 
-def _perturb_lora_b(params: list[nn.Parameter]) -> None:
-    """Small random LoRA B (it starts at 0), so the adapters are not all the base model."""
+def _perturb_lora_b(params: dict[str, nn.Parameter], std: float = 1e-3) -> None:
+    """Random LoRA B (it starts at 0) of every ``.lora_B.`` parameter, so the adapters are not all the
+    base model."""
     with torch.no_grad():
-        for p in params:
-            p.normal_(0.0, 1e-3)
+        for name, p in params.items():
+            if ".lora_B." in name:
+                p.normal_(0.0, std)
 
 
-def _plain_rows(model_dir: Path, sizes: Sizes, batches: dict[int, PaddedBatch]) -> tuple[str, list[dict[str, Any]]]:
+def _plain_rows(model_dir: Path, sizes: Sizes, batches: dict[int, list[TokenizedResponse]]) -> tuple[str, list[dict[str, Any]]]:
     """(the attention implementation the model loaded with, its rows)."""
     model = _frozen_model(model_dir, sizes)
     rows = _measure(PLAIN, lambda batch: _input_grad_pass(model, batch), batches, sizes)
     return model.config._attn_implementation, rows
 
 
-def _multi_lora_rows(model_dir: Path, sizes: Sizes, batches: dict[int, PaddedBatch]) -> list[dict[str, Any]]:
+def _multi_lora_rows(model_dir: Path, sizes: Sizes, batches: dict[int, list[TokenizedResponse]]) -> list[dict[str, Any]]:
     model = _frozen_model(model_dir, sizes)
     lora = MultiLoRA(model, sizes.k, LORA, seed=0)
     params = lora.named_parameters()
-    _perturb_lora_b([p for name, p in params.items() if ".lora_B." in name])
+    _perturb_lora_b(params)
 
-    def mixed(batch: PaddedBatch, weight_grads: bool) -> None:
-        with lora.route(torch.arange(batch.input_ids.shape[0]) % sizes.k):  # row b -> adapter b mod k
+    def mixed(batch: list[TokenizedResponse], weight_grads: bool) -> None:
+        with lora.route(torch.arange(len(batch)) % sizes.k):  # row b -> adapter b mod k
             if weight_grads:
                 _weight_grad_pass(model, batch, list(params.values()))
             else:
@@ -378,7 +373,7 @@ def _multi_lora_rows(model_dir: Path, sizes: Sizes, batches: dict[int, PaddedBat
     return rows + _measure(MULTI_M, lambda batch: mixed(batch, True), batches, sizes)
 
 
-def _peft_rows(model_dir: Path, sizes: Sizes, batches: dict[int, PaddedBatch]) -> list[dict[str, Any]]:
+def _peft_rows(model_dir: Path, sizes: Sizes, batches: dict[int, list[TokenizedResponse]]) -> list[dict[str, Any]]:
     config = LoraConfig(r=LORA.r, lora_alpha=LORA.alpha, lora_dropout=LORA.dropout,
                         target_modules=list(LORA.target_modules), bias="none")
     names = [f"c{c}" for c in range(sizes.k)]
@@ -388,15 +383,15 @@ def _peft_rows(model_dir: Path, sizes: Sizes, batches: dict[int, PaddedBatch]) -
     model.set_adapter(names[0])
     model.eval()  # PEFT refuses adapter_names in training mode
     lora = {name: p for name, p in model.named_parameters() if ".lora_" in name}
-    _perturb_lora_b([p for name, p in lora.items() if ".lora_B." in name])
+    _perturb_lora_b(lora)
     for p in lora.values():  # after set_adapter, which switches requires_grad on for its adapter
         p.requires_grad_(False)
 
-    def mixed(batch: PaddedBatch) -> None:
+    def mixed(batch: list[TokenizedResponse]) -> None:
         # PeftModel.forward applies `adapter_names` through pre-forward hooks that this private
-        # context manager (peft 0.21) registers on every LoRA layer; sequence_logprobs calls the
-        # decoder and lm_head directly, not PeftModel.forward, so it enters the context itself.
-        adapter_names = [names[b % sizes.k] for b in range(batch.input_ids.shape[0])]  # row b -> adapter b mod k
+        # context manager (peft 0.21) registers on every LoRA layer; anchor_pass calls the decoder
+        # and lm_head directly, not PeftModel.forward, so it enters the context itself.
+        adapter_names = [names[b % sizes.k] for b in range(len(batch))]  # row b -> adapter b mod k
         with model._enable_peft_forward_hooks(adapter_names=adapter_names):
             _input_grad_pass(model, batch)
 
@@ -407,7 +402,7 @@ def _peft_rows(model_dir: Path, sizes: Sizes, batches: dict[int, PaddedBatch]) -
 # -- 0. agreement with PEFT at this scale ---------------------------------------------------
 
 
-def lora_agreement(model_dir: Path, sizes: Sizes, batch: PaddedBatch) -> dict[str, Any]:
+def lora_agreement(model_dir: Path, sizes: Sizes, batch: list[TokenizedResponse]) -> dict[str, Any]:
     """log pi(y|x) of B rows routed to all k adapters in one pass, against PEFT running the same
     adapters one at a time (PeftModel.from_pretrained of what MultiLoRA.save_peft wrote), both in the
     run's dtype, and both against MultiLoRA in a wider dtype (float32 for a bf16 run, float64 for a
@@ -416,20 +411,16 @@ def lora_agreement(model_dir: Path, sizes: Sizes, batch: PaddedBatch) -> dict[st
     from peft import PeftModel
 
     wide = torch.float64 if sizes.dtype == torch.float32 else torch.float32
-    route = torch.arange(batch.input_ids.shape[0]) % sizes.k  # [B]: row b -> adapter b mod k
+    route = torch.arange(len(batch)) % sizes.k  # [B]: row b -> adapter b mod k
     names = [f"c{c}" for c in range(sizes.k)]
 
-    def logp(model: nn.Module) -> torch.Tensor:
-        with torch.no_grad():
-            return sequence_logprobs(model, batch.input_ids, batch.attention_mask, batch.response_mask).double().cpu()
+    def logp(model: nn.Module, rows: list[TokenizedResponse] = batch) -> torch.Tensor:
+        return anchor_pass(model, rows, PAD_ID, input_grads=False).logp  # float64 [B]
 
     with tempfile.TemporaryDirectory() as tmp:
         model = _frozen_model(model_dir, sizes)
         lora = MultiLoRA(model, sizes.k, LORA, seed=0)
-        with torch.no_grad():
-            for name, p in lora.named_parameters().items():
-                if ".lora_B." in name:
-                    p.normal_(0.0, 0.02)
+        _perturb_lora_b(lora.named_parameters(), std=0.02)
         lora.save_peft(tmp, names, str(model_dir))
         with lora.route(route):
             ours = logp(model)
@@ -443,10 +434,7 @@ def lora_agreement(model_dir: Path, sizes: Sizes, batch: PaddedBatch) -> dict[st
         for c in route.unique().tolist():
             rows = (route == c).nonzero().flatten()
             peft_model.set_adapter(names[c])
-            sub = PaddedBatch(batch.input_ids[rows], batch.attention_mask[rows], batch.response_mask[rows])
-            with torch.no_grad():
-                theirs[rows] = sequence_logprobs(peft_model, sub.input_ids, sub.attention_mask,
-                                                 sub.response_mask).double().cpu()
+            theirs[rows] = logp(peft_model, [batch[i] for i in rows.tolist()])
         del peft_model
         _free(sizes)
         reference_model = load_model(model_dir, dtype=wide, device=sizes.device)
