@@ -19,8 +19,8 @@ console script runs) for each, with its stdout/stderr captured, inside one Prefe
 server; the ``moplex run`` cases that get past the config therefore run the real Prefect flow
 (flows/pipeline.py). A few cases (``process=True``) run as their own `moplex` process instead, to
 pin the exit status of the real command; the full catalogue adds one `moplex run` with its own
-temporary server. The flow cases set ``stage_retries=0``: a stage retry only repeats a
-deterministic rejection. The three flow cases that fail at the train stage share one artifact root
+temporary server. The flow cases keep the default ``stage_retries``: a rejection of bad input is
+not retried (flows.pipeline.NOT_RETRIED), so each fails on its first try. The three flow cases that fail at the train stage share one artifact root
 so that their ingest, tiny model and cache are built once; the check is then on the train stage.
 
     python -m chaos.bad_inputs [--short]        # prints the table; exit 1 if a case failed
@@ -265,16 +265,16 @@ def catalogue() -> list[Case]:
         cases.append(Case(f"config: {name}", argv, expect, None, short=short, process=name == "k < 1"))
 
     lm = ("ingest.dataset=generic", "ingest.path={data}/lm.jsonl", "augment=null", "tiny_model.pretrain_steps=0",
-          f"cache.max_response_tokens={LONG_RESPONSE_TOKENS}", "cache.batch_size=24", "stage_retries=0",
-          "train.em_iterations=1", "train.batch_size=64")
+          f"cache.max_response_tokens={LONG_RESPONSE_TOKENS}", "cache.batch_size=24", "train.em_iterations=1",
+          "train.batch_size=64")
     bad_rows = f"{_slug('ranking index out of range')}.jsonl"
     cases += [
-        Case("flow: bad rows", run("ingest.dataset=generic", f"ingest.path={{data}}/{bad_rows}", "stage_retries=0"),
+        Case("flow: bad rows", run("ingest.dataset=generic", f"ingest.path={{data}}/{bad_rows}"),
              (f"{bad_rows} line 2", "field 'ranking'", "index 7"), "ingest", short=True, flow=True),
         Case("flow: non-UTF-8 JSONL",
-             run("ingest.dataset=generic", "ingest.path={data}/latin1.jsonl", "stage_retries=0"),
+             run("ingest.dataset=generic", "ingest.path={data}/latin1.jsonl"),
              ("latin1.jsonl line 2", "not UTF-8"), "ingest", flow=True),
-        Case("flow: hub dataset while offline", run("ingest.dataset=ultrafeedback", "stage_retries=0"),
+        Case("flow: hub dataset while offline", run("ingest.dataset=ultrafeedback"),
              ("openbmb/UltraFeedback", "--set ingest.path=DIR"), "ingest", short=True, flow=True),
         Case("flow: model path does not exist", run(*lm, "cache.model={root}/no-such-model"),
              ("no-such-model", "does not exist"), "cache", short=True, flow=True),

@@ -4,10 +4,17 @@ Every stage is a subflow writing a versioned artifact; a stage whose version is 
 (the artifact store is the cache), an interrupted one resumes from its finished shards or EM
 iterations. So a retried flow run (the UI's Retry, ``prefect flow-run retry``) redoes only what did
 not finish. ``moplex run PRESET`` is the command-line twin of this flow.
+
+A failed stage is rerun up to ``stage_retries`` times (each try its own subflow run, resuming from
+what the previous one finished), unless its error is one a rerun repeats (NOT_RETRIED): bad input,
+a bad setting, a corrupt artifact, a dataset or model that is not here.
 """
 
 from __future__ import annotations
 
+import logging
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 from prefect import flow, get_run_logger
@@ -15,7 +22,11 @@ from prefect.runtime import flow_run
 from prefect.settings import PREFECT_API_URL, PREFECT_UI_URL
 from prefect.states import State
 
+from moplex_core.artifacts import ArtifactError
+from moplex_core.augment import ShortfallError
 from moplex_core.config import TINY_MODEL, PipelineConfig, pipeline_preset, with_overrides
+from moplex_core.data.sources import DatasetUnavailableError
+from moplex_core.lm.loading import ModelUnavailableError
 from moplex_core.tiny_model import MODEL_DIR
 from flows.augment import augment_flow
 from flows.cache import cache_flow
@@ -26,6 +37,31 @@ from flows.train import train_flow
 from tasks.pipeline import fail_on_purpose, publish_run_artifacts
 
 _STAGE_NOTE = "moplex pipeline stage: "
+
+# Errors a rerun of the stage repeats: bad rows, files or settings (ValueError: SchemaError,
+# RawSchemaError, pydantic's ValidationError), a bug's TypeError / LookupError, an artifact that is
+# corrupt or cannot be written, a dataset or model that is not here, an augmentation shortfall
+# (seeded). Anything else (a lost GPU, a killed vLLM worker, a network file system's hiccup) is retried.
+NOT_RETRIED: tuple[type[BaseException], ...] = (ValueError, TypeError, LookupError, ArtifactError,
+                                                DatasetUnavailableError, ModelUnavailableError, ShortfallError)
+
+
+def run_stage(name: str, call: Callable[[], str], retries: int, delay_seconds: float, logger: logging.Logger
+              | logging.LoggerAdapter) -> str:
+    """``call()`` (one stage flow), rerun after ``delay_seconds`` up to ``retries`` times when it fails
+    with an error that is not NOT_RETRIED. The error that ends it carries a note naming the stage."""
+    tries = 0
+    while True:
+        tries += 1
+        try:
+            return call()
+        except Exception as err:
+            if tries > retries or isinstance(err, NOT_RETRIED):
+                err.add_note(f"{_STAGE_NOTE}{name}")  # for run_in_process's one-line account of the failure
+                raise
+            logger.warning("the %s stage failed (%s: %s); retry %d of %d in %g s, resuming from what it finished",
+                           name, type(err).__name__, err, tries, retries, delay_seconds)
+            time.sleep(delay_seconds)
 
 
 @flow(name="moplex-pipeline")
@@ -39,12 +75,8 @@ def moplex_pipeline(preset: str = "synthetic-demo", overrides: list[str] | None 
     def stage(name: str, stage_flow, *args) -> str:
         if config.fault.stage == name and run_count <= config.fault.times:
             fail_on_purpose(config.fault, name, run_count)
-        retried = stage_flow.with_options(retries=config.stage_retries, retry_delay_seconds=config.retry_delay_seconds)
-        try:
-            return retried(*args, root=root)
-        except Exception as err:
-            err.add_note(f"{_STAGE_NOTE}{name}")  # for run_in_process's one-line account of the failure
-            raise
+        return run_stage(name, lambda: stage_flow(*args, root=root), config.stage_retries,
+                         config.retry_delay_seconds, get_run_logger())
 
     dirs = {"ingest": stage("ingest", ingest_flow, config.ingest)}
     augment, cache = config.augment, config.cache

@@ -563,7 +563,8 @@ class PipelineConfig(Options):
     a hub name, or ``"tiny"`` (TINY_MODEL), which builds a tiny offline model with ``tiny_model``
     from the ingested texts. ``augment: null`` skips augmentation (the cache is built on the
     rankings). ``stage_retries`` reruns a failed stage flow that many times after
-    ``retry_delay_seconds`` (transient failures; a rerun resumes from the stage's finished shards).
+    ``retry_delay_seconds`` (transient failures; a rerun resumes from the stage's finished shards);
+    an error a rerun would repeat (bad input or settings, flows.pipeline.NOT_RETRIED) is not retried.
     """
 
     root: str = "data/artifacts"

@@ -56,25 +56,30 @@ def load_tokenizer(name_or_path: str | Path) -> PreTrainedTokenizerBase:
     return tokenizer
 
 
+class ModelUnavailableError(FileNotFoundError):
+    """The model is not here: no such directory, a directory or file that holds no model, or a hub
+    name that is not cached while the hub is offline (a rerun fails the same way)."""
+
+
 def _from_pretrained(auto_class: type, name_or_path: str | Path, **kwargs: Any) -> Any:
     path = Path(name_or_path).expanduser()
     marker = "config.json" if auto_class is AutoModelForCausalLM else "tokenizer_config.json"
     if path.is_dir():
         if not (path / marker).is_file():
-            raise FileNotFoundError(
+            raise ModelUnavailableError(
                 f"{str(path)!r} is a directory but has no {marker}, so it holds no Hugging Face "
                 f"{'model' if marker == 'config.json' else 'tokenizer'}; pass the directory that "
                 "save_pretrained wrote"
             )
         return auto_class.from_pretrained(str(path), **kwargs)
     if path.exists():
-        raise NotADirectoryError(
+        raise ModelUnavailableError(
             f"{str(path)!r} is a file; pass the directory that holds config.json, the weights and "
             "the tokenizer files (a save_pretrained output)"
         )
     name = str(name_or_path)
     if not _HUB_NAME.match(name):
-        raise FileNotFoundError(
+        raise ModelUnavailableError(
             f"model path {name!r} does not exist (resolved to {str(path.resolve())!r}); pass an "
             "existing directory written by save_pretrained, or a hub name such as 'Qwen/Qwen3-0.6B'"
         )
@@ -84,7 +89,7 @@ def _from_pretrained(auto_class: type, name_or_path: str | Path, **kwargs: Any) 
     if isinstance(cached, str):
         return auto_class.from_pretrained(str(Path(cached).parent), **kwargs)
     if _hub_offline():
-        raise OSError(_not_found_message(name, path, "HF_HUB_OFFLINE is set"))
+        raise ModelUnavailableError(_not_found_message(name, path, "HF_HUB_OFFLINE is set"))
     try:
         return auto_class.from_pretrained(name, **kwargs)
     except OSError as hub_error:
