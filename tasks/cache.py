@@ -6,7 +6,7 @@ from __future__ import annotations
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
-from moplex_core.artifacts import ArtifactStore, read_manifest
+from moplex_core.artifacts import ArtifactStore
 from moplex_core.cache import CachePlan, CacheResult, plan_cache, run_cache
 from moplex_core.config import CacheConfig
 
@@ -21,10 +21,5 @@ def plan_reference_cache(config: CacheConfig, rankings_dir: str, root: str) -> C
 def write_reference_cache(config: CacheConfig, rankings_dir: str, root: str, plan: CachePlan) -> CacheResult:
     """Tokenise every response and compute its pi_ref terms, shard by shard (resumes a killed run)."""
     result = run_cache(config, rankings_dir, ArtifactStore(root), plan)
-    logger = get_run_logger()
-    logger.info("cache %s: %d examples at %s", result.ref, result.rows, result.path)
-    truncated = read_manifest(result.path)["summary"].get("truncated_responses", 0)
-    if truncated:
-        logger.warning("%d response(s) lost their end at cache.max_response_tokens = %s (truncated_responses in "
-                       "%s/manifest.json)", truncated, config.max_response_tokens, result.path)
+    get_run_logger().info("cache %s: %d examples at %s", result.ref, result.rows, result.path)
     return result
