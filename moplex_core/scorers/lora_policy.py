@@ -352,7 +352,7 @@ class LoRAPolicyScorer:
         and the offsets float64 [n, k, M] (0 where every response is an anchor)."""
         n, m = inputs.tiers.shape
         picks = self._anchor_picks(inputs, round_, anchors)
-        full = all(len(p) == len(seqs) for p, seqs in zip(picks, inputs.sequences, strict=True))
+        full = _every_response_an_anchor(inputs, picks)
         rows = [(i, c, j) for i, p in enumerate(picks) for c in range(self.k) for j in p.tolist()]
         logp = torch.empty(len(rows), dtype=torch.float64)  # [R]
         s_policy: list[torch.Tensor | None] = [None] * len(rows)  # [m'_i] per row
@@ -388,7 +388,7 @@ class LoRAPolicyScorer:
         last E-step's when it ran on these inputs with these anchors; from the cache when every
         adapter is still the base model (s_c = s_ref); else an input-gradient pass now."""
         n, m = inputs.tiers.shape
-        if all(len(p) == len(seqs) for p, seqs in zip(picks, inputs.sequences, strict=True)):
+        if _every_response_an_anchor(inputs, picks):
             return torch.zeros(n, self.k, m, dtype=torch.float64)
         if self._estep is not None and self._estep.round == round_ and self._estep.inputs == _inputs_key(inputs):
             return self._estep.offsets
@@ -429,6 +429,11 @@ class LoRAPolicyScorer:
             contractions.extend(s.unbind(0))
             start = end
         return passed.logp, contractions
+
+
+def _every_response_an_anchor(inputs: PolicyInputs, picks: list[torch.Tensor]) -> bool:
+    """Full computation: no response is estimated, so no input gradients and every offset is 0."""
+    return all(len(p) == len(seqs) for p, seqs in zip(picks, inputs.sequences, strict=True))
 
 
 def _inputs_key(inputs: PolicyInputs) -> str:
