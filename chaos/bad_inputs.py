@@ -20,8 +20,9 @@ server; the ``moplex run`` cases that get past the config therefore run the real
 (flows/pipeline.py). A few cases (``process=True``) run as their own `moplex` process instead, to
 pin the exit status of the real command; the full catalogue adds one `moplex run` with its own
 temporary server. The flow cases keep the default ``stage_retries``: a rejection of bad input is
-not retried (flows.pipeline.NOT_RETRIED), so each fails on its first try. The three flow cases that fail at the train stage share one artifact root
-so that their ingest, tiny model and cache are built once; the check is then on the train stage.
+not retried (flows.pipeline.NOT_RETRIED), so each fails on its first try. The three flow cases
+that fail at the train stage share one artifact root so that their ingest, tiny model and cache
+are built once; the check is then on the train stage.
 
     python -m chaos.bad_inputs [--short]        # prints the table; exit 1 if a case failed
 """
