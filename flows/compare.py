@@ -16,7 +16,7 @@ from prefect.cache_policies import NO_CACHE
 from moplex_core.artifacts import ArtifactStore
 from moplex_core.config import METHODS, PipelineConfig, pipeline_preset, with_overrides
 from moplex_core.experiments.compare import plan_runs, write_comparison
-from flows.pipeline import flow_run_url, moplex_pipeline
+from flows.pipeline import flow_run_url, local_run_settings, moplex_pipeline
 
 
 @task(name="write-comparison", cache_policy=NO_CACHE)
@@ -47,7 +47,8 @@ def compare_flow(methods: list[str] | None = None, seeds: int = 3, first_seed: i
 def run_compare_in_process(methods: list[str], seeds: int, first_seed: int, preset: str,
                            overrides: list[str]) -> tuple[bool, str]:
     """Run the compare flow here (``moplex experiment compare``); (completed, what to tell the user)."""
-    state = compare_flow(methods, seeds, first_seed, preset, overrides, return_state=True)
+    with local_run_settings():
+        state = compare_flow(methods, seeds, first_seed, preset, overrides, return_state=True)
     ui = flow_run_url(state.state_details.flow_run_id)
     if not state.is_completed():
         return False, (f"the comparison ended {state.type.value}: {state.message}\nfinished runs are kept; "

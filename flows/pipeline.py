@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from prefect import flow, get_run_logger
 from prefect.runtime import flow_run
-from prefect.settings import PREFECT_API_URL, PREFECT_UI_URL
+from prefect.settings import PREFECT_API_URL, PREFECT_FLOWS_HEARTBEAT_FREQUENCY, PREFECT_UI_URL, temporary_settings
 from prefect.states import State
 
 from moplex_core.artifacts import ArtifactError
@@ -117,9 +118,26 @@ def failure_cause(state: State) -> str:
     return f"{where}{type(err).__name__}: {err}"
 
 
+@contextmanager
+def local_run_settings() -> Iterator[None]:
+    """Prefect settings for flows run in this process (``moplex run``, ``moplex experiment compare``).
+
+    Without PREFECT_API_URL, Prefect's temporary server lives only as long as this process, so nothing
+    can act on flow-run heartbeats (zombie detection is for deployed runs); they are turned off, which
+    saves the up to 1 s every flow run's exit waits for Prefect's heartbeat thread (7 to 8 flow runs
+    per pipeline run). Against a real server nothing changes.
+    """
+    if PREFECT_API_URL.value():
+        yield
+        return
+    with temporary_settings(updates={PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
+        yield
+
+
 def run_in_process(config: PipelineConfig) -> tuple[bool, str]:
     """Run the pipeline here (``moplex run``); (completed, what to tell the user)."""
-    state = moplex_pipeline(config=config, return_state=True)
+    with local_run_settings():
+        state = moplex_pipeline(config=config, return_state=True)
     run_id = state.state_details.flow_run_id
     ui = flow_run_url(run_id)
     if not state.is_completed():

@@ -1,5 +1,6 @@
-"""The pipeline's stage retries (flows.pipeline.run_stage): a transient failure is retried, an error a
-rerun would repeat (bad input, a missing model) fails on its first try, and the error names its stage."""
+"""How flows/pipeline.py runs stages: retries (run_stage: a transient failure is retried, an error a
+rerun would repeat (bad input, a missing model) fails on its first try, and the error names its
+stage) and the settings of an in-process run (local_run_settings)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,9 @@ import logging
 
 import pytest
 
-from flows.pipeline import run_stage
+from prefect.settings import PREFECT_API_URL, PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
+
+from flows.pipeline import local_run_settings, run_stage
 from moplex_core.lm.loading import ModelUnavailableError
 from moplex_core.schema import RowIssue, SchemaError
 
@@ -55,3 +58,13 @@ def test_an_error_a_rerun_repeats_is_not_retried(error, caplog):
     assert stage.calls == 1
     assert raised.value.__notes__ == ["moplex pipeline stage: ingest"]
     assert "retry" not in caplog.text
+
+
+def test_an_in_process_run_on_a_temporary_server_sends_no_heartbeats_and_one_on_a_real_server_does():
+    default = PREFECT_FLOWS_HEARTBEAT_FREQUENCY.value()
+    assert default is not None  # Prefect's default: every flow run's exit then waits for its heartbeat thread
+    with temporary_settings(updates={PREFECT_API_URL: None}), local_run_settings():
+        assert PREFECT_FLOWS_HEARTBEAT_FREQUENCY.value() is None
+    with temporary_settings(updates={PREFECT_API_URL: "http://127.0.0.1:4200/api"}), local_run_settings():
+        assert PREFECT_FLOWS_HEARTBEAT_FREQUENCY.value() == default
+    assert PREFECT_FLOWS_HEARTBEAT_FREQUENCY.value() == default
