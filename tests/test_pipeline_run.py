@@ -7,7 +7,6 @@ from __future__ import annotations
 import logging
 
 import pytest
-
 from prefect.settings import PREFECT_API_URL, PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
 
 from flows.pipeline import local_run_settings, run_stage
