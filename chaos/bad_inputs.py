@@ -488,7 +488,9 @@ def worker(spec: Path, out: Path) -> None:
     if flow_jobs:
         from prefect.testing.utilities import prefect_test_harness
 
-        with prefect_test_harness(server_startup_timeout=None):
+        from flows.pipeline import without_heartbeats
+
+        with without_heartbeats(), prefect_test_harness(server_startup_timeout=None):
             for job in flow_jobs:
                 run(job)
     out.write_text(json.dumps(results))

@@ -49,9 +49,11 @@ def prefect_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     import prefect.context
     from prefect.testing.utilities import prefect_test_harness
 
+    from flows.pipeline import without_heartbeats
+
     # Prefect reads its settings once at import; refresh them in case it was imported earlier.
     prefect.context.refresh_global_settings_context()
-    with prefect_test_harness(server_startup_timeout=None):
+    with without_heartbeats(), prefect_test_harness(server_startup_timeout=None):  # as `moplex run` locally
         yield home
     for name, value in saved.items():
         if value is None:
