@@ -61,10 +61,10 @@ def test_an_error_a_rerun_repeats_is_not_retried(error, caplog):
 
 
 def test_an_in_process_run_on_a_temporary_server_sends_no_heartbeats_and_one_on_a_real_server_does():
-    default = PREFECT_FLOWS_HEARTBEAT_FREQUENCY.value()
-    assert default is not None  # Prefect's default: every flow run's exit then waits for its heartbeat thread
-    with temporary_settings(updates={PREFECT_API_URL: None}), local_run_settings():
-        assert PREFECT_FLOWS_HEARTBEAT_FREQUENCY.value() is None
-    with temporary_settings(updates={PREFECT_API_URL: "http://127.0.0.1:4200/api"}), local_run_settings():
-        assert PREFECT_FLOWS_HEARTBEAT_FREQUENCY.value() == default
-    assert PREFECT_FLOWS_HEARTBEAT_FREQUENCY.value() == default
+    # Prefect's default (180 s), set here: the session's Prefect fixture runs without heartbeats.
+    with temporary_settings(updates={PREFECT_FLOWS_HEARTBEAT_FREQUENCY: 180}):
+        with temporary_settings(updates={PREFECT_API_URL: None}), local_run_settings():
+            assert PREFECT_FLOWS_HEARTBEAT_FREQUENCY.value() is None
+        with temporary_settings(updates={PREFECT_API_URL: "http://127.0.0.1:4200/api"}), local_run_settings():
+            assert PREFECT_FLOWS_HEARTBEAT_FREQUENCY.value() == 180
+        assert PREFECT_FLOWS_HEARTBEAT_FREQUENCY.value() == 180
