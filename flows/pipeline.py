@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 
 from prefect import flow, get_run_logger
@@ -47,8 +47,8 @@ NOT_RETRIED: tuple[type[BaseException], ...] = (ValueError, TypeError, LookupErr
                                                 DatasetUnavailableError, ModelUnavailableError, ShortfallError)
 
 
-def run_stage(name: str, call: Callable[[], str], retries: int, delay_seconds: float, logger: logging.Logger
-              | logging.LoggerAdapter) -> str:
+def run_stage(name: str, call: Callable[[], str], retries: int, delay_seconds: float,
+              logger: logging.Logger | logging.LoggerAdapter) -> str:
     """``call()`` (one stage flow), rerun after ``delay_seconds`` up to ``retries`` times when it fails
     with an error that is not NOT_RETRIED. The error that ends it carries a note naming the stage."""
     tries = 0
@@ -118,7 +118,7 @@ def failure_cause(state: State) -> str:
     return f"{where}{type(err).__name__}: {err}"
 
 
-def without_heartbeats():
+def without_heartbeats() -> AbstractContextManager[None]:
     """Prefect settings with no flow-run heartbeats (a context manager). Heartbeats drive zombie
     detection of deployed runs; elsewhere they only cost time: every flow run's exit waits up to 1 s
     for Prefect's heartbeat thread, 7 to 8 flow runs per pipeline run."""

@@ -7,11 +7,6 @@ import os
 import sys
 from pathlib import Path
 
-# moplex_core's warnings (over-long responses cut by the cache, ...) go to the Prefect run's log, and
-# so to the UI, as well as to stderr; read by Prefect when it is first imported (prefect.yaml sets it
-# for deployed runs).
-PREFECT_LOG_ENV = {"PREFECT_LOGGING_EXTRA_LOGGERS": "moplex_core"}
-
 
 def _experiment_identifiability(args: argparse.Namespace) -> int:
     from moplex_core.experiments.identifiability import StudyConfig, run_study
@@ -286,8 +281,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    for name, value in PREFECT_LOG_ENV.items():
-        os.environ.setdefault(name, value)
+    # moplex_core's warnings (over-long responses cut by the cache, ...) go to the Prefect run's log,
+    # and so to the UI, as well as to stderr. Prefect reads this when it is first imported (below,
+    # lazily); prefect.yaml sets it for deployed runs.
+    os.environ.setdefault("PREFECT_LOGGING_EXTRA_LOGGERS", "moplex_core")
     args = build_parser().parse_args(argv)
     return args.func(args)
 
