@@ -286,7 +286,15 @@ def main(argv: list[str] | None = None) -> int:
     # lazily); prefect.yaml sets it for deployed runs.
     os.environ.setdefault("PREFECT_LOGGING_EXTRA_LOGGERS", "moplex_core")
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    try:
+        status = args.func(args)
+        sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's exit
+        return status
+    except BrokenPipeError:
+        # The reader went away (`moplex inspect ... | head`): stop quietly, as cat does. stdout now
+        # points at /dev/null so that the interpreter's final flush does not raise again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
 
 
 if __name__ == "__main__":

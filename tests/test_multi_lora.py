@@ -153,6 +153,12 @@ def test_the_base_model_is_frozen_and_only_adapters_train(tiny_model_dir):  # no
     with lora.requires_grad(False):
         assert not any(p.requires_grad for p in lora.named_parameters().values())
     assert all(p.requires_grad for p in lora.named_parameters().values())
+    frozen = lora.layers["model.layers.0.mlp.down_proj"].lora_B[1]
+    frozen.requires_grad_(False)
+    with lora.requires_grad(True), lora.requires_grad(False):  # nested: each restores what it found
+        assert not frozen.requires_grad
+    assert not frozen.requires_grad
+    assert sum(not p.requires_grad for p in lora.named_parameters().values()) == 1
 
 
 def test_dropout_falls_on_the_adapters_input_as_in_peft(tiny_model_dir, tmp_path):  # noqa: F811

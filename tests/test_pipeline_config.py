@@ -68,3 +68,16 @@ def test_moplex_run_lists_the_presets_and_refuses_a_bad_override(capsys):
     assert all(name in listing for name in preset_names())
     assert main(["run", "synthetic-demo", "--set", "train.clusters=3"]) == 1
     assert "train.clusters" in capsys.readouterr().err
+
+
+def test_a_closed_pipe_ends_the_listing_quietly():
+    # `moplex run --list | head -1`: the reader leaves early; no BrokenPipeError traceback.
+    import subprocess
+    import sys
+
+    listing = subprocess.Popen([sys.executable, "-c", "import sys; from moplex_core.cli import main; "
+                                "sys.exit(main(['run', '--list']))"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    listing.stdout.close()  # before the child writes: its first write meets a closed pipe
+    _, err = listing.communicate(timeout=60)
+    assert listing.returncode == 141, err.decode()
+    assert b"Traceback" not in err

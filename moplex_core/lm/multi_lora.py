@@ -160,16 +160,17 @@ class MultiLoRA:
 
     @contextmanager
     def requires_grad(self, flag: bool) -> Iterator[None]:
-        """Adapter parameters require grad (``flag``) inside; they require it again after. Off for
-        passes that take gradients w.r.t. the inputs alone."""
+        """Adapter parameters require grad (``flag``) inside and what they required before after. Off
+        for passes that take gradients w.r.t. the inputs alone."""
         params = list(self.named_parameters().values())
+        before = [p.requires_grad for p in params]
         for p in params:
             p.requires_grad_(flag)
         try:
             yield
         finally:
-            for p in params:
-                p.requires_grad_(True)
+            for p, previous in zip(params, before):
+                p.requires_grad_(previous)
 
     # -- PEFT's format -------------------------------------------------------------------------
 
