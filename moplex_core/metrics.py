@@ -19,9 +19,17 @@ from moplex_core.pl import PAD, UNRANKED
 
 @dataclass(frozen=True)
 class ClusterMatching:
-    """predicted cluster id -> true label id; ids with no partner map to -1."""
+    """Predicted cluster ids <-> true label ids, fitted on one split.
+
+    mapping: predicted cluster id -> true label id, one-to-one (Hungarian); ids with no partner map
+             to -1. Every clustering accuracy uses this.
+    routing: true label id -> the predicted cluster that serves it: its partner, or, for a label
+             left without one (fewer clusters than labels, e.g. k = 1), the cluster that holds most
+             of its members on the fitted split. Oracle routing of rankings uses this.
+    """
 
     mapping: np.ndarray  # int64 [k_pred]
+    routing: np.ndarray  # int64 [k_true]
 
     def apply(self, predicted: np.ndarray) -> np.ndarray:
         return self.mapping[np.asarray(predicted)]
@@ -34,7 +42,10 @@ def fit_matching(predicted: np.ndarray, true: np.ndarray, k_pred: int, k_true: i
     rows, cols = linear_sum_assignment(-counts)
     mapping = np.full(k_pred, -1, dtype=np.int64)
     mapping[rows] = cols
-    return ClusterMatching(mapping)
+    # A label with no members on this split goes to the largest cluster (argmax of a zero column is 0).
+    routing = np.where(counts.sum(0) > 0, counts.argmax(0), counts.sum(1).argmax())
+    routing[cols] = rows
+    return ClusterMatching(mapping, routing.astype(np.int64))
 
 
 def clustering_accuracy(predicted: np.ndarray, true: np.ndarray, matching: ClusterMatching) -> float:

@@ -37,6 +37,20 @@ def test_true_scorer_with_permuted_ids_is_matched_and_ranks_perfectly(noise_free
     assert np.isfinite(test["heldout_log_likelihood", "all"])
 
 
+def test_one_cluster_serves_every_label_in_the_oracle_routing(noise_free):
+    # k = 1 (DPO, LiPO, the w/o-mixture ablation): routing by the true label has one place to go,
+    # so the oracle variant exists and equals the posterior and marginal ones
+    _, splits = noise_free
+    scorer = LinearScorer(1, 2)
+    scorer.theta = torch.tensor([[1.0, 2.0]], dtype=torch.float64)
+    metrics = evaluate_mixture(scorer, torch.ones(1, dtype=torch.float64), splits, label_names=["c0", "c1"])
+    test = metrics[metrics.split == "test"].set_index(["metric", "cluster"]).value
+    for cluster in ("all", "c0", "c1"):
+        oracle = test["ranking_accuracy_oracle", cluster]
+        assert oracle == test["ranking_accuracy_posterior", cluster] == test["ranking_accuracy_marginal", cluster]
+    assert test["ranking_accuracy_oracle", "c0"] != test["ranking_accuracy_oracle", "c1"]
+
+
 def test_without_labels_only_label_free_metrics_are_reported(noise_free):
     _, splits = noise_free
     unlabeled = {"test": EvalSplit(splits["test"].inputs, splits["test"].rankings)}

@@ -26,6 +26,19 @@ def test_hungarian_matching_undoes_a_label_permutation_fitted_on_another_split()
     assert per_cluster_accuracy(pred_test, true_test, matching, 3).tolist() == [1.0, 1.0, 0.5]
 
 
+def test_labels_without_a_partner_are_routed_to_the_cluster_holding_most_of_them():
+    # 2 clusters for 3 labels: labels 0 and 2 get partners; label 1 sits mostly in cluster 1
+    true_val = np.array([0, 0, 0, 1, 1, 1, 2, 2, 2])
+    pred_val = np.array([0, 0, 0, 1, 1, 0, 1, 1, 1])
+    matching = fit_matching(pred_val, true_val, 2, 3)
+    assert matching.mapping.tolist() == [0, 2]
+    assert matching.routing.tolist() == [0, 1, 1]
+    # k = 1: every label is served by the one cluster
+    assert fit_matching(np.zeros(4, dtype=int), np.array([0, 1, 2, 2]), 1, 3).routing.tolist() == [0, 0, 0]
+    # a label absent from the fitted split goes to the largest cluster
+    assert fit_matching(np.array([1, 1, 0]), np.array([0, 0, 1]), 2, 3).routing.tolist() == [1, 0, 1]
+
+
 def test_matching_is_not_refitted_on_the_test_split():
     matching = fit_matching(np.array([0, 1]), np.array([0, 1]), 2, 2)
     # on test the labels are swapped: a matching fitted on test would score 1.0
