@@ -333,13 +333,8 @@ class LoRAPolicyScorer:
         rows = [(i, c, j) for i, c in pairs for j in picks[i].tolist()]
         logp, _ = self._pass(inputs, rows, input_grads=False, train=True)  # [R]
         width = rankings.tiers.shape[1]
-        deltas, offset = [], 0
-        for i, c in pairs:
-            size, idx = len(inputs.sequences[i]), picks[i]
-            anchor_delta = logp[offset : offset + len(idx)] - inputs.ref_logp[i, idx]  # [a]
-            delta = apply_offsets(idx, anchor_delta, offsets[i, c, :size])  # [m'_i]
-            deltas.append(torch.nn.functional.pad(delta, (0, width - size)))
-            offset += len(idx)
+        deltas = [torch.nn.functional.pad(delta, (0, width - len(delta)))
+                  for delta in _pair_deltas(inputs, pairs, picks, logp, offsets)]  # [M] each
         examples, clusters = torch.tensor(pairs).T  # [P], [P]
         logp_rank = rankings.subset(examples).log_likelihood(self.beta * torch.stack(deltas))  # [P]
         objective = (weights[examples, clusters] * logp_rank).sum() / batch_pairs
@@ -366,21 +361,21 @@ class LoRAPolicyScorer:
                 bar.update(len(chunk))
         finally:
             bar.close()
-        scores = torch.zeros(n, self.k, m, dtype=torch.float64)
         offsets = torch.zeros(n, self.k, m, dtype=torch.float64)
         is_anchor = torch.zeros(n, m, dtype=torch.bool)
+        pairs = [(i, c) for i in range(n) for c in range(self.k)]  # the rows' order
         offset = 0
-        for i, idx in enumerate(picks):
-            size, a = len(inputs.sequences[i]), len(idx)
+        for i, c in pairs:
+            size, idx = len(inputs.sequences[i]), picks[i]
             is_anchor[i, idx] = True
-            for c in range(self.k):
-                anchor_delta = logp[offset : offset + a] - inputs.ref_logp[i, idx]  # [a]
-                if a < size:
-                    offsets[i, c, :size] = estimate_offsets(
-                        self.estimation, idx, torch.stack(s_policy[offset : offset + a]), inputs.ref_logp[i, :size],
-                        inputs.ref_contraction[i, :size, :size])
-                scores[i, c, :size] = self.beta * apply_offsets(idx, anchor_delta, offsets[i, c, :size])
-                offset += a
+            if len(idx) < size:
+                offsets[i, c, :size] = estimate_offsets(
+                    self.estimation, idx, torch.stack(s_policy[offset : offset + len(idx)]), inputs.ref_logp[i, :size],
+                    inputs.ref_contraction[i, :size, :size])
+            offset += len(idx)
+        scores = torch.zeros(n, self.k, m, dtype=torch.float64)
+        for (i, c), delta in zip(pairs, _pair_deltas(inputs, pairs, picks, logp, offsets), strict=True):
+            scores[i, c, : len(delta)] = self.beta * delta
         return scores, is_anchor, offsets
 
     def _offsets(self, inputs: PolicyInputs, round_: int, picks: list[torch.Tensor]) -> torch.Tensor:
@@ -429,6 +424,23 @@ class LoRAPolicyScorer:
             contractions.extend(s.unbind(0))
             start = end
         return passed.logp, contractions
+
+
+def _pair_deltas(inputs: PolicyInputs, pairs: Sequence[Sequence[int]], picks: list[torch.Tensor], logp: torch.Tensor,
+                 offsets: torch.Tensor) -> list[torch.Tensor]:
+    """delta_c(y_j|x_i) = log pi_c - log pi_ref of every response of each (example i, cluster c) pair,
+    float64 [m'_i] each: exact at the anchors, anchors' mean delta + offset elsewhere (DESIGN 5.4).
+
+    logp: log pi_c of the anchors, float64 [R], one row per anchor, pair after pair in ``pairs``' order.
+    offsets: float64 [n, k, M] (estimate.estimate_offsets; 0 where every response is an anchor).
+    """
+    deltas, start = [], 0
+    for i, c in pairs:
+        idx = picks[i]
+        anchor_delta = logp[start : start + len(idx)] - inputs.ref_logp[i, idx]  # [a]
+        deltas.append(apply_offsets(idx, anchor_delta, offsets[i, c, : len(inputs.sequences[i])]))
+        start += len(idx)
+    return deltas
 
 
 def _every_response_an_anchor(inputs: PolicyInputs, picks: list[torch.Tensor]) -> bool:
