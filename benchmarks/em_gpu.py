@@ -16,7 +16,9 @@ tokens, EOS last. A check and three measurements, in one process:
    alpha 32, all 7 projections) on n synthetic examples of m' responses (m = min(4, m') originals
    ranked, the others generated, in the unranked bottom set), every (example, cluster) pair
    weighted 1/k: all above gamma_min, the M-step's worst case. Configurations: full computation
-   (a = m') and a in {2, 4, 6} anchors (a < m') at m' in {4, 8, 16, 26, 32}. Each configuration gets
+   (a = m') and a in {2, 4, 6} anchors (a < m') at m' in {4, 8, 16, 26, 32}, with shared prompts
+   (each (example, cluster)'s prompt run once per pass, the scorer's default); and full and the
+   largest a < m' with the prompt run for every row, as before that pass existed. Each configuration gets
    a fresh scorer and a warm-up, untimed: fit on one (example, cluster) pair at iteration 0 (the
    M-step's kernels and optimizer) and a full score(iteration 0) (the E-step's, and what it leaves
    for the next M-step). Then fit(iteration 1) (M-step) and score(iteration 1) (E-step) are timed
@@ -36,6 +38,10 @@ tokens, EOS last. A check and three measurements, in one process:
 Prints markdown tables under one heading (date, device, versions) and writes OUT/em_gpu.json (every
 number) and OUT/em_gpu.png (Figure 5's layout: time per example and peak memory vs m', one line per
 method, OOM points left out).
+
+``--cpu`` runs it on the CPU at a size where prompts cost something: a Qwen3 of 4 layers, hidden 256
+(random weights, float32, torch's default threads), k = 3, rows of 256 + 256 tokens, m' in {4, 8},
+a = 2, B = 8 (a few minutes on 2 cores).
 
 ``--tiny`` runs the same code on the CPU in float32 on the tests' kind of tiny Qwen3 (2 layers,
 hidden 64; random weights): k = 3, rows of 12 + 16 tokens, m' in {4, 6}, a = 2, B = 4, a 256^3
@@ -92,7 +98,7 @@ PEFT_MIXED = "PEFT mixed adapter_names, k adapters, fwd + grad w.r.t. inputs_emb
 class Sizes:
     """Everything the GPU run and the ``--tiny`` CPU run differ in."""
 
-    model: Literal["qwen3-0.6b", "tiny"]
+    model: Literal["qwen3-0.6b", "small", "tiny"]
     description: str
     device: str
     dtype: torch.dtype
@@ -125,6 +131,10 @@ GPU = Sizes(model="qwen3-0.6b", description="Qwen3-0.6B shape, random weights, b
             dtype=torch.bfloat16, threads=None, k=12, prompt_tokens=512, response_tokens=512, originals=4,
             m_primes=(4, 8, 16, 26, 32), anchors=(2, 4, 6), score_batch_size=8, batch_rows=(8, 32),
             warmups=2, repeats=5, matmul_n=8192)
+CPU = Sizes(model="small", description="small Qwen3 (4 layers, hidden 256), random weights, float32", device="cpu",
+            dtype=torch.float32, threads=None, k=3, prompt_tokens=256, response_tokens=256, originals=4,
+            m_primes=(4, 8), anchors=(2,), score_batch_size=8, batch_rows=(8,), warmups=1, repeats=3,
+            matmul_n=1024)
 TINY = Sizes(model="tiny", description="tiny Qwen3 (2 layers, hidden 64), random weights, float32", device="cpu",
              dtype=torch.float32, threads=1, k=3, prompt_tokens=12, response_tokens=16, originals=4,
              m_primes=(4, 6), anchors=(2,), score_batch_size=16, batch_rows=(4,), warmups=1, repeats=3,
@@ -166,6 +176,9 @@ def _free(sizes: Sizes) -> None:
 def build_model(sizes: Sizes, directory: Path) -> Path:
     if sizes.model == "qwen3-0.6b":
         return build_qwen3_0_6b_shape(directory, TOKENIZER_TEXTS, sizes.dtype)
+    if sizes.model == "small":
+        return build_tiny_model(directory, [TOKENIZER_TEXTS], hidden_size=256, layers=4, heads=4, kv_heads=2,
+                                pretrain_steps=0, seed=0)
     return build_tiny_model(directory, [TOKENIZER_TEXTS], pretrain_steps=0, seed=0)
 
 
@@ -206,19 +219,26 @@ def _model_vocab(model_dir: Path) -> tuple[int, int]:
 
 
 def em_iteration_costs(model_dir: Path, sizes: Sizes, examples: int) -> list[dict[str, Any]]:
-    """One row per (m', method), methods "full" (anchors None) and "a=<a>" for each a < m'."""
+    """One row per (m', method, prompts): methods "full" (anchors None) and "a=<a>" for each a < m',
+    with shared prompts (the default); and "full" and the largest a < m' with the prompt run for every
+    row, the cost before the shared-prompt pass. Speedups are against full with the same prompts."""
     vocab_size, eos_id = _model_vocab(model_dir)
     rows = []
     for m_prime in sizes.m_primes:
         inputs = synthetic_inputs(sizes, m_prime, examples, vocab_size, eos_id)
-        for anchors in (None, *(a for a in sizes.anchors if a < m_prime)):
+        anchor_counts = [a for a in sizes.anchors if a < m_prime]
+        runs = [(None, True), *((a, True) for a in anchor_counts), (None, False),
+                *((a, False) for a in anchor_counts[-1:])]
+        for anchors, share in runs:
             rows.append({"m_prime": m_prime, "method": "full" if anchors is None else f"a={anchors}",
                          "anchors": m_prime if anchors is None else anchors,
-                         **_em_iteration(model_dir, sizes, inputs, anchors)})
-            print(f"em m'={m_prime} {rows[-1]['method']}: {rows[-1]['total_s_per_example']} s/example, peak "
-                  f"{rows[-1]['peak_gib']} GiB", file=sys.stderr, flush=True)
+                         "prompts": "shared" if share else "per row",
+                         **_em_iteration(model_dir, sizes, inputs, anchors, share)})
+            print(f"em m'={m_prime} {rows[-1]['method']} ({rows[-1]['prompts']}): {rows[-1]['total_s_per_example']} "
+                  f"s/example, peak {rows[-1]['peak_gib']} GiB", file=sys.stderr, flush=True)
     for row in rows:
-        full = next(r for r in rows if r["m_prime"] == row["m_prime"] and r["method"] == "full")
+        full = next(r for r in rows if r["m_prime"] == row["m_prime"] and r["method"] == "full"
+                    and r["prompts"] == row["prompts"])
         both = not (row["oom"] or full["oom"])
         row["speedup_vs_full"] = full["total_s_per_example"] / row["total_s_per_example"] if both else None
         row["memory_ratio_full_over_this"] = (full["peak_gib"] / row["peak_gib"]
@@ -226,7 +246,8 @@ def em_iteration_costs(model_dir: Path, sizes: Sizes, examples: int) -> list[dic
     return rows
 
 
-def _em_iteration(model_dir: Path, sizes: Sizes, inputs: PolicyInputs, anchors: int | None) -> dict[str, Any]:
+def _em_iteration(model_dir: Path, sizes: Sizes, inputs: PolicyInputs, anchors: int | None, share_prompts: bool
+                  ) -> dict[str, Any]:
     n = len(inputs)
     rankings = inputs.rankings()
     weights = torch.full((n, sizes.k), 1.0 / sizes.k, dtype=torch.float64)  # [n, k]: every pair fitted
@@ -235,7 +256,8 @@ def _em_iteration(model_dir: Path, sizes: Sizes, inputs: PolicyInputs, anchors: 
     scorer = None
     try:
         scorer = LoRAPolicyScorer(model_dir, sizes.k, beta=BETA, anchors=anchors, lora=LORA, lr=1e-4,
-                                  batch_size=1, score_batch_size=sizes.score_batch_size, seed=0,
+                                  batch_size=1, score_batch_size=sizes.score_batch_size,
+                                  share_prompts=share_prompts, seed=0,
                                   dtype=sizes.dtype, device=sizes.device)
         scorer.fit(inputs, rankings, one_pair, 0)
         scorer.score(inputs, 0)
@@ -496,16 +518,19 @@ def print_report(results: dict[str, Any]) -> None:
         print(f"### One EM iteration, k = {sizes['k']} LoRA adapters (r = {LORA.r}, alpha {LORA.alpha:g}, "
               f"{len(LORA.target_modules)} projections), n = {results['examples']} examples\n")
         print(f"M-step minibatch: 1 (example, cluster) pair = m' rows (full) or a rows (a=...) per backward; "
-              f"E-step: {sizes['score_batch_size']} rows per forward; every pair weighted 1/k (all above "
+              f"E-step: {sizes['score_batch_size']} rows per forward; prompts `shared`: run once per (example, "
+              "cluster) and pass (the default), `per row`: with every response; speedup and memory against "
+              "full with the same prompts; every pair weighted 1/k (all above "
               "gamma_min, the worst case); a = 2 makes 2-row M-step passes, which a GPU runs below its "
               "throughput. Times per example; peak memory (weights included) of each step, and their "
               "maximum for the ratio.\n")
-        print("| m' | method | E-step s/ex | M-step s/ex | total s/ex | E-step peak GiB | M-step peak GiB "
+        print("| m' | method | prompts | E-step s/ex | M-step s/ex | total s/ex | E-step peak GiB | M-step peak GiB "
               "| speedup vs full | memory full/this |")
-        print("|---|---|---|---|---|---|---|---|---|")
+        print("|---|---|---|---|---|---|---|---|---|---|")
         for row in results["em"]:
             oom = row["oom"]
-            print(f"| {row['m_prime']} | {row['method']} | {_fmt(row['e_step_s_per_example'], '.3g', oom)} | "
+            print(f"| {row['m_prime']} | {row['method']} | {row['prompts']} | "
+                  f"{_fmt(row['e_step_s_per_example'], '.3g', oom)} | "
                   f"{_fmt(row['m_step_s_per_example'], '.3g', oom)} | {_fmt(row['total_s_per_example'], '.3g', oom)} | "
                   f"{_fmt(row['e_step_peak_gib'], '.1f', oom)} | {_fmt(row['m_step_peak_gib'], '.1f', oom)} | "
                   f"{_fmt(row['speedup_vs_full'], '.2f', False)} | "
@@ -544,13 +569,15 @@ def plot_figure5(results: dict[str, Any], path: Path) -> None:
     figure = Figure(figsize=(10, 4))
     FigureCanvasAgg(figure)
     time_axes, memory_axes = figure.subplots(1, 2)
-    methods = dict.fromkeys(row["method"] for row in results.get("em", []))
-    for method in methods:
-        points = [r for r in results["em"] if r["method"] == method and not r["oom"]]
+    lines = dict.fromkeys((row["method"], row["prompts"]) for row in results.get("em", []))
+    for method, prompts in lines:
+        points = [r for r in results["em"] if (r["method"], r["prompts"]) == (method, prompts) and not r["oom"]]
         m_primes = [r["m_prime"] for r in points]
-        time_axes.plot(m_primes, [r["total_s_per_example"] for r in points], marker="o", label=method)
+        style = {"marker": "o", "linestyle": "-" if prompts == "shared" else "--",
+                 "label": method if prompts == "shared" else f"{method}, prompt per row"}
+        time_axes.plot(m_primes, [r["total_s_per_example"] for r in points], **style)
         if all(r["peak_gib"] is not None for r in points):
-            memory_axes.plot(m_primes, [r["peak_gib"] for r in points], marker="o", label=method)
+            memory_axes.plot(m_primes, [r["peak_gib"] for r in points], **style)
     m_primes = sorted({row["m_prime"] for row in results.get("em", [])})
     time_axes.set(xlabel="m' (responses per example)", ylabel="runtime per example (s)", xticks=m_primes,
                   title="one EM iteration (E-step + M-step)")
@@ -572,12 +599,15 @@ def main() -> None:
     parser.add_argument("--examples", type=int, default=2, help="examples n of the EM section")
     parser.add_argument("--sections", default="check,em,throughput,matmul",
                         help="comma-separated subset of check, em, throughput, matmul")
-    parser.add_argument("--tiny", action="store_true", help="the tiny model on the CPU (the tests' path)")
+    profile = parser.add_mutually_exclusive_group()
+    profile.add_argument("--tiny", action="store_true", help="the tiny model on the CPU (the tests' path)")
+    profile.add_argument("--cpu", action="store_true",
+                         help="a small model on the CPU (4 layers, hidden 256, 256 + 256-token rows, k = 3)")
     args = parser.parse_args()
     sections = set(args.sections.split(","))
     if not sections <= {"check", "em", "throughput", "matmul"} or args.examples < 1:
         parser.error(f"--sections takes check, em, throughput, matmul (got {args.sections!r}); --examples >= 1")
-    sizes = TINY if args.tiny else GPU
+    sizes = TINY if args.tiny else CPU if args.cpu else GPU
     if sizes.cuda and not torch.cuda.is_available():
         sys.exit("no CUDA device: run on the GPU machine, or pass --tiny for the CPU path")
     if sizes.threads:
@@ -600,6 +630,7 @@ def main() -> None:
                   "warmups": sizes.warmups, "repeats": sizes.repeats},
         "protocol": {
             "m_step_minibatch": "1 (example, cluster) pair: m' rows (full) or a rows (MoPLEx) per backward",
+            "prompts": "shared: one prompt pass per (example, cluster) and pass; per row: the prompt with every row",
             "e_step_batch": f"{sizes.score_batch_size} rows (one response under one adapter) per forward",
             "fit_weights": "1/k for every (example, cluster) pair: all above gamma_min, the worst case",
             "em_warmup": "fit on one pair at iteration 0, then score(iteration 0); timed: fit and score of "

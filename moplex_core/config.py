@@ -439,7 +439,9 @@ class TrainConfig(StageConfig):
     ``epochs`` passes over the weighted (example, cluster) pairs per M-step, in minibatches of
     ``batch_size`` pairs (a rows each, m' without anchors: the M-step's memory). ``score_batch_size``
     is the rows (one response under one adapter, clusters mixed) per E-step or exact-scoring pass.
-    Trains on the cache's ``train`` split.
+    ``share_prompts`` runs each (example, cluster)'s prompt once per pass for all its rows there
+    (the same scores and gradients up to float rounding, for fewer tokens; with ``lora_dropout``
+    the rows share the prompt's dropout mask). Trains on the cache's ``train`` split.
 
     ``likelihood`` is the observation model of a ranking: ``pl`` (Plackett-Luce, eq. 2 and 5) or
     ``bt_pairs`` (Bradley-Terry over every ordered pair of the ranking, as DPO and the mixture-of-BT
@@ -473,6 +475,7 @@ class TrainConfig(StageConfig):
     device: str = "auto"
     score_batch_size: int = Field(32, ge=1)
     chunk_size: int = Field(1024, ge=1)
+    share_prompts: bool = True
 
     @field_validator("lora_targets")
     @classmethod

@@ -37,19 +37,22 @@ iteration t and the M-step of iteration t + 1 the same round, t + 1.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Callable, Hashable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 import torch
 from peft import PeftModel
 from transformers import PreTrainedModel
 
-from moplex_core.lm.logprobs import embed, sequence_logprobs
+from moplex_core.lm.logprobs import PromptPrefix, embed, prompt_prefix, sequence_logprobs
 from moplex_core.lm.tokenize import TokenizedResponse, pad_batch
 
 EstimationMode = Literal["delta", "logpi"]
+RowRoute = Callable[[Sequence[int]], AbstractContextManager[Any]]
+"""route(rows): the context (e.g. a MultiLoRA route) of a forward over those rows of a batch."""
 ESTIMATION_MODES: tuple[str, ...] = ("delta", "logpi")
 
 
@@ -85,15 +88,33 @@ def anchor_pass(
     input_grads: bool,
     keep_graph: bool = False,
     chunk_size: int = 1024,
+    groups: Sequence[Hashable] | None = None,
+    route: RowRoute | None = None,
 ) -> AnchorPass:
-    """One forward over ``sequences`` (under whatever adapter routing the caller set up, e.g.
-    ``MultiLoRA.route``; the base model outside one).
+    """One forward over ``sequences``.
 
-    input_grads: also take grad_h log pi(y|x) w.r.t. the input embeddings (torch.autograd.grad on
-                 the embeddings only; no parameter's .grad is touched).
+    input_grads: also take grad_h log pi(y|x) w.r.t. the input embeddings at the response positions
+                 (torch.autograd.grad on the embeddings only; no parameter's .grad is touched).
     keep_graph:  keep the autograd graph so that the caller can backpropagate into the (LoRA)
                  parameters through ``logp`` afterwards (M-step).
+    groups:      one key per row; rows with equal keys share one pass over their prompt
+                 (moplex_core.lm.logprobs.prompt_prefix): they must have the same prompt tokens
+                 (checked) and, under ``route``, the same adapter (the caller's promise). None, or a
+                 batch with a one-token prompt: every row runs whole.
+    route:       the adapters of each forward (`RowRoute`); None: the model as it is (the base model,
+                 or whatever route the caller has entered).
+
+    With ``groups``, the prompt pass keeps its graph only for ``keep_graph``: the input gradients
+    are taken at response positions, which the prompt's keys and values do not depend on.
     """
+    route = route or (lambda rows: nullcontext())
+    prefix: PromptPrefix | None = None
+    if groups is not None and min(s.response_start for s in sequences) >= 2:
+        prefixes, firsts, local = _prompt_groups(sequences, groups)
+        with torch.set_grad_enabled(keep_graph), route(firsts):
+            prefix = prompt_prefix(model, prefixes, local, pad_token_id)
+        # each row continues its prefix from its last prompt token, which predicts its first response token
+        sequences = [TokenizedResponse(s.input_ids[s.response_start - 1 :], response_start=1) for s in sequences]
     batch = pad_batch(sequences, pad_token_id)
     device = next(model.parameters()).device
     input_ids = batch.input_ids.to(device)
@@ -102,9 +123,9 @@ def anchor_pass(
     embeds = embed(model, input_ids).detach()  # [R, L, d]
     if input_grads:
         embeds.requires_grad_(True)
-    with torch.set_grad_enabled(input_grads or keep_graph):
+    with torch.set_grad_enabled(input_grads or keep_graph), route(range(len(sequences))):
         logp = sequence_logprobs(model, input_ids, attention_mask, response_mask, inputs_embeds=embeds,
-                                 chunk_size=chunk_size).to(torch.float64)  # [R]
+                                 prefix=prefix, chunk_size=chunk_size).to(torch.float64)  # [R]
     starts = torch.tensor([s.response_start for s in sequences], dtype=torch.long)
     lengths = torch.tensor([len(s.input_ids) - s.response_start for s in sequences], dtype=torch.long)
     grads = None
@@ -112,6 +133,23 @@ def anchor_pass(
         (full,) = torch.autograd.grad(logp.sum(), embeds, retain_graph=keep_graph)  # [R, L, d]
         grads = _response_rows(full.float(), starts, lengths)
     return AnchorPass((logp if keep_graph else logp.detach()).cpu(), grads, lengths)
+
+
+def _prompt_groups(sequences: Sequence[TokenizedResponse], groups: Sequence[Hashable]
+                   ) -> tuple[list[list[int]], list[int], torch.Tensor]:
+    """(each group's prompt but its last token [G], each group's first row [G], each row's group
+    int64 [R]), groups in order of first appearance."""
+    if len(groups) != len(sequences):
+        raise ValueError(f"groups has {len(groups)} keys for {len(sequences)} rows; give one per row")
+    first: dict[Hashable, int] = {}
+    for row, key in enumerate(groups):
+        first.setdefault(key, row)
+        head, seq = sequences[first[key]], sequences[row]
+        if seq.input_ids[: seq.response_start] != head.input_ids[: head.response_start]:
+            raise ValueError(f"rows {first[key]} and {row} are in group {key!r} but their prompt tokens differ")
+    index = {key: g for g, key in enumerate(first)}
+    prefixes = [sequences[row].input_ids[: sequences[row].response_start - 1] for row in first.values()]
+    return prefixes, list(first.values()), torch.tensor([index[key] for key in groups], dtype=torch.long)
 
 
 def response_embeddings(
@@ -231,7 +269,8 @@ def reference_terms_batch(
     """`reference_terms` of several examples with one forward + input-gradient pass over all their
     responses."""
     rows = [seq for sequences in examples for seq in sequences]
-    ref = anchor_pass(model, rows, pad_token_id, input_grads=True, chunk_size=chunk_size)
+    groups = [e for e, sequences in enumerate(examples) for _ in sequences]  # an example's responses share its prompt
+    ref = anchor_pass(model, rows, pad_token_id, input_grads=True, chunk_size=chunk_size, groups=groups)
     out, offset = [], 0
     for sequences in examples:
         emb, lengths = response_embeddings(model, sequences)

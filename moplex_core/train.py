@@ -45,7 +45,7 @@ from moplex_core.scorers.lora_policy import LoRAPolicyScorer, PolicyInputs, Scor
 log = logging.getLogger(__name__)
 
 STAGE = "train"
-CODE_VERSION = "train-2"  # bump when a change to this stage changes what it writes
+CODE_VERSION = "train-3"  # bump when a change to this stage changes what it writes
 TRAIN_SPLIT = "train"
 
 SCORES_SCHEMA = pa.schema([
@@ -90,7 +90,7 @@ def make_scorer(config: TrainConfig, model: str, *, progress: bool = False) -> L
         model, config.k, beta=config.beta, anchors=config.anchors, estimation=config.estimation,
         lora=LoRASettings(config.lora_r, config.lora_alpha, config.lora_dropout, config.lora_targets),
         lr=config.lr, epochs=config.epochs, batch_size=config.batch_size, score_batch_size=config.score_batch_size,
-        chunk_size=config.chunk_size, seed=config.seed, dtype=resolve_dtype(config.dtype, device), device=device,
+        chunk_size=config.chunk_size, share_prompts=config.share_prompts, seed=config.seed, dtype=resolve_dtype(config.dtype, device), device=device,
         progress=progress,
     )
 

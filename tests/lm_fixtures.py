@@ -12,7 +12,9 @@ import random
 from pathlib import Path
 
 import pytest
+import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from transformers.models.qwen3 import modeling_qwen3
 
 from moplex_core.lm.tiny import build_tiny_model, build_tiny_tokenizer
 
@@ -50,3 +52,15 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def tiny_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> PreTrainedTokenizerBase:
     """The tiny model's kind of tokenizer alone (no model to build), saved and reloaded."""
     return _tiny_tokenizer_in(tmp_path_factory.getbasetemp())
+
+
+@pytest.fixture
+def float64_rmsnorm(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Qwen3's RMSNorm in the input's dtype. It computes in float32 even in a float64 model, which
+    puts float32 rounding (about 1e-8 of a gradient's scale) on anything summed in another order;
+    with this, two exact computations agree to float64 rounding."""
+
+    def forward(self: modeling_qwen3.Qwen3RMSNorm, hidden: torch.Tensor) -> torch.Tensor:
+        return self.weight * (hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
+
+    monkeypatch.setattr(modeling_qwen3.Qwen3RMSNorm, "forward", forward)

@@ -82,7 +82,9 @@ def test_deployed_pipeline_runs_fails_on_purpose_and_a_retry_reuses_finished_sta
 
     with httpx.Client(base_url=api, timeout=30) as client:
         deployment = client.get("/deployments/name/moplex-pipeline/synthetic-demo").raise_for_status().json()
-        overrides = [*SMALL, f"root={root}", "fault.stage=train"]
+        # max_response_tokens=4 cuts responses: the cache's warning must reach the server's log (the
+        # deployments' PREFECT_LOGGING_EXTRA_LOGGERS), once
+        overrides = [*SMALL, f"root={root}", "fault.stage=train", "cache.max_response_tokens=4"]
         run = client.post(f"/deployments/{deployment['id']}/create_flow_run",
                           json={"parameters": {"preset": "synthetic-demo", "overrides": overrides}}).raise_for_status().json()
 
@@ -118,6 +120,10 @@ def test_deployed_pipeline_runs_fails_on_purpose_and_a_retry_reuses_finished_sta
         assert "data:image/png;base64," in by_key["moplex-report"]["data"]
         links = [a["data"] for a in artifacts if a["data"] and "file://" in a["data"]]  # link artifacts are markdown
         assert any(str(evaluation / "metrics.parquet") in link for link in links)
+
+        warnings = client.post("/logs/filter", json={"logs": {"level": {"ge_": 30}}, "limit": 200}).raise_for_status().json()
+        truncation = [w for w in warnings if "longer than cache.max_response_tokens = 4" in w["message"]]
+        assert len(truncation) == 1 and truncation[0]["flow_run_id"], [w["message"][:80] for w in warnings]
 
 
 def _start(command: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:

@@ -19,7 +19,7 @@ NEVER_IMPORTED = ("pydantic", "prefect", "datasets", "vllm")  # absent on the GP
 # Not named on the GPU machine either; peft imports them when they are installed, but works without.
 ABSENT_ON_GPU = (*NEVER_IMPORTED, "scipy", "sklearn")
 TINY_M_PRIMES = (4, 6)
-TINY_METHODS = ("full", "a=2")
+TINY_METHODS = (("full", "shared"), ("a=2", "shared"), ("full", "per row"), ("a=2", "per row"))
 THROUGHPUT_PASSES = ("plain base model", "multi-LoRA, k adapters mixed, fwd + grad",
                      "multi-LoRA, k adapters mixed, fwd + backward into LoRA weights", "PEFT, 1 active adapter",
                      "PEFT mixed adapter_names")
@@ -60,7 +60,7 @@ def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
 def test_table_has_every_configuration_and_pass(tiny_run: tuple[Path, str]) -> None:
     _, stdout = tiny_run
     em_rows = _table(stdout, "| m' | method |")
-    assert [(row[0], row[1]) for row in em_rows] == [(str(m), method) for m in TINY_M_PRIMES for method in TINY_METHODS]
+    assert [tuple(row[:3]) for row in em_rows] == [(str(m), *method) for m in TINY_M_PRIMES for method in TINY_METHODS]
     passes = _table(stdout, "| pass | B |")
     assert len(passes) == len(THROUGHPUT_PASSES)
     for row, name in zip(passes, THROUGHPUT_PASSES, strict=True):
@@ -82,8 +82,8 @@ def test_mixed_multi_lora_pass_agrees_with_peft(tiny_run: tuple[Path, str]) -> N
 def test_json_numbers_are_positive_and_finite(tiny_run: tuple[Path, str]) -> None:
     out, _ = tiny_run
     results = json.loads((out / "em_gpu.json").read_text())
-    assert [(row["m_prime"], row["method"]) for row in results["em"]] == \
-        [(m, method) for m in TINY_M_PRIMES for method in TINY_METHODS]
+    assert [(row["m_prime"], row["method"], row["prompts"]) for row in results["em"]] == \
+        [(m, *method) for m in TINY_M_PRIMES for method in TINY_METHODS]
     timed = ("e_step_s_per_example", "m_step_s_per_example", "total_s_per_example", "speedup_vs_full")
     for row in results["em"]:
         assert not row["oom"] and row["peak_gib"] is None  # no GPU memory on the CPU

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from lm_fixtures import tiny_model_dir  # noqa: F401  (fixture)
+from lm_fixtures import float64_rmsnorm, tiny_model_dir  # noqa: F401  (fixtures)
 
 from moplex_core.estimate import (
     anchor_indices,
@@ -15,6 +15,7 @@ from moplex_core.estimate import (
     estimate_delta,
     estimate_offsets,
     reference_terms,
+    reference_terms_batch,
     response_embeddings,
 )
 from moplex_core.lm.loading import load_model, load_tokenizer
@@ -123,3 +124,59 @@ def test_reference_terms_match_the_reference_log_probs(model64):
         alone = sequence_logprobs(model, batch.input_ids, batch.attention_mask, batch.response_mask)
         assert ref_logp[j].item() == pytest.approx(alone.item(), rel=1e-9)
     assert s_ref.shape == (4, 4) and s_ref.dtype == torch.float32
+
+
+def test_a_shared_prompt_pass_gives_the_whole_rows_log_probs_and_gradients(tiny_model_dir, float64_rmsnorm):  # noqa: F811
+    # Two prompts of different lengths, responses of different lengths, three adapters mixed in one
+    # batch, rows of one (prompt, adapter) group not adjacent: the prompt pass once per group must give
+    # what running every row whole gives, for log pi, the input gradients and the LoRA gradients.
+    from moplex_core.lm.multi_lora import LoRASettings, MultiLoRA
+
+    model, tokenizer = load_model(tiny_model_dir, dtype=torch.float64), load_tokenizer(tiny_model_dir)
+    lora = MultiLoRA(model, 3, LoRASettings(r=4, alpha=8.0, target_modules=("q_proj", "v_proj", "down_proj")), seed=2)
+    with torch.no_grad():
+        for p in lora.named_parameters().values():
+            p.normal_(0, 0.2)
+    short = tokenize_responses(tokenizer, "Best?", RESPONSES)
+    long = tokenize_responses(tokenizer, "Which of these lists is the best one, and why?", RESPONSES[:3])
+    assert short[0].response_start != long[0].response_start
+    rows = [short[0], long[1], short[2], long[0], short[0], long[2], short[3]]
+    adapters = [0, 1, 0, 1, 2, 1, 0]
+    groups = [(len(seq.input_ids[: seq.response_start]), c) for seq, c in zip(rows, adapters)]
+    params = list(lora.named_parameters().values())
+
+    def run(grouped: bool):
+        passed = anchor_pass(model, rows, tokenizer.pad_token_id, input_grads=True, keep_graph=True,
+                             groups=groups if grouped else None,
+                             route=lambda sub: lora.route([adapters[r] for r in sub]))
+        weights = torch.arange(1.0, len(rows) + 1, dtype=torch.float64)  # distinct rows, distinct gradients
+        grads = torch.autograd.grad((weights * passed.logp).sum(), params, allow_unused=True)
+        return passed, [torch.zeros_like(p) if g is None else g for p, g in zip(params, grads)]
+
+    whole, whole_grads = run(grouped=False)
+    shared, shared_grads = run(grouped=True)
+    torch.testing.assert_close(shared.logp, whole.logp, rtol=0, atol=1e-10)
+    torch.testing.assert_close(shared.input_grads, whole.input_grads, rtol=0, atol=1e-9)
+    assert torch.equal(shared.lengths, whole.lengths)
+    assert max(g.abs().max() for g in whole_grads) > 1e-3  # the gradients compared below are not all zero
+    for ours, reference in zip(shared_grads, whole_grads):
+        torch.testing.assert_close(ours, reference, rtol=0, atol=1e-9)
+
+
+def test_the_shared_reference_terms_equal_one_example_at_a_time(model64):
+    model, tokenizer = model64
+    examples = [tokenize_responses(tokenizer, prompt, RESPONSES) for prompt in ("Which list is best?", "Best?")]
+    together = reference_terms_batch(model, examples, tokenizer.pad_token_id)
+    for sequences, (ref_logp, s_ref) in zip(examples, together):
+        alone = anchor_pass(model, sequences, tokenizer.pad_token_id, input_grads=True)
+        emb, lengths = response_embeddings(model, sequences)
+        expected = contraction(alone.input_grads, torch.arange(len(sequences)), emb, lengths).float()
+        torch.testing.assert_close(ref_logp, alone.logp, rtol=0, atol=1e-10)
+        torch.testing.assert_close(s_ref, expected, rtol=0, atol=1e-6)
+
+
+def test_rows_grouped_under_one_prompt_must_share_it(model64):
+    model, tokenizer = model64
+    rows = [*tokenize_responses(tokenizer, "Best?", RESPONSES[:1]), *tokenize_responses(tokenizer, "Worst?", RESPONSES[:1])]
+    with pytest.raises(ValueError, match="rows 0 and 1 are in group 'x' but their prompt tokens differ"):
+        anchor_pass(model, rows, tokenizer.pad_token_id, input_grads=False, groups=["x", "x"])

@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from lm_fixtures import tiny_model_dir  # noqa: F401  (fixture)
+from lm_fixtures import float64_rmsnorm, tiny_model_dir  # noqa: F401  (fixtures)
 from peft import PeftModel
 from stage_fixtures import write_synthetic
 
@@ -59,6 +59,23 @@ def test_a_cluster_without_weight_is_left_exactly_where_it_is(tiny_model_dir, in
     policy.fit(inputs, inputs.rankings(), only_c0, 1)  # AdamW holds momentum for cluster 1 from iteration 0
     for name, value in frozen.items():
         assert torch.equal(policy._lora[name], value), name
+
+
+def test_shared_prompts_change_neither_the_scores_nor_the_training(tiny_model_dir, inputs, float64_rmsnorm):  # noqa: F811
+    # score_batch_size 3 splits (example, cluster) groups across passes, and the M-step's minibatch
+    # of 4 pairs holds several prompts: the prompt pass must still be exact
+    weights = torch.tensor([[0.9, 0.1]] * 4 + [[0.2, 0.8]] * 4, dtype=torch.float64)
+    runs = []
+    for share in (False, True):
+        policy = scorer(tiny_model_dir, anchors=2, share_prompts=share, dtype=torch.float64)
+        policy.score_batch_size = 3
+        policy.fit(inputs, inputs.rankings(), weights, 0)
+        estimated = policy.score(inputs, 0)  # anchors with input gradients, the rest estimated
+        policy.fit(inputs, inputs.rankings(), weights, 1)  # reuses that E-step's offsets
+        runs.append((estimated, policy.exact_scores(inputs)))
+    assert runs[0][1].abs().max() > 1e-2
+    for unshared, shared in zip(*runs):
+        torch.testing.assert_close(shared, unshared, rtol=0, atol=1e-9)
 
 
 def record_passes(monkeypatch, inputs) -> list[tuple[str, set, bool]]:

@@ -9,6 +9,14 @@ full-vocabulary log_softmax would hold a [B, L, V] float32 tensor (Qwen3: V = 15
 8 x 1024 tokens); here at most [chunk_size, V] logits exist at once, and under autograd each chunk is
 recomputed in the backward pass instead of being kept.
 
+Shared prompts (`prompt_prefix`): the responses of one prompt under one adapter all start with the
+same prompt tokens, so their keys and values there are equal. `prompt_prefix` runs the prompt but
+its last token once per group of rows and hands each row that group's keys and values (a
+``DynamicCache``); `sequence_logprobs(..., prefix=...)` then runs each row's last prompt token and
+response on top of it. Same log-probs, and the same gradients w.r.t. the response's input embeddings
+and the LoRA weights (autograd sums each group's rows into its prompt pass), for fewer tokens: one
+prompt per group instead of one per row.
+
 Works for a Hugging Face causal LM, with or without moplex's `MultiLoRA` adapters (routed per row,
 moplex_core.lm.multi_lora), and for a PEFT ``PeftModel`` wrapping one: PEFT injects its LoRA layers
 into the wrapped model's modules, so calling its decoder and ``lm_head`` directly applies the active
@@ -17,11 +25,14 @@ adapter (the tests and benchmarks compare against it).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
+
 import torch
 from peft import PeftModel
 from torch import nn
 from torch.utils.checkpoint import checkpoint
-from transformers import PreTrainedModel
+from transformers import DynamicCache, PreTrainedModel
 
 
 def causal_lm_parts(model: PreTrainedModel | PeftModel) -> tuple[nn.Module, nn.Module]:
@@ -54,6 +65,43 @@ def embed(model: PreTrainedModel | PeftModel, input_ids: torch.Tensor) -> torch.
     return causal_lm.get_input_embeddings()(input_ids)
 
 
+@dataclass
+class PromptPrefix:
+    """Keys and values of the prompt tokens before each row's last prompt token, one row per row of
+    the batch that continues it (rows of one group share their group's tensors)."""
+
+    cache: DynamicCache  # per layer [B, heads, P, head_dim]; single use: a forward appends to it
+    attention_mask: torch.Tensor  # int64 [B, P], 1 at real prompt tokens (right padding)
+    lengths: torch.Tensor  # int64 [B] real prompt tokens: the continuation's first position
+
+
+def prompt_prefix(
+    model: PreTrainedModel | PeftModel, prefixes: Sequence[Sequence[int]], rows: torch.Tensor, pad_token_id: int
+) -> PromptPrefix:
+    """One forward over the G distinct ``prefixes`` (each a prompt but its last token, at least one
+    token; right-padded to P), expanded to the batch: row b continues ``prefixes[rows[b]]``.
+
+    rows: int64 [B] with values in 0..G-1. Differentiable w.r.t. the model's (LoRA) parameters when
+    grad is enabled; under a MultiLoRA route, the route must have G rows (one per prefix).
+    """
+    if not prefixes or min(len(p) for p in prefixes) < 1:
+        raise ValueError("prompt_prefix needs at least one prefix, each of at least one token")
+    device = next(model.parameters()).device
+    width = max(len(p) for p in prefixes)
+    ids = torch.full((len(prefixes), width), pad_token_id, dtype=torch.long)  # [G, P]
+    mask = torch.zeros((len(prefixes), width), dtype=torch.long)  # [G, P]
+    for g, prefix in enumerate(prefixes):
+        ids[g, : len(prefix)] = torch.tensor(list(prefix), dtype=torch.long)
+        mask[g, : len(prefix)] = 1
+    ids, mask, rows = ids.to(device), mask.to(device), rows.to(device)
+    decoder, _ = causal_lm_parts(model)
+    # Right padding: a pad's query sees real keys before it (no fully masked row, so no NaN that a
+    # masked key could carry into the continuation), and the continuation masks the pads' keys.
+    cache = decoder(input_ids=ids, attention_mask=mask, use_cache=True).past_key_values
+    cache.batch_select_indices(rows)  # [G, ...] -> [B, ...], differentiable indexing
+    return PromptPrefix(cache, mask[rows], mask.sum(1)[rows])
+
+
 def sequence_logprobs(
     model: PreTrainedModel | PeftModel,
     input_ids: torch.Tensor,
@@ -61,6 +109,7 @@ def sequence_logprobs(
     response_mask: torch.Tensor,
     *,
     inputs_embeds: torch.Tensor | None = None,
+    prefix: PromptPrefix | None = None,
     chunk_size: int = 1024,
 ) -> torch.Tensor:
     """log pi(y|x) of each sequence: float32 [B] (float64 [B] for a float64 model).
@@ -71,6 +120,8 @@ def sequence_logprobs(
     response_mask:  [B, L], nonzero at response tokens (EOS included); position 0 must be prompt.
     inputs_embeds:  [B, L, d] or None; when given the decoder runs on it instead of embedding
                     ``input_ids`` (gradients w.r.t. it, DESIGN 5.4).
+    prefix:         the rows' earlier prompt tokens (`prompt_prefix`), or None: the rows are whole
+                    sequences. With a prefix, row b's tokens sit at positions prefix.lengths[b] + t.
     chunk_size:     response positions projected to the vocabulary at a time.
 
     Differentiable w.r.t. ``inputs_embeds`` and the model's (LoRA) parameters.
@@ -85,11 +136,12 @@ def sequence_logprobs(
             "token must follow at least one prompt token that predicts it (see tokenize.encode_prompt)"
         )
     decoder, lm_head = causal_lm_parts(model)
-    if inputs_embeds is None:
-        hidden = decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
-    else:
-        hidden = decoder(inputs_embeds=inputs_embeds, attention_mask=attention_mask, use_cache=False)
-    hidden = hidden.last_hidden_state  # [B, L, d]
+    inputs = {"input_ids": input_ids} if inputs_embeds is None else {"inputs_embeds": inputs_embeds}
+    if prefix is not None:
+        positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+        inputs.update(past_key_values=prefix.cache, position_ids=prefix.lengths[:, None] + positions[None, :])
+        attention_mask = torch.cat([prefix.attention_mask, attention_mask.to(prefix.attention_mask)], dim=1)
+    hidden = decoder(**inputs, attention_mask=attention_mask, use_cache=False).last_hidden_state  # [B, L, d]
     acc_dtype = torch.float64 if hidden.dtype == torch.float64 else torch.float32
 
     # The hidden state at t predicts the token at t + 1.

@@ -148,6 +148,9 @@ class LoRAPolicyScorer:
     lr, epochs:        AdamW learning rate; passes over the weighted pairs per M-step.
     batch_size:        (example, cluster) pairs per M-step minibatch (a rows each, m' when full).
     score_batch_size:  rows (one response under one adapter) per E-step or exact-scoring pass.
+    share_prompts:     run an (example, cluster)'s prompt once per pass for all its rows in that pass
+                       (moplex_core.lm.logprobs.prompt_prefix): the same scores and gradients for
+                       fewer tokens. With LoRA dropout the prompt's dropout mask is then shared too.
     seed:              adapter initialisation (LoRA A), M-step shuffling and anchor draws.
     """
 
@@ -165,6 +168,7 @@ class LoRAPolicyScorer:
         batch_size: int = 16,
         score_batch_size: int = 32,
         chunk_size: int = 1024,
+        share_prompts: bool = True,
         seed: int = 0,
         dtype: str | torch.dtype = torch.float32,
         device: str = "cpu",
@@ -177,7 +181,7 @@ class LoRAPolicyScorer:
                              f"epochs={epochs}, batch_size={batch_size}, score_batch_size={score_batch_size}")
         self.k, self.beta, self.anchors, self.estimation = k, beta, anchors, estimation
         self.epochs, self.batch_size, self.score_batch_size = epochs, batch_size, score_batch_size
-        self.chunk_size, self.seed, self.progress = chunk_size, seed, progress
+        self.chunk_size, self.share_prompts, self.seed, self.progress = chunk_size, share_prompts, seed, progress
         self.adapter_names = [f"c{c}" for c in range(k)]
         self.model = load_model(model_path, dtype=dtype, device=device)
         self.pad_token_id = self.model.config.pad_token_id if self.model.config.pad_token_id is not None else 0
@@ -406,9 +410,11 @@ class LoRAPolicyScorer:
         (with the graph into the adapters when ``train``) and, with ``input_grads``, each row's
         contraction s_c[j][:] with its example's responses (float64 [m'_i] each, on the CPU)."""
         seqs: list[TokenizedResponse] = [inputs.sequences[i][j] for i, _, j in rows]
-        with self.lora.route([c for _, c, _ in rows]), self.lora.requires_grad(train):
+        groups = [(i, c) for i, c, _ in rows] if self.share_prompts else None
+        with self.lora.requires_grad(train):
             passed = anchor_pass(self.model, seqs, self.pad_token_id, input_grads=input_grads, keep_graph=train,
-                                 chunk_size=self.chunk_size)
+                                 chunk_size=self.chunk_size, groups=groups,
+                                 route=lambda sub: self.lora.route([rows[r][1] for r in sub]))
         if not input_grads:
             return passed.logp, None
         contractions: list[torch.Tensor] = []
