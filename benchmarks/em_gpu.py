@@ -1,6 +1,7 @@
 """Cost of one EM iteration over k LoRA adapters, full computation vs MoPLEx anchors (issue 9).
 
     PYTHONPATH=. python3 benchmarks/em_gpu.py --out DIR [--examples 2] [--sections check,em,throughput,matmul]
+    PYTHONPATH=. python3 benchmarks/em_gpu.py --cpu --out DIR       # a small model on the CPU
     PYTHONPATH=. python3 benchmarks/em_gpu.py --tiny --out DIR      # the CPU path the tests run
 
 The model is Qwen3-0.6B-shaped with seeded random weights (moplex_core.lm.tiny.build_qwen3_0_6b_shape:
@@ -41,7 +42,7 @@ method, OOM points left out).
 
 ``--cpu`` runs it on the CPU at a size where prompts cost something: a Qwen3 of 4 layers, hidden 256
 (random weights, float32, torch's default threads), k = 3, rows of 256 + 256 tokens, m' in {4, 8},
-a = 2, B = 8 (a few minutes on 2 cores).
+a = 2, B = 8 (about 90 s on 2 cores).
 
 ``--tiny`` runs the same code on the CPU in float32 on the tests' kind of tiny Qwen3 (2 layers,
 hidden 64; random weights): k = 3, rows of 12 + 16 tokens, m' in {4, 6}, a = 2, B = 4, a 256^3
@@ -609,7 +610,7 @@ def main() -> None:
         parser.error(f"--sections takes check, em, throughput, matmul (got {args.sections!r}); --examples >= 1")
     sizes = TINY if args.tiny else CPU if args.cpu else GPU
     if sizes.cuda and not torch.cuda.is_available():
-        sys.exit("no CUDA device: run on the GPU machine, or pass --tiny for the CPU path")
+        sys.exit("no CUDA device: run on the GPU machine, or pass --cpu or --tiny for a CPU run")
     if sizes.threads:
         torch.set_num_threads(sizes.threads)
     transformers.utils.logging.disable_progress_bar()

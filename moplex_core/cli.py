@@ -291,10 +291,24 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's exit
         return status
     except BrokenPipeError:
+        if not _stdout_closed():
+            raise  # another pipe or socket broke: a real error
         # The reader went away (`moplex inspect ... | head`): stop quietly, as cat does. stdout now
         # points at /dev/null so that the interpreter's final flush does not raise again.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141
+
+
+def _stdout_closed() -> bool:
+    """Whether stdout is a pipe whose reader has gone (its write end then polls as an error)."""
+    import select
+
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), 0)
+        return any(event & (select.POLLERR | select.POLLHUP) for _, event in poller.poll(0))
+    except (OSError, ValueError, AttributeError):  # no fileno (captured), or no poll on this platform
+        return False
 
 
 if __name__ == "__main__":

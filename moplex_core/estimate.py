@@ -47,7 +47,7 @@ import torch
 from peft import PeftModel
 from transformers import PreTrainedModel
 
-from moplex_core.lm.logprobs import PromptPrefix, embed, prompt_prefix, sequence_logprobs
+from moplex_core.lm.logprobs import PromptPrefix, embed, prefix_is_exact, prompt_prefix, sequence_logprobs
 from moplex_core.lm.tokenize import TokenizedResponse, pad_batch
 
 EstimationMode = Literal["delta", "logpi"]
@@ -91,7 +91,8 @@ def anchor_pass(
     groups: Sequence[Hashable] | None = None,
     route: RowRoute | None = None,
 ) -> AnchorPass:
-    """One forward over ``sequences``.
+    """The log-probs of ``sequences`` in one forward (two with shared prompts: the prompts, then the
+    rows' continuations).
 
     input_grads: also take grad_h log pi(y|x) w.r.t. the input embeddings at the response positions
                  (torch.autograd.grad on the embeddings only; no parameter's .grad is touched).
@@ -99,17 +100,21 @@ def anchor_pass(
                  parameters through ``logp`` afterwards (M-step).
     groups:      one key per row; rows with equal keys share one pass over their prompt
                  (moplex_core.lm.logprobs.prompt_prefix): they must have the same prompt tokens
-                 (checked) and, under ``route``, the same adapter (the caller's promise). None, or a
-                 batch with a one-token prompt: every row runs whole.
+                 (checked) and, under ``route``, the same adapter (the caller's promise). Every row
+                 runs whole when None, when a prompt is one token long, or when the model has layers
+                 other than full attention (`prefix_is_exact`).
     route:       the adapters of each forward (`RowRoute`); None: the model as it is (the base model,
-                 or whatever route the caller has entered).
+                 or, without ``groups``, whatever route the caller has entered: the prompt pass has
+                 fewer rows than such a route).
 
     With ``groups``, the prompt pass keeps its graph only for ``keep_graph``: the input gradients
     are taken at response positions, which the prompt's keys and values do not depend on.
     """
     route = route or (lambda rows: nullcontext())
     prefix: PromptPrefix | None = None
-    if groups is not None and min(s.response_start for s in sequences) >= 2:
+    if groups is not None and len(groups) != len(sequences):
+        raise ValueError(f"groups has {len(groups)} keys for {len(sequences)} rows; give one per row")
+    if groups is not None and min(s.response_start for s in sequences) >= 2 and prefix_is_exact(model):
         prefixes, firsts, local = _prompt_groups(sequences, groups)
         with torch.set_grad_enabled(keep_graph), route(firsts):
             prefix = prompt_prefix(model, prefixes, local, pad_token_id)
@@ -139,8 +144,6 @@ def _prompt_groups(sequences: Sequence[TokenizedResponse], groups: Sequence[Hash
                    ) -> tuple[list[list[int]], list[int], torch.Tensor]:
     """(each group's prompt but its last token [G], each group's first row [G], each row's group
     int64 [R]), groups in order of first appearance."""
-    if len(groups) != len(sequences):
-        raise ValueError(f"groups has {len(groups)} keys for {len(sequences)} rows; give one per row")
     first: dict[Hashable, int] = {}
     for row, key in enumerate(groups):
         first.setdefault(key, row)

@@ -180,3 +180,54 @@ def test_rows_grouped_under_one_prompt_must_share_it(model64):
     rows = [*tokenize_responses(tokenizer, "Best?", RESPONSES[:1]), *tokenize_responses(tokenizer, "Worst?", RESPONSES[:1])]
     with pytest.raises(ValueError, match="rows 0 and 1 are in group 'x' but their prompt tokens differ"):
         anchor_pass(model, rows, tokenizer.pad_token_id, input_grads=False, groups=["x", "x"])
+
+
+def _count_prompt_passes(monkeypatch) -> list[int]:
+    from moplex_core import estimate
+
+    counts: list[int] = []
+    real_prefix = estimate.prompt_prefix
+
+    def counting_prefix(model, prefixes, rows, pad_token_id):
+        counts.append(len(prefixes))
+        return real_prefix(model, prefixes, rows, pad_token_id)
+
+    monkeypatch.setattr(estimate, "prompt_prefix", counting_prefix)
+    return counts
+
+
+def test_the_cache_runs_each_examples_prompt_once(model64, monkeypatch):
+    model, tokenizer = model64
+    counts = _count_prompt_passes(monkeypatch)
+    examples = [tokenize_responses(tokenizer, prompt, RESPONSES) for prompt in ("Which list is best?", "Best?", "Hm?")]
+    reference_terms_batch(model, examples, tokenizer.pad_token_id)
+    assert counts == [3]
+
+
+def test_rows_run_whole_where_a_shared_prompt_would_not_be_exact(model64, monkeypatch):
+    # a one-token prompt (nothing before its last token), and a model with sliding-window layers,
+    # whose mask counts the right-padded prefix's pads as positions
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from moplex_core.lm.logprobs import prefix_is_exact
+    from moplex_core.lm.tokenize import TokenizedResponse
+
+    model, tokenizer = model64
+    counts = _count_prompt_passes(monkeypatch)
+    one_token = [TokenizedResponse([5, 9, 11, tokenizer.eos_token_id], 1), TokenizedResponse([5, 7, tokenizer.eos_token_id], 1)]
+    whole = anchor_pass(model, one_token, tokenizer.pad_token_id, input_grads=False)
+    grouped = anchor_pass(model, one_token, tokenizer.pad_token_id, input_grads=False, groups=[0, 0])
+    assert torch.equal(grouped.logp, whole.logp) and counts == []
+
+    config = Qwen3Config(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=8, pad_token_id=0, eos_token_id=1, use_sliding_window=True,
+                         sliding_window=4, max_window_layers=0)
+    torch.manual_seed(0)
+    sliding = Qwen3ForCausalLM(config).double().eval()
+    assert prefix_is_exact(model) and not prefix_is_exact(sliding)
+    rows = [TokenizedResponse(list(range(2, 2 + p)) + list(range(40, 46)), p) for p in (3, 9)]  # prompts of 3 and 9
+    whole = anchor_pass(sliding, rows, 0, input_grads=False)
+    alone = torch.cat([anchor_pass(sliding, [row], 0, input_grads=False).logp for row in rows])
+    grouped = anchor_pass(sliding, rows, 0, input_grads=False, groups=["a", "b"])
+    torch.testing.assert_close(whole.logp, alone, rtol=0, atol=1e-10)
+    assert torch.equal(grouped.logp, whole.logp) and counts == []

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -16,7 +17,7 @@ from moplex_core.cache import load_policy_inputs, run_cache
 from moplex_core.config import CacheConfig
 from moplex_core.lm.loading import load_model
 from moplex_core.lm.logprobs import sequence_logprobs
-from moplex_core.lm.tokenize import pad_batch
+from moplex_core.lm.tokenize import TokenizedResponse, pad_batch
 from moplex_core.lm.multi_lora import LoRASettings
 from moplex_core.scorers.lora_policy import LoRAPolicyScorer
 
@@ -63,19 +64,44 @@ def test_a_cluster_without_weight_is_left_exactly_where_it_is(tiny_model_dir, in
 
 def test_shared_prompts_change_neither_the_scores_nor_the_training(tiny_model_dir, inputs, float64_rmsnorm):  # noqa: F811
     # score_batch_size 3 splits (example, cluster) groups across passes, and the M-step's minibatch
-    # of 4 pairs holds several prompts: the prompt pass must still be exact
+    # of 4 pairs holds several prompts, of different lengths (the synthetic prompts all have one
+    # length, so every other example loses the first i tokens of its prompt: prefixes get padded)
+    shortened = tuple(tuple(TokenizedResponse(seq.input_ids[i % 2 * i:], seq.response_start - i % 2 * i) for seq in seqs)
+                      for i, seqs in enumerate(inputs.sequences))
+    varied = dataclasses.replace(inputs, sequences=shortened)
+    assert len({seqs[0].response_start for seqs in shortened}) > 2
     weights = torch.tensor([[0.9, 0.1]] * 4 + [[0.2, 0.8]] * 4, dtype=torch.float64)
     runs = []
     for share in (False, True):
         policy = scorer(tiny_model_dir, anchors=2, share_prompts=share, dtype=torch.float64)
         policy.score_batch_size = 3
-        policy.fit(inputs, inputs.rankings(), weights, 0)
-        estimated = policy.score(inputs, 0)  # anchors with input gradients, the rest estimated
-        policy.fit(inputs, inputs.rankings(), weights, 1)  # reuses that E-step's offsets
-        runs.append((estimated, policy.exact_scores(inputs)))
+        policy.fit(varied, varied.rankings(), weights, 0)
+        estimated = policy.score(varied, 0)  # anchors with input gradients, the rest estimated
+        policy.fit(varied, varied.rankings(), weights, 1)  # reuses that E-step's offsets
+        runs.append((estimated, policy.exact_scores(varied)))
     assert runs[0][1].abs().max() > 1e-2
     for unshared, shared in zip(*runs):
         torch.testing.assert_close(shared, unshared, rtol=0, atol=1e-9)
+
+
+def test_each_pass_runs_one_prompt_per_example_and_cluster(tiny_model_dir, inputs, monkeypatch):  # noqa: F811
+    from moplex_core import estimate
+
+    prompt_passes: list[int] = []
+    real_prefix = estimate.prompt_prefix
+
+    def counting_prefix(model, prefixes, rows, pad_token_id):
+        prompt_passes.append(len(prefixes))
+        return real_prefix(model, prefixes, rows, pad_token_id)
+
+    monkeypatch.setattr(estimate, "prompt_prefix", counting_prefix)
+    policy = scorer(tiny_model_dir, anchors=2)
+    policy.score_batch_size = 4  # (example 0, c0), (example 0, c1); then (1, c0), (1, c1); ...
+    policy.score(inputs, 0)
+    assert prompt_passes == [2] * len(inputs)
+    prompt_passes.clear()
+    policy.fit(inputs, inputs.rankings(), torch.full((len(inputs), 2), 0.5, dtype=torch.float64), 1)
+    assert sum(prompt_passes) == 2 * len(inputs)  # one per weighted (example, cluster) pair
 
 
 def record_passes(monkeypatch, inputs) -> list[tuple[str, set, bool]]:

@@ -81,3 +81,15 @@ def test_a_closed_pipe_ends_the_listing_quietly():
     _, err = listing.communicate(timeout=60)
     assert listing.returncode == 141, err.decode()
     assert b"Traceback" not in err
+
+
+def test_a_broken_pipe_elsewhere_is_not_mistaken_for_the_reader_leaving():
+    # stdout open, but the command's own pipe or socket breaks: that error must show
+    import subprocess
+    import sys
+
+    code = ("import sys, moplex_core.cli as cli\n"
+            "def broken(args):\n    raise BrokenPipeError(32, 'worker pipe')\n"
+            "cli._run = broken\nsys.exit(cli.main(['run', '--list']))\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1 and "BrokenPipeError: [Errno 32] worker pipe" in done.stderr, done.stderr

@@ -3,7 +3,7 @@
     log pi(y|x) = sum_{t in response} log p(token_t | tokens_<t)
 
 summed over the response tokens and its EOS; prompt and padding positions are masked. The decoder
-runs once over the whole sequence, but the vocabulary projection (``lm_head``) and the softmax only
+runs over the whole sequence (or, with a prefix, over its continuation), but the vocabulary projection (``lm_head``) and the softmax only
 touch the hidden states that predict a response token, ``chunk_size`` of them at a time. A naive
 full-vocabulary log_softmax would hold a [B, L, V] float32 tensor (Qwen3: V = 151,936, so 5 GB for
 8 x 1024 tokens); here at most [chunk_size, V] logits exist at once, and under autograd each chunk is
@@ -15,7 +15,8 @@ its last token once per group of rows and hands each row that group's keys and v
 ``DynamicCache``); `sequence_logprobs(..., prefix=...)` then runs each row's last prompt token and
 response on top of it. Same log-probs, and the same gradients w.r.t. the response's input embeddings
 and the LoRA weights (autograd sums each group's rows into its prompt pass), for fewer tokens: one
-prompt per group instead of one per row.
+prompt per group instead of one per row. Only for models whose layers all use full attention
+(`prefix_is_exact`).
 
 Works for a Hugging Face causal LM, with or without moplex's `MultiLoRA` adapters (routed per row,
 moplex_core.lm.multi_lora), and for a PEFT ``PeftModel`` wrapping one: PEFT injects its LoRA layers
@@ -63,6 +64,18 @@ def embed(model: PreTrainedModel | PeftModel, input_ids: torch.Tensor) -> torch.
     """
     causal_lm = model.get_base_model() if isinstance(model, PeftModel) else model
     return causal_lm.get_input_embeddings()(input_ids)
+
+
+def prefix_is_exact(model: PreTrainedModel | PeftModel) -> bool:
+    """Whether `prompt_prefix` gives whole rows' results on this model: every layer attends to all
+    earlier tokens by position. Sliding-window layers mask by index and keep the last keys of the
+    right-padded prefix (pads, for a shorter prompt), and linear or recurrent layers fold the pads
+    into their state; there the rows must run whole."""
+    config = (model.get_base_model() if isinstance(model, PeftModel) else model).config.get_text_config()
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:
+        return all(kind == "full_attention" for kind in layer_types)
+    return getattr(config, "sliding_window", None) is None or getattr(config, "use_sliding_window", True) is False
 
 
 @dataclass
