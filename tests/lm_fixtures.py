@@ -64,3 +64,20 @@ def float64_rmsnorm(monkeypatch: pytest.MonkeyPatch) -> None:
         return self.weight * (hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
 
     monkeypatch.setattr(modeling_qwen3.Qwen3RMSNorm, "forward", forward)
+
+
+@pytest.fixture
+def prompt_pass_counts(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The number of prompts of every shared prompt pass (moplex_core.lm.logprobs.prompt_prefix, as
+    moplex_core.estimate.anchor_pass calls it) run while the test runs, in order."""
+    from moplex_core import estimate
+
+    counts: list[int] = []
+    real_prefix = estimate.prompt_prefix
+
+    def counting_prefix(model, prefixes, rows, pad_token_id):
+        counts.append(len(prefixes))
+        return real_prefix(model, prefixes, rows, pad_token_id)
+
+    monkeypatch.setattr(estimate, "prompt_prefix", counting_prefix)
+    return counts

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from lm_fixtures import float64_rmsnorm, tiny_model_dir  # noqa: F401  (fixtures)
+from lm_fixtures import float64_rmsnorm, prompt_pass_counts, tiny_model_dir  # noqa: F401  (fixtures)
 
 from moplex_core.estimate import (
     anchor_indices,
@@ -182,29 +182,15 @@ def test_rows_grouped_under_one_prompt_must_share_it(model64):
         anchor_pass(model, rows, tokenizer.pad_token_id, input_grads=False, groups=["x", "x"])
 
 
-def _count_prompt_passes(monkeypatch) -> list[int]:
-    from moplex_core import estimate
-
-    counts: list[int] = []
-    real_prefix = estimate.prompt_prefix
-
-    def counting_prefix(model, prefixes, rows, pad_token_id):
-        counts.append(len(prefixes))
-        return real_prefix(model, prefixes, rows, pad_token_id)
-
-    monkeypatch.setattr(estimate, "prompt_prefix", counting_prefix)
-    return counts
-
-
-def test_the_cache_runs_each_examples_prompt_once(model64, monkeypatch):
+def test_the_cache_runs_each_examples_prompt_once(model64, prompt_pass_counts):  # noqa: F811
     model, tokenizer = model64
-    counts = _count_prompt_passes(monkeypatch)
+    counts = prompt_pass_counts
     examples = [tokenize_responses(tokenizer, prompt, RESPONSES) for prompt in ("Which list is best?", "Best?", "Hm?")]
     reference_terms_batch(model, examples, tokenizer.pad_token_id)
     assert counts == [3]
 
 
-def test_rows_run_whole_where_a_shared_prompt_would_not_be_exact(model64, monkeypatch):
+def test_rows_run_whole_where_a_shared_prompt_would_not_be_exact(model64, prompt_pass_counts):  # noqa: F811
     # a one-token prompt (nothing before its last token), and a model with sliding-window layers,
     # whose mask counts the right-padded prefix's pads as positions
     from transformers import Qwen3Config, Qwen3ForCausalLM
@@ -213,7 +199,7 @@ def test_rows_run_whole_where_a_shared_prompt_would_not_be_exact(model64, monkey
     from moplex_core.lm.tokenize import TokenizedResponse
 
     model, tokenizer = model64
-    counts = _count_prompt_passes(monkeypatch)
+    counts = prompt_pass_counts
     one_token = [TokenizedResponse([5, 9, 11, tokenizer.eos_token_id], 1), TokenizedResponse([5, 7, tokenizer.eos_token_id], 1)]
     whole = anchor_pass(model, one_token, tokenizer.pad_token_id, input_grads=False)
     grouped = anchor_pass(model, one_token, tokenizer.pad_token_id, input_grads=False, groups=[0, 0])

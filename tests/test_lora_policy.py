@@ -7,7 +7,7 @@ import json
 
 import pytest
 import torch
-from lm_fixtures import float64_rmsnorm, tiny_model_dir  # noqa: F401  (fixtures)
+from lm_fixtures import float64_rmsnorm, prompt_pass_counts, tiny_model_dir  # noqa: F401  (fixtures)
 from peft import PeftModel
 from stage_fixtures import write_synthetic
 
@@ -84,17 +84,8 @@ def test_shared_prompts_change_neither_the_scores_nor_the_training(tiny_model_di
         torch.testing.assert_close(shared, unshared, rtol=0, atol=1e-9)
 
 
-def test_each_pass_runs_one_prompt_per_example_and_cluster(tiny_model_dir, inputs, monkeypatch):  # noqa: F811
-    from moplex_core import estimate
-
-    prompt_passes: list[int] = []
-    real_prefix = estimate.prompt_prefix
-
-    def counting_prefix(model, prefixes, rows, pad_token_id):
-        prompt_passes.append(len(prefixes))
-        return real_prefix(model, prefixes, rows, pad_token_id)
-
-    monkeypatch.setattr(estimate, "prompt_prefix", counting_prefix)
+def test_each_pass_runs_one_prompt_per_example_and_cluster(tiny_model_dir, inputs, prompt_pass_counts):  # noqa: F811
+    prompt_passes = prompt_pass_counts
     policy = scorer(tiny_model_dir, anchors=2)
     policy.score_batch_size = 4  # (example 0, c0), (example 0, c1); then (1, c0), (1, c1); ...
     policy.score(inputs, 0)
