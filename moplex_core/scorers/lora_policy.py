@@ -406,8 +406,8 @@ class LoRAPolicyScorer:
 
     def _pass(self, inputs: PolicyInputs, rows: Sequence[Row], *, input_grads: bool, train: bool
               ) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
-        """One anchor pass (`anchor_pass`) over ``rows``, each under its cluster's adapter: log pi_c(y_j|x_i) float64 [R]
-        (with the graph into the adapters when ``train``) and, with ``input_grads``, each row's
+        """One `anchor_pass` over ``rows``, each under its cluster's adapter: log pi_c(y_j|x_i) float64
+        [R] (with the graph into the adapters when ``train``) and, with ``input_grads``, each row's
         contraction s_c[j][:] with its example's responses (float64 [m'_i] each, on the CPU)."""
         seqs: list[TokenizedResponse] = [inputs.sequences[i][j] for i, _, j in rows]
         groups = [(i, c) for i, c, _ in rows] if self.share_prompts else None
