@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, contextmanager
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 
 from prefect import flow, get_run_logger
@@ -125,16 +125,11 @@ def without_heartbeats() -> AbstractContextManager[None]:
     return temporary_settings(updates={PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None})
 
 
-@contextmanager
-def local_run_settings() -> Iterator[None]:
+def local_run_settings() -> AbstractContextManager[None]:
     """Prefect settings for flows run in this process (``moplex run``, ``moplex experiment compare``):
     without PREFECT_API_URL, Prefect's temporary server lives only as long as this process, so nothing
     can act on heartbeats and they are turned off. Against a real server nothing changes."""
-    if PREFECT_API_URL.value():
-        yield
-        return
-    with without_heartbeats():
-        yield
+    return nullcontext() if PREFECT_API_URL.value() else without_heartbeats()
 
 
 def run_in_process(config: PipelineConfig) -> tuple[bool, str]:

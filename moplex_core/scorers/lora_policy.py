@@ -352,7 +352,8 @@ class LoRAPolicyScorer:
         n, m = inputs.tiers.shape
         picks = self._anchor_picks(inputs, round_, anchors)
         full = _every_response_an_anchor(inputs, picks)
-        rows = [(i, c, j) for i, p in enumerate(picks) for c in range(self.k) for j in p.tolist()]
+        pairs = [(i, c) for i in range(n) for c in range(self.k)]
+        rows = [(i, c, j) for i, c in pairs for j in picks[i].tolist()]  # a pair's anchors in a run, as in the M-step
         logp = torch.empty(len(rows), dtype=torch.float64)  # [R]
         s_policy: list[torch.Tensor | None] = [None] * len(rows)  # [m'_i] per row
         bar = tqdm(total=len(rows), desc=what, unit="row", disable=not self.progress, leave=False)
@@ -365,13 +366,13 @@ class LoRAPolicyScorer:
                 bar.update(len(chunk))
         finally:
             bar.close()
-        offsets = torch.zeros(n, self.k, m, dtype=torch.float64)
         is_anchor = torch.zeros(n, m, dtype=torch.bool)
-        pairs = [(i, c) for i in range(n) for c in range(self.k)]  # the rows' order
+        for i, idx in enumerate(picks):
+            is_anchor[i, idx] = True
+        offsets = torch.zeros(n, self.k, m, dtype=torch.float64)
         offset = 0
         for i, c in pairs:
             size, idx = len(inputs.sequences[i]), picks[i]
-            is_anchor[i, idx] = True
             if len(idx) < size:
                 offsets[i, c, :size] = estimate_offsets(
                     self.estimation, idx, torch.stack(s_policy[offset : offset + len(idx)]), inputs.ref_logp[i, :size],
