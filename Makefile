@@ -25,7 +25,7 @@ test-fast: $(STAMP)
 
 # The whole pipeline on the synthetic-demo preset with a tiny offline model, on Prefect's local server.
 demo: $(STAMP)
-	PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS=120 $(BIN)/moplex run synthetic-demo --threads 1
+	$(BIN)/moplex run synthetic-demo --threads 1
 
 # The identifiability study (paper figure 4) at a size that finishes in a few minutes.
 study: $(STAMP)
@@ -34,7 +34,7 @@ study: $(STAMP)
 
 # Every baseline and ablation x 3 seeds on the synthetic-compare preset (paper Tables 2 and 3 shape).
 compare: $(STAMP)
-	PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS=120 $(BIN)/moplex experiment compare --seeds 3 --threads 1
+	$(BIN)/moplex experiment compare --seeds 3 --threads 1
 
 # SIGKILL every stage at 13 seeded points, rerun, compare with uninterrupted runs; then the bad-input
 # catalogue. Prints both tables and counts; about 10 minutes on 2 cores (tests/test_chaos.py runs the

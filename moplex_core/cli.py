@@ -64,10 +64,24 @@ def _experiment_compare(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     from flows.compare import run_compare_in_process
 
-    completed, message = run_compare_in_process(methods, args.seeds, args.seed, args.data, overrides)
+    try:
+        completed, message = run_compare_in_process(methods, args.seeds, args.seed, args.data, overrides)
+    except RuntimeError as err:
+        return _prefect_unreachable("moplex experiment compare", err)
     print(message if completed else f"moplex experiment compare: {message}",
           file=sys.stdout if completed else sys.stderr)
     return 0 if completed else 1
+
+
+def _prefect_unreachable(command: str, err: RuntimeError) -> int:
+    """A flow run that could not start: failures inside a run come back as its state, so a
+    RuntimeError out of the flow call is Prefect's own (its temporary server did not come up)."""
+    timeout = os.environ.get("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS")
+    print(f"{command}: the run could not start: {err}\nPrefect's temporary server gets "
+          f"PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS={timeout} s to start (its first start in a "
+          "new PREFECT_HOME also creates the database); rerun, raise that variable, or start one server "
+          "with `prefect server start` and set PREFECT_API_URL to its address.", file=sys.stderr)
+    return 1
 
 
 def _say_done(result, rows: str, note: str = "") -> None:
@@ -143,7 +157,10 @@ def _run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     from flows.pipeline import run_in_process
 
-    completed, message = run_in_process(config)
+    try:
+        completed, message = run_in_process(config)
+    except RuntimeError as err:
+        return _prefect_unreachable("moplex run", err)
     print(message if completed else f"moplex run: {message}", file=sys.stdout if completed else sys.stderr)
     return 0 if completed else 1
 
@@ -285,6 +302,9 @@ def main(argv: list[str] | None = None) -> int:
     # and so to the UI, as well as to stderr. Prefect reads this when it is first imported (below,
     # lazily); prefect.yaml sets it for deployed runs.
     os.environ.setdefault("PREFECT_LOGGING_EXTRA_LOGGERS", "moplex_core")
+    # Prefect's 20 s for its temporary server to start is too short on a busy 2-core machine,
+    # above all for the first start in a new PREFECT_HOME (it creates the database then).
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
     args = build_parser().parse_args(argv)
     try:
         status = args.func(args)

@@ -100,7 +100,10 @@ def _table_report(title: str, files: list[Path], rows: int) -> list[str]:
     if counts.num_columns:
         frame = counts.to_pandas().fillna("<null>")
         if counts.num_columns == 2:
-            table = pd.crosstab(frame["cluster"], frame["split"], margins=True, margins_name="all")
+            total = "(total)"  # a name no cluster or split has (evaluate's metrics use cluster "all")
+            while total in set(frame["cluster"]) | set(frame["split"]):
+                total = f"({total})"
+            table = pd.crosstab(frame["cluster"], frame["split"], margins=True, margins_name=total)
             lines += ["rows per cluster x split:", _indent(table.to_string())]
         else:
             name = counts.column_names[0]

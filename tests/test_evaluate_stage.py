@@ -12,6 +12,7 @@ from moplex_core.cache import run_cache
 from moplex_core.config import CacheConfig, EvaluateConfig, IngestConfig, SplitConfig, TinyModelConfig, TrainConfig
 from moplex_core.evaluate import METRICS_COLUMNS, plan_evaluate, run_evaluate
 from moplex_core.ingest import run_ingest
+from moplex_core.inspect import inspect_path
 from moplex_core.tiny_model import run_tiny_model
 from moplex_core.train import run_train
 
@@ -56,6 +57,8 @@ def test_evaluation_writes_labelled_metrics_a_report_and_plots(trained):
     for png in ("em_log_likelihood.png", "cluster_accuracy.png", "confusion_test.png"):
         assert f"plots/{png}" in report
         assert (result.path / "plots" / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    shown = inspect_path(result.path, rows=1)  # metrics' cluster "all" beside the crosstab's total
+    assert "-- metrics.parquet:" in shown and "(total)" in shown and "rows per cluster x split:" in shown
 
 
 def test_the_same_evaluation_is_a_version_that_is_skipped(trained):

@@ -93,3 +93,22 @@ def test_a_broken_pipe_elsewhere_is_not_mistaken_for_the_reader_leaving():
             "cli._run = broken\nsys.exit(cli.main(['run', '--list']))\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 1 and "BrokenPipeError: [Errno 32] worker pipe" in done.stderr, done.stderr
+
+
+def test_a_temporary_server_that_does_not_start_in_time_ends_in_one_line(tmp_path):
+    # Prefect's own RuntimeError out of the flow call (not a failure inside the run): no traceback.
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "home"), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+           "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "1"}
+    env.pop("PREFECT_API_URL", None)
+    done = subprocess.run([sys.executable, "-m", "moplex_core.cli", "run", "synthetic-demo", "--root",
+                           str(tmp_path / "artifacts"), "--set", "ingest.synthetic.n=60"],
+                          capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 1, done.stderr
+    assert "Traceback" not in done.stderr
+    assert "moplex run: the run could not start: Timed out while attempting to connect to ephemeral" in done.stderr
+    assert "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS=1 s" in done.stderr
+    assert not (tmp_path / "artifacts").exists()  # nothing ran

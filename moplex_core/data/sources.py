@@ -154,13 +154,13 @@ def iter_hub_records(name: str, revision: str | None, dataset: str) -> Iterator[
     except OSError as err:  # ConnectionError, offline mode, DatasetNotFoundError (gated/unknown)
         raise DatasetUnavailableError(
             f"could not load {name!r} (revision {revision or 'latest'}) from the Hugging Face hub: {err}\n"
-            f"Without hub access, download it where the hub is reachable, e.g. `huggingface-cli download "
+            f"Without hub access, download it where the hub is reachable, e.g. `hf download "
             f"{name} --repo-type dataset{f' --revision {revision}' if revision else ''} --local-dir DIR`, copy "
             f"DIR here and pass it as the local path: `moplex ingest --dataset {dataset} --path DIR` "
             f"(`moplex run ... --set ingest.path=DIR` in a pipeline; IngestConfig(dataset={dataset!r}, "
             "path='DIR') in Python). A file or folder of .jsonl/.json/.parquet "
             "in the dataset's raw schema works. Gated datasets (PERSONA) also need their terms accepted "
-            "and `huggingface-cli login`."
+            "and `hf auth login` (the `hf` command of huggingface_hub)."
         ) from err
     order = sorted(loaded, key=lambda s: (_HUB_SPLIT_ORDER.index(s) if s in _HUB_SPLIT_ORDER else 99, s))
     for split in order:
