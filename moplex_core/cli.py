@@ -111,7 +111,8 @@ def _ingest(args: argparse.Namespace) -> int:
     except (ValueError, DatasetUnavailableError, ArtifactError) as err:
         print(f"moplex ingest: {err}", file=sys.stderr)
         return 1
-    _say_done(result, "rankings")
+    _say_done(result, "rankings", f"; {result.rejected} source row(s) rejected, listed in rejected.parquet"
+              if result.rejected else "")
     return 0
 
 

@@ -42,13 +42,16 @@ def with_overrides(config: C, assignments: Sequence[str]) -> C:
     """A copy of ``config`` with ``key=value`` assignments applied (dotted keys reach nested blocks).
 
     Values are read as JSON when they parse (``3``, ``0.5``, ``true``, ``null``, ``[0.8, 0.1, 0.1]``)
-    and as plain strings otherwise. Unknown keys and invalid values raise ``ValueError`` naming them.
+    and as plain strings otherwise. Unknown keys and invalid values raise one ``ValueError`` naming
+    every one of them.
     """
     data = config.model_dump(mode="json")
+    problems = []
     for assignment in assignments:
         key, sep, raw = assignment.partition("=")
         if not sep or not key:
-            raise ValueError(f"expected key=value, got {assignment!r} (e.g. split.seed=1)")
+            problems.append(f"  {assignment!r}: expected key=value (e.g. {_example_key(data)}=...)")
+            continue
         try:
             value = json.loads(raw)
         except json.JSONDecodeError:
@@ -57,14 +60,26 @@ def with_overrides(config: C, assignments: Sequence[str]) -> C:
         *parents, leaf = key.split(".")
         for part in parents:
             if not isinstance(node.get(part), dict):
-                raise ValueError(f"{key!r}: {part!r} is not a block of {type(config).__name__}")
+                problems.append(f"  {key}: {part!r} is not a block of {type(config).__name__}")
+                break
             node = node[part]
-        node[leaf] = value
+        else:
+            node[leaf] = value
     try:
-        return type(config).model_validate(data)
+        validated = type(config).model_validate(data)
     except ValidationError as err:
-        raise ValueError(f"invalid {type(config).__name__} override(s) {list(assignments)}:\n"
-                         f"{describe_validation_error(err)}") from None
+        problems.append(describe_validation_error(err))
+    if problems:
+        raise ValueError(f"invalid {type(config).__name__} override(s) {list(assignments)}:\n" + "\n".join(problems))
+    return validated
+
+
+def _example_key(data: dict[str, Any]) -> str:
+    """A real key of these settings to show in an error: the first one inside a block, else the first."""
+    for name, value in data.items():
+        if isinstance(value, dict) and value:
+            return f"{name}.{next(iter(value))}"
+    return next(iter(data), "key")
 
 
 def describe_validation_error(err: ValidationError) -> str:

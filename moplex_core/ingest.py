@@ -59,6 +59,7 @@ class IngestResult:
     path: Path
     built: bool  # False: the version was already complete and nothing was done
     rows: int
+    rejected: int = 0  # source rows left out in validation="drop" mode (listed in rejected.parquet)
 
 
 def plan_ingest(config: IngestConfig, store: ArtifactStore) -> IngestPlan:
@@ -110,14 +111,14 @@ def run_ingest(config: IngestConfig, store: ArtifactStore, plan: IngestPlan | No
     plan = plan or plan_ingest(config, store)
     if plan.complete:
         log.info("%s is complete at %s; nothing to do", plan.ref, plan.path)
-        return IngestResult(plan.ref, plan.path, False, store.manifest(STAGE, plan.ref.version)["rows"])
+        return _existing(store, plan)
     built = build_rankings(config, plan.inputs)
     recorded = {**config.identity(), "path": config.path}  # what made this version, and where it was read
     with store.writer(STAGE, plan.ref.version, config=recorded, inputs=plan.inputs,
                       code_version=CODE_VERSION) as writer:
         if writer.complete:
             log.info("%s was completed by another run while this one waited; nothing to do", plan.ref)
-            return IngestResult(plan.ref, plan.path, False, store.manifest(STAGE, plan.ref.version)["rows"])
+            return _existing(store, plan)
         table = built.table
         for shard, start in enumerate(range(0, table.num_rows, config.shard_rows)):
             if not writer.has_shard(shard):
@@ -126,7 +127,12 @@ def run_ingest(config: IngestConfig, store: ArtifactStore, plan: IngestPlan | No
             writer.write_table("rejected.parquet", built.rejected)
         writer.summary.update(built.summary)
     log.info("wrote %d rankings to %s (%s)", table.num_rows, plan.path, built.summary["rows_per_split"])
-    return IngestResult(plan.ref, plan.path, True, table.num_rows)
+    return IngestResult(plan.ref, plan.path, True, table.num_rows, built.summary["rejected_rows"])
+
+
+def _existing(store: ArtifactStore, plan: IngestPlan) -> IngestResult:
+    manifest = store.manifest(STAGE, plan.ref.version)
+    return IngestResult(plan.ref, plan.path, False, manifest["rows"], manifest["summary"].get("rejected_rows", 0))
 
 
 def default_labels(config: IngestConfig) -> tuple[str, ...] | None:

@@ -85,8 +85,9 @@ class SchemaError(ValueError):
             f"{what}: {len(rows)} invalid row(s)" if rows else f"{what}: the table does not have the canonical schema"
         )
         tail = (
-            "Fix the source rows, or ingest with validation='drop' to keep the valid rows and record these "
-            "in rejected.parquet."
+            "Fix the source rows, or ingest in drop mode to keep the valid rows and record these in "
+            "rejected.parquet: `moplex ingest ... --set validation=drop` (`--set ingest.validation=drop` "
+            "with `moplex run`; IngestConfig(validation='drop') in Python)."
             if rows
             else "Produce the columns of moplex_core.schema.RANKINGS_SCHEMA with those types."
         )

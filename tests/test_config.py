@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from pydantic import ValidationError
 
@@ -70,6 +72,13 @@ def test_overrides_reach_nested_blocks_and_name_bad_keys():
         with_overrides(config, ["seed"])
     with pytest.raises(ValueError, match="'seed' is not a block"):
         with_overrides(config, ["seed.x=1"])
+    with pytest.raises(ValueError) as every:  # one error names every bad assignment, the example is real
+        with_overrides(config, ["seed.x=1", "split.nope=2", "seed=abc", "fraction"])
+    lines = str(every.value).splitlines()[1:]
+    assert [line.split(":")[0].strip() for line in lines] == ["seed.x", "'fraction'", "seed", "split.nope"]
+    block, key = lines[1].split("e.g. ")[1].removesuffix("=...)").split(".")
+    value = config.model_dump(mode="json")[block][key]
+    assert with_overrides(config, [f"{block}.{key}={json.dumps(value)}"]) == config
 
 
 def test_presets_are_valid_configs_with_the_paper_split_sizes():

@@ -65,6 +65,20 @@ def test_drop_mode_writes_valid_rows_and_rejected_parquet(tmp_path):
     ]
     manifest = store.manifest(STAGE, result.ref.version)
     assert "rejected.parquet" in manifest["files"] and manifest["summary"]["rejected_rows"] == 3
+    assert result.rejected == 3
+
+
+def test_the_cli_says_how_many_rows_drop_mode_left_out(tmp_path, capsys):
+    source = tmp_path / "bad.jsonl"
+    source.write_text("\n".join(BAD_GENERIC) + "\n")
+    argv = ["ingest", "--dataset", "generic", "--path", str(source), "--root", str(tmp_path / "artifacts"),
+            "--set", 'labels=["a"]']
+    assert main(argv) == 1
+    assert "`moplex ingest ... --set validation=drop`" in capsys.readouterr().err  # the way out, as typed
+    for done in ("wrote 2 rankings", "is already complete"):
+        assert main([*argv, "--set", "validation=drop"]) == 0
+        out = capsys.readouterr().out
+        assert done in out and "3 source row(s) rejected, listed in rejected.parquet" in out
 
 
 def test_cli_ingest_and_inspect(tmp_path, fixtures_dir, capsys):
