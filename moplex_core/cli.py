@@ -126,7 +126,8 @@ def _augment(args: argparse.Namespace) -> int:
     try:
         rankings = Path(args.rankings) if Path(args.rankings).is_dir() else store.locate(args.rankings).path
         data = {k: v for k, v in (("backend", args.backend), ("model", args.model)) if v is not None}
-        config = with_overrides(AugmentConfig.model_validate(data), args.set)
+        # validated once, flags and --set together, so a missing setting reads like a bad --set
+        config = with_overrides(AugmentConfig.model_construct(**data), args.set)
         result = run_augment(config, rankings, store, progress=not args.quiet)
     except (ValueError, ArtifactError, ShortfallError, OSError, RuntimeError) as err:
         print(f"moplex augment: {err}", file=sys.stderr)
@@ -167,11 +168,15 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _inspect(args: argparse.Namespace) -> int:
+    from moplex_core.artifacts import ArtifactError, ArtifactRef, ArtifactStore
     from moplex_core.inspect import inspect_path
 
     try:
-        print(inspect_path(args.path, rows=args.rows))
-    except FileNotFoundError as err:
+        path = Path(args.path)
+        if not path.exists() and args.path.count("/") == 1:  # stage/version under --root
+            path = ArtifactStore(args.root).locate(ArtifactRef.parse(args.path)).path
+        print(inspect_path(path, rows=args.rows))
+    except (FileNotFoundError, ArtifactError) as err:
         print(f"moplex inspect: {err}", file=sys.stderr)
         return 1
     return 0
@@ -291,8 +296,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     run.set_defaults(func=_run)
 
-    inspect = sub.add_parser("inspect", help="readable report of an artifact folder, manifest.json or Parquet file")
-    inspect.add_argument("path")
+    inspect = sub.add_parser(
+        "inspect", help="readable report of an artifact folder, manifest.json or Parquet file",
+        description="A readable report of an artifact version (manifest, schema, counts per cluster and split, "
+                    "first rows, the stage's own summary), a manifest.json, a Parquet file, or a listing of a "
+                    "root or stage folder.")
+    inspect.add_argument("path", help="a version folder, manifest.json, Parquet file, root or stage folder, "
+                                      "or stage/version under --root (a version prefix is enough, e.g. ingest/3fa2)")
+    inspect.add_argument("--root", default="data/artifacts", help="artifact root for stage/version")
     inspect.add_argument("--rows", type=int, default=3, help="first rows to show per table")
     inspect.set_defaults(func=_inspect)
     return parser

@@ -70,7 +70,8 @@ def with_overrides(config: C, assignments: Sequence[str]) -> C:
     except ValidationError as err:
         problems.append(describe_validation_error(err))
     if problems:
-        raise ValueError(f"invalid {type(config).__name__} override(s) {list(assignments)}:\n" + "\n".join(problems))
+        given = f" (overrides {list(assignments)})" if assignments else ""
+        raise ValueError(f"invalid {type(config).__name__} settings{given}:\n" + "\n".join(problems))
     return validated
 
 

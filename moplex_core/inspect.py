@@ -46,6 +46,9 @@ def inspect_path(path: str | Path, rows: int = 3) -> str:
         return _version_report(path, rows)
     if path.is_dir():
         return _listing(path)
+    if path.exists():
+        raise FileNotFoundError(f"{path} is not an artifact folder, a manifest.json or a Parquet file "
+                                "(it exists: open it with a viewer of its own kind)")
     raise FileNotFoundError(
         f"{path} is not an artifact folder, a manifest.json or a Parquet file (nothing exists there)"
     )

@@ -167,6 +167,10 @@ def test_cli_augment_and_inspect(tmp_path, tiny_model_dir, capsys):
     assert main(["augment", "--rankings", str(rankings), "--root", str(root), "--backend", "vllm",
                  "--model", str(tiny_model_dir)]) == 1
     assert "set vllm_python" in capsys.readouterr().err
+    assert main(["augment", "--rankings", str(rankings), "--root", str(root)]) == 1  # hf needs a model
+    err = capsys.readouterr().err
+    assert err.startswith("moplex augment: invalid AugmentConfig settings:\n  backend 'hf' samples from a model")
+    assert "pydantic" not in err
 
 
 @pytest.mark.slow  # starts Prefect's ephemeral server: ~25 s on 2 cores

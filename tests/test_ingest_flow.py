@@ -95,6 +95,13 @@ def test_cli_ingest_and_inspect(tmp_path, fixtures_dir, capsys):
     assert main(["inspect", str(version_dir), "--rows", "1"]) == 0
     report = capsys.readouterr().out
     assert '"min_gap": 2' in report and "rows per cluster x split:" in report and "row 0:" in report
+    assert main(["inspect", f"{STAGE}/{version_dir.name[:4]}", "--root", str(root), "--rows", "1"]) == 0
+    assert capsys.readouterr().out == report  # stage/version under --root, as augment --rankings takes it
+    assert main(["inspect", f"{STAGE}/ffffffff", "--root", str(root)]) == 1
+    assert f"no artifact {STAGE}/ffffffff under {root}" in capsys.readouterr().err
+    (root / "notes.md").write_text("hello")
+    assert main(["inspect", str(root / "notes.md")]) == 1
+    assert "(it exists: open it with a viewer of its own kind)" in capsys.readouterr().err
     assert main(["ingest", "--dataset", "helpsteer2", "--set", "helpsteer2.typo=1", "--root", str(root)]) == 1
     assert "helpsteer2.typo" in capsys.readouterr().err
     assert main(["ingest", "--root", str(root)]) == 1
