@@ -192,12 +192,14 @@ def build_parser() -> argparse.ArgumentParser:
         "identifiability",
         help="held-out clustering accuracy vs ranking length m (paper section 3, figure 4)",
     )
-    ident.add_argument("--out", default="data/artifacts/experiments/identifiability")
+    ident.add_argument("--out", default="data/artifacts/experiments/identifiability",
+                       help="folder for results.parquet, table.md and accuracy_vs_m.png (default: %(default)s)")
     ident.add_argument("--seed", type=int, default=0, help="first seed")
     ident.add_argument("--seeds", type=int, default=3, help="number of seeds")
     ident.add_argument("--n", type=int, default=2000, help="training rankings per run")
-    ident.add_argument("--k", type=int, nargs="+", default=[2, 3, 4])
-    ident.add_argument("--m", type=int, nargs="+", default=[2, 3, 4, 5, 6, 7, 8])
+    ident.add_argument("--k", type=int, nargs="+", default=[2, 3, 4], help="numbers of clusters (default: 2 3 4)")
+    ident.add_argument("--m", type=int, nargs="+", default=[2, 3, 4, 5, 6, 7, 8],
+                       help="ranking lengths, responses per ranking (default: 2 to 8)")
     ident.add_argument("--noise", type=float, default=1.0, help="Gumbel noise scale")
     ident.add_argument("--max-iter", type=int, default=100, help="EM iterations at most")
     ident.add_argument("--restarts", type=int, default=2, help="EM restarts (best log-likelihood kept)")
@@ -210,7 +212,8 @@ def build_parser() -> argparse.ArgumentParser:
         "delta and logpi modes",
     )
     approx.add_argument("--cache", required=True, help="a cache artifact folder (its model is pi_ref)")
-    approx.add_argument("--out", default="data/artifacts/experiments/approximation")
+    approx.add_argument("--out", default="data/artifacts/experiments/approximation",
+                        help="folder for errors.parquet, table.parquet and table.md (default: %(default)s)")
     approx.add_argument("--split", default="train", help="cache split to measure on")
     approx.add_argument("--k", type=int, default=3, help="adapters trained briefly before measuring")
     approx.add_argument("--seed", type=int, default=0, help="first seed")
@@ -249,7 +252,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Read a preference dataset into a versioned rankings artifact. A second run with "
         "the same config and source does nothing.",
     )
-    ingest.add_argument("--dataset", choices=["ultrafeedback", "persona", "helpsteer2", "synthetic", "generic"])
+    ingest.add_argument("--dataset", choices=["ultrafeedback", "persona", "helpsteer2", "synthetic", "generic"],
+                        help="the dataset's adapter (its raw schema); give this or --preset")
     ingest.add_argument("--preset", help="a named IngestConfig (moplex_core.config.INGEST_PRESETS)")
     ingest.add_argument("--path", help="local file or folder in the dataset's raw schema (instead of the hub)")
     ingest.add_argument("--root", default="data/artifacts", help="artifact root")
@@ -267,7 +271,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     augment.add_argument("--rankings", required=True,
                          help="the rankings artifact: its folder, or stage/version under --root (e.g. ingest/3fa2)")
-    augment.add_argument("--backend", choices=["hf", "vllm", "borrow"])
+    augment.add_argument("--backend", choices=["hf", "vllm", "borrow"],
+                         help="hf: transformers generate (default); vllm: a subprocess under vllm_python; "
+                         "borrow: responses of other prompts, no model")
     augment.add_argument("--model", help="local model directory or hub name (hf, vllm)")
     augment.add_argument("--root", default="data/artifacts", help="artifact root")
     augment.add_argument(

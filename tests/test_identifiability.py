@@ -24,3 +24,12 @@ def test_study_writes_results_plot_and_table(tmp_path, capsys):
     assert (m8.em > 0.9).all() and ((m8.oracle - m8.em).abs() < 0.05).all()
     printed = capsys.readouterr().out
     assert str(out / "results.parquet") in printed
+
+
+def test_the_table_shows_a_spread_only_over_several_seeds():
+    from moplex_core.experiments.identifiability import summary_table
+
+    rows = [{"k": 2, "method": "em", "m": 4, "m_prime": 4, "augment": "none", "seed": s, "accuracy": a}
+            for s, a in ((0, 0.8), (1, 0.9))]
+    assert "| 0.850 ± 0.050 |" in summary_table(pd.DataFrame(rows))
+    assert "| 0.800 |" in summary_table(pd.DataFrame(rows[:1]))

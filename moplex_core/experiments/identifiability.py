@@ -181,7 +181,9 @@ def run_study(config: StudyConfig, out_dir: Path, progress: bool = True) -> Stud
 def summary_table(results: pd.DataFrame) -> str:
     """Markdown: one row per (k, method), one column per m, then the augmented m = 2 columns."""
     def cell(frame: pd.DataFrame) -> str:
-        return f"{frame.accuracy.mean():.3f} ± {frame.accuracy.std(ddof=0):.3f}" if len(frame) else ""
+        if len(frame) < 2:  # one seed has no spread to show
+            return f"{frame.accuracy.mean():.3f}" if len(frame) else ""
+        return f"{frame.accuracy.mean():.3f} ± {frame.accuracy.std(ddof=0):.3f}"
 
     plain = results[results.augment == "none"]
     ms = sorted(plain.m.unique())
