@@ -76,11 +76,14 @@ class ShortfallError(RuntimeError):
 
     def __init__(self, shortfall: pa.Table, config: AugmentConfig, where: Path):
         self.shortfall = shortfall
+        remedy = ("The borrow backend lends only responses that other rankings of the same prompt have, and "
+                  "it has no more for these: use a generating backend (hf, vllm), lower n_generated, or"
+                  if config.backend == "borrow" else "Raise max_attempts or temperature, or")
         super().__init__(
-            f"{_describe(shortfall)} after {config.max_attempts} attempt(s) (n_generated = {config.n_generated}):\n"
-            f"{_show(shortfall)}\nThe table is in {where / SHORTFALL_FILE}. Raise max_attempts or temperature, or "
-            "rerun with on_shortfall=keep_fewer to keep these rankings with fewer generated responses (the "
-            "finished shards are reused)."
+            f"{_describe(shortfall)} (n_generated = {config.n_generated}; attempts per prompt, at most "
+            f"{config.max_attempts}, in the table):\n{_show(shortfall)}\nThe table is in {where / SHORTFALL_FILE}. "
+            f"{remedy} rerun with on_shortfall=keep_fewer to keep these rankings with fewer generated responses "
+            "(the finished shards are reused)."
         )
 
 
