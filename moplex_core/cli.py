@@ -74,8 +74,10 @@ def _experiment_compare(args: argparse.Namespace) -> int:
 
 
 def _prefect_unreachable(command: str, err: RuntimeError) -> int:
-    """A flow run that could not start: failures inside a run come back as its state, so a
-    RuntimeError out of the flow call is Prefect's own (its temporary server did not come up)."""
+    """A flow run that could not start because Prefect's temporary server did not come up (failures
+    inside a run come back as its state); any other RuntimeError is raised as it is."""
+    if "ephemeral Prefect API server" not in str(err):
+        raise err
     timeout = os.environ.get("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS")
     print(f"{command}: the run could not start: {err}\nPrefect's temporary server gets "
           f"PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS={timeout} s to start (its first start in a "
