@@ -289,6 +289,14 @@ class ArtifactStore:
                     ))
         return infos
 
+    def resolve(self, text: str) -> Path:
+        """What a user typed for an artifact: an existing path as it is, else ``stage/version``
+        (a version prefix is enough) under this root (`locate`)."""
+        path = Path(text)
+        if path.exists() or text.strip("/").count("/") != 1:
+            return path
+        return self.locate(text).path
+
     def locate(self, ref: str | ArtifactRef) -> ArtifactInfo:
         """Find ``stage/version``, where version may be any unambiguous prefix (as with git)."""
         ref = ArtifactRef.parse(ref) if isinstance(ref, str) else ref

@@ -126,7 +126,7 @@ def _augment(args: argparse.Namespace) -> int:
 
     store = ArtifactStore(args.root)
     try:
-        rankings = Path(args.rankings) if Path(args.rankings).is_dir() else store.locate(args.rankings).path
+        rankings = store.resolve(args.rankings)
         data = {k: v for k, v in (("backend", args.backend), ("model", args.model)) if v is not None}
         # validated once, flags and --set together, so a missing setting reads like a bad --set
         config = with_overrides(AugmentConfig.model_construct(**data), args.set)
@@ -170,14 +170,11 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _inspect(args: argparse.Namespace) -> int:
-    from moplex_core.artifacts import ArtifactError, ArtifactRef, ArtifactStore
+    from moplex_core.artifacts import ArtifactError, ArtifactStore
     from moplex_core.inspect import inspect_path
 
     try:
-        path = Path(args.path)
-        if not path.exists() and args.path.count("/") == 1:  # stage/version under --root
-            path = ArtifactStore(args.root).locate(ArtifactRef.parse(args.path)).path
-        print(inspect_path(path, rows=args.rows))
+        print(inspect_path(ArtifactStore(args.root).resolve(args.path), rows=args.rows))
     except (FileNotFoundError, ArtifactError) as err:
         print(f"moplex inspect: {err}", file=sys.stderr)
         return 1

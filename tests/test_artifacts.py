@@ -93,6 +93,10 @@ def test_list_locate_and_fingerprint(tmp_path):
         store.locate("demo/aa")
     with pytest.raises(ArtifactNotFoundError, match="versions of demo: demo/aaa111"):
         store.locate("demo/zzz")
+    # what a user types: an existing path as it is, else stage/version under the root
+    assert store.resolve("demo/aab") == tmp_path / "demo" / "aab222"
+    assert store.resolve(str(tmp_path / "demo" / "aaa111")) == tmp_path / "demo" / "aaa111"
+    assert store.resolve("/no/such/folder") == Path("/no/such/folder")  # left for the caller to report
     # Same content, same fingerprint, whatever the version name.
     assert store.fingerprint("demo", "aaa111") == store.fingerprint("demo", "aab222")
 
