@@ -9,8 +9,9 @@ One iteration t:
     gamma_ic  = softmax_c(log alpha_c + log P_c(sigma_i))        (E-step, whole training set)
     LL_t      = mean_i logsumexp_c(log alpha_c + log P_c(sigma_i))
 
-The first M-step starts from symmetry-breaking responsibilities (a seeded Dirichlet, or k-means over
-the rankings' Fisher-score features), since scorers start equal (LoRA B = 0 makes every adapter the
+The first M-step starts from symmetry-breaking responsibilities (a seeded Dirichlet, k-means over
+the rankings' Fisher-score features, or the posteriors of a linear PL mixture over features in which
+the scorer is linear at its start: `linearized`), since scorers start equal (LoRA B = 0 makes every adapter the
 reference). Every iteration can be checkpointed to ``<dir>/restart-RR/iter-NNNN/`` and a killed run
 resumes at the last finished iteration with identical results.
 """
@@ -109,6 +110,9 @@ class Scorer(Protocol):
         """One feature vector per ranking, float64 [n, d], for the k-means initialisation."""
         ...
 
+    # Optional, for init="linearized": response_features(inputs) -> float64 [n, M, d], features in
+    # which every cluster's score is (to first order) linear at the scorer's start.
+
     def state_dict(self) -> dict[str, Any]: ...
 
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
@@ -122,7 +126,7 @@ class EMConfig:
     """Stop when |LL_t - LL_{t-1}| <= tol * |LL_{t-1}| (LL per ranking)."""
     gamma_min: float = 1e-3
     """M-step skips (example, cluster) pairs whose responsibility is below this."""
-    init: Literal["kmeans", "dirichlet"] = "kmeans"
+    init: Literal["kmeans", "dirichlet", "linearized"] = "kmeans"
     dirichlet_concentration: float = 1.0
     restarts: int = 1
     """Independent runs from different initialisations; the best final log-likelihood is kept."""
@@ -205,6 +209,8 @@ def initial_responsibilities(
         rng = np.random.default_rng(seed)
         g = rng.gamma(config.dirichlet_concentration, size=(n, k))
         return torch.as_tensor(g / g.sum(1, keepdims=True), dtype=torch.float64)
+    if config.init == "linearized":
+        return _linearized_start(config, scorer, inputs, rankings, seed)
     from sklearn.cluster import KMeans
 
     features = scorer.ranking_features(inputs, rankings).numpy()
@@ -214,6 +220,37 @@ def initial_responsibilities(
     gamma = torch.full((n, k), 0.1 / max(k - 1, 1), dtype=torch.float64)
     gamma[torch.arange(n), torch.as_tensor(labels)] = 0.9
     return gamma
+
+
+LINEARIZED_L2 = 1e-2
+"""Ridge of the linearized start's linear scorer, on standardised features (best of 1e-3, 1e-2, 1e-1
+on the synthetic demo's cache: benchmarks/lm_synthetic_cpu.py)."""
+
+
+def _linearized_start(config: EMConfig, scorer: Scorer, inputs: Any, rankings: Rankings, seed: int) -> torch.Tensor:
+    """Posteriors float64 [n, k] of a linear PL mixture fitted by EM (a seeded Dirichlet start, 3
+    restarts) over ``scorer.response_features(inputs)``: the mixture the scorer itself would be if its
+    scores stayed linear in its parameters, and a convex M-step that L-BFGS solves exactly, where the
+    scorer's own first M-steps are a few noisy optimizer steps.
+
+    Only ranked responses take part: the augmented bottom set (UNRANKED) says the same in every
+    cluster (the originals beat the generated ones), so it tells nothing about the cluster and a
+    linear model would spend itself on it.
+    """
+    from moplex_core.scorers.linear import LinearScorer  # scorers import this module
+
+    if not hasattr(scorer, "response_features"):
+        raise ValueError(f"init='linearized' needs a scorer with response features (the LM policy scorer); "
+                         f"{type(scorer).__name__} has none: use init='kmeans' or 'dirichlet'")
+    features = scorer.response_features(inputs)  # [n, M, d]
+    tiers = torch.where(rankings.tiers == UNRANKED, PAD, rankings.tiers)  # [n, M]
+    ranked = Rankings(tiers, rankings.ranked_prefix, rankings.example_ids, rankings.model)
+    real = (tiers != PAD).unsqueeze(-1)  # [n, M, 1]
+    values = features[real.expand_as(features)].view(-1, features.shape[-1])  # [slots, d]
+    standardised = torch.where(real, (features - values.mean(0)) / (values.std(0) + 1e-12), 0.0)
+    result, _ = fit_mixture(lambda: LinearScorer(config.k, features.shape[-1], l2=LINEARIZED_L2), standardised,
+                            ranked, EMConfig(k=config.k, max_iter=50, init="dirichlet", restarts=3, seed=seed))
+    return result.best.gamma
 
 
 def _one_hot(gamma: torch.Tensor) -> torch.Tensor:

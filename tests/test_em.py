@@ -58,6 +58,34 @@ def test_initialisations_are_seeded_and_break_symmetry():
         assert a.std(0).min() > 0.05  # not uniform
 
 
+class FeatureScorer(LinearScorer):
+    """A linear scorer that also offers its inputs as response features (as the LM scorer does)."""
+
+    def response_features(self, inputs):
+        return inputs
+
+
+def test_linearized_start_finds_the_clusters_from_the_ranked_responses_only():
+    # m = 4 with 3 generated responses below (UNRANKED); k-means on single rankings is near chance here.
+    data, rankings, x = synthetic(k=3, m=4, n=600, seed=2, n_generated=3)
+    noisy = x.clone()
+    noisy[:, 4:] = 50 * torch.randn(600, 3, 3, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    config = EMConfig(k=3, init="linearized")
+    gamma = initial_responsibilities(config, FeatureScorer(3, 3), noisy, rankings, seed=5)
+    assert torch.equal(gamma, initial_responsibilities(config, FeatureScorer(3, 3), noisy, rankings, seed=5))
+    assert torch.allclose(gamma.sum(1), torch.ones(600, dtype=torch.float64))
+    labels = gamma.argmax(1).numpy()
+    assert clustering_accuracy(labels, data.labels, fit_matching(labels, data.labels, 3, 3)) > 0.8
+    kmeans = initial_responsibilities(EMConfig(k=3), FeatureScorer(3, 3), x, rankings, seed=5).argmax(1).numpy()
+    assert clustering_accuracy(kmeans, data.labels, fit_matching(kmeans, data.labels, 3, 3)) < 0.7
+
+
+def test_linearized_start_needs_response_features():
+    _, rankings, x = synthetic(k=2, m=4, n=50)
+    with pytest.raises(ValueError, match="init='linearized' needs a scorer with response features.*LinearScorer"):
+        initial_responsibilities(EMConfig(k=2, init="linearized"), LinearScorer(2, 2), x, rankings, seed=0)
+
+
 def test_restarts_keep_the_best_log_likelihood():
     _, rankings, x = synthetic(k=3, m=3, n=300, seed=4)
     result, _ = fit_mixture(lambda: LinearScorer(3, 3), x, rankings, EMConfig(k=3, init="dirichlet", restarts=3, max_iter=10))

@@ -11,7 +11,7 @@ from peft import LoraConfig, get_peft_model
 from transformers import PreTrainedModel
 
 from moplex_core.lm.loading import load_model, load_tokenizer
-from moplex_core.lm.logprobs import causal_lm_parts, embed, sequence_logprobs
+from moplex_core.lm.logprobs import causal_lm_parts, embed, output_score_features, sequence_logprobs
 from moplex_core.lm.tokenize import PaddedBatch, pad_batch, tokenize_responses
 
 PROMPTS = {
@@ -178,3 +178,25 @@ def test_a_response_at_position_zero_is_refused(model32, batch) -> None:
     response_mask[1, 0] = True
     with pytest.raises(ValueError, match="rows \\[1\\]"):
         sequence_logprobs(model32, batch.input_ids, batch.attention_mask, response_mask)
+
+
+def test_output_score_features_are_the_projected_lm_head_gradient_of_each_row(model64, batch) -> None:
+    """Row b equals left^T (d log pi(y_b|x_b) / dW) right by autograd, W the output layer's weight as
+    the output layer alone uses it (the tiny model ties it to the input embeddings), in several chunks."""
+    decoder, lm_head = causal_lm_parts(model64)
+    vocab, hidden = lm_head.weight.shape
+    generator = torch.Generator().manual_seed(0)
+    left = torch.randn(vocab, 3, generator=generator, dtype=torch.float64)  # [V, p]
+    right = torch.randn(hidden, 4, generator=generator, dtype=torch.float64)  # [d, q]
+    features = output_score_features(model64, batch.input_ids, batch.attention_mask, batch.response_mask,
+                                     left, right, chunk_size=4)  # [B, p*q]
+    assert features.shape == (batch.input_ids.shape[0], 12) and features.dtype == torch.float64
+    with torch.no_grad():
+        states = decoder(input_ids=batch.input_ids, attention_mask=batch.attention_mask).last_hidden_state  # [B, L, d]
+    weight = lm_head.weight.detach().clone().requires_grad_(True)  # [V, d]
+    for row in range(batch.input_ids.shape[0]):
+        predicts = batch.response_mask[row, 1:]  # [L-1]
+        token_logp = (states[row, :-1][predicts] @ weight.T).log_softmax(-1)  # [T, V]
+        logp = token_logp.gather(1, batch.input_ids[row, 1:][predicts][:, None]).sum()
+        (gradient,) = torch.autograd.grad(logp, weight)  # [V, d]
+        torch.testing.assert_close(features[row], (left.T @ gradient @ right).flatten(), rtol=1e-9, atol=1e-10)

@@ -15,10 +15,12 @@ import moplex_core.scorers.lora_policy as lora_policy
 from moplex_core.artifacts import ArtifactStore
 from moplex_core.cache import load_policy_inputs, run_cache
 from moplex_core.config import CacheConfig
+from moplex_core.em import EMConfig, initial_responsibilities
 from moplex_core.lm.loading import load_model
-from moplex_core.lm.logprobs import sequence_logprobs
+from moplex_core.lm.logprobs import output_score_features, sequence_logprobs
 from moplex_core.lm.tokenize import TokenizedResponse, pad_batch
 from moplex_core.lm.multi_lora import LoRASettings
+from moplex_core.pl import PAD
 from moplex_core.scorers.lora_policy import LoRAPolicyScorer
 
 SMALL = LoRASettings(r=4, alpha=8.0, target_modules=("q_proj", "v_proj", "down_proj"))
@@ -236,3 +238,22 @@ def test_saved_adapter_configs_list_their_target_modules_sorted(tiny_model_dir, 
     for name in ("c0", "c1"):
         config = json.loads((tmp_path / name / "adapter_config.json").read_text())
         assert config["target_modules"] == sorted(targets)
+
+
+def test_response_features_are_each_responses_reference_output_gradient(tiny_model_dir, inputs):  # noqa: F811
+    policy = scorer(tiny_model_dir, anchors=2)
+    policy.fit(inputs, inputs.rankings(), torch.full((len(inputs), 2), 0.5, dtype=torch.float64), 0)  # adapters moved
+    features = policy.response_features(inputs, width=4)  # [n, M, 16]
+    assert features.shape == (*inputs.tiers.shape, 16) and features.dtype == torch.float64
+    assert (features[inputs.tiers == PAD] == 0).all()
+    generator = torch.Generator().manual_seed(policy.seed)
+    vocab, hidden = policy.model.get_output_embeddings().weight.shape
+    left = torch.randn(vocab, 4, generator=generator, dtype=torch.float64)
+    right = torch.randn(hidden, 4, generator=generator, dtype=torch.float64)
+    base = load_model(tiny_model_dir, dtype="float32")  # no adapters: the reference model
+    for i, j in [(0, 0), (3, 4), (len(inputs) - 1, 2)]:
+        one = pad_batch([inputs.sequences[i][j]], policy.pad_token_id)
+        alone = output_score_features(base, one.input_ids, one.attention_mask, one.response_mask, left, right)[0]
+        torch.testing.assert_close(features[i, j], alone, rtol=1e-4, atol=1e-4)
+    gamma = initial_responsibilities(EMConfig(k=2, init="linearized"), policy, inputs, inputs.rankings(), seed=0)
+    assert gamma.shape == (len(inputs), 2) and torch.allclose(gamma.sum(1), torch.ones(len(inputs), dtype=torch.float64))

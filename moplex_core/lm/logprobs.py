@@ -141,26 +141,9 @@ def sequence_logprobs(
     """
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be at least 1, got {chunk_size}")
-    response_mask = response_mask.bool()
-    if response_mask[:, 0].any():
-        rows = torch.nonzero(response_mask[:, 0]).flatten().tolist()
-        raise ValueError(
-            f"response_mask marks position 0 as a response token in rows {rows}; the first response "
-            "token must follow at least one prompt token that predicts it (see tokenize.encode_prompt)"
-        )
-    decoder, lm_head = causal_lm_parts(model)
-    inputs = {"input_ids": input_ids} if inputs_embeds is None else {"inputs_embeds": inputs_embeds}
-    if prefix is not None:
-        positions = torch.arange(input_ids.shape[1], device=input_ids.device)
-        inputs.update(past_key_values=prefix.cache, position_ids=prefix.lengths[:, None] + positions[None, :])
-        attention_mask = torch.cat([prefix.attention_mask, attention_mask.to(prefix.attention_mask)], dim=1)
-    hidden = decoder(**inputs, attention_mask=attention_mask, use_cache=False).last_hidden_state  # [B, L, d]
-    acc_dtype = torch.float64 if hidden.dtype == torch.float64 else torch.float32
-
-    # The hidden state at t predicts the token at t + 1.
-    predicts_response = response_mask[:, 1:]  # bool [B, L-1]
-    selected = hidden[:, :-1][predicts_response]  # [N, d], N = response tokens in the batch
-    targets = input_ids[:, 1:][predicts_response]  # [N]
+    selected, targets, predicts_response, lm_head = _response_hidden(
+        model, input_ids, attention_mask, response_mask, inputs_embeds, prefix)
+    acc_dtype = torch.float64 if selected.dtype == torch.float64 else torch.float32
 
     # Under autograd keep only each chunk's [n, d] input; its [n, V] logits are recomputed in backward.
     recompute = torch.is_grad_enabled() and (
@@ -177,8 +160,79 @@ def sequence_logprobs(
     token_logprobs = torch.cat(chunks) if chunks else selected.new_zeros(0, dtype=acc_dtype)  # [N]
 
     # Scatter back to [B, L-1] and sum per row: deterministic, unlike index_add on CUDA.
-    per_position = torch.zeros(predicts_response.shape, dtype=acc_dtype, device=hidden.device)
+    per_position = torch.zeros(predicts_response.shape, dtype=acc_dtype, device=selected.device)
     return per_position.masked_scatter(predicts_response, token_logprobs).sum(dim=1)  # [B]
+
+
+def output_score_features(
+    model: PreTrainedModel | PeftModel,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    response_mask: torch.Tensor,
+    left: torch.Tensor,
+    right: torch.Tensor,
+    *,
+    chunk_size: int = 1024,
+) -> torch.Tensor:
+    """The gradient of log pi(y|x) w.r.t. the ``lm_head`` weight W [V, d], projected: float64
+    [B, p * q], row b = (left^T G_b right) flattened, with
+
+        G_b = d log pi(y_b|x_b) / dW = sum_t (e_{y_t} - softmax(W h_t)) h_t^T        [V, d]
+
+    over b's response tokens (h_t the final hidden state that predicts y_t). <Theta, left^T G right>
+    is then the first-order change of log pi(y|x) when W moves by left Theta right^T, a rank-limited
+    change of the output layer: features in which the mixture's scores are linear at the reference
+    model (`LoRAPolicyScorer.response_features`).
+
+    input_ids, attention_mask, response_mask: [B, L] as in `sequence_logprobs`.
+    left: [V, p], right: [d, q] projections (float64, any device). No gradient.
+    """
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be at least 1, got {chunk_size}")
+    with torch.no_grad():
+        selected, targets, predicts_response, lm_head = _response_hidden(
+            model, input_ids, attention_mask, response_mask, None, None)
+        left, right = left.to(selected.device, torch.float64), right.to(selected.device, torch.float64)
+        row_of = predicts_response.nonzero()[:, 0]  # [N] the row of each response token
+        features = torch.zeros(input_ids.shape[0], left.shape[1] * right.shape[1], dtype=torch.float64,
+                               device=selected.device)  # [B, p*q]
+        for start in range(0, targets.shape[0], chunk_size):
+            hidden = selected[start : start + chunk_size]  # [n, d]
+            probs = torch.softmax(lm_head(hidden).double(), dim=-1)  # [n, V]
+            a = left[targets[start : start + chunk_size]] - probs @ left  # [n, p]: (e_y - p)^T left
+            b = hidden.double() @ right  # [n, q]: h^T right
+            owner = torch.nn.functional.one_hot(row_of[start : start + chunk_size], input_ids.shape[0])
+            features += owner.double().T @ (a[:, :, None] * b[:, None, :]).flatten(1)  # [B, p*q], no atomics
+        return features.cpu()
+
+
+def _response_hidden(
+    model: PreTrainedModel | PeftModel,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    response_mask: torch.Tensor,
+    inputs_embeds: torch.Tensor | None,
+    prefix: PromptPrefix | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, nn.Module]:
+    """The decoder pass of `sequence_logprobs`: (the final hidden states that predict a response
+    token [N, d], those tokens int64 [N], where they sit bool [B, L-1], ``lm_head``)."""
+    response_mask = response_mask.bool()
+    if response_mask[:, 0].any():
+        rows = torch.nonzero(response_mask[:, 0]).flatten().tolist()
+        raise ValueError(
+            f"response_mask marks position 0 as a response token in rows {rows}; the first response "
+            "token must follow at least one prompt token that predicts it (see tokenize.encode_prompt)"
+        )
+    decoder, lm_head = causal_lm_parts(model)
+    inputs = {"input_ids": input_ids} if inputs_embeds is None else {"inputs_embeds": inputs_embeds}
+    if prefix is not None:
+        positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+        inputs.update(past_key_values=prefix.cache, position_ids=prefix.lengths[:, None] + positions[None, :])
+        attention_mask = torch.cat([prefix.attention_mask, attention_mask.to(prefix.attention_mask)], dim=1)
+    hidden = decoder(**inputs, attention_mask=attention_mask, use_cache=False).last_hidden_state  # [B, L, d]
+    # The hidden state at t predicts the token at t + 1.
+    predicts_response = response_mask[:, 1:]  # bool [B, L-1]
+    return hidden[:, :-1][predicts_response], input_ids[:, 1:][predicts_response], predicts_response, lm_head
 
 
 def _target_logprobs(

@@ -58,8 +58,9 @@ from moplex_core.estimate import (
     response_embeddings,
 )
 from moplex_core.lm.loading import load_model
+from moplex_core.lm.logprobs import output_score_features
 from moplex_core.lm.multi_lora import LoRASettings, MultiLoRA
-from moplex_core.lm.tokenize import TokenizedResponse
+from moplex_core.lm.tokenize import TokenizedResponse, pad_batch
 from moplex_core.pl import PAD
 
 log = logging.getLogger(__name__)
@@ -262,6 +263,32 @@ class LoRAPolicyScorer:
             emb = torch.nn.functional.pad(emb[:, :width], (0, 0, 0, max(0, width - emb.shape[1])))
             pooled = (slot_weights[i, : len(seqs), None, None] * emb.double()).sum(0)  # [width, d]
             features[i] = pooled.flatten() @ projection
+        return features
+
+    def response_features(self, inputs: PolicyInputs, width: int = 16) -> torch.Tensor:
+        """Features in which every cluster's score is linear at the start, for the `linearized`
+        initialisation (moplex_core.em): float64 [n, M, width**2], zeros at padding slots.
+
+        For each response, the gradient of log pi_ref(y|x) w.r.t. the output layer's weight, projected
+        by seeded Gaussian matrices to width x width (`output_score_features`): r_c(y) moves by
+        <Theta_c, feature(y)> to first order when adapter c changes the output layer by a rank-limited
+        step. One forward of the base model per response, ``score_batch_size`` rows at a time.
+        """
+        generator = torch.Generator().manual_seed(self.seed)
+        vocab, hidden = self.model.get_output_embeddings().weight.shape
+        left = torch.randn(vocab, width, generator=generator, dtype=torch.float64)  # [V, width]
+        right = torch.randn(hidden, width, generator=generator, dtype=torch.float64)  # [d, width]
+        slots = [(i, j) for i, seqs in enumerate(inputs.sequences) for j in range(len(seqs))]
+        features = torch.zeros(len(inputs), inputs.tiers.shape[1], width * width, dtype=torch.float64)
+        device = next(self.model.parameters()).device
+        for start in tqdm(range(0, len(slots), self.score_batch_size), desc="response features", unit="batch",
+                          disable=not self.progress, leave=False):
+            chunk = slots[start : start + self.score_batch_size]
+            batch = pad_batch([inputs.sequences[i][j] for i, j in chunk], self.pad_token_id)
+            rows = output_score_features(self.model, batch.input_ids.to(device), batch.attention_mask.to(device),
+                                         batch.response_mask.to(device), left, right, chunk_size=self.chunk_size)
+            for (i, j), row in zip(chunk, rows, strict=True):
+                features[i, j] = row
         return features
 
     def state_dict(self) -> dict[str, Any]:
