@@ -464,10 +464,10 @@ class TrainConfig(StageConfig):
     baselines see it). ``hard`` replaces the posteriors by their one-hot argmax (MaxMin-RLHF's
     assignment step). Both exist so that the baselines are presets of this one engine (DESIGN 7).
 
-    ``init`` breaks the symmetry of the first M-step (moplex_core.em): ``kmeans`` over the rankings'
-    Fisher-score features, a seeded ``dirichlet``, or ``linearized``: the posteriors of a linear PL
-    mixture over each response's output-layer score gradient under the base model (one extra
-    forward per training response; `LoRAPolicyScorer.response_features`).
+    ``init`` breaks the symmetry of the first M-step (moplex_core.em): ``linearized`` (default), the
+    posteriors of a linear PL mixture over each response's output-layer score gradient under the
+    base model (one extra forward per training response; `LoRAPolicyScorer.response_features`);
+    ``kmeans`` over the rankings' Fisher-score features; or a seeded ``dirichlet``.
 
     Left out of the version: ``score_batch_size``, ``device``, ``chunk_size`` (how fast, not what).
     The base model is the one the cache was built from (its version pins the model's content).
@@ -489,7 +489,7 @@ class TrainConfig(StageConfig):
     gamma_min: float = Field(1e-3, ge=0.0, lt=1.0)
     em_iterations: int = Field(10, ge=1)
     tol: float = Field(1e-6, ge=0.0)
-    init: Literal["kmeans", "dirichlet", "linearized"] = "kmeans"
+    init: Literal["linearized", "kmeans", "dirichlet"] = "linearized"
     restarts: int = Field(1, ge=1)
     seed: int = 0
     dtype: ModelDtype = "auto"

@@ -18,6 +18,9 @@ and the LoRA weights (autograd sums each group's rows into its prompt pass), for
 prompt per group instead of one per row. Only for models whose layers all use full attention
 (`prefix_is_exact`).
 
+`output_score_features` runs the same decoder pass and gives, per sequence, the gradient of
+log pi(y|x) w.r.t. the ``lm_head`` weight, projected (the features of EM's `linearized` start).
+
 Works for a Hugging Face causal LM, with or without moplex's `MultiLoRA` adapters (routed per row,
 moplex_core.lm.multi_lora), and for a PEFT ``PeftModel`` wrapping one: PEFT injects its LoRA layers
 into the wrapped model's modules, so calling its decoder and ``lm_head`` directly applies the active
