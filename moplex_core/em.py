@@ -236,9 +236,9 @@ clustering (0.85 and 0.75 of the demo's and lm_synthetic_cpu.py's training ranki
 def _linearized_start(config: EMConfig, scorer: Scorer, inputs: Any, rankings: Rankings, seed: int) -> torch.Tensor:
     """Posteriors float64 [n, k] of a linear PL mixture fitted by EM (a seeded Dirichlet start, 3
     restarts) over ``scorer.response_features(inputs)``: the mixture the scorer would be if its
-    scores were linear in those features (for the LM policy scorer, its first-order model when the output layer
-    moves). Its M-step is convex and L-BFGS nearly solves it (LINEARIZED_SOLVER), where the scorer's
-    own first M-steps are a few noisy optimizer steps.
+    scores were linear in those features (for the LM policy scorer, its first-order model when the
+    output layer moves). Its M-step is convex and L-BFGS nearly solves it (LINEARIZED_SOLVER), where
+    the scorer's own first M-steps are a few noisy optimizer steps.
 
     Only ranked responses take part: the augmented bottom set (UNRANKED) says the same in every
     cluster (the originals beat the generated ones), so it tells nothing about the cluster and a

@@ -45,7 +45,7 @@ from moplex_core.scorers.lora_policy import LoRAPolicyScorer, PolicyInputs, Scor
 log = logging.getLogger(__name__)
 
 STAGE = "train"
-CODE_VERSION = "train-3"  # bump when a change to this stage changes what it writes
+CODE_VERSION = "train-4"  # bump when a change to this stage changes what it writes
 TRAIN_SPLIT = "train"
 
 SCORES_SCHEMA = pa.schema([
