@@ -121,9 +121,15 @@ class MultiLoRA:
         self._route = _Route()
         generator = torch.Generator().manual_seed(seed)
         targets = set(settings.target_modules)
+        output = model.get_output_embeddings()
         self.layers: dict[str, MultiLoRALinear] = {}
         for name, module in list(model.named_modules()):
             if name.rsplit(".", 1)[-1] in targets and isinstance(module, nn.Linear):
+                if module is output:
+                    raise ValueError(f"target_modules names the output layer ({name}), which takes no adapter "
+                                     "here: it runs on the response tokens of a batch, not on its rows, so it "
+                                     "cannot be routed per row; target the decoder layers' projections "
+                                     "(q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj)")
                 layer = MultiLoRALinear(module, k, settings, self._route, generator)
                 model.set_submodule(name, layer)
                 self.layers[name] = layer
