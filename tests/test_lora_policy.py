@@ -245,7 +245,12 @@ def test_response_features_are_each_responses_reference_output_gradient(tiny_mod
     policy.fit(inputs, inputs.rankings(), torch.full((len(inputs), 2), 0.5, dtype=torch.float64), 0)  # adapters moved
     features = policy.response_features(inputs, width=4)  # [n, M, 16]
     assert features.shape == (*inputs.tiers.shape, 16) and features.dtype == torch.float64
-    assert (features[inputs.tiers == PAD] == 0).all()
+    tiers = inputs.tiers.clone()
+    tiers[0, -1] = PAD  # example 0 loses its last response: a ragged slate
+    ragged = dataclasses.replace(inputs, sequences=(inputs.sequences[0][:-1], *inputs.sequences[1:]), tiers=tiers)
+    padded = policy.response_features(ragged, width=4)
+    assert (padded[ragged.tiers == PAD] == 0).all() and (features[0, -1] != 0).any()
+    torch.testing.assert_close(padded[ragged.tiers != PAD], features[ragged.tiers != PAD], rtol=1e-4, atol=1e-4)
     generator = torch.Generator().manual_seed(policy.seed)
     vocab, hidden = policy.model.get_output_embeddings().weight.shape
     left = torch.randn(vocab, 4, generator=generator, dtype=torch.float64)
