@@ -31,12 +31,11 @@ from moplex_core.artifacts import ArtifactStore, load_table, read_manifest  # no
 from moplex_core.cache import load_policy_inputs  # noqa: E402
 from moplex_core.config import CacheConfig, IngestConfig, SplitConfig, SyntheticOptions, TrainConfig  # noqa: E402
 from moplex_core.data.synthetic import render_response  # noqa: E402
-from moplex_core.em import EMConfig, Rankings, initial_responsibilities  # noqa: E402
-from moplex_core.evaluate import EvalSplit, evaluate_mixture  # noqa: E402
+from moplex_core.em import Rankings  # noqa: E402
+from moplex_core.evaluate import EvalSplit, em_start_metrics, evaluate_mixture  # noqa: E402
 from moplex_core.experiments.approximation import ApproximationConfig, run_approximation  # noqa: E402
 from moplex_core.lm.tiny import build_tiny_model  # noqa: E402
-from moplex_core.metrics import clustering_accuracy, fit_matching  # noqa: E402
-from moplex_core.train import load_trained, make_scorer  # noqa: E402
+from moplex_core.train import load_posteriors, load_trained  # noqa: E402
 
 
 def below_extras(rankings_dir: Path, store: ArtifactStore, n_generated: int, k: int, seed: int) -> Path:
@@ -69,16 +68,15 @@ def evaluate(train_dir: str, cache_dir: str) -> dict[str, float]:
         "ranking_accuracy_oracle", float("nan")), "heldout_ll": test["heldout_log_likelihood"]}
 
 
-def start_accuracy(config: TrainConfig, model_dir: Path, cache_dir: str) -> float:
-    """Clustering accuracy on the train split of the responsibilities EM starts from (restart 0's
-    seed), with the Hungarian matching fitted on the train split itself."""
+def start_accuracy(train_dir: str, cache_dir: str) -> float:
+    """Clustering accuracy on the train split of the responsibilities EM started from (kept in the
+    train artifact), with the Hungarian matching fitted on the train split itself."""
+    example_ids, start, final = load_posteriors(train_dir)
     inputs, clusters = load_policy_inputs(cache_dir, "train")
-    labels = np.array([int(c.removeprefix("c")) for c in clusters])
-    em_config = EMConfig(k=config.k, init=config.init, seed=config.seed)
-    gamma = initial_responsibilities(em_config, make_scorer(config, str(model_dir)), inputs, inputs.rankings(),
-                                     seed=config.seed)
-    predicted = gamma.argmax(1).numpy()
-    return clustering_accuracy(predicted, labels, fit_matching(predicted, labels, config.k, config.k))
+    cluster_of = dict(zip(inputs.example_ids, clusters, strict=True))
+    labels = np.array([int(cluster_of[e].removeprefix("c")) for e in example_ids])
+    metrics = em_start_metrics(start, final, labels).set_index("metric").value
+    return float(metrics["clustering_accuracy_start"])
 
 
 def main() -> None:
@@ -127,7 +125,7 @@ def main() -> None:
         cache_dir = cache_flow(cache_config, str(source), str(root))
         train_dir = train_flow(train_config, cache_dir, str(root))
         results[label] = {**evaluate(train_dir, cache_dir), "seconds": time.time() - t0,
-                          "start": start_accuracy(train_config, model_dir, cache_dir)}
+                          "start": start_accuracy(train_dir, cache_dir)}
 
     print(f"\nk = {k}, m = {m}, {args.n} rankings (60/20/20), a = {args.anchors} anchors, "
           f"{args.iterations} EM iterations, tiny Qwen3 (hidden 64, 2 layers), CPU\n")

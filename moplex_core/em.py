@@ -13,7 +13,9 @@ The first M-step starts from symmetry-breaking responsibilities (a seeded Dirich
 the rankings' Fisher-score features, or the posteriors of a linear PL mixture over features in which
 the scorer is linear at its start: `linearized`), since scorers start equal (LoRA B = 0 makes every
 adapter the reference). Every iteration can be checkpointed to ``<dir>/restart-RR/iter-NNNN/`` and a killed run
-resumes at the last finished iteration with identical results.
+resumes at the last finished iteration with identical results; the responsibilities a restart started
+from are kept beside them (``<dir>/restart-RR/start.parquet``), so a rerun does not recompute the start
+and a reader can see how much of it EM kept.
 """
 
 from __future__ import annotations
@@ -342,8 +344,12 @@ def _run_restart(
             return state
         gamma, history, start = state.gamma, list(state.history), state.iteration + 1
     else:
-        gamma = warm_start.to(torch.float64) if warm_start is not None else \
-            initial_responsibilities(config, scorer, inputs, rankings, seed)
+        gamma = load_start(restart_dir, rankings.example_ids) if restart_dir is not None else None
+        if gamma is None:
+            gamma = warm_start.to(torch.float64) if warm_start is not None else \
+                initial_responsibilities(config, scorer, inputs, rankings, seed)
+            if restart_dir is not None:
+                save_start(restart_dir, gamma, rankings.example_ids)
         gamma, history, start = (_one_hot(gamma) if config.hard else gamma), [], 0
 
     n = len(rankings)
@@ -399,6 +405,44 @@ def _warn_on_empty_clusters(alpha: torch.Tensor, n: int, iteration: int) -> None
         )
 
 
+START_FILE = "start.parquet"
+
+
+def posteriors_table(example_ids: tuple[str, ...] | None, gamma: torch.Tensor) -> pa.Table:
+    """Responsibilities float64 [n, k] as (example_id, gamma, assigned); ids "0".."n-1" when None."""
+    ids = list(example_ids) if example_ids is not None else [str(i) for i in range(gamma.shape[0])]
+    return pa.table({
+        "example_id": pa.array(ids, pa.string()),
+        "gamma": pa.array(gamma.tolist(), pa.list_(pa.float64())),
+        "assigned": pa.array(gamma.argmax(1).tolist(), pa.int32()),
+    })
+
+
+def read_posteriors(path: Path, example_ids: tuple[str, ...] | None = None) -> torch.Tensor:
+    """A `posteriors_table` file as float64 [n, k], checked against ``example_ids`` (same order) when given."""
+    table = pq.read_table(path, columns=["example_id", "gamma"]).to_pydict()
+    if example_ids is not None and tuple(table["example_id"]) != tuple(example_ids):
+        raise ValueError(f"{path} holds posteriors of other rankings than these ({len(table['example_id'])} "
+                         f"ids against {len(example_ids)}, or in another order)")
+    return torch.tensor(table["gamma"], dtype=torch.float64)
+
+
+def save_start(restart_dir: Path, gamma: torch.Tensor, example_ids: tuple[str, ...] | None) -> Path:
+    """Write the responsibilities a restart starts from (``restart_dir/start.parquet``, atomically)."""
+    restart_dir.mkdir(parents=True, exist_ok=True)
+    with atomic_path(restart_dir / START_FILE) as tmp:
+        pq.write_table(posteriors_table(example_ids, gamma), tmp)
+    return restart_dir / START_FILE
+
+
+def load_start(restart_dir: Path, example_ids: tuple[str, ...] | None) -> torch.Tensor | None:
+    """The start `save_start` wrote for this restart, or None when there is none yet."""
+    path = restart_dir / START_FILE
+    if not path.is_file():
+        return None
+    return read_posteriors(path, example_ids)
+
+
 def save_checkpoint(
     restart_dir: Path,
     state: EMState,
@@ -409,17 +453,8 @@ def save_checkpoint(
     last) atomically."""
     it_dir = restart_dir / f"iter-{state.iteration:04d}"
     it_dir.mkdir(parents=True, exist_ok=True)
-    n = state.gamma.shape[0]
-    ids = list(example_ids) if example_ids is not None else [str(i) for i in range(n)]
-    table = pa.table(
-        {
-            "example_id": pa.array(ids, pa.string()),
-            "gamma": pa.array(state.gamma.tolist(), pa.list_(pa.float64())),
-            "assigned": pa.array(state.gamma.argmax(1).tolist(), pa.int32()),
-        }
-    )
     with atomic_path(it_dir / "posteriors.parquet") as tmp:
-        pq.write_table(table, tmp)
+        pq.write_table(posteriors_table(example_ids, state.gamma), tmp)
     payload = {"gamma": state.gamma, "alpha": state.alpha, "scorer": state.scorer_state}
     with atomic_path(it_dir / "state.pt") as tmp:
         torch.save(payload, tmp)

@@ -9,7 +9,9 @@ the `validation` split and applied to `test`. Ranking accuracy is reported three
                partner, as with k = 1, goes to the cluster holding most of its validation members)
     marginal   the alpha-weighted mixture of the k scorers, no label and no ranking used
 
-Output rows: (split, metric, cluster, value); cluster is "all" for averages.
+Output rows: (split, metric, cluster, value); cluster is "all" for averages. The evaluate stage adds
+rows of split ``train`` from the train artifact's own posteriors, no scoring: how much of its start
+EM kept (`em_start_metrics`).
 ``heldout_log_likelihood`` is per ranking under the trained model's own observation model (PL, or
 Bradley-Terry over pairs for the pairwise baselines) over the cache's slates (originals, plus generated
 responses when augmented): compare it only between methods with the same model and the same slates.
@@ -125,6 +127,32 @@ def _ranking_rows(
     return rows
 
 
+TRAIN_SPLIT = "train"
+
+
+def em_start_metrics(start: torch.Tensor, final: torch.Tensor, labels: np.ndarray | None = None,
+                     k_true: int | None = None) -> pd.DataFrame:
+    """How much of its start EM kept, on the training rankings (split "train", cluster "all").
+
+    ``start`` and ``final`` are the responsibilities float64 [n, k] EM started from and ended with.
+
+        start_final_ari             ARI between the two partitions (argmax); 1 = EM ended where it started
+        ari_start, ari_final        each partition against the true labels (when known)
+        clustering_accuracy_start   each against the true labels under its own Hungarian matching,
+        clustering_accuracy_final   fitted on the training rankings (not validation's, as held-out splits)
+    """
+    k = final.shape[1]
+    begin, end = start.argmax(1).numpy(), final.argmax(1).numpy()
+    rows = [(TRAIN_SPLIT, "start_final_ari", "all", adjusted_rand_index(begin, end))]
+    if labels is not None:
+        k_true = k_true or int(labels.max()) + 1
+        for when, assigned in (("start", begin), ("final", end)):
+            rows.append((TRAIN_SPLIT, f"ari_{when}", "all", adjusted_rand_index(assigned, labels)))
+            matching = fit_matching(assigned, labels, k, k_true)
+            rows.append((TRAIN_SPLIT, f"clustering_accuracy_{when}", "all", clustering_accuracy(assigned, labels, matching)))
+    return pd.DataFrame(rows, columns=["split", "metric", "cluster", "value"])
+
+
 def _name(c: int, label_names: list[str] | None) -> str:
     return label_names[c] if label_names else str(c)
 
@@ -133,7 +161,7 @@ def _name(c: int, label_names: list[str] | None) -> str:
 # the evaluate stage: a train artifact and its cache in, `evaluation` out (DESIGN 3, 7)
 
 STAGE = "evaluate"
-CODE_VERSION = "evaluate-3"  # bump when a change to this stage changes what it writes
+CODE_VERSION = "evaluate-4"  # bump when a change to this stage changes what it writes
 METRICS_FILE = "metrics.parquet"
 METRICS_COLUMNS = ("method", "split", "metric", "cluster", "value", "seed")
 
@@ -220,7 +248,8 @@ def run_evaluate(config: EvaluateConfig, train_dir: str | Path, cache_dir: str |
     metrics = evaluate_mixture(_ScoredSplits(scorer.k, outputs), alpha, splits, label_names, config.fit_split)
     diagnostics = _generated_diagnostics(outputs, splits, alpha, scorer.k)
     seed = read_manifest(train_dir)["config"]["seed"]
-    metrics = pd.concat([metrics, _diagnostic_metrics(diagnostics)], ignore_index=True)
+    metrics = pd.concat([metrics, _diagnostic_metrics(diagnostics), _em_start_rows(train_dir, cache_dir, label_names)],
+                        ignore_index=True)
     metrics.insert(0, "method", config.method)
     metrics["seed"] = seed
     metrics = metrics[list(METRICS_COLUMNS)]
@@ -237,6 +266,21 @@ def run_evaluate(config: EvaluateConfig, train_dir: str | Path, cache_dir: str |
         write_report(writer, metrics, diagnostics, history, confusion, plan.inputs)
         writer.summary.update({"metrics": len(metrics), "splits": list(config.splits), "method": config.method})
     return EvaluateResult(plan.ref, plan.path, True, metrics)
+
+
+def _em_start_rows(train_dir: Path, cache_dir: Path, label_names: list[str] | None) -> pd.DataFrame:
+    """em_start_metrics of the train artifact (none for artifacts that did not keep their start)."""
+    from moplex_core.train import load_posteriors
+
+    example_ids, start, final = load_posteriors(train_dir)
+    if start is None:
+        return pd.DataFrame(columns=["split", "metric", "cluster", "value"])
+    labels = None
+    if label_names is not None:
+        table = load_table(cache_dir, columns=["example_id", "cluster"]).to_pydict()
+        by_id = dict(zip(table["example_id"], table["cluster"], strict=True))
+        labels = np.array([label_names.index(by_id[e]) for e in example_ids])
+    return em_start_metrics(start, final, labels, len(label_names) if label_names else None)
 
 
 def _label_names(cache_dir: Path) -> list[str] | None:

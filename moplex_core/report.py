@@ -17,6 +17,8 @@ import numpy as np
 import pandas as pd
 from matplotlib.figure import Figure
 
+from moplex_core.evaluate import TRAIN_SPLIT
+
 HEADLINE = ("clustering_accuracy", "ari", "nmi", "ranking_accuracy_posterior", "ranking_accuracy_oracle",
             "ranking_accuracy_marginal", "heldout_log_likelihood")
 RANKING_VARIANTS = ("posterior", "oracle", "marginal")
@@ -41,6 +43,8 @@ def per_cluster_table(metrics: pd.DataFrame, split: str) -> pd.DataFrame:
 def write_report(writer, metrics: pd.DataFrame, diagnostics: pd.DataFrame, history: list[float],
                  confusion: dict[str, pd.DataFrame], inputs: dict[str, str]) -> None:
     """report.md and plots/*.png into an open ArtifactWriter of the evaluate stage."""
+    start_rows = metrics[metrics.split == TRAIN_SPLIT]
+    metrics = metrics[metrics.split != TRAIN_SPLIT]
     splits = list(dict.fromkeys(metrics.split))
     last = splits[-1]
     method = metrics["method"].iloc[0]
@@ -75,6 +79,7 @@ def write_report(writer, metrics: pd.DataFrame, diagnostics: pd.DataFrame, histo
     lines += ["## EM training log-likelihood", "",
               f"{len(history)} iteration(s); log-likelihood per training ranking: "
               + ", ".join(f"{v:.4f}" for v in history), "", "![EM log-likelihood](plots/em_log_likelihood.png)", ""]
+    lines += _em_start_section(start_rows)
     for name in confusion:
         lines += [f"## Posterior confusion ({name})", "", "Mean gamma per true label (rows) and EM cluster (columns).",
                   "", f"![posterior confusion {name}](plots/confusion_{name}.png)", ""]
@@ -85,6 +90,22 @@ def write_report(writer, metrics: pd.DataFrame, diagnostics: pd.DataFrame, histo
                   "scores are pairwise distinct (Proposition 2's assumption), and their coefficient of variation.",
                   "", markdown_table(diagnostics.set_index(["split", "cluster"])), ""]
     writer.write_file("report.md", "\n".join(lines))
+
+
+def _em_start_section(rows: pd.DataFrame) -> list[str]:
+    """What EM kept of the responsibilities it started from, on the training rankings."""
+    if rows.empty:
+        return []
+    value = rows.set_index("metric").value
+    lines = ["## EM's start and end (training rankings)", "",
+             f"Adjusted Rand index between the partition EM started from (argmax of its initial "
+             f"responsibilities) and the one it ended with: {value['start_final_ari']:.4f} (1 = unchanged).", ""]
+    if "clustering_accuracy_start" in value:
+        table = pd.DataFrame({when: [value[f"clustering_accuracy_{when}"], value[f"ari_{when}"]]
+                              for when in ("start", "final")}, index=["clustering_accuracy", "ari"])
+        lines += ["Against the true labels (each partition under its own matching, fitted on the training "
+                  "rankings):", "", markdown_table(table)]
+    return lines + [""]
 
 
 def markdown_table(frame: pd.DataFrame) -> str:

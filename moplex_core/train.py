@@ -4,11 +4,13 @@ EM (moplex_core.em, paper Algorithm 2) drives the LoRA scorer (moplex_core.score
 the cache's train split. Layout of the artifact (DESIGN 3)::
 
     train/<version>/
+        em/restart-RR/start.parquet  the responsibilities that restart started from
         em/restart-RR/iter-NNNN/   posteriors.parquet, scores.parquet, adapters/cN/ (PEFT),
                                    state.pt (gamma, alpha, adapters, optimizer, shuffling RNG),
                                    state.json (alpha, log-likelihood, history; written last)
         adapters/cN/               the best restart's final adapters (PEFT save_pretrained format)
         posteriors.parquet         its final posteriors (example_id, gamma, assigned)
+        start_posteriors.parquet   the responsibilities it started from (EM's init), same columns
         result.json                alpha, log-likelihood history, iterations, restart, seeds
 
 A killed run resumes at the last iteration whose state.json exists, with identical results (the
@@ -37,7 +39,7 @@ from tqdm.auto import tqdm
 from moplex_core.artifacts import ArtifactRef, ArtifactStore, atomic_path, read_manifest
 from moplex_core.cache import load_policy_inputs, resolve_device, resolve_dtype
 from moplex_core.config import TrainConfig
-from moplex_core.em import EMConfig, EMState, fit_mixture
+from moplex_core.em import EMConfig, EMState, fit_mixture, load_start, posteriors_table, read_posteriors
 from moplex_core.pl import PAD
 from moplex_core.lm.multi_lora import LoRASettings
 from moplex_core.scorers.lora_policy import LoRAPolicyScorer, PolicyInputs, ScoreRecord
@@ -45,7 +47,9 @@ from moplex_core.scorers.lora_policy import LoRAPolicyScorer, PolicyInputs, Scor
 log = logging.getLogger(__name__)
 
 STAGE = "train"
-CODE_VERSION = "train-4"  # bump when a change to this stage changes what it writes
+CODE_VERSION = "train-5"  # bump when a change to this stage changes what it writes
+POSTERIORS = "posteriors.parquet"
+START_POSTERIORS = "start_posteriors.parquet"
 TRAIN_SPLIT = "train"
 
 SCORES_SCHEMA = pa.schema([
@@ -127,7 +131,9 @@ def run_train(config: TrainConfig, cache_dir: str | Path, store: ArtifactStore, 
         best = result.best
         with writer.directory("adapters") as staging:
             scorer.save_adapters(staging)
-        writer.write_table("posteriors.parquet", _posteriors_table(inputs.example_ids, best.gamma))
+        writer.write_table(POSTERIORS, posteriors_table(inputs.example_ids, best.gamma))
+        start = load_start(writer.path / "em" / f"restart-{best.restart:02d}", inputs.example_ids)
+        writer.write_table(START_POSTERIORS, posteriors_table(inputs.example_ids, start))
         summary = {
             "restart": best.restart, "iterations": best.iteration + 1, "converged": best.converged,
             "log_likelihood": best.log_likelihood, "history": best.history, "alpha": best.alpha.tolist(),
@@ -213,12 +219,14 @@ def scores_table(record: ScoreRecord) -> pa.Table:
     }, schema=SCORES_SCHEMA)
 
 
-def _posteriors_table(example_ids: tuple[str, ...], gamma: torch.Tensor) -> pa.Table:
-    return pa.table({
-        "example_id": pa.array(list(example_ids), pa.string()),
-        "gamma": pa.array(gamma.tolist(), pa.list_(pa.float64())),
-        "assigned": pa.array(gamma.argmax(1).tolist(), pa.int32()),
-    })
+def load_posteriors(train_dir: str | Path) -> tuple[tuple[str, ...], torch.Tensor | None, torch.Tensor]:
+    """A finished train artifact's training example ids, the responsibilities EM started from and its
+    final posteriors (float64 [n, k] each). The start is None in artifacts of code before train-5,
+    which did not keep it."""
+    train_dir = Path(train_dir)
+    ids = tuple(pq.read_table(train_dir / POSTERIORS, columns=["example_id"]).column(0).to_pylist())
+    start = read_posteriors(train_dir / START_POSTERIORS, ids) if (train_dir / START_POSTERIORS).is_file() else None
+    return ids, start, read_posteriors(train_dir / POSTERIORS, ids)
 
 
 def _finished(plan: TrainPlan) -> TrainResult:

@@ -1,5 +1,6 @@
 """The mixture-EM engine on synthetic data with the CPU scorers."""
 
+import shutil
 import signal
 import subprocess
 import sys
@@ -10,7 +11,8 @@ import pytest
 import torch
 
 from moplex_core.data.synthetic import SyntheticConfig, generate_synthetic
-from moplex_core.em import EMConfig, Rankings, fit_mixture, initial_responsibilities, load_last_checkpoint, posteriors
+from moplex_core.em import (EMConfig, Rankings, fit_mixture, initial_responsibilities, load_last_checkpoint, posteriors,
+                            read_posteriors)
 from moplex_core.metrics import clustering_accuracy, fit_matching
 from moplex_core.scorers.item import ItemScorer
 from moplex_core.scorers.linear import LinearScorer
@@ -213,3 +215,25 @@ def test_a_checkpoint_dir_refuses_to_resume_another_run(tmp_path):
         fit_mixture(lambda: LinearScorer(2, 2), x, rankings, EMConfig(k=2, max_iter=2, gamma_min=0.2), checkpoint_dir=tmp_path)
     with pytest.raises(ValueError, match="rankings_sha256"):
         fit_mixture(lambda: LinearScorer(2, 2), x, rankings.subset(range(50)), EMConfig(k=2, max_iter=2), checkpoint_dir=tmp_path)
+
+
+def test_a_restart_keeps_its_start_and_a_rerun_reads_it_back(tmp_path):
+    calls = []
+
+    class Counting(FeatureScorer):
+        def response_features(self, inputs):
+            calls.append(1)
+            return inputs
+
+    _, rankings, x = synthetic(k=3, m=4, n=200, seed=6)
+    config = EMConfig(k=3, init="linearized", max_iter=2, tol=0, restarts=2, seed=4)
+    first, _ = fit_mixture(lambda: Counting(3, 3), x, rankings, config, checkpoint_dir=tmp_path)
+    assert len(calls) == 2  # one start per restart
+    start = read_posteriors(tmp_path / "restart-00" / "start.parquet", rankings.example_ids)
+    assert torch.equal(start, initial_responsibilities(config, FeatureScorer(3, 3), x, rankings, seed=4))
+    # killed after the starts were written, before any iteration finished: the rerun reads them back
+    for it_dir in tmp_path.glob("restart-*/iter-*"):
+        shutil.rmtree(it_dir)
+    again, _ = fit_mixture(lambda: Counting(3, 3), x, rankings, config, checkpoint_dir=tmp_path)
+    assert len(calls) == 2
+    assert torch.equal(again.best.gamma, first.best.gamma) and again.best.history == first.best.history

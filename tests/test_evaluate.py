@@ -6,7 +6,7 @@ import torch
 
 from moplex_core.data.synthetic import SyntheticConfig, generate_synthetic
 from moplex_core.em import Rankings
-from moplex_core.evaluate import EvalSplit, evaluate_mixture
+from moplex_core.evaluate import EvalSplit, em_start_metrics, evaluate_mixture
 from moplex_core.scorers.linear import LinearScorer
 
 
@@ -96,3 +96,19 @@ def test_heldout_log_likelihood_is_the_hand_computed_mean_under_the_rankings_mod
 
     assert ll("pl") == pytest.approx((log_pl(2, 1, 0) + log_pl(0, 1, 2)) / 2, rel=1e-12)
     assert ll("bt_pairs") == pytest.approx((log_pairs(2, 1, 0) + log_pairs(0, 1, 2)) / 2, rel=1e-12)
+
+
+def test_em_start_metrics_compare_the_start_and_the_end_each_under_its_own_matching():
+    labels = np.repeat(np.arange(3), 4)  # 12 rankings, 4 per true cluster
+    start = torch.nn.functional.one_hot(torch.as_tensor(labels), 3).double() * 0.8 + 0.2 / 3
+    final = start[:, [2, 0, 1]]  # the same partition under other cluster ids
+    moved = final.clone()
+    moved[[0, 4, 8]] = final[[4, 8, 0]]  # three rankings change cluster
+    same = em_start_metrics(start, final, labels).set_index("metric").value
+    assert same.to_dict() == pytest.approx({"start_final_ari": 1.0, "ari_start": 1.0, "clustering_accuracy_start": 1.0,
+                                            "ari_final": 1.0, "clustering_accuracy_final": 1.0})
+    after = em_start_metrics(start, moved, labels).set_index("metric").value
+    assert after["clustering_accuracy_start"] == 1.0 and after["clustering_accuracy_final"] == pytest.approx(9 / 12)
+    assert after["start_final_ari"] == after["ari_final"] < 1.0
+    unlabelled = em_start_metrics(start, moved)
+    assert unlabelled.metric.tolist() == ["start_final_ari"] and set(unlabelled.split) == {"train"}

@@ -10,13 +10,15 @@ import textwrap
 
 import pyarrow.parquet as pq
 import pytest
+import torch
 from lm_fixtures import tiny_model_dir  # noqa: F401  (fixture)
 from stage_fixtures import write_synthetic
 
 from moplex_core.artifacts import ArtifactStore
-from moplex_core.cache import run_cache
+from moplex_core.cache import load_policy_inputs, run_cache
 from moplex_core.config import CacheConfig, TrainConfig
-from moplex_core.train import load_trained, run_train
+from moplex_core.em import EMConfig, initial_responsibilities, read_posteriors
+from moplex_core.train import load_posteriors, load_trained, run_train
 
 CONFIG = TrainConfig(k=2, anchors=2, lora_r=4, lora_alpha=8.0, lora_targets=("q_proj", "v_proj"), lr=1e-2,
                      batch_size=4, em_iterations=3, tol=0.0, init="dirichlet", dtype="float32", device="cpu")
@@ -66,7 +68,12 @@ def test_train_writes_every_iteration_and_the_final_adapters(cache_dir, tmp_path
         assert (scores.estimated == ~scores.is_anchor).all()
     scorer, alpha, _ = load_trained(result.path)
     assert alpha.sum().item() == pytest.approx(1.0)
-    assert (result.path / "posteriors.parquet").is_file()
+    ids, start, final = load_posteriors(result.path)
+    rankings = load_policy_inputs(cache_dir, "train")[0].rankings()
+    assert ids == rankings.example_ids and final.shape == start.shape == (len(ids), 2)
+    em_config = EMConfig(k=2, init="dirichlet", seed=CONFIG.seed)
+    assert torch.equal(start, initial_responsibilities(em_config, None, None, rankings, seed=CONFIG.seed))
+    assert torch.equal(start, read_posteriors(result.path / "em" / "restart-00" / "start.parquet", ids))
     assert run_train(CONFIG, cache_dir, ArtifactStore(tmp_path), progress=False).built is False
 
 
