@@ -281,7 +281,9 @@ def fit_mixture(
     """Fit the mixture with ``config.restarts`` restarts; return the result and the best scorer.
 
     With ``checkpoint_dir`` every iteration is saved and a rerun resumes from the last finished one.
-    ``warm_start`` (float64 [n, k], e.g. a previous run's posteriors) replaces ``config.init``.
+    ``warm_start`` (float64 [n, k], e.g. a previous run's posteriors) replaces ``config.init``. Each
+    restart's start is saved (``restart-RR/start.parquet``; the soft responsibilities, also under
+    ``config.hard``, where EM starts from their argmax) and a rerun reads it back.
     ``checkpoint_files(iter_dir, state, scorer)`` writes a caller's own files of an iteration (e.g.
     adapters in PEFT's format) before its state.json, so a finished iteration always has them.
     """
@@ -289,7 +291,7 @@ def fit_mixture(
         raise ValueError(f"EM with k = {config.k} clusters needs at least {config.k} rankings, got {len(rankings)}")
     _warn_on_tied_rankings(rankings)
     if checkpoint_dir is not None:
-        _claim_checkpoint_dir(Path(checkpoint_dir), config, rankings)
+        _claim_checkpoint_dir(Path(checkpoint_dir), config, rankings, warm_start)
     finished: list[EMState] = []
     best: tuple[EMState, Scorer] | None = None
     for restart in range(config.restarts):
@@ -302,13 +304,17 @@ def fit_mixture(
     return EMResult(best[0], finished), best[1]
 
 
-def _claim_checkpoint_dir(checkpoint_dir: Path, config: EMConfig, rankings: Rankings) -> None:
+def _claim_checkpoint_dir(checkpoint_dir: Path, config: EMConfig, rankings: Rankings,
+                          warm_start: torch.Tensor | None) -> None:
     """Record what the checkpoints belong to (run.json) and refuse to resume someone else's run."""
     data = hashlib.sha256(rankings.tiers.numpy().tobytes())
     if rankings.ranked_prefix is not None:
         data.update(rankings.ranked_prefix.numpy().tobytes())
     data.update(json.dumps([rankings.model, rankings.example_ids]).encode())
-    identity = {"config": asdict(config), "n": len(rankings), "rankings_sha256": data.hexdigest()}
+    warm = None if warm_start is None else \
+        hashlib.sha256(warm_start.to(torch.float64).contiguous().numpy().tobytes()).hexdigest()
+    identity = {"config": asdict(config), "n": len(rankings), "rankings_sha256": data.hexdigest(),
+                "warm_start_sha256": warm}
     run_file = checkpoint_dir / "run.json"
     if run_file.exists():
         recorded = json.loads(run_file.read_text())

@@ -10,7 +10,7 @@ the `validation` split and applied to `test`. Ranking accuracy is reported three
     marginal   the alpha-weighted mixture of the k scorers, no label and no ranking used
 
 Output rows: (split, metric, cluster, value); cluster is "all" for averages. The evaluate stage adds
-rows of split ``train`` from the train artifact's own posteriors, no scoring: how much of its start
+rows of split ``train_em`` from the train artifact's own posteriors of the training rankings, no scoring: how much of its start
 EM kept (`em_start_metrics`).
 ``heldout_log_likelihood`` is per ranking under the trained model's own observation model (PL, or
 Bradley-Terry over pairs for the pairwise baselines) over the cache's slates (originals, plus generated
@@ -127,12 +127,13 @@ def _ranking_rows(
     return rows
 
 
-TRAIN_SPLIT = "train"
+EM_START_SPLIT = "train_em"  # not a cache split: EM's own posteriors of the training rankings
 
 
 def em_start_metrics(start: torch.Tensor, final: torch.Tensor, labels: np.ndarray | None = None,
                      k_true: int | None = None) -> pd.DataFrame:
-    """How much of its start EM kept, on the training rankings (split "train", cluster "all").
+    """How much of its start EM kept, on the training rankings (split "train_em", cluster "all"; no
+    rows for k = 1, which has one partition).
 
     ``start`` and ``final`` are the responsibilities float64 [n, k] EM started from and ended with.
 
@@ -142,14 +143,16 @@ def em_start_metrics(start: torch.Tensor, final: torch.Tensor, labels: np.ndarra
         clustering_accuracy_final   fitted on the training rankings (not validation's, as held-out splits)
     """
     k = final.shape[1]
+    if k == 1:
+        return pd.DataFrame(columns=["split", "metric", "cluster", "value"])
     begin, end = start.argmax(1).numpy(), final.argmax(1).numpy()
-    rows = [(TRAIN_SPLIT, "start_final_ari", "all", adjusted_rand_index(begin, end))]
+    rows = [(EM_START_SPLIT, "start_final_ari", "all", adjusted_rand_index(begin, end))]
     if labels is not None:
         k_true = k_true or int(labels.max()) + 1
         for when, assigned in (("start", begin), ("final", end)):
-            rows.append((TRAIN_SPLIT, f"ari_{when}", "all", adjusted_rand_index(assigned, labels)))
+            rows.append((EM_START_SPLIT, f"ari_{when}", "all", adjusted_rand_index(assigned, labels)))
             matching = fit_matching(assigned, labels, k, k_true)
-            rows.append((TRAIN_SPLIT, f"clustering_accuracy_{when}", "all", clustering_accuracy(assigned, labels, matching)))
+            rows.append((EM_START_SPLIT, f"clustering_accuracy_{when}", "all", clustering_accuracy(assigned, labels, matching)))
     return pd.DataFrame(rows, columns=["split", "metric", "cluster", "value"])
 
 

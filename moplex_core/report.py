@@ -17,7 +17,7 @@ import numpy as np
 import pandas as pd
 from matplotlib.figure import Figure
 
-from moplex_core.evaluate import TRAIN_SPLIT
+from moplex_core.evaluate import EM_START_SPLIT
 
 HEADLINE = ("clustering_accuracy", "ari", "nmi", "ranking_accuracy_posterior", "ranking_accuracy_oracle",
             "ranking_accuracy_marginal", "heldout_log_likelihood")
@@ -43,8 +43,8 @@ def per_cluster_table(metrics: pd.DataFrame, split: str) -> pd.DataFrame:
 def write_report(writer, metrics: pd.DataFrame, diagnostics: pd.DataFrame, history: list[float],
                  confusion: dict[str, pd.DataFrame], inputs: dict[str, str]) -> None:
     """report.md and plots/*.png into an open ArtifactWriter of the evaluate stage."""
-    start_rows = metrics[metrics.split == TRAIN_SPLIT]
-    metrics = metrics[metrics.split != TRAIN_SPLIT]
+    start_rows = metrics[metrics.split == EM_START_SPLIT]
+    metrics = metrics[metrics.split != EM_START_SPLIT]
     splits = list(dict.fromkeys(metrics.split))
     last = splits[-1]
     method = metrics["method"].iloc[0]

@@ -20,6 +20,7 @@ scorer's state restores adapters, AdamW moments and the shuffling generator; anc
     plan_train    the version (config, the cache's version) and whether it exists
     run_train     fit (or resume) and write the artifact
     load_trained  a finished train artifact as (scorer, alpha, config) for evaluation
+    load_posteriors  its training example ids, the responsibilities EM started from and its final ones
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ from tqdm.auto import tqdm
 from moplex_core.artifacts import ArtifactRef, ArtifactStore, atomic_path, read_manifest
 from moplex_core.cache import load_policy_inputs, resolve_device, resolve_dtype
 from moplex_core.config import TrainConfig
-from moplex_core.em import EMConfig, EMState, fit_mixture, load_start, posteriors_table, read_posteriors
+from moplex_core.em import START_FILE, EMConfig, EMState, fit_mixture, posteriors_table, read_posteriors
 from moplex_core.pl import PAD
 from moplex_core.lm.multi_lora import LoRASettings
 from moplex_core.scorers.lora_policy import LoRAPolicyScorer, PolicyInputs, ScoreRecord
@@ -132,7 +133,7 @@ def run_train(config: TrainConfig, cache_dir: str | Path, store: ArtifactStore, 
         with writer.directory("adapters") as staging:
             scorer.save_adapters(staging)
         writer.write_table(POSTERIORS, posteriors_table(inputs.example_ids, best.gamma))
-        start = load_start(writer.path / "em" / f"restart-{best.restart:02d}", inputs.example_ids)
+        start = read_posteriors(writer.path / "em" / f"restart-{best.restart:02d}" / START_FILE, inputs.example_ids)
         writer.write_table(START_POSTERIORS, posteriors_table(inputs.example_ids, start))
         summary = {
             "restart": best.restart, "iterations": best.iteration + 1, "converged": best.converged,

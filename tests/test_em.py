@@ -215,6 +215,10 @@ def test_a_checkpoint_dir_refuses_to_resume_another_run(tmp_path):
         fit_mixture(lambda: LinearScorer(2, 2), x, rankings, EMConfig(k=2, max_iter=2, gamma_min=0.2), checkpoint_dir=tmp_path)
     with pytest.raises(ValueError, match="rankings_sha256"):
         fit_mixture(lambda: LinearScorer(2, 2), x, rankings.subset(range(50)), EMConfig(k=2, max_iter=2), checkpoint_dir=tmp_path)
+    warm = torch.full((100, 2), 0.5, dtype=torch.float64)
+    with pytest.raises(ValueError, match="warm_start_sha256"):  # the saved start would silently win
+        fit_mixture(lambda: LinearScorer(2, 2), x, rankings, EMConfig(k=2, max_iter=2), checkpoint_dir=tmp_path,
+                    warm_start=warm)
 
 
 def test_a_restart_keeps_its_start_and_a_rerun_reads_it_back(tmp_path):

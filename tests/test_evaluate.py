@@ -111,4 +111,5 @@ def test_em_start_metrics_compare_the_start_and_the_end_each_under_its_own_match
     assert after["clustering_accuracy_start"] == 1.0 and after["clustering_accuracy_final"] == pytest.approx(9 / 12)
     assert after["start_final_ari"] == after["ari_final"] < 1.0
     unlabelled = em_start_metrics(start, moved)
-    assert unlabelled.metric.tolist() == ["start_final_ari"] and set(unlabelled.split) == {"train"}
+    assert unlabelled.metric.tolist() == ["start_final_ari"] and set(unlabelled.split) == {"train_em"}
+    assert em_start_metrics(torch.ones(12, 1, dtype=torch.float64), torch.ones(12, 1, dtype=torch.float64), labels).empty

@@ -42,7 +42,7 @@ def test_evaluation_writes_labelled_metrics_a_report_and_plots(trained):
     verify(result.path)
     metrics = pd.read_parquet(result.path / "metrics.parquet")
     assert tuple(metrics.columns) == METRICS_COLUMNS
-    assert set(metrics.split) == {"validation", "test", "train"} and set(metrics.method) == {"moplex"}
+    assert set(metrics.split) == {"validation", "test", "train_em"} and set(metrics.method) == {"moplex"}
     assert set(metrics.seed) == {0}
     overall = metrics[metrics.cluster == "all"].set_index(["split", "metric"]).value
     for split in ("validation", "test"):
@@ -50,18 +50,19 @@ def test_evaluation_writes_labelled_metrics_a_report_and_plots(trained):
                        "ranking_accuracy_marginal"):
             assert 0.0 <= overall[split, metric] <= 1.0
         assert np.isfinite(overall[split, "heldout_log_likelihood"]) and overall[split, "heldout_log_likelihood"] < 0
-    # train: the start EM kept in the train artifact against its final posteriors, no scoring
+    # train_em: the start EM kept in the train artifact against its final posteriors, no scoring
     _, start, final = load_posteriors(train)
     labels = np.array([int(c.removeprefix("c")) for c in load_policy_inputs(cache, "train")[1]])
     expected = em_start_metrics(start, final, labels).set_index("metric").value
-    assert overall["train"].to_dict() == expected.to_dict()
+    assert overall["train_em"].to_dict() == expected.to_dict()
     assert set(expected.index) == {"start_final_ari", "ari_start", "ari_final", "clustering_accuracy_start",
                                    "clustering_accuracy_final"}
     per_cluster = metrics[(metrics.metric == "clustering_accuracy") & (metrics.cluster != "all")]
     assert set(per_cluster.cluster) <= {"c0", "c1", "c2"}
     report = (result.path / "report.md").read_text()
     assert "posterior" in report and "oracle" in report and "marginal" in report
-    assert "## EM's start and end (training rankings)" in report and "| clustering_accuracy |" in report
+    section = report.split("## EM's start and end (training rankings)")[1].split("\n## ")[0]
+    assert "|  | start | final |" in section and "| clustering_accuracy |" in section
     for png in ("em_log_likelihood.png", "cluster_accuracy.png", "confusion_test.png"):
         assert f"plots/{png}" in report
         assert (result.path / "plots" / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -77,6 +77,16 @@ def test_train_writes_every_iteration_and_the_final_adapters(cache_dir, tmp_path
     assert run_train(CONFIG, cache_dir, ArtifactStore(tmp_path), progress=False).built is False
 
 
+def test_the_start_kept_is_the_best_restarts(cache_dir, tmp_path):
+    config = CONFIG.model_copy(update={"restarts": 2, "em_iterations": 1, "seed": 1})
+    result = run_train(config, cache_dir, ArtifactStore(tmp_path), progress=False)
+    best = json.loads((result.path / "result.json").read_text())["restart"]
+    assert best == 1  # this data and seed: the second restart wins, so the copy cannot be restart 0's by chance
+    ids, start, _ = load_posteriors(result.path)
+    starts = [read_posteriors(result.path / "em" / f"restart-{r:02d}" / "start.parquet", ids) for r in (0, 1)]
+    assert not torch.equal(starts[0], starts[1]) and torch.equal(start, starts[best])
+
+
 def test_pairwise_hard_em_trains_on_bt_pairs_with_one_hot_posteriors(cache_dir, tmp_path):
     """The maxmin_bt baseline's settings reach EM: its log-likelihood is Bradley-Terry over pairs
     (it differs from the PL run's from the same start; EM hands the M-step the same Rankings) and
