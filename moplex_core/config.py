@@ -453,7 +453,9 @@ class TrainConfig(StageConfig):
     paper Algorithm 1); ``None`` computes every response (the `full` ablation). ``estimation``:
     ``delta`` linearises log pi_c - log pi_ref, ``logpi`` log pi_c alone (the authors' code).
     ``epochs`` passes over the weighted (example, cluster) pairs per M-step, in minibatches of
-    ``batch_size`` pairs (a rows each, m' without anchors: the M-step's memory). ``score_batch_size``
+    ``batch_size`` pairs (a rows each, m' without anchors: the M-step's memory); ``first_epochs``
+    (None = ``epochs``) for the first M-step, which starts with every adapter at the base model and
+    must carry the start's partition into them. ``score_batch_size``
     is the rows (one response under one adapter, clusters mixed) per E-step or exact-scoring pass.
     ``share_prompts`` runs each (example, cluster)'s prompt once per pass for all its rows there
     (the same scores and gradients up to float rounding, for fewer tokens; with ``lora_dropout``
@@ -485,6 +487,7 @@ class TrainConfig(StageConfig):
     lora_targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
     lr: float = Field(1e-4, gt=0.0)
     epochs: int = Field(1, ge=1)
+    first_epochs: int | None = Field(None, ge=1)
     batch_size: int = Field(16, ge=1)
     gamma_min: float = Field(1e-3, ge=0.0, lt=1.0)
     em_iterations: int = Field(10, ge=1)

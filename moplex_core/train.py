@@ -94,7 +94,7 @@ def make_scorer(config: TrainConfig, model: str, *, progress: bool = False) -> L
     return LoRAPolicyScorer(
         model, config.k, beta=config.beta, anchors=config.anchors, estimation=config.estimation,
         lora=LoRASettings(config.lora_r, config.lora_alpha, config.lora_dropout, config.lora_targets),
-        lr=config.lr, epochs=config.epochs, batch_size=config.batch_size, score_batch_size=config.score_batch_size,
+        lr=config.lr, epochs=config.epochs, first_epochs=config.first_epochs, batch_size=config.batch_size, score_batch_size=config.score_batch_size,
         chunk_size=config.chunk_size, share_prompts=config.share_prompts, seed=config.seed,
         dtype=resolve_dtype(config.dtype, device), device=device,
         progress=progress,

@@ -53,6 +53,18 @@ def test_adapters_start_at_the_reference_and_the_m_step_moves_every_adapter(tiny
     assert base and all(p.grad is None and not p.requires_grad for p in base)
 
 
+def test_the_first_m_step_runs_first_epochs_and_the_later_ones_epochs(tiny_model_dir, inputs):  # noqa: F811
+    policy = scorer(tiny_model_dir, anchors=None, epochs=1, first_epochs=3)
+    weights = torch.full((len(inputs), 2), 0.5, dtype=torch.float64)  # 2 pairs per example: 4 minibatches of 4
+    steps = []
+    for iteration in range(2):
+        policy.fit(inputs, inputs.rankings(), weights, iteration)
+        steps.append(policy.last_fit["steps"])
+    assert steps == [3 * 4, 4]
+    with pytest.raises(ValueError, match="first_epochs=0"):
+        scorer(tiny_model_dir, first_epochs=0)
+
+
 def test_a_cluster_without_weight_is_left_exactly_where_it_is(tiny_model_dir, inputs):  # noqa: F811
     policy = scorer(tiny_model_dir, anchors=2)
     policy.fit(inputs, inputs.rankings(), torch.full((len(inputs), 2), 0.5, dtype=torch.float64), 0)

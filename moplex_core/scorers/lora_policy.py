@@ -147,6 +147,8 @@ class LoRAPolicyScorer:
     anchors:           a per example, None = every response exact (the full-computation ablation).
     estimation:        "delta" or "logpi" (moplex_core.estimate).
     lr, epochs:        AdamW learning rate; passes over the weighted pairs per M-step.
+    first_epochs:      passes of the first M-step (iteration 0), None = ``epochs``. It starts with every
+                       adapter at the base model and must carry the start's partition into them.
     batch_size:        (example, cluster) pairs per M-step minibatch (a rows each, m' when full).
     score_batch_size:  rows (one response under one adapter) per E-step or exact-scoring pass.
     share_prompts:     run an (example, cluster)'s prompt once per pass for all its rows in that pass
@@ -166,6 +168,7 @@ class LoRAPolicyScorer:
         lora: LoRASettings = LoRASettings(),
         lr: float = 1e-4,
         epochs: int = 1,
+        first_epochs: int | None = None,
         batch_size: int = 16,
         score_batch_size: int = 32,
         chunk_size: int = 1024,
@@ -177,11 +180,14 @@ class LoRAPolicyScorer:
     ) -> None:
         if estimation not in ESTIMATION_MODES:
             raise ValueError(f"estimation must be one of {ESTIMATION_MODES}, got {estimation!r}")
-        if k < 1 or beta <= 0 or epochs < 1 or batch_size < 1 or score_batch_size < 1:
+        first_epochs = epochs if first_epochs is None else first_epochs
+        if k < 1 or beta <= 0 or min(epochs, first_epochs, batch_size, score_batch_size) < 1:
             raise ValueError(f"need k >= 1, beta > 0, epochs, batch sizes >= 1; got k={k}, beta={beta}, "
-                             f"epochs={epochs}, batch_size={batch_size}, score_batch_size={score_batch_size}")
+                             f"epochs={epochs}, first_epochs={first_epochs}, batch_size={batch_size}, "
+                             f"score_batch_size={score_batch_size}")
         self.k, self.beta, self.anchors, self.estimation = k, beta, anchors, estimation
         self.epochs, self.batch_size, self.score_batch_size = epochs, batch_size, score_batch_size
+        self.first_epochs = first_epochs
         self.chunk_size, self.share_prompts, self.seed, self.progress = chunk_size, share_prompts, seed, progress
         self.adapter_names = [f"c{c}" for c in range(k)]
         self.model = load_model(model_path, dtype=dtype, device=device)
@@ -214,7 +220,8 @@ class LoRAPolicyScorer:
         return ExactView(self)
 
     def fit(self, inputs: PolicyInputs, rankings: Rankings, weights: torch.Tensor, iteration: int = 0) -> None:
-        """Weighted M-step: minimise - sum_ic w_ic log P_c(sigma_i) over ``epochs`` passes."""
+        """Weighted M-step: minimise - sum_ic w_ic log P_c(sigma_i) over ``epochs`` passes
+        (``first_epochs`` at iteration 0)."""
         pairs = torch.nonzero(weights > 0)  # [P, 2] (example, cluster)
         if pairs.shape[0] == 0:
             return
@@ -222,10 +229,11 @@ class LoRAPolicyScorer:
         offsets = self._offsets(inputs, iteration, picks)  # [n, k, M]
         losses: list[float] = []
         self.model.train()
-        bar = tqdm(total=self.epochs * -(-pairs.shape[0] // self.batch_size), desc=f"M-step {iteration}",
+        epochs = self.first_epochs if iteration == 0 else self.epochs
+        bar = tqdm(total=epochs * -(-pairs.shape[0] // self.batch_size), desc=f"M-step {iteration}",
                    disable=not self.progress, leave=False)
         try:
-            for _ in range(self.epochs):
+            for _ in range(epochs):
                 order = pairs[torch.randperm(pairs.shape[0], generator=self._shuffle)]
                 for start in range(0, order.shape[0], self.batch_size):
                     batch = order[start : start + self.batch_size]  # [B, 2]
@@ -242,7 +250,7 @@ class LoRAPolicyScorer:
             bar.close()
             self.model.eval()
         self.last_fit = {"iteration": iteration, "pairs": int(pairs.shape[0]), "steps": len(losses),
-                         "weighted_log_likelihood_last_epoch": float(np.mean(losses[-(len(losses) // self.epochs):]))}
+                         "weighted_log_likelihood_last_epoch": float(np.mean(losses[-(len(losses) // epochs):]))}
 
     def ranking_features(self, inputs: PolicyInputs, rankings: Rankings, width: int = 32, dim: int = 256) -> torch.Tensor:
         """Fisher-score features for the k-means start: float64 [n, dim].
