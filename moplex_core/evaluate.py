@@ -10,8 +10,8 @@ the `validation` split and applied to `test`. Ranking accuracy is reported three
     marginal   the alpha-weighted mixture of the k scorers, no label and no ranking used
 
 Output rows: (split, metric, cluster, value); cluster is "all" for averages. The evaluate stage adds
-rows of split ``train_em`` from the train artifact's own posteriors of the training rankings, no scoring: how much of its start
-EM kept (`em_start_metrics`).
+rows of split ``train_em``, from the train artifact's own posteriors of the training rankings (no
+scoring): how much of its start EM kept (`em_start_metrics`).
 ``heldout_log_likelihood`` is per ranking under the trained model's own observation model (PL, or
 Bradley-Terry over pairs for the pairwise baselines) over the cache's slates (originals, plus generated
 responses when augmented): compare it only between methods with the same model and the same slates.
@@ -152,7 +152,8 @@ def em_start_metrics(start: torch.Tensor, final: torch.Tensor, labels: np.ndarra
         for when, assigned in (("start", begin), ("final", end)):
             rows.append((EM_START_SPLIT, f"ari_{when}", "all", adjusted_rand_index(assigned, labels)))
             matching = fit_matching(assigned, labels, k, k_true)
-            rows.append((EM_START_SPLIT, f"clustering_accuracy_{when}", "all", clustering_accuracy(assigned, labels, matching)))
+            accuracy = clustering_accuracy(assigned, labels, matching)
+            rows.append((EM_START_SPLIT, f"clustering_accuracy_{when}", "all", accuracy))
     return pd.DataFrame(rows, columns=["split", "metric", "cluster", "value"])
 
 
