@@ -7,7 +7,8 @@ without augmentation (m' = m) and with m' - m = 4 generated responses ranked bel
 clustering accuracy (Hungarian matching fitted on validation, applied to test) and ranking accuracy
 for both, then the approximation-error table (paper Table 1) for both estimation modes.
 
-    .venv/bin/python benchmarks/lm_synthetic_cpu.py [--n 600] [--iterations 8] [--init linearized] [--root DIR]
+    .venv/bin/python benchmarks/lm_synthetic_cpu.py [--n 600] [--iterations 8] [--init linearized]
+                                                    [--first-epochs N] [--root DIR]
 """
 
 from __future__ import annotations
@@ -86,6 +87,8 @@ def main() -> None:
     parser.add_argument("--anchors", type=int, default=2, help="anchors a per example; 0 = all (exact, a = m')")
     parser.add_argument("--beta", type=float, default=0.1, help="DPO scale of the scores")
     parser.add_argument("--lr", type=float, default=2e-3, help="LoRA learning rate")
+    parser.add_argument("--first-epochs", type=int, default=None,
+                        help="passes of the first M-step (train.first_epochs; default: the 2 of every M-step)")
     parser.add_argument("--init", default="linearized", choices=("linearized", "kmeans", "dirichlet"),
                         help="EM start (moplex_core.em)")
     parser.add_argument("--pretrain-steps", type=int, default=150)
@@ -116,7 +119,7 @@ def main() -> None:
 
     cache_config = CacheConfig(model=str(model_dir), batch_size=16, dtype="float32", device="cpu")
     train_config = TrainConfig(k=k, anchors=args.anchors or None, beta=args.beta, lora_r=8, lora_alpha=16.0,
-                               lr=args.lr, epochs=2,
+                               lr=args.lr, epochs=2, first_epochs=args.first_epochs,
                                batch_size=16, em_iterations=args.iterations, tol=0.0, init=args.init,
                                dtype="float32", device="cpu")
     results = {}
@@ -128,7 +131,8 @@ def main() -> None:
                           "start": start_accuracy(train_dir, cache_dir)}
 
     print(f"\nk = {k}, m = {m}, {args.n} rankings (60/20/20), a = {args.anchors} anchors, "
-          f"{args.iterations} EM iterations, tiny Qwen3 (hidden 64, 2 layers), CPU\n")
+          f"{args.iterations} EM iterations, first M-step {args.first_epochs or 2} epochs (then 2), "
+          "tiny Qwen3 (hidden 64, 2 layers), CPU\n")
     print(f"| data | train clustering acc. at the {args.init} start | test clustering acc. | "
           "test ranking acc. (oracle) | test LL/ranking | seconds |")
     print("|---|---|---|---|---|---|")
