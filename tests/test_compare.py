@@ -7,7 +7,7 @@ import pytest
 
 from moplex_core.artifacts import verify
 from moplex_core.config import METHODS, PipelineConfig, method_config, pipeline_preset, with_overrides
-from moplex_core.experiments.compare import chance_level, plan_runs, table2, table3
+from moplex_core.experiments.compare import chance_level, em_start_table, plan_runs, table2, table3
 
 TINY_BASE = PipelineConfig.model_validate({
     "ingest": {"dataset": "synthetic", "synthetic": {"n": 36, "k": 3, "m": 3},
@@ -94,6 +94,20 @@ def test_tables_report_percent_mean_and_sample_std_over_seeds():
     assert "| MoPLEx (Alg. 2) (`moplex`) | 75.0 ± 7.1 | 80.0 ± 14.1 | 77.5 ± 3.5 |" in t3
 
 
+def test_the_em_start_table_shows_start_end_and_their_agreement_per_method():
+    rows = []
+    for seed, (start, end, ari) in enumerate([(0.8, 0.5, 0.2), (0.9, 0.7, 0.4)]):
+        rows += [("moplex", "train_em", "clustering_accuracy_start", "all", start, seed),
+                 ("moplex", "train_em", "clustering_accuracy_final", "all", end, seed),
+                 ("moplex", "train_em", "start_final_ari", "all", ari, seed),
+                 ("moplex", "test", "clustering_accuracy", "all", 0.0, seed)]
+    table = em_start_table(_metrics(rows))
+    assert table.splitlines()[2] == "| MoPLEx (Alg. 2) (`moplex`) | 85.0 ± 7.1 | 60.0 ± 14.1 | 0.30 ± 0.14 |"
+    unlabelled = em_start_table(_metrics([("no_aug", "train_em", "start_final_ari", "all", 1.0, 0)]))
+    assert unlabelled.splitlines()[2] == "| w/o generated responses (`no_aug`) | - | - | 1.00 |"
+    assert em_start_table(_metrics(rows[3:4])) == ""
+
+
 @pytest.mark.slow
 def test_compare_flow_runs_methods_and_seeds_sharing_stages_and_reuses_them(prefect_env, tmp_path):
     from flows.compare import compare_flow
@@ -106,6 +120,8 @@ def test_compare_flow_runs_methods_and_seeds_sharing_stages_and_reuses_them(pref
     assert sorted(set(zip(comparison.method, comparison.seed))) == sorted((m, s) for m in methods for s in (0, 1))
     report = open(f"{folder}/report.md").read()
     assert "## Paper Table 2 shape" in report and "MaxMin" not in report and "EM-DPO (`mixture_bt`) |" in report
+    kept = report.split("## What EM kept of its start")[1].split("\n## ")[0]
+    assert "| MoPLEx (Alg. 2) (`moplex`) | " in kept and "| EM-DPO (`mixture_bt`) | " in kept
     # ingest, model and augment once; a cache with and one without generated responses; a train per run
     count = {stage: len([p for p in (tmp_path / stage).iterdir() if not p.name.startswith(".")])
              for stage in ("ingest", "model", "augment", "cache", "train", "evaluate")}

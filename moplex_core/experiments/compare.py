@@ -34,11 +34,11 @@ from matplotlib.figure import Figure
 
 from moplex_core.artifacts import ArtifactRef, ArtifactStore, read_manifest
 from moplex_core.config import METHODS, PipelineConfig, method_config
-from moplex_core.evaluate import METRICS_FILE
+from moplex_core.evaluate import EM_START_SPLIT, METRICS_FILE
 from moplex_core.report import markdown_table, png_bytes
 
 STAGE = "compare"
-CODE_VERSION = "compare-2"  # bump when a change here changes what the report holds
+CODE_VERSION = "compare-3"  # bump when a change here changes what the report holds
 SPLIT = "test"
 
 
@@ -107,6 +107,25 @@ def table3(metrics: pd.DataFrame, metric: str = "ranking_accuracy_posterior", sp
     for method, group in stats.groupby("method", sort=False):
         by_cluster = group.set_index("cluster")
         cells = [_cell(*by_cluster.loc[c, ["mean", "std"]]) if c in by_cluster.index else "-" for c in clusters]
+        lines.append(f"| {_label(method)} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def em_start_table(metrics: pd.DataFrame) -> str:
+    """Per mixture method, on the training rankings (evaluate's ``train_em`` rows): clustering accuracy
+    of the partition EM started from and of the one it ended with (each under its own matching), and
+    the ARI between the two; mean ± std over seeds. Empty when no run kept its start."""
+    rows = metrics[metrics.split == EM_START_SPLIT]
+    if rows.empty:
+        return ""
+    stats = rows.groupby(["method", "metric"], sort=False)["value"].agg(["mean", "std"])
+    lines = ["| method | clustering accuracy % at the start | clustering accuracy % at the end | ARI start-end |",
+             "|---|---|---|---|"]
+    for method in dict.fromkeys(rows.method):
+        cells = [_cell(*stats.loc[(method, f"clustering_accuracy_{when}")]) if (method, f"clustering_accuracy_{when}")
+                 in stats.index else "-" for when in ("start", "final")]
+        mean, std = stats.loc[(method, "start_final_ari")]
+        cells.append(f"{mean:.2f}" if np.isnan(std) else f"{mean:.2f} ± {std:.2f}")
         lines.append(f"| {_label(method)} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -205,6 +224,10 @@ def _report(metrics: pd.DataFrame, dataset: str, seeds: list[int], evaluations: 
         table2(metrics, dataset),
         "",
         "![comparison](plots/comparison.png)",
+        "",
+        "## What EM kept of its start (training rankings)",
+        "",
+        em_start_table(metrics) or "No run kept the responsibilities EM started from (train artifacts before train-5).",
         "",
         "## Paper Table 3 shape: ranking accuracy per true cluster",
         "",
