@@ -99,7 +99,7 @@ def test_two_moplex_runs_of_one_config_on_one_root(tmp_path):
                 "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"})
     command = [sys.executable, "-m", "moplex_core.cli", "run", "synthetic-demo", "--threads", "1", "--root", str(root),
                "--set", "ingest.synthetic.n=60", "--set", "tiny_model.pretrain_steps=20",
-               "--set", "train.em_iterations=2", "--set", "stage_retries=0"]
+               "--set", "train.em_iterations=2", "--set", "train.first_epochs=1", "--set", "stage_retries=0"]
     subprocess.run([sys.executable, "-m", "prefect", "server", "database", "upgrade", "-y"], cwd=REPO, env=env,
                    check=True, capture_output=True, timeout=300)
     logs = [tmp_path / f"run-{i}.log" for i in range(2)]

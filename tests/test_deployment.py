@@ -24,7 +24,8 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 PREFECT = [sys.executable, "-m", "prefect"]
-SMALL = ["ingest.synthetic.n=60", "train.em_iterations=2", "tiny_model.pretrain_steps=20", "stage_retries=0"]
+SMALL = ["ingest.synthetic.n=60", "train.em_iterations=2", "train.first_epochs=1", "tiny_model.pretrain_steps=20",
+         "stage_retries=0"]
 EARLY_STAGES = ("ingest", "model", "augment", "cache")
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
