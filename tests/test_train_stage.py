@@ -17,7 +17,7 @@ from stage_fixtures import write_synthetic
 from moplex_core.artifacts import ArtifactStore
 from moplex_core.cache import load_policy_inputs, run_cache
 from moplex_core.config import CacheConfig, TrainConfig
-from moplex_core.em import EMConfig, initial_responsibilities, read_posteriors
+from moplex_core.em import EMConfig, initial_responsibilities, posteriors_table, read_posteriors
 from moplex_core.train import load_posteriors, load_trained, run_train
 
 CONFIG = TrainConfig(k=2, anchors=2, lora_r=4, lora_alpha=8.0, lora_targets=("q_proj", "v_proj"), lr=1e-2,
@@ -128,3 +128,10 @@ def test_resume_after_sigkill_between_iterations_reproduces_the_uninterrupted_ru
     expected, got = final(tmp_path / "whole", "posteriors.parquet"), final(tmp_path / "killed", "posteriors.parquet")
     assert expected.example_id.tolist() == got.example_id.tolist()
     assert [list(g) for g in expected.gamma] == [list(g) for g in got.gamma]
+
+
+def test_a_train_artifact_from_before_train_5_has_no_start(tmp_path):
+    gamma = torch.tensor([[0.7, 0.3], [0.2, 0.8]], dtype=torch.float64)
+    pq.write_table(posteriors_table(("a", "b"), gamma), tmp_path / "posteriors.parquet")
+    ids, start, final = load_posteriors(tmp_path)
+    assert ids == ("a", "b") and start is None and torch.equal(final, gamma)
