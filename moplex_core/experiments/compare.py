@@ -122,8 +122,10 @@ def em_start_table(metrics: pd.DataFrame) -> str:
     lines = ["| method | clustering accuracy % at the start | clustering accuracy % at the end | ARI start-end |",
              "|---|---|---|---|"]
     for method in dict.fromkeys(rows.method):
-        cells = [_cell(*stats.loc[(method, f"clustering_accuracy_{when}")]) if (method, f"clustering_accuracy_{when}")
-                 in stats.index else "-" for when in ("start", "final")]
+        cells = []
+        for when in ("start", "final"):
+            key = (method, f"clustering_accuracy_{when}")
+            cells.append(_cell(*stats.loc[key]) if key in stats.index else "-")
         mean, std = stats.loc[(method, "start_final_ari")]
         cells.append(f"{mean:.2f}" if np.isnan(std) else f"{mean:.2f} ± {std:.2f}")
         lines.append(f"| {_label(method)} | " + " | ".join(cells) + " |")
@@ -227,7 +229,8 @@ def _report(metrics: pd.DataFrame, dataset: str, seeds: list[int], evaluations: 
         "",
         "## What EM kept of its start (training rankings)",
         "",
-        em_start_table(metrics) or "No run kept the responsibilities EM started from (train artifacts before train-5).",
+        em_start_table(metrics) or ("No run has a start to compare with: k = 1 methods have none, and train "
+                                    "artifacts before train-5 did not keep it."),
         "",
         "## Paper Table 3 shape: ranking accuracy per true cluster",
         "",
