@@ -33,10 +33,10 @@ from moplex_core.cache import load_policy_inputs  # noqa: E402
 from moplex_core.config import CacheConfig, IngestConfig, SplitConfig, SyntheticOptions, TrainConfig  # noqa: E402
 from moplex_core.data.synthetic import render_response  # noqa: E402
 from moplex_core.em import Rankings  # noqa: E402
-from moplex_core.evaluate import EvalSplit, em_start_metrics, evaluate_mixture  # noqa: E402
+from moplex_core.evaluate import EvalSplit, cache_label_names, em_start_rows, evaluate_mixture  # noqa: E402
 from moplex_core.experiments.approximation import ApproximationConfig, run_approximation  # noqa: E402
 from moplex_core.lm.tiny import build_tiny_model  # noqa: E402
-from moplex_core.train import load_posteriors, load_trained  # noqa: E402
+from moplex_core.train import load_trained  # noqa: E402
 
 
 def below_extras(rankings_dir: Path, store: ArtifactStore, n_generated: int, k: int, seed: int) -> Path:
@@ -72,11 +72,7 @@ def evaluate(train_dir: str, cache_dir: str) -> dict[str, float]:
 def start_and_end_accuracy(train_dir: str, cache_dir: str) -> tuple[float, float]:
     """Clustering accuracy on the train split of the responsibilities EM started from and of those it
     ended with (both kept in the train artifact), each under its own Hungarian matching on the train split."""
-    example_ids, start, final = load_posteriors(train_dir)
-    inputs, clusters = load_policy_inputs(cache_dir, "train")
-    cluster_of = dict(zip(inputs.example_ids, clusters, strict=True))
-    labels = np.array([int(cluster_of[e].removeprefix("c")) for e in example_ids])
-    metrics = em_start_metrics(start, final, labels).set_index("metric").value
+    metrics = em_start_rows(train_dir, cache_dir, cache_label_names(cache_dir)).set_index("metric").value
     return float(metrics["clustering_accuracy_start"]), float(metrics["clustering_accuracy_final"])
 
 

@@ -239,7 +239,7 @@ def run_evaluate(config: EvaluateConfig, train_dir: str | Path, cache_dir: str |
     train_dir, cache_dir = Path(train_dir), Path(cache_dir)
     scorer, alpha, trained = load_trained(train_dir, device=resolve_device(config.device))
     scorer.score_batch_size = config.score_batch_size
-    label_names = _label_names(cache_dir)
+    label_names = cache_label_names(cache_dir)
     outputs = {}
     for split in config.splits:
         inputs, clusters = load_policy_inputs(cache_dir, split)
@@ -252,7 +252,7 @@ def run_evaluate(config: EvaluateConfig, train_dir: str | Path, cache_dir: str |
     metrics = evaluate_mixture(_ScoredSplits(scorer.k, outputs), alpha, splits, label_names, config.fit_split)
     diagnostics = _generated_diagnostics(outputs, splits, alpha, scorer.k)
     seed = read_manifest(train_dir)["config"]["seed"]
-    metrics = pd.concat([metrics, _diagnostic_metrics(diagnostics), _em_start_rows(train_dir, cache_dir, label_names)],
+    metrics = pd.concat([metrics, _diagnostic_metrics(diagnostics), em_start_rows(train_dir, cache_dir, label_names)],
                         ignore_index=True)
     metrics.insert(0, "method", config.method)
     metrics["seed"] = seed
@@ -272,8 +272,9 @@ def run_evaluate(config: EvaluateConfig, train_dir: str | Path, cache_dir: str |
     return EvaluateResult(plan.ref, plan.path, True, metrics)
 
 
-def _em_start_rows(train_dir: Path, cache_dir: Path, label_names: list[str] | None) -> pd.DataFrame:
-    """em_start_metrics of the train artifact (none for artifacts that did not keep their start)."""
+def em_start_rows(train_dir: str | Path, cache_dir: str | Path, label_names: list[str] | None) -> pd.DataFrame:
+    """em_start_metrics of a train artifact, with the labels of its cache (`cache_label_names`) when
+    given; no rows for artifacts that did not keep their start."""
     from moplex_core.train import load_posteriors
 
     example_ids, start, final = load_posteriors(train_dir)
@@ -287,7 +288,7 @@ def _em_start_rows(train_dir: Path, cache_dir: Path, label_names: list[str] | No
     return em_start_metrics(start, final, labels, len(label_names) if label_names else None)
 
 
-def _label_names(cache_dir: Path) -> list[str] | None:
+def cache_label_names(cache_dir: str | Path) -> list[str] | None:
     """The true cluster labels in the cache (all splits), sorted; None when any ranking has none."""
     clusters = load_table(cache_dir, columns=["cluster"]).column("cluster").to_pylist()
     if not clusters or any(c is None for c in clusters):

@@ -94,7 +94,8 @@ def make_scorer(config: TrainConfig, model: str, *, progress: bool = False) -> L
     return LoRAPolicyScorer(
         model, config.k, beta=config.beta, anchors=config.anchors, estimation=config.estimation,
         lora=LoRASettings(config.lora_r, config.lora_alpha, config.lora_dropout, config.lora_targets),
-        lr=config.lr, epochs=config.epochs, first_epochs=config.first_epochs, batch_size=config.batch_size, score_batch_size=config.score_batch_size,
+        lr=config.lr, epochs=config.epochs, first_epochs=config.first_epochs, batch_size=config.batch_size,
+        score_batch_size=config.score_batch_size,
         chunk_size=config.chunk_size, share_prompts=config.share_prompts, seed=config.seed,
         dtype=resolve_dtype(config.dtype, device), device=device,
         progress=progress,
@@ -133,8 +134,8 @@ def run_train(config: TrainConfig, cache_dir: str | Path, store: ArtifactStore, 
         with writer.directory("adapters") as staging:
             scorer.save_adapters(staging)
         writer.write_table(POSTERIORS, posteriors_table(inputs.example_ids, best.gamma))
-        start = read_posteriors(writer.path / "em" / f"restart-{best.restart:02d}" / START_FILE, inputs.example_ids)
-        writer.write_table(START_POSTERIORS, posteriors_table(inputs.example_ids, start))
+        start_file = writer.path / "em" / f"restart-{best.restart:02d}" / START_FILE
+        writer.write_file(START_POSTERIORS, start_file.read_bytes())  # EM wrote it for these example ids
         summary = {
             "restart": best.restart, "iterations": best.iteration + 1, "converged": best.converged,
             "log_likelihood": best.log_likelihood, "history": best.history, "alpha": best.alpha.tolist(),
