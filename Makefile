@@ -17,11 +17,13 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q -e '.[test,bench]' 2>&1 | { grep -v 'is ignored: it is neither a file nor a directory' || true; }
 	touch $(STAMP)
 
+# One pytest worker per core, at most 4 (pytest-xdist): most tests use one core (one torch thread, or
+# a subprocess the test waits on), so two workers on 2 cores take about 2/3 of one worker's time.
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n auto --maxprocesses 4
 
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -q -m "not slow"
+	$(BIN)/python -m pytest -q -n auto --maxprocesses 4 -m "not slow"
 
 # The whole pipeline on the synthetic-demo preset with a tiny offline model, on Prefect's local server.
 demo: $(STAMP)
