@@ -113,7 +113,7 @@ def main() -> None:
         pairs = [(r["prompt"], t) for r in rows for t in r["responses"] + r["generated"]]
         build_tiny_model(model_dir, pairs, hidden_size=64, layers=2, pretrain_steps=args.pretrain_steps)
 
-    cache_config = CacheConfig(model=str(model_dir), batch_size=16, dtype="float32", device="cpu")
+    cache_config = CacheConfig(model=str(model_dir), score_batch_size=96, dtype="float32", device="cpu")
     train_config = TrainConfig(k=k, anchors=args.anchors or None, beta=args.beta, lora_r=8, lora_alpha=16.0,
                                lr=args.lr, epochs=2, first_epochs=args.first_epochs,
                                batch_size=16, em_iterations=args.iterations, tol=0.0, init=args.init,

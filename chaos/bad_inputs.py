@@ -266,7 +266,7 @@ def catalogue() -> list[Case]:
         cases.append(Case(f"config: {name}", argv, expect, None, short=short, process=name == "k < 1"))
 
     lm = ("ingest.dataset=generic", "ingest.path={data}/lm.jsonl", "augment=null", "tiny_model.pretrain_steps=0",
-          f"cache.max_response_tokens={LONG_RESPONSE_TOKENS}", "cache.batch_size=24", "train.em_iterations=1",
+          f"cache.max_response_tokens={LONG_RESPONSE_TOKENS}", "cache.score_batch_size=96", "train.em_iterations=1",
           "train.batch_size=64")
     bad_rows = f"{_slug('ranking index out of range')}.jsonl"
     cases += [

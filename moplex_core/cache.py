@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -134,10 +134,10 @@ def cache_rows(
     rows = part.to_pylist()
     examples = [_tokenize(row, tokenizer, config) for row in rows]
     terms = []
-    for start in range(0, len(rows), config.batch_size):
-        terms += reference_terms_batch(model, examples[start : start + config.batch_size], tokenizer.pad_token_id,
+    for batch in _whole_examples(examples, config.score_batch_size):
+        terms += reference_terms_batch(model, batch, tokenizer.pad_token_id, rows_per_pass=config.score_batch_size,
                                        chunk_size=config.chunk_size)
-        advance(len(examples[start : start + config.batch_size]))
+        advance(len(batch))
     return pa.Table.from_pylist([
         {
             "example_id": row["example_id"],
@@ -153,6 +153,19 @@ def cache_rows(
         }
         for row, seqs, (ref_logp, s_ref) in zip(rows, examples, terms, strict=True)
     ], schema=CACHE_SCHEMA)
+
+
+def _whole_examples(examples: list[list[TokenizedResponse]], rows: int) -> Iterator[list[list[TokenizedResponse]]]:
+    """Consecutive examples with at most ``rows`` responses in all, so that no example's responses
+    straddle two passes; an example with more responses than that comes alone (and is split)."""
+    batch: list[list[TokenizedResponse]] = []
+    for sequences in examples:
+        if batch and sum(map(len, batch)) + len(sequences) > rows:
+            yield batch
+            batch = []
+        batch.append(sequences)
+    if batch:
+        yield batch
 
 
 TRUNCATION_COLUMNS = ["input_ids", "response_start"]

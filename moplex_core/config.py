@@ -419,7 +419,7 @@ class CacheConfig(StageConfig):
     contraction s_ref. ``model`` is pi_ref, the base model the train stage puts adapters on.
 
     Left out of the version (`identity`): ``model`` (its directory's content is an input of the
-    version instead), ``batch_size``, ``device`` and ``chunk_size`` (how fast, not what).
+    version instead), ``score_batch_size``, ``device`` and ``chunk_size`` (how fast, not what).
     """
 
     model: str
@@ -429,8 +429,10 @@ class CacheConfig(StageConfig):
     """Longer prompts lose their start."""
     max_response_tokens: int | None = Field(512, ge=1)
     """Longer responses lose their end (and their EOS), never their start."""
-    batch_size: int = Field(8, ge=1)
-    """Examples per forward pass (each contributes its m' responses)."""
+    score_batch_size: int = Field(32, ge=1)
+    """Responses per forward + input-gradient pass, as the train and evaluate stages count their
+    passes (the pass's memory grows with it, not with m'). An example's responses share a pass, and
+    its prompt's, where they fit; an example with more responses than this is split over passes."""
     shard_rows: int = Field(1000, ge=1)
     """Examples per part-*.parquet shard: the unit of resumption after a kill."""
     dtype: ModelDtype = "auto"
@@ -440,7 +442,7 @@ class CacheConfig(StageConfig):
     """Response positions projected to the vocabulary at a time."""
 
     def identity(self) -> dict[str, Any]:
-        return self.model_dump(mode="json", exclude={"model", "batch_size", "device", "chunk_size"})
+        return self.model_dump(mode="json", exclude={"model", "score_batch_size", "device", "chunk_size"})
 
 
 # ---------------------------------------------------------------------------------------------------

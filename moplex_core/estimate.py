@@ -259,7 +259,8 @@ def reference_terms(
 
     Every response is an anchor once, so any later anchor choice finds its row of s_ref.
     """
-    return reference_terms_batch(model, [sequences], pad_token_id, chunk_size=chunk_size)[0]
+    return reference_terms_batch(model, [sequences], pad_token_id, rows_per_pass=len(sequences),
+                                 chunk_size=chunk_size)[0]
 
 
 def reference_terms_batch(
@@ -267,22 +268,32 @@ def reference_terms_batch(
     examples: Sequence[Sequence[TokenizedResponse]],
     pad_token_id: int,
     *,
+    rows_per_pass: int = 32,
     chunk_size: int = 1024,
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """`reference_terms` of several examples with one forward + input-gradient pass over all their
-    responses."""
-    rows = [seq for sequences in examples for seq in sequences]
-    groups = [e for e, sequences in enumerate(examples) for _ in sequences]  # an example's responses share its prompt
-    ref = anchor_pass(model, rows, pad_token_id, input_grads=True, chunk_size=chunk_size, groups=groups)
-    out, offset = [], 0
-    for sequences in examples:
-        emb, lengths = response_embeddings(model, sequences)
-        every = torch.arange(len(sequences), device=emb.device)
-        grads = ref.input_grads[offset : offset + len(sequences)]
-        s_ref = contraction(grads, every, emb, lengths).float().cpu()  # [M, M]
-        out.append((ref.logp[offset : offset + len(sequences)].clone(), s_ref))
-        offset += len(sequences)
-    return out
+    """`reference_terms` of several examples, their responses in order in forward + input-gradient
+    passes of at most ``rows_per_pass`` rows (an example's rows in one pass share its prompt pass).
+
+    An example whose responses straddle passes gets its rows of s_ref from each pass: row i of s_ref
+    needs only response i's input gradients and every response's embeddings.
+    """
+    rows = [(e, j) for e, sequences in enumerate(examples) for j in range(len(sequences))]
+    ref_logp = [torch.empty(len(sequences), dtype=torch.float64) for sequences in examples]
+    s_ref = [torch.empty(len(sequences), len(sequences), dtype=torch.float32) for sequences in examples]
+    for start in range(0, len(rows), rows_per_pass):
+        part = rows[start : start + rows_per_pass]
+        ref = anchor_pass(model, [examples[e][j] for e, j in part], pad_token_id, input_grads=True,
+                          chunk_size=chunk_size, groups=[e for e, _ in part])
+        first = 0
+        for e in dict.fromkeys(e for e, _ in part):  # the pass's examples, in order; each one's rows are contiguous
+            count = sum(1 for row, _ in part if row == e)
+            idx = torch.tensor([j for _, j in part[first : first + count]])  # [p]: which responses
+            emb, lengths = response_embeddings(model, examples[e])
+            ref_logp[e][idx] = ref.logp[first : first + count]
+            s_ref[e][idx] = contraction(ref.input_grads[first : first + count], idx.to(emb.device), emb,
+                                        lengths).float().cpu()  # [p, M]
+            first += count
+    return list(zip(ref_logp, s_ref))
 
 
 def embedding_distance(emb: torch.Tensor, lengths: torch.Tensor, anchor: int, full_norm: torch.Tensor) -> torch.Tensor:

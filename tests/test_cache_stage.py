@@ -21,7 +21,8 @@ from moplex_core.pl import UNRANKED
 def test_augmented_input_caches_originals_then_generated_with_reference_terms(tiny_model_dir, tmp_path):  # noqa: F811
     store = ArtifactStore(tmp_path)
     augmented = write_synthetic(store, n=5, m=3, n_generated=2)
-    result = run_cache(CacheConfig(model=str(tiny_model_dir), batch_size=2), augmented, store, progress=False)
+    config = CacheConfig(model=str(tiny_model_dir), score_batch_size=3)  # 5 responses per example: passes of 3 + 2
+    result = run_cache(config, augmented, store, progress=False)
     cached = load_table(result.path).to_pylist()
     source = load_table(augmented).to_pylist()
     model, tokenizer = load_model(tiny_model_dir), load_tokenizer(tiny_model_dir)

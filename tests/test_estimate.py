@@ -163,10 +163,11 @@ def test_a_shared_prompt_pass_gives_the_whole_rows_log_probs_and_gradients(tiny_
         torch.testing.assert_close(ours, reference, rtol=0, atol=1e-9)
 
 
-def test_the_shared_reference_terms_equal_one_example_at_a_time(model64):
+@pytest.mark.parametrize("rows_per_pass", [32, 3])  # 3: passes mix the two examples and split each one
+def test_the_shared_reference_terms_equal_one_example_at_a_time(model64, rows_per_pass):
     model, tokenizer = model64
     examples = [tokenize_responses(tokenizer, prompt, RESPONSES) for prompt in ("Which list is best?", "Best?")]
-    together = reference_terms_batch(model, examples, tokenizer.pad_token_id)
+    together = reference_terms_batch(model, examples, tokenizer.pad_token_id, rows_per_pass=rows_per_pass)
     for sequences, (ref_logp, s_ref) in zip(examples, together):
         alone = anchor_pass(model, sequences, tokenizer.pad_token_id, input_grads=True)
         emb, lengths = response_embeddings(model, sequences)
