@@ -26,8 +26,8 @@ import torch
 from transformers import GenerationConfig
 
 from moplex_core.generate.base import SampleRequest, request_seed
-from moplex_core.generate.hf import HFGenerator, resolve_dtype
-from moplex_core.lm.loading import load_model, load_tokenizer
+from moplex_core.generate.hf import HFGenerator
+from moplex_core.lm.loading import load_model, load_tokenizer, resolve_dtype
 from moplex_core.lm.tiny import build_qwen3_0_6b_shape, build_tiny_model
 from moplex_core.lm.tokenize import encode_prompt
 

@@ -129,7 +129,12 @@ def plan_augment(config: AugmentConfig, rankings: str | Path, store: ArtifactSto
     inputs = {"rankings": f"{manifest['stage']}/{manifest['version']}"}
     if config.model is not None:
         inputs["model"] = model_fingerprint(config.model)
-    version = store.version(STAGE, config.identity(), inputs, CODE_VERSION)
+    identity = config.identity()
+    if config.backend == "hf":  # vLLM resolves its own "auto" (the model's dtype)
+        from moplex_core.lm.loading import identity_on_this_machine
+
+        identity = identity_on_this_machine(identity, config.device)
+    version = store.version(STAGE, identity, inputs, CODE_VERSION)
     return AugmentPlan(ArtifactRef(STAGE, version), store.path(STAGE, version), rankings, inputs,
                        store.is_complete(STAGE, version))
 

@@ -34,7 +34,7 @@ from moplex_core.artifacts import ArtifactRef, ArtifactStore, load_table, read_m
 from moplex_core.config import CacheConfig
 from moplex_core.estimate import reference_terms_batch
 from moplex_core.hashing import model_fingerprint
-from moplex_core.lm.loading import load_model, load_tokenizer
+from moplex_core.lm.loading import identity_on_this_machine, load_model, load_tokenizer, resolve_device, resolve_dtype
 from moplex_core.lm.tokenize import TokenizedResponse, tokenize_responses
 from moplex_core.pl import encode_tiers_batch
 
@@ -76,7 +76,7 @@ class CacheResult:
 def plan_cache(config: CacheConfig, rankings_dir: str | Path, store: ArtifactStore) -> CachePlan:
     manifest = read_manifest(rankings_dir)
     inputs = {"rankings": f"{manifest['stage']}/{manifest['version']}", "model": model_fingerprint(config.model)}
-    version = store.version(STAGE, config.identity(), inputs, CODE_VERSION)
+    version = store.version(STAGE, identity_on_this_machine(config.identity(), config.device), inputs, CODE_VERSION)
     return CachePlan(ArtifactRef(STAGE, version), store.path(STAGE, version), inputs, store.is_complete(STAGE, version))
 
 
@@ -226,13 +226,3 @@ def _distribution(table: pa.Table) -> dict[str, int]:
         sizes = sizes + np.asarray(pc.list_value_length(table.column("generated")).fill_null(0).to_pylist())
     values, counts = np.unique(sizes, return_counts=True)
     return {str(v): int(c) for v, c in zip(values, counts, strict=True)}
-
-
-def resolve_device(device: str) -> str:
-    return ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
-
-
-def resolve_dtype(dtype: str, device: str) -> torch.dtype:
-    if dtype == "auto":
-        return torch.bfloat16 if device.startswith("cuda") else torch.float32
-    return getattr(torch, dtype)

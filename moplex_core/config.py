@@ -377,7 +377,8 @@ class AugmentConfig(StageConfig):
     batch_size: int = Field(16, ge=1)
     """Sequences per transformers `generate` call (hf); vLLM schedules its own batches."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    """Weights and activations; ``auto`` is bfloat16 on a GPU and float32 on the CPU."""
+    """Weights and activations; ``auto`` is bfloat16 on a GPU and float32 on the CPU (hf: the version
+    holds the dtype ``auto`` resolves to, `identity_on_this_machine`)."""
     device: str = "auto"
     """hf only: ``auto`` (cuda when available, else cpu), ``cpu``, ``cuda``, ``cuda:1``, ..."""
     use_chat_template: bool = True
@@ -436,7 +437,8 @@ class CacheConfig(StageConfig):
     shard_rows: int = Field(1000, ge=1)
     """Examples per part-*.parquet shard: the unit of resumption after a kill."""
     dtype: ModelDtype = "auto"
-    """``auto`` is bfloat16 on a GPU and float32 on the CPU; log-probs accumulate in float32/64."""
+    """``auto`` is bfloat16 on a GPU and float32 on the CPU (the version holds the dtype it resolves to,
+    `identity_on_this_machine`); log-probs accumulate in float32/64."""
     device: str = "auto"
     chunk_size: int = Field(1024, ge=1)
     """Response positions projected to the vocabulary at a time."""
@@ -498,6 +500,7 @@ class TrainConfig(StageConfig):
     restarts: int = Field(1, ge=1)
     seed: int = 0
     dtype: ModelDtype = "auto"
+    """As the cache's: versioned as the dtype it resolves to on the machine that trains."""
     device: str = "auto"
     score_batch_size: int = Field(32, ge=1)
     chunk_size: int = Field(1024, ge=1)

@@ -213,6 +213,8 @@ class _ScoredSplits:
 
 def plan_evaluate(config: EvaluateConfig, train_dir: str | Path, cache_dir: str | Path,
                   store: ArtifactStore) -> EvaluatePlan:
+    from moplex_core.lm.loading import identity_on_this_machine
+
     train = read_manifest(train_dir)
     cache = read_manifest(cache_dir)
     cache_ref = f"{cache['stage']}/{cache['version']}"
@@ -220,7 +222,9 @@ def plan_evaluate(config: EvaluateConfig, train_dir: str | Path, cache_dir: str 
         raise ValueError(f"{train_dir} was trained on {train['inputs'].get('cache')}, not on {cache_ref} "
                          f"({cache_dir}); evaluate a train artifact with the cache it was trained on")
     inputs = {"train": f"{train['stage']}/{train['version']}", "cache": cache_ref}
-    version = store.version(STAGE, config.identity(), inputs, CODE_VERSION)
+    # the trained adapters score in the train config's dtype as it resolves on this machine
+    scored_in = identity_on_this_machine({"dtype": train["config"]["dtype"]}, config.device)
+    version = store.version(STAGE, {**config.identity(), **scored_in}, inputs, CODE_VERSION)
     return EvaluatePlan(ArtifactRef(STAGE, version), store.path(STAGE, version), inputs,
                         store.is_complete(STAGE, version))
 
@@ -229,7 +233,8 @@ def run_evaluate(config: EvaluateConfig, train_dir: str | Path, cache_dir: str |
                  plan: EvaluatePlan | None = None) -> EvaluateResult:
     """Score the held-out splits exactly with the trained adapters and write metrics.parquet,
     diagnostics.parquet, report.md and plots/*.png (unless this version exists)."""
-    from moplex_core.cache import load_policy_inputs, resolve_device
+    from moplex_core.cache import load_policy_inputs
+    from moplex_core.lm.loading import resolve_device
     from moplex_core.report import write_report
     from moplex_core.train import load_trained
 

@@ -38,10 +38,11 @@ import torch
 from tqdm.auto import tqdm
 
 from moplex_core.artifacts import ArtifactRef, ArtifactStore, atomic_path, read_manifest
-from moplex_core.cache import load_policy_inputs, resolve_device, resolve_dtype
+from moplex_core.cache import load_policy_inputs
 from moplex_core.config import TrainConfig
 from moplex_core.em import START_FILE, EMConfig, EMState, fit_mixture, posteriors_table, read_posteriors
 from moplex_core.pl import PAD
+from moplex_core.lm.loading import identity_on_this_machine, resolve_device, resolve_dtype
 from moplex_core.lm.multi_lora import LoRASettings
 from moplex_core.scorers.lora_policy import LoRAPolicyScorer, PolicyInputs, ScoreRecord
 
@@ -84,7 +85,7 @@ class TrainResult:
 def plan_train(config: TrainConfig, cache_dir: str | Path, store: ArtifactStore) -> TrainPlan:
     manifest = read_manifest(cache_dir)
     inputs = {"cache": f"{manifest['stage']}/{manifest['version']}"}
-    version = store.version(STAGE, config.identity(), inputs, CODE_VERSION)
+    version = store.version(STAGE, identity_on_this_machine(config.identity(), config.device), inputs, CODE_VERSION)
     return TrainPlan(ArtifactRef(STAGE, version), store.path(STAGE, version), inputs, manifest["config"]["model"],
                      store.is_complete(STAGE, version))
 

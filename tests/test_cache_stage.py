@@ -10,10 +10,10 @@ from lm_fixtures import tiny_model_dir  # noqa: F401  (fixture)
 from stage_fixtures import write_synthetic
 
 from moplex_core.artifacts import ArtifactStore, load_table
-from moplex_core.cache import load_policy_inputs, run_cache
+from moplex_core.cache import load_policy_inputs, plan_cache, run_cache
 from moplex_core.config import CacheConfig
 from moplex_core.estimate import reference_terms
-from moplex_core.lm.loading import load_model, load_tokenizer
+from moplex_core.lm.loading import identity_on_this_machine, load_model, load_tokenizer
 from moplex_core.lm.tokenize import tokenize_responses
 from moplex_core.pl import UNRANKED
 
@@ -60,3 +60,16 @@ def test_a_killed_cache_resumes_by_shard(tiny_model_dir, tmp_path):  # noqa: F81
     assert {name: os.stat(first.path / name).st_mtime_ns for name in kept} == kept
     assert load_table(again.path).equals(whole)
     assert pq.read_metadata(again.path / "part-00001.parquet").num_rows == 2
+
+
+def test_auto_dtype_versions_as_the_dtype_it_means_on_this_machine(tiny_model_dir, tmp_path):  # noqa: F811
+    # this machine has no GPU: "auto" is float32 here, the same artifact as an explicit float32 and
+    # another one than bfloat16 (whose numbers differ), so no version mixes shards of both
+    store = ArtifactStore(tmp_path)
+    rankings = write_synthetic(store, n=3, m=2, n_generated=0)
+    version = {dtype: plan_cache(CacheConfig(model=str(tiny_model_dir), dtype=dtype), rankings, store).ref.version
+               for dtype in ("auto", "float32", "bfloat16")}
+    assert version["auto"] == version["float32"] != version["bfloat16"]
+    assert identity_on_this_machine({"dtype": "auto"}, "cpu") == {"dtype": "float32"}
+    assert identity_on_this_machine({"dtype": "auto"}, "cuda:1") == {"dtype": "bfloat16"}
+    assert identity_on_this_machine({"dtype": "float64", "k": 3}, "cuda") == {"dtype": "float64", "k": 3}

@@ -25,7 +25,7 @@ from transformers import (
 )
 
 from moplex_core.generate.base import Sample, SampleRequest, prompt_input, sample_seed
-from moplex_core.lm.loading import load_model, load_tokenizer
+from moplex_core.lm.loading import load_model, load_tokenizer, resolve_device, resolve_dtype
 from moplex_core.lm.tokenize import encode_prompt
 
 
@@ -52,18 +52,6 @@ def sampling_processors(temperature: float, top_p: float, generators: Sequence[t
         processors.append(TopPLogitsWarper(top_p))
     processors.append(GumbelNoise(generators))
     return LogitsProcessorList(processors)
-
-
-def resolve_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
-
-
-def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    if dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return getattr(torch, dtype)
 
 
 class HFGenerator:
@@ -95,7 +83,7 @@ class HFGenerator:
         self.batch_size = batch_size
         self.use_chat_template = use_chat_template
         self.max_prompt_tokens = max_prompt_tokens
-        self.device = resolve_device(device)
+        self.device = torch.device(resolve_device(device))
         self._model = load_model(model, dtype=resolve_dtype(dtype, self.device), device=self.device)
         self._tokenizer = load_tokenizer(model)
         eos = self._model.generation_config.eos_token_id

@@ -25,6 +25,30 @@ _TRUE = {"1", "on", "yes", "true"}
 _OFFLINE_VARIABLES = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
 
 
+def resolve_device(device: str) -> str:
+    """``auto``: cuda when this machine has one, else cpu; anything else as given."""
+    return ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
+
+
+def resolve_dtype(dtype: str, device: str | torch.device) -> torch.dtype:
+    """``auto``: bfloat16 on a GPU, float32 on the CPU; anything else the torch dtype of that name."""
+    if dtype == "auto":
+        return torch.bfloat16 if str(device).startswith("cuda") else torch.float32
+    return getattr(torch, dtype)
+
+
+def identity_on_this_machine(identity: dict[str, Any], device: str) -> dict[str, Any]:
+    """A stage's version identity with ``dtype: auto`` replaced by the dtype it means here.
+
+    A bfloat16 and a float32 artifact hold different numbers (and, for sampling, different texts), so
+    they are different versions; and a stage resumed on another kind of machine must not add shards
+    in another dtype to a version it started.
+    """
+    if identity.get("dtype") != "auto":
+        return identity
+    return {**identity, "dtype": str(resolve_dtype("auto", resolve_device(device))).removeprefix("torch.")}
+
+
 def load_model(
     name_or_path: str | Path,
     *,
