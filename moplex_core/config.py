@@ -409,7 +409,9 @@ class AugmentConfig(StageConfig):
 # ---------------------------------------------------------------------------------------------------
 # cache
 
-ModelDtype = Literal["auto", "float32", "bfloat16", "float16", "float64"]
+# No float16 for the cache and train: their input and LoRA gradients would need loss scaling, which
+# this code does not do (a GPU without bfloat16 runs float32).
+ModelDtype = Literal["auto", "float32", "bfloat16", "float64"]
 
 
 class CacheConfig(StageConfig):

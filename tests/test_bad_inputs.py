@@ -142,6 +142,7 @@ def test_a_hub_dataset_while_offline_says_how_to_pass_a_local_path(monkeypatch):
     ("augment.temperature=-0.5", "augment.temperature: Input should be greater than 0 (got -0.5)"),
     ("augment.n_generated=-1", "augment.n_generated: Input should be greater than or equal to 1 (got -1)"),
     ("train.anchors=7", "train.anchors a = 7 > m' = 6 responses per example (4 from synthetic + 2 generated)"),
+    ("train.dtype=float16", "train.dtype: Input should be 'auto', 'float32', 'bfloat16' or 'float64' (got 'float16')"),
 ])
 def test_config_errors_name_the_key_in_one_line(assignment, expected):
     with pytest.raises(ValueError) as err:
