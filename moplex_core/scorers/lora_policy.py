@@ -284,11 +284,12 @@ class LoRAPolicyScorer:
         """
         generator = torch.Generator().manual_seed(self.seed)
         vocab, hidden = self.model.get_output_embeddings().weight.shape
-        left = torch.randn(vocab, width, generator=generator, dtype=torch.float64)  # [V, width]
-        right = torch.randn(hidden, width, generator=generator, dtype=torch.float64)  # [d, width]
+        device = next(self.model.parameters()).device
+        # drawn on the CPU (the same features on any device), moved once: [V, width] is 19 MB for Qwen3
+        left = torch.randn(vocab, width, generator=generator, dtype=torch.float64).to(device)  # [V, width]
+        right = torch.randn(hidden, width, generator=generator, dtype=torch.float64).to(device)  # [d, width]
         slots = [(i, j) for i, seqs in enumerate(inputs.sequences) for j in range(len(seqs))]
         features = torch.zeros(len(inputs), inputs.tiers.shape[1], width * width, dtype=torch.float64)
-        device = next(self.model.parameters()).device
         for start in tqdm(range(0, len(slots), self.score_batch_size), desc="response features", unit="batch",
                           disable=not self.progress, leave=False):
             chunk = slots[start : start + self.score_batch_size]
