@@ -301,6 +301,7 @@ def fit_mixture(
         finished.append(state)
         if best is None or state.log_likelihood > best[0].log_likelihood:
             best = (state, scorer)
+        del scorer  # a restart that is not the best frees its model before the next one loads its own
     return EMResult(best[0], finished), best[1]
 
 

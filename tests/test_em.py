@@ -1,10 +1,12 @@
 """The mixture-EM engine on synthetic data with the CPU scorers."""
 
+import gc
 import shutil
 import signal
 import subprocess
 import sys
 import textwrap
+import weakref
 
 import numpy as np
 import pytest
@@ -94,6 +96,23 @@ def test_restarts_keep_the_best_log_likelihood():
     finals = [s.log_likelihood for s in result.restarts]
     assert len(set(finals)) > 1
     assert result.best.log_likelihood == max(finals)
+
+
+def test_a_new_restarts_scorer_is_made_with_at_most_the_best_one_alive():
+    # on a GPU each LoRA scorer holds a model: a finished restart that is not the best must be gone
+    _, rankings, x = synthetic(k=3, m=3, n=300, seed=4)
+    made, alive_at_make = [], []
+
+    def make_scorer() -> LinearScorer:
+        gc.collect()
+        alive_at_make.append(sum(ref() is not None for ref in made))
+        scorer = LinearScorer(3, 3)
+        made.append(weakref.ref(scorer))
+        return scorer
+
+    result, best = fit_mixture(make_scorer, x, rankings, EMConfig(k=3, init="dirichlet", restarts=4, max_iter=3))
+    assert alive_at_make == [0, 1, 1, 1]
+    assert best is next(ref() for ref in made if ref() is not None)
 
 
 def test_m_step_skips_pairs_below_gamma_min():
