@@ -410,7 +410,7 @@ class AugmentConfig(StageConfig):
 # cache
 
 # No float16 for the cache and train: their input and LoRA gradients would need loss scaling, which
-# this code does not do (a GPU without bfloat16 runs float32).
+# this code does not do ("auto" on a GPU without bfloat16 is float32).
 ModelDtype = Literal["auto", "float32", "bfloat16", "float64"]
 
 

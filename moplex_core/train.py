@@ -49,7 +49,7 @@ from moplex_core.scorers.lora_policy import LoRAPolicyScorer, PolicyInputs, Scor
 log = logging.getLogger(__name__)
 
 STAGE = "train"
-CODE_VERSION = "train-5"  # bump when a change to this stage changes what it writes
+CODE_VERSION = "train-6"  # bump when a change to this stage changes what it writes
 POSTERIORS = "posteriors.parquet"
 START_POSTERIORS = "start_posteriors.parquet"
 TRAIN_SPLIT = "train"
@@ -114,7 +114,8 @@ def run_train(config: TrainConfig, cache_dir: str | Path, store: ArtifactStore, 
     rankings = inputs.rankings(config.likelihood)
     em_config = EMConfig(k=config.k, max_iter=config.em_iterations, tol=config.tol, gamma_min=config.gamma_min,
                          init=config.init, restarts=config.restarts, hard=config.hard, seed=config.seed)
-    recorded = {**config.model_dump(mode="json"), "model": plan.model}
+    dtype = resolve_dtype(config.dtype, resolve_device(config.device))
+    recorded = {**config.model_dump(mode="json"), "model": plan.model, "resolved_dtype": str(dtype).removeprefix("torch.")}
     with store.writer(STAGE, plan.ref.version, config=recorded, inputs=plan.inputs, code_version=CODE_VERSION) as writer:
         if writer.complete:
             return _finished(plan)
@@ -181,6 +182,7 @@ def load_trained(train_dir: str | Path, *, device: str | None = None
     manifest = read_manifest(train_dir)
     recorded = dict(manifest["config"])
     model = recorded.pop("model")
+    recorded.pop("resolved_dtype", None)  # what "auto" was where it trained (artifacts of train-6 on)
     if device is not None:
         recorded["device"] = device
     config = TrainConfig.model_validate(recorded)

@@ -14,7 +14,7 @@ import torch
 from lm_fixtures import tiny_model_dir  # noqa: F401  (fixture)
 from stage_fixtures import write_synthetic
 
-from moplex_core.artifacts import ArtifactStore
+from moplex_core.artifacts import ArtifactStore, read_manifest
 from moplex_core.cache import load_policy_inputs, run_cache
 from moplex_core.config import CacheConfig, TrainConfig
 from moplex_core.em import EMConfig, initial_responsibilities, posteriors_table, read_posteriors
@@ -68,6 +68,7 @@ def test_train_writes_every_iteration_and_the_final_adapters(cache_dir, tmp_path
         assert (scores.estimated == ~scores.is_anchor).all()
     scorer, alpha, _ = load_trained(result.path)
     assert alpha.sum().item() == pytest.approx(1.0)
+    assert read_manifest(result.path)["config"]["resolved_dtype"] == "float32"
     ids, start, final = load_posteriors(result.path)
     rankings = load_policy_inputs(cache_dir, "train")[0].rankings()
     assert ids == rankings.example_ids and final.shape == start.shape == (len(ids), 2)

@@ -31,9 +31,11 @@ def resolve_device(device: str) -> str:
 
 
 def resolve_dtype(dtype: str, device: str | torch.device) -> torch.dtype:
-    """``auto``: bfloat16 on a GPU, float32 on the CPU; anything else the torch dtype of that name."""
+    """``auto``: bfloat16 on a GPU that has it (Ampere and later), else float32; anything else the
+    torch dtype of that name."""
     if dtype == "auto":
-        return torch.bfloat16 if str(device).startswith("cuda") else torch.float32
+        cuda = str(device).startswith("cuda")
+        return torch.bfloat16 if cuda and torch.cuda.is_bf16_supported(including_emulation=False) else torch.float32
     return getattr(torch, dtype)
 
 
