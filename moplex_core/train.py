@@ -128,10 +128,17 @@ def run_train(config: TrainConfig, cache_dir: str | Path, store: ArtifactStore, 
             log.info("restart %d iteration %d: LL %.6f, alpha %s", state.restart, state.iteration,
                      state.log_likelihood, [round(a, 4) for a in state.alpha.tolist()])
 
+        gap: list[float] = []
+
+        def new_scorer() -> LoRAPolicyScorer:
+            scorer = make_scorer(config, plan.model, progress=progress)
+            if not gap:
+                gap.append(check_reference_gap(scorer, inputs, cache_dir, dtype))
+            return scorer
+
         with bar:
-            result, scorer = fit_mixture(lambda: make_scorer(config, plan.model, progress=progress), inputs, rankings,
-                                         em_config, checkpoint_dir=writer.path / "em", on_iteration=on_iteration,
-                                         checkpoint_files=_iteration_files)
+            result, scorer = fit_mixture(new_scorer, inputs, rankings, em_config, checkpoint_dir=writer.path / "em",
+                                         on_iteration=on_iteration, checkpoint_files=_iteration_files)
         best = result.best
         with writer.directory("adapters") as staging:
             scorer.save_adapters(staging)
@@ -143,12 +150,33 @@ def run_train(config: TrainConfig, cache_dir: str | Path, store: ArtifactStore, 
             "log_likelihood": best.log_likelihood, "history": best.history, "alpha": best.alpha.tolist(),
             "restarts": [{"restart": s.restart, "log_likelihood": s.log_likelihood, "iterations": s.iteration + 1}
                          for s in result.restarts],
-            "train_examples": len(inputs), "seed": config.seed,
+            "train_examples": len(inputs), "seed": config.seed, "reference_gap": gap[0],
         }
         writer.write_file("result.json", json.dumps(summary, indent=2))
         writer.summary.update({k: summary[k] for k in ("restart", "iterations", "converged", "log_likelihood",
-                                                       "alpha", "train_examples")})
+                                                       "alpha", "train_examples", "reference_gap")})
     return TrainResult(plan.ref, plan.path, True, best.log_likelihood, best.iteration + 1)
+
+
+REFERENCE_GAP_WARNING = 0.05  # nats: float32 rounding is ~1e-5; a float32 cache under bfloat16 is ~0.1-1
+
+
+def check_reference_gap(scorer: LoRAPolicyScorer, inputs: PolicyInputs, cache_dir: str | Path,
+                        dtype: torch.dtype) -> float:
+    """The scorer's base model against the cache's log pi_ref (`LoRAPolicyScorer.reference_gap`),
+    logged, with a warning that names both dtypes when every delta would start that far from 0."""
+    gap = scorer.reference_gap(inputs)
+    cached = read_manifest(cache_dir)["config"].get("resolved_dtype", "unknown")
+    trained = str(dtype).removeprefix("torch.")
+    if gap > REFERENCE_GAP_WARNING:
+        log.warning("the base model's log-probs differ from the cache's log pi_ref by up to %.3g nats (cache in %s, "
+                    "training in %s): every delta starts that far from 0 instead of at 0. Compute the cache in the "
+                    "training's dtype (cache.dtype=%s), or accept it as noise in the scores.",
+                    gap, cached, trained, trained)
+    else:
+        log.info("the base model reproduces the cache's log pi_ref to %.3g nats (cache in %s, training in %s)",
+                 gap, cached, trained)
+    return gap
 
 
 def check_config_fits_data(config: TrainConfig, inputs: PolicyInputs, cache_dir: str | Path) -> None:

@@ -18,7 +18,8 @@ from moplex_core.artifacts import ArtifactStore, read_manifest
 from moplex_core.cache import load_policy_inputs, run_cache
 from moplex_core.config import CacheConfig, TrainConfig
 from moplex_core.em import EMConfig, initial_responsibilities, posteriors_table, read_posteriors
-from moplex_core.train import load_posteriors, load_trained, run_train
+from moplex_core.train import (REFERENCE_GAP_WARNING, check_reference_gap, load_posteriors, load_trained, make_scorer,
+                               run_train)
 
 CONFIG = TrainConfig(k=2, anchors=2, lora_r=4, lora_alpha=8.0, lora_targets=("q_proj", "v_proj"), lr=1e-2,
                      batch_size=4, em_iterations=3, tol=0.0, init="dirichlet", dtype="float32", device="cpu")
@@ -68,7 +69,9 @@ def test_train_writes_every_iteration_and_the_final_adapters(cache_dir, tmp_path
         assert (scores.estimated == ~scores.is_anchor).all()
     scorer, alpha, _ = load_trained(result.path)
     assert alpha.sum().item() == pytest.approx(1.0)
-    assert read_manifest(result.path)["config"]["resolved_dtype"] == "float32"
+    manifest = read_manifest(result.path)
+    assert manifest["config"]["resolved_dtype"] == "float32"
+    assert 0 <= manifest["summary"]["reference_gap"] < 1e-4  # the cache's dtype and model: rounding only
     ids, start, final = load_posteriors(result.path)
     rankings = load_policy_inputs(cache_dir, "train")[0].rankings()
     assert ids == rankings.example_ids and final.shape == start.shape == (len(ids), 2)
@@ -76,6 +79,18 @@ def test_train_writes_every_iteration_and_the_final_adapters(cache_dir, tmp_path
     assert torch.equal(start, initial_responsibilities(em_config, None, None, rankings, seed=CONFIG.seed))
     assert torch.equal(start, read_posteriors(result.path / "em" / "restart-00" / "start.parquet", ids))
     assert run_train(CONFIG, cache_dir, ArtifactStore(tmp_path), progress=False).built is False
+
+
+def test_a_training_dtype_unlike_the_caches_is_measured_and_warned_about(cache_dir, caplog):
+    inputs, _ = load_policy_inputs(cache_dir, "train")
+    model = read_manifest(cache_dir)["config"]["model"]
+    bf16 = CONFIG.model_copy(update={"dtype": "bfloat16"})
+    with caplog.at_level("INFO", logger="moplex_core.train"):
+        same = check_reference_gap(make_scorer(CONFIG, model), inputs, cache_dir, torch.float32)
+        other = check_reference_gap(make_scorer(bf16, model), inputs, cache_dir, torch.bfloat16)
+    assert same < 1e-4 < REFERENCE_GAP_WARNING < other
+    [warning] = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert "(cache in float32, training in bfloat16)" in warning and "cache.dtype=bfloat16" in warning
 
 
 def test_the_start_kept_is_the_best_restarts(cache_dir, tmp_path):

@@ -219,6 +219,19 @@ class LoRAPolicyScorer:
         """This scorer seen through the Scorer protocol with exact scores (for evaluate_mixture)."""
         return ExactView(self)
 
+    def reference_gap(self, inputs: PolicyInputs, responses: int | None = None) -> float:
+        """max |log pi_ref(y|x) here - the cache's ref_logp| over the first ``responses`` responses
+        (``score_batch_size`` by default), in nats, adapters off. Every delta_c starts from it: 0 up to
+        float32 rounding when this model computes what the cache did; a different dtype (a float32
+        cache under bfloat16 training) or bfloat16's dependence on the batch's shape shows here."""
+        slots = [(i, j) for i, seqs in enumerate(inputs.sequences) for j in range(len(seqs))]
+        slots = slots[: responses or self.score_batch_size]
+        groups = [i for i, _ in slots] if self.share_prompts else None
+        passed = anchor_pass(self.model, [inputs.sequences[i][j] for i, j in slots], self.pad_token_id,
+                             input_grads=False, chunk_size=self.chunk_size, groups=groups)
+        reference = torch.stack([inputs.ref_logp[i, j] for i, j in slots])  # [R]
+        return float((passed.logp - reference).abs().max())
+
     def fit(self, inputs: PolicyInputs, rankings: Rankings, weights: torch.Tensor, iteration: int = 0) -> None:
         """Weighted M-step: minimise - sum_ic w_ic log P_c(sigma_i) over ``epochs`` passes
         (``first_epochs`` at iteration 0)."""
