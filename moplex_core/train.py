@@ -169,10 +169,11 @@ def check_reference_gap(scorer: LoRAPolicyScorer, inputs: PolicyInputs, cache_di
     cached = read_manifest(cache_dir)["config"].get("resolved_dtype", "unknown")
     trained = str(dtype).removeprefix("torch.")
     if gap > REFERENCE_GAP_WARNING:
+        remedy = (f"compute the cache in the training's dtype (cache.dtype={trained})" if cached != trained else
+                  "rounding in this dtype depends on the batch's shape; float32 for both removes it")
         log.warning("the base model's log-probs differ from the cache's log pi_ref by up to %.3g nats (cache in %s, "
-                    "training in %s): every delta starts that far from 0 instead of at 0. Compute the cache in the "
-                    "training's dtype (cache.dtype=%s), or accept it as noise in the scores.",
-                    gap, cached, trained, trained)
+                    "training in %s): every delta starts that far from 0 instead of at 0. To avoid it, %s; or "
+                    "accept it as noise in the scores.", gap, cached, trained, remedy)
     else:
         log.info("the base model reproduces the cache's log pi_ref to %.3g nats (cache in %s, training in %s)",
                  gap, cached, trained)
