@@ -430,7 +430,12 @@ def lora_agreement(model_dir: Path, sizes: Sizes, batch: list[TokenizedResponse]
     adapters one at a time (PeftModel.from_pretrained of what MultiLoRA.save_peft wrote), both in the
     run's dtype, and both against MultiLoRA in a wider dtype (float32 for a bf16 run, float64 for a
     float32 one). Max |difference| in nats; "adapter effect" is max |log pi_c - log pi_ref| in the
-    wide dtype, so a difference can be read against what the adapters change."""
+    wide dtype, so a difference can be read against what the adapters change.
+
+    Also the base model's own gaps, which every delta = log pi_c - log pi_ref starts from when the
+    cache's log pi_ref was computed otherwise (the train stage's `reference_gap`): the same rows in
+    one pass against one row at a time ("batch shape", run dtype), and the run dtype against the
+    wide one (a cache of the other dtype)."""
     from peft import PeftModel
 
     wide = torch.float64 if sizes.dtype == torch.float32 else torch.float32
@@ -447,6 +452,8 @@ def lora_agreement(model_dir: Path, sizes: Sizes, batch: list[TokenizedResponse]
         lora.save_peft(tmp, names, str(model_dir))
         with lora.route(route):
             ours = logp(model)
+        base_batched = logp(model)  # outside a route: the base model
+        base_alone = torch.cat([logp(model, [row]) for row in batch])
         del model, lora
         _free(sizes)
         peft_model = PeftModel.from_pretrained(_frozen_model(model_dir, sizes), str(Path(tmp) / names[0]),
@@ -473,7 +480,9 @@ def lora_agreement(model_dir: Path, sizes: Sizes, batch: list[TokenizedResponse]
             "wide_dtype": str(wide).removeprefix("torch."), "mean_abs_logp": float(reference.abs().mean()),
             "ours_vs_peft": float((ours - theirs).abs().max()), "ours_vs_wide": float((ours - reference).abs().max()),
             "peft_vs_wide": float((theirs - reference).abs().max()),
-            "adapter_effect": float((reference - base).abs().max())}
+            "adapter_effect": float((reference - base).abs().max()),
+            "base_batch_shape": float((base_batched - base_alone).abs().max()),
+            "base_vs_wide": float((base_batched - base).abs().max())}
 
 
 # -- 3. matmul rate --------------------------------------------------------------------------
@@ -553,10 +562,13 @@ def print_report(results: dict[str, Any]) -> None:
         print(f"### Agreement: {check['rows']} rows, all k adapters mixed in one pass, against PEFT (one adapter "
               f"at a time) in {check['dtype']} and MultiLoRA in {check['wide_dtype']}; max |difference| of "
               f"log pi(y|x), nats (mean |log pi| {check['mean_abs_logp']:.1f})\n")
-        print("| ours vs PEFT | ours vs wide | PEFT vs wide | adapter effect |")
-        print("|---|---|---|---|")
+        print("| ours vs PEFT | ours vs wide | PEFT vs wide | adapter effect | base: batched vs alone | "
+              "base vs wide |")
+        print("|---|---|---|---|---|---|")
         print(f"| {check['ours_vs_peft']:.3g} | {check['ours_vs_wide']:.3g} | {check['peft_vs_wide']:.3g} | "
-              f"{check['adapter_effect']:.3g} |\n")
+              f"{check['adapter_effect']:.3g} | {check['base_batch_shape']:.3g} | {check['base_vs_wide']:.3g} |\n")
+        print("The last two are the base model's gaps every delta starts from when the cache computed log "
+              "pi_ref in another pass shape or dtype (the train stage's reference_gap).\n")
     if "matmul" in results:
         mm = results["matmul"]
         print(f"{mm['dtype']} matmul, {mm['n']}^3: {mm['tflops']:.1f} TFLOP/s")

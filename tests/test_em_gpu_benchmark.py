@@ -74,7 +74,7 @@ def test_mixed_multi_lora_pass_agrees_with_peft(tiny_run: tuple[Path, str]) -> N
     check = json.loads((out / "em_gpu.json").read_text())["check"]
     assert check["dtype"] == "float32" and check["wide_dtype"] == "float64"
     assert check["adapter_effect"] > 1e-2  # the adapters change log pi, so agreement means something
-    for key in ("ours_vs_peft", "ours_vs_wide", "peft_vs_wide"):
+    for key in ("ours_vs_peft", "ours_vs_wide", "peft_vs_wide", "base_batch_shape", "base_vs_wide"):
         assert check[key] < 1e-3 * check["adapter_effect"] + 1e-4, (key, check)
     assert len(_table(stdout, "| ours vs PEFT |")) == 1
 
