@@ -34,7 +34,8 @@ from moplex_core.artifacts import ArtifactRef, ArtifactStore, load_table, read_m
 from moplex_core.config import CacheConfig
 from moplex_core.estimate import reference_terms_batch
 from moplex_core.hashing import model_fingerprint
-from moplex_core.lm.loading import identity_on_this_machine, load_model, load_tokenizer, resolve_device, resolve_dtype
+from moplex_core.lm.loading import (dtype_name, identity_on_this_machine, load_model, load_tokenizer, resolve_device,
+                                    resolve_dtype)
 from moplex_core.lm.tokenize import TokenizedResponse, tokenize_responses
 from moplex_core.pl import encode_tiers_batch
 
@@ -89,7 +90,7 @@ def run_cache(config: CacheConfig, rankings_dir: str | Path, store: ArtifactStor
     table = load_table(rankings_dir)
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
-    recorded = {**config.model_dump(mode="json"), "resolved_dtype": str(dtype).removeprefix("torch.")}
+    recorded = {**config.model_dump(mode="json"), "resolved_dtype": dtype_name(dtype)}
     with store.writer(STAGE, plan.ref.version, config=recorded, inputs=plan.inputs, code_version=CODE_VERSION) as writer:
         if writer.complete:
             return CacheResult(plan.ref, plan.path, False, store.manifest(STAGE, plan.ref.version)["rows"])

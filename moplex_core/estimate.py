@@ -40,6 +40,7 @@ import hashlib
 from collections.abc import Callable, Hashable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
+from itertools import groupby
 from typing import Any, Literal
 
 import numpy as np
@@ -285,14 +286,13 @@ def reference_terms_batch(
         ref = anchor_pass(model, [examples[e][j] for e, j in part], pad_token_id, input_grads=True,
                           chunk_size=chunk_size, groups=[e for e, _ in part])
         first = 0
-        for e in dict.fromkeys(e for e, _ in part):  # the pass's examples, in order; each one's rows are contiguous
-            count = sum(1 for row, _ in part if row == e)
-            idx = torch.tensor([j for _, j in part[first : first + count]])  # [p]: which responses
+        for e, members in groupby(part, key=lambda row: row[0]):  # an example's rows in a pass are contiguous
+            idx = torch.tensor([j for _, j in members])  # [p]: which of its responses
+            end = first + len(idx)
             emb, lengths = response_embeddings(model, examples[e])
-            ref_logp[e][idx] = ref.logp[first : first + count]
-            s_ref[e][idx] = contraction(ref.input_grads[first : first + count], idx.to(emb.device), emb,
-                                        lengths).float().cpu()  # [p, M]
-            first += count
+            ref_logp[e][idx] = ref.logp[first:end]
+            s_ref[e][idx] = contraction(ref.input_grads[first:end], idx.to(emb.device), emb, lengths).float().cpu()
+            first = end
     return list(zip(ref_logp, s_ref))
 
 

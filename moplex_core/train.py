@@ -42,7 +42,7 @@ from moplex_core.cache import load_policy_inputs
 from moplex_core.config import TrainConfig
 from moplex_core.em import START_FILE, EMConfig, EMState, fit_mixture, posteriors_table, read_posteriors
 from moplex_core.pl import PAD
-from moplex_core.lm.loading import identity_on_this_machine, resolve_device, resolve_dtype
+from moplex_core.lm.loading import dtype_name, identity_on_this_machine, resolve_device, resolve_dtype
 from moplex_core.lm.multi_lora import LoRASettings
 from moplex_core.scorers.lora_policy import LoRAPolicyScorer, PolicyInputs, ScoreRecord
 
@@ -115,7 +115,7 @@ def run_train(config: TrainConfig, cache_dir: str | Path, store: ArtifactStore, 
     em_config = EMConfig(k=config.k, max_iter=config.em_iterations, tol=config.tol, gamma_min=config.gamma_min,
                          init=config.init, restarts=config.restarts, hard=config.hard, seed=config.seed)
     dtype = resolve_dtype(config.dtype, resolve_device(config.device))
-    recorded = {**config.model_dump(mode="json"), "model": plan.model, "resolved_dtype": str(dtype).removeprefix("torch.")}
+    recorded = {**config.model_dump(mode="json"), "model": plan.model, "resolved_dtype": dtype_name(dtype)}
     with store.writer(STAGE, plan.ref.version, config=recorded, inputs=plan.inputs, code_version=CODE_VERSION) as writer:
         if writer.complete:
             return _finished(plan)
@@ -167,7 +167,7 @@ def check_reference_gap(scorer: LoRAPolicyScorer, inputs: PolicyInputs, cache_di
     logged, with a warning that names both dtypes when every delta would start that far from 0."""
     gap = scorer.reference_gap(inputs)
     cached = read_manifest(cache_dir)["config"].get("resolved_dtype", "unknown")
-    trained = str(dtype).removeprefix("torch.")
+    trained = dtype_name(dtype)
     if gap > REFERENCE_GAP_WARNING:
         remedy = (f"compute the cache in the training's dtype (cache.dtype={trained})" if cached != trained else
                   "rounding in this dtype depends on the batch's shape; float32 for both removes it")

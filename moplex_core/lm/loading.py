@@ -39,6 +39,11 @@ def resolve_dtype(dtype: str, device: str | torch.device) -> torch.dtype:
     return getattr(torch, dtype)
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    """"bfloat16" for torch.bfloat16: the name configs and manifests use."""
+    return str(dtype).removeprefix("torch.")
+
+
 def identity_on_this_machine(identity: dict[str, Any], device: str) -> dict[str, Any]:
     """A stage's version identity with ``dtype: auto`` replaced by the dtype it means here.
 
@@ -48,7 +53,7 @@ def identity_on_this_machine(identity: dict[str, Any], device: str) -> dict[str,
     """
     if identity.get("dtype") != "auto":
         return identity
-    return {**identity, "dtype": str(resolve_dtype("auto", resolve_device(device))).removeprefix("torch.")}
+    return {**identity, "dtype": dtype_name(resolve_dtype("auto", resolve_device(device)))}
 
 
 def load_model(
