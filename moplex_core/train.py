@@ -133,7 +133,7 @@ def run_train(config: TrainConfig, cache_dir: str | Path, store: ArtifactStore, 
         def new_scorer() -> LoRAPolicyScorer:
             scorer = make_scorer(config, plan.model, progress=progress)
             if not gap:
-                gap.append(check_reference_gap(scorer, inputs, cache_dir, dtype))
+                gap.append(check_reference_gap(scorer, inputs, cache_dir))
             return scorer
 
         with bar:
@@ -161,13 +161,12 @@ def run_train(config: TrainConfig, cache_dir: str | Path, store: ArtifactStore, 
 REFERENCE_GAP_WARNING = 0.05  # nats: float32 rounding is ~1e-5; a float32 cache under bfloat16 is ~0.1-1
 
 
-def check_reference_gap(scorer: LoRAPolicyScorer, inputs: PolicyInputs, cache_dir: str | Path,
-                        dtype: torch.dtype) -> float:
+def check_reference_gap(scorer: LoRAPolicyScorer, inputs: PolicyInputs, cache_dir: str | Path) -> float:
     """The scorer's base model against the cache's log pi_ref (`LoRAPolicyScorer.reference_gap`),
     logged, with a warning that names both dtypes when every delta would start that far from 0."""
     gap = scorer.reference_gap(inputs)
     cached = read_manifest(cache_dir)["config"].get("resolved_dtype", "unknown")
-    trained = dtype_name(dtype)
+    trained = dtype_name(scorer.model.dtype)
     if gap > REFERENCE_GAP_WARNING:
         remedy = (f"compute the cache in the training's dtype (cache.dtype={trained})" if cached != trained else
                   "rounding in this dtype depends on the batch's shape; float32 for both removes it")

@@ -86,8 +86,8 @@ def test_a_training_dtype_unlike_the_caches_is_measured_and_warned_about(cache_d
     model = read_manifest(cache_dir)["config"]["model"]
     bf16 = CONFIG.model_copy(update={"dtype": "bfloat16"})
     with caplog.at_level("INFO", logger="moplex_core.train"):
-        same = check_reference_gap(make_scorer(CONFIG, model), inputs, cache_dir, torch.float32)
-        other = check_reference_gap(make_scorer(bf16, model), inputs, cache_dir, torch.bfloat16)
+        same = check_reference_gap(make_scorer(CONFIG, model), inputs, cache_dir)
+        other = check_reference_gap(make_scorer(bf16, model), inputs, cache_dir)
     assert same < 1e-4 < REFERENCE_GAP_WARNING < other
     [warning] = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert "(cache in float32, training in bfloat16)" in warning and "cache.dtype=bfloat16" in warning
