@@ -1,13 +1,13 @@
 """Cost of one EM iteration over k LoRA adapters, full computation vs MoPLEx anchors (issue 9).
 
-    PYTHONPATH=. python3 benchmarks/em_gpu.py --out DIR [--examples 2] [--sections check,em,throughput,matmul]
+    PYTHONPATH=. python3 benchmarks/em_gpu.py --out DIR [--examples 2] [--sections check,em,throughput,profile,matmul]
     PYTHONPATH=. python3 benchmarks/em_gpu.py --cpu --out DIR       # a small model on the CPU
     PYTHONPATH=. python3 benchmarks/em_gpu.py --tiny --out DIR      # the CPU path the tests run
 
 The model is Qwen3-0.6B-shaped with seeded random weights (moplex_core.lm.tiny.build_qwen3_0_6b_shape:
 28 layers, hidden 1024, 16 / 8 heads of 128, vocabulary 151,936) in bf16 with SDPA attention,
 built into a temporary directory. Every row is 1024 random token ids: 512 prompt + 512 response
-tokens, EOS last. A check and three measurements, in one process:
+tokens, EOS last. A check and four measurements, in one process:
 
 0. Agreement (``check``): log pi(y|x) of B rows routed to all k adapters in one multi-LoRA pass
    against PEFT running the same saved adapters one at a time, in bf16, and both against the
@@ -34,7 +34,11 @@ tokens, EOS last. A check and three measurements, in one process:
    the LoRA weights instead (the M-step's pass); PEFT with k adapters, one active; PEFT's mixed-batch
    ``adapter_names`` path over all k. Tokens/s = B * 1024 / median time of 5 passes after 2 warm-ups,
    and the ratio to the plain model; peak GPU memory over the timed passes.
-3. The card's bf16 matmul rate (an 8192^3 GEMM), for reference.
+3. Where the anchor pass's time goes (``profile``): the plain pass and the mixed multi-LoRA E-step
+   pass over the smallest B, timed, then profiled once (torch.profiler): wall time against the
+   device's busy time and the kernels launched (a pass that waits on its host is launch-bound), and
+   each aten op's self time with the difference the LoRA layer makes. The traces are written to OUT.
+4. The card's bf16 matmul rate (an 8192^3 GEMM), for reference.
 
 Prints markdown tables under one heading (date, device, versions) and writes OUT/em_gpu.json (every
 number) and OUT/em_gpu.png (Figure 5's layout: time per example and peak memory vs m', one line per
@@ -56,6 +60,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import gzip
 import json
 import platform
 import statistics
@@ -73,6 +78,8 @@ import torch
 import transformers
 from peft import LoraConfig, get_peft_model
 from torch import nn
+from torch.autograd import DeviceType
+from torch.profiler import ProfilerActivity
 from transformers import AutoConfig
 
 from moplex_core.estimate import AnchorPass, anchor_pass
@@ -93,6 +100,8 @@ MULTI_E = "multi-LoRA, k adapters mixed, fwd + grad w.r.t. inputs_embeds (E-step
 MULTI_M = "multi-LoRA, k adapters mixed, fwd + backward into LoRA weights (M-step)"
 PEFT_ONE = "PEFT, 1 active adapter of k, fwd + grad w.r.t. inputs_embeds"
 PEFT_MIXED = "PEFT mixed adapter_names, k adapters, fwd + grad w.r.t. inputs_embeds"
+PROFILE_TOP = 14  # aten ops the profile table lists by time; the rest are one row
+SECTIONS = ("check", "em", "throughput", "profile", "matmul")
 
 
 @dataclass(frozen=True)
@@ -329,23 +338,28 @@ def _weight_grad_pass(model: nn.Module, rows: list[TokenizedResponse], params: l
         p.grad = None
 
 
+def _median_seconds(run: Callable[[], Any], sizes: Sizes) -> float:
+    """Median wall time of ``repeats`` runs after ``warmups``, the device synchronised around each."""
+    for _ in range(sizes.warmups):
+        run()
+    _sync(sizes)
+    _reset_peak(sizes)
+    times = []
+    for _ in range(sizes.repeats):
+        start = time.perf_counter()
+        run()
+        _sync(sizes)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
 def _measure(label: str, run: Callable[[list[TokenizedResponse]], Any], batches: dict[int, list[TokenizedResponse]],
              sizes: Sizes
              ) -> list[dict[str, Any]]:
     rows = []
     for b, batch in batches.items():
         try:
-            for _ in range(sizes.warmups):
-                run(batch)
-            _sync(sizes)
-            _reset_peak(sizes)
-            times = []
-            for _ in range(sizes.repeats):
-                start = time.perf_counter()
-                run(batch)
-                _sync(sizes)
-                times.append(time.perf_counter() - start)
-            seconds = statistics.median(times)
+            seconds = _median_seconds(lambda: run(batch), sizes)
             rows.append({"pass": label, "batch": b, "oom": False, "ms": 1000 * seconds,
                          "tokens_per_s": b * sizes.row_tokens / seconds, "peak_gib": _peak_gib(sizes)})
         except RuntimeError as error:
@@ -378,22 +392,31 @@ def _plain_rows(model_dir: Path, sizes: Sizes, batches: dict[int, list[Tokenized
     return model.config._attn_implementation, rows
 
 
-def _multi_lora_rows(model_dir: Path, sizes: Sizes, batches: dict[int, list[TokenizedResponse]]) -> list[dict[str, Any]]:
+def _lora_model(model_dir: Path, sizes: Sizes) -> tuple[nn.Module, MultiLoRA]:
+    """The frozen model with k adapters of small random LoRA B."""
     model = _frozen_model(model_dir, sizes)
     lora = MultiLoRA(model, sizes.k, LORA, seed=0)
-    params = lora.named_parameters()
-    _perturb_lora_b(params)
+    _perturb_lora_b(lora.named_parameters())
+    return model, lora
 
-    def mixed(batch: list[TokenizedResponse], weight_grads: bool) -> None:
-        with lora.route(torch.arange(len(batch)) % sizes.k):  # row b -> adapter b mod k
-            if weight_grads:
-                _weight_grad_pass(model, batch, list(params.values()))
-            else:
-                _input_grad_pass(model, batch)
 
+def _mixed_pass(model: nn.Module, lora: MultiLoRA, batch: list[TokenizedResponse], sizes: Sizes,
+                params: list[nn.Parameter] | None = None) -> None:
+    """The anchor pass with row b routed to adapter b mod k: backward into ``params`` (the LoRA
+    weights: the M-step's pass), or w.r.t. the inputs when None (the E-step's)."""
+    with lora.route(torch.arange(len(batch)) % sizes.k):
+        if params is None:
+            _input_grad_pass(model, batch)
+        else:
+            _weight_grad_pass(model, batch, params)
+
+
+def _multi_lora_rows(model_dir: Path, sizes: Sizes, batches: dict[int, list[TokenizedResponse]]) -> list[dict[str, Any]]:
+    model, lora = _lora_model(model_dir, sizes)
+    params = list(lora.named_parameters().values())
     with lora.requires_grad(False):
-        rows = _measure(MULTI_E, lambda batch: mixed(batch, False), batches, sizes)
-    return rows + _measure(MULTI_M, lambda batch: mixed(batch, True), batches, sizes)
+        rows = _measure(MULTI_E, lambda batch: _mixed_pass(model, lora, batch, sizes), batches, sizes)
+    return rows + _measure(MULTI_M, lambda batch: _mixed_pass(model, lora, batch, sizes, params), batches, sizes)
 
 
 def _peft_rows(model_dir: Path, sizes: Sizes, batches: dict[int, list[TokenizedResponse]]) -> list[dict[str, Any]]:
@@ -420,6 +443,55 @@ def _peft_rows(model_dir: Path, sizes: Sizes, batches: dict[int, list[TokenizedR
 
     rows = _measure(PEFT_ONE, lambda batch: _input_grad_pass(model, batch), batches, sizes)
     return rows + _measure(PEFT_MIXED, mixed, batches, sizes)
+
+
+# -- 2b. where an anchor pass's time goes -----------------------------------------------------
+
+
+def anchor_pass_profile(model_dir: Path, sizes: Sizes, out: Path) -> dict[str, Any]:
+    """The plain pass and the mixed multi-LoRA E-step pass over B = min(batch_rows) rows, each timed
+    as in section 2 and then run once under torch.profiler: per aten op, its self time on the device
+    (the kernels it launched; on the CPU, its CPU time) and its calls; the kernels launched and the
+    device's busy time. Wall time well above busy time is time the card waits on the host (kernel
+    launches, Python); busy time is the kernels themselves. Writes each pass's trace to
+    OUT/profile_<plain|multi_lora>.json.gz (chrome://tracing, Perfetto)."""
+    b = min(sizes.batch_rows)
+    batch = _batches(model_dir, sizes)[b]
+    model = _frozen_model(model_dir, sizes)
+    plain = _profile(lambda: _input_grad_pass(model, batch), sizes, out / "profile_plain.json.gz")
+    del model
+    _free(sizes)
+    model, lora = _lora_model(model_dir, sizes)
+    with lora.requires_grad(False):
+        multi = _profile(lambda: _mixed_pass(model, lora, batch, sizes), sizes,
+                         out / "profile_multi_lora.json.gz")
+    del model, lora
+    _free(sizes)
+    return {"batch": b, "plain": plain, "multi_lora": multi}
+
+
+def _profile(run: Callable[[], Any], sizes: Sizes, trace: Path) -> dict[str, Any]:
+    seconds = _median_seconds(run, sizes)
+    activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if sizes.cuda else [])]
+    with torch.profiler.profile(activities=activities) as profiler:
+        run()
+        _sync(sizes)
+    with tempfile.TemporaryDirectory() as tmp:
+        raw = Path(tmp) / "trace.json"
+        profiler.export_chrome_trace(str(raw))
+        trace.write_bytes(gzip.compress(raw.read_bytes(), mtime=0))
+    events = profiler.key_averages()
+    if sizes.cuda:
+        ops = {e.key: (e.self_device_time_total, e.count) for e in events
+               if e.key.startswith("aten::") and e.self_device_time_total > 0}
+        kernels = [e for e in events if e.device_type == DeviceType.CUDA]
+        busy_us, launched = sum(e.self_device_time_total for e in kernels), sum(e.count for e in kernels)
+    else:
+        ops = {e.key: (e.self_cpu_time_total, e.count) for e in events if e.key.startswith("aten::")}
+        busy_us, launched = sum(us for us, _ in ops.values()), None
+    ranked = sorted(ops.items(), key=lambda item: (-item[1][0], item[0]))
+    return {"wall_ms": 1000 * seconds, "busy_ms": busy_us / 1000, "kernels": launched,
+            "ops": {key: {"ms": us / 1000, "calls": calls} for key, (us, calls) in ranked}}
 
 
 # -- 0. agreement with PEFT at this scale ---------------------------------------------------
@@ -557,6 +629,8 @@ def print_report(results: dict[str, Any]) -> None:
                   f"{_fmt(row['tokens_per_s'], ',.0f', oom)} | {_fmt(row['ratio_vs_plain'], '.2f', False)} | "
                   f"{_fmt(row['peak_gib'], '.1f', oom)} |")
         print()
+    if "profile" in results:
+        _print_profile(results["profile"])
     if "check" in results:
         check = results["check"]
         print(f"### Agreement: {check['rows']} rows, all k adapters mixed in one pass, against PEFT (one adapter "
@@ -572,6 +646,28 @@ def print_report(results: dict[str, Any]) -> None:
     if "matmul" in results:
         mm = results["matmul"]
         print(f"{mm['dtype']} matmul, {mm['n']}^3: {mm['tflops']:.1f} TFLOP/s")
+
+
+def _print_profile(profile: dict[str, Any]) -> None:
+    plain, multi = profile["plain"], profile["multi_lora"]
+    print(f"### Where the anchor pass's time goes: B = {profile['batch']} rows, wall time as above, then one "
+          "profiled pass (torch.profiler; self time of each aten op's kernels, CPU time on the CPU)\n")
+    print("| pass | wall ms | busy ms | busy / wall | kernels |")
+    print("|---|---|---|---|---|")
+    for label, row in ((PLAIN, plain), (MULTI_E, multi)):
+        print(f"| {label} | {row['wall_ms']:.1f} | {row['busy_ms']:.1f} | {row['busy_ms'] / row['wall_ms']:.2f} | "
+              f"{_fmt(row['kernels'], 'd', False)} |")
+    print()
+    keys = sorted(plain["ops"].keys() | multi["ops"].keys(),
+                  key=lambda key: -max(plain["ops"].get(key, {"ms": 0})["ms"], multi["ops"].get(key, {"ms": 0})["ms"]))
+    print("| aten op | plain ms | plain calls | multi-LoRA ms | multi-LoRA calls | difference ms |")
+    print("|---|---|---|---|---|---|")
+    for key in keys[:PROFILE_TOP]:
+        mine, theirs = multi["ops"].get(key, {"ms": 0.0, "calls": 0}), plain["ops"].get(key, {"ms": 0.0, "calls": 0})
+        print(f"| {key} | {theirs['ms']:.2f} | {theirs['calls']} | {mine['ms']:.2f} | {mine['calls']} | "
+              f"{mine['ms'] - theirs['ms']:+.2f} |")
+    rest = [sum(row["ops"][key]["ms"] for key in keys[PROFILE_TOP:] if key in row["ops"]) for row in (plain, multi)]
+    print(f"| {len(keys) - PROFILE_TOP} other ops | {rest[0]:.2f} | | {rest[1]:.2f} | | {rest[1] - rest[0]:+.2f} |\n")
 
 
 def plot_figure5(results: dict[str, Any], path: Path) -> None:
@@ -610,16 +706,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True, help="folder for em_gpu.json and em_gpu.png")
     parser.add_argument("--examples", type=int, default=2, help="examples n of the EM section")
-    parser.add_argument("--sections", default="check,em,throughput,matmul",
-                        help="comma-separated subset of check, em, throughput, matmul")
+    parser.add_argument("--sections", default=",".join(SECTIONS),
+                        help=f"comma-separated subset of {', '.join(SECTIONS)}")
     profile = parser.add_mutually_exclusive_group()
     profile.add_argument("--tiny", action="store_true", help="the tiny model on the CPU (the tests' path)")
     profile.add_argument("--cpu", action="store_true",
                          help="a small model on the CPU (4 layers, hidden 256, 256 + 256-token rows, k = 3)")
     args = parser.parse_args()
     sections = set(args.sections.split(","))
-    if not sections <= {"check", "em", "throughput", "matmul"} or args.examples < 1:
-        parser.error(f"--sections takes check, em, throughput, matmul (got {args.sections!r}); --examples >= 1")
+    if not sections <= set(SECTIONS) or args.examples < 1:
+        parser.error(f"--sections takes {', '.join(SECTIONS)} (got {args.sections!r}); --examples >= 1")
     sizes = TINY if args.tiny else CPU if args.cpu else GPU
     if sizes.cuda and not torch.cuda.is_available():
         sys.exit("no CUDA device: run on the GPU machine, or pass --cpu or --tiny for a CPU run")
@@ -666,6 +762,8 @@ def main() -> None:
             finished("em", em_iteration_costs(model_dir, sizes, args.examples))
         if "throughput" in sections:
             finished("throughput", anchor_pass_throughput(model_dir, sizes))
+        if "profile" in sections:
+            finished("profile", anchor_pass_profile(model_dir, sizes, args.out))
     if "matmul" in sections:
         finished("matmul", matmul_tflops(sizes))
 

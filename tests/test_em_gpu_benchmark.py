@@ -3,6 +3,7 @@ machine lacks (issue 9; DESIGN 8: no pydantic, prefect, datasets or vllm there).
 
 from __future__ import annotations
 
+import gzip
 import json
 import math
 import os
@@ -65,6 +66,10 @@ def test_table_has_every_configuration_and_pass(tiny_run: tuple[Path, str]) -> N
     assert len(passes) == len(THROUGHPUT_PASSES)
     for row, name in zip(passes, THROUGHPUT_PASSES, strict=True):
         assert row[0].startswith(name) and row[1] == "4"
+    profiled = _table(stdout, "| pass | wall ms |")
+    assert [row[0].split(",")[0] for row in profiled] == ["plain base model", "multi-LoRA"]
+    ops = _table(stdout, "| aten op |")
+    assert len(ops) == 15 and ops[-1][0].endswith("other ops")  # the 14 slowest, then the rest
     assert "OOM" not in stdout
     assert re.search(r"^float32 matmul, 256\^3: [\d.]+ TFLOP/s$", stdout, flags=re.MULTILINE)
 
@@ -95,6 +100,18 @@ def test_json_numbers_are_positive_and_finite(tiny_run: tuple[Path, str]) -> Non
         for key in ("ms", "tokens_per_s", "ratio_vs_plain"):
             assert math.isfinite(row[key]) and row[key] > 0, (row["pass"], key, row[key])
     assert math.isfinite(results["matmul"]["tflops"]) and results["matmul"]["tflops"] > 0
+    profile = results["profile"]
+    for name in ("plain", "multi_lora"):
+        row = profile[name]
+        assert row["wall_ms"] > 0 and 0 < row["busy_ms"] and row["kernels"] is None  # no kernels on the CPU
+        assert sum(op["ms"] for op in row["ops"].values()) == pytest.approx(row["busy_ms"])
+        trace = json.loads(gzip.decompress((out / f"profile_{name}.json.gz").read_bytes()))
+        assert any(event.get("name") == "aten::mm" for event in trace["traceEvents"])
+    # The LoRA path's ops are in the multi-LoRA pass only; the routed adapters are stacked per row,
+    # not stacked and then gathered.
+    assert "aten::bmm" in profile["multi_lora"]["ops"] and "aten::bmm" not in profile["plain"]["ops"]
+    calls = [profile[name]["ops"].get("aten::index", {"calls": 0})["calls"] for name in ("plain", "multi_lora")]
+    assert calls[0] == calls[1]
 
 
 def test_figure_is_written(tiny_run: tuple[Path, str]) -> None:

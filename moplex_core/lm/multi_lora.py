@@ -10,10 +10,13 @@ and computing, for row b of a batch routed to adapter c_b,
 
     y_b = x_b W^T + (alpha / r) * (dropout(x_b) A_{c_b}) B_{c_b}
 
-`MultiLoRA.route` says which adapter each row of the next forwards uses. The adapters present in a
-batch are stacked ([p, d_in, r], [p, r, d_out]) and gathered per row, then applied by one ``bmm``
-and one ``baddbmm`` fused with the base output, so one forward serves rows of all k clusters; a batch
-of one adapter takes two plain matmuls. Only the routed adapters enter the autograd graph: the
+`MultiLoRA.route` says which adapter each row of the next forwards uses. Each row's adapter is
+stacked into [B, d_in, r] and [B, r, d_out] and applied by one ``bmm`` and one ``baddbmm`` fused
+with the base output, so one forward serves rows of all k clusters; a batch of one adapter takes two
+plain matmuls. Without gradients into the adapters (the E-step's input-gradient pass, scoring) the
+stack is one copy per row; with them (the M-step) the adapters present are stacked once and gathered
+per row, whose backward sums each adapter's rows in one accumulating ``index_put`` instead of one
+addition per row. Only the routed adapters enter the autograd graph: the
 others get no gradient (None), so an optimizer step leaves them exactly where they are, as PEFT's
 inactive adapters. Outside a route every adapter is off and the model is exactly the base model,
 pi_ref (no second copy of the weights). The base model's own weights are frozen.
@@ -59,8 +62,9 @@ class LoRASettings:
 @dataclass
 class _Route:
     """The current batch's routing, shared by every layer of a `MultiLoRA`; adapters off when
-    ``present`` is empty."""
+    ``rows`` is empty."""
 
+    rows: tuple[int, ...] = ()  # row b of the batch -> adapter rows[b]
     present: tuple[int, ...] = ()  # the adapters the batch uses, ascending
     local: torch.Tensor | None = None  # int64 [B] on the model's device: row b -> index into present
 
@@ -86,11 +90,11 @@ class MultiLoRALinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.base(x)  # [B, ..., d_out]
-        present, local = self.route.present, self.route.local
-        if not present:
+        routed, present = self.route.rows, self.route.present
+        if not routed:
             return out
-        if x.shape[0] != local.shape[0]:
-            raise ValueError(f"the batch has {x.shape[0]} rows but the route names adapters for {local.shape[0]}; "
+        if x.shape[0] != len(routed):
+            raise ValueError(f"the batch has {x.shape[0]} rows but the route names adapters for {len(routed)}; "
                              "route exactly the rows of the batch (MultiLoRA.route)")
         rows, d_in, d_out = x.shape[0], x.shape[-1], out.shape[-1]
         x = self.dropout(x)
@@ -99,8 +103,15 @@ class MultiLoRALinear(nn.Module):
             b = self.lora_B[present[0]].to(x.dtype)  # [r, d_out]
             xa = x.reshape(-1, d_in) @ a  # [B*L, r]
             return torch.addmm(out.reshape(-1, d_out), xa, b, alpha=self.scaling).view(out.shape)
-        a = torch.stack([self.lora_A[c] for c in present]).to(x.dtype)[local]  # [B, d_in, r]
-        b = torch.stack([self.lora_B[c] for c in present]).to(x.dtype)[local]  # [B, r, d_out]
+        if torch.is_grad_enabled() and self.lora_A[present[0]].requires_grad:
+            # Gradients into the adapters: stack those present and gather per row, so that each
+            # adapter's gradient is one accumulating index_put over its rows (deterministic on CUDA,
+            # unlike index_select's index_add), not one addition per row.
+            a = torch.stack([self.lora_A[c] for c in present]).to(x.dtype)[self.route.local]  # [B, d_in, r]
+            b = torch.stack([self.lora_B[c] for c in present]).to(x.dtype)[self.route.local]  # [B, r, d_out]
+        else:
+            a = torch.stack([self.lora_A[c] for c in routed]).to(x.dtype)  # [B, d_in, r]
+            b = torch.stack([self.lora_B[c] for c in routed]).to(x.dtype)  # [B, r, d_out]
         xa = torch.bmm(x.reshape(rows, -1, d_in), a)  # [B, L, r]
         return torch.baddbmm(out.reshape(rows, -1, d_out), xa, b, alpha=self.scaling).view(out.shape)
 
@@ -157,12 +168,13 @@ class MultiLoRA:
             shown = ids.unique().tolist()[:10] if ids.numel() else "none"
             raise ValueError(f"route needs one adapter index in 0..{self.k - 1} per row, got {shown}")
         present, local = torch.unique(ids, return_inverse=True)  # [p] ascending, [B]
-        previous = (self._route.present, self._route.local)
-        self._route.present, self._route.local = tuple(present.tolist()), local.to(self._device)
+        previous = (self._route.rows, self._route.present, self._route.local)
+        self._route.rows, self._route.present = tuple(ids.tolist()), tuple(present.tolist())
+        self._route.local = local.to(self._device) if len(present) > 1 else None
         try:
             yield
         finally:
-            self._route.present, self._route.local = previous
+            self._route.rows, self._route.present, self._route.local = previous
 
     @contextmanager
     def requires_grad(self, flag: bool) -> Iterator[None]:
