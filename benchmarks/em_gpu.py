@@ -1,6 +1,7 @@
 """Cost of one EM iteration over k LoRA adapters, full computation vs MoPLEx anchors (issue 9).
 
     PYTHONPATH=. python3 benchmarks/em_gpu.py --out DIR [--examples 2] [--sections check,em,throughput,profile,matmul]
+                                              [--m-primes 26,32] [--resume EARLIER/em_gpu.json]
     PYTHONPATH=. python3 benchmarks/em_gpu.py --cpu --out DIR       # a small model on the CPU
     PYTHONPATH=. python3 benchmarks/em_gpu.py --tiny --out DIR      # the CPU path the tests run
 
@@ -39,6 +40,11 @@ tokens, EOS last. A check and four measurements, in one process:
    device's busy time and the kernels launched (a pass that waits on its host is launch-bound), and
    each aten op's self time with the difference the LoRA layer makes. The traces are written to OUT.
 4. The card's bf16 matmul rate (an 8192^3 GEMM), for reference.
+
+A run too long for one time limit can be split: ``--m-primes`` runs the EM section at some m' only,
+and ``--resume`` starts from an earlier run's em_gpu.json (same size, n and device), keeping its
+sections and EM configurations and running only what it lacks (em_gpu.json is rewritten after
+every EM configuration, so a run cut off by a time limit is resumed where it stopped).
 
 Prints markdown tables under one heading (date, device, versions) and writes OUT/em_gpu.json (every
 number) and OUT/em_gpu.png (Figure 5's layout: time per example and peak memory vs m', one line per
@@ -228,32 +234,53 @@ def _model_vocab(model_dir: Path) -> tuple[int, int]:
 # -- 1. EM iteration cost --------------------------------------------------------------------
 
 
-def em_iteration_costs(model_dir: Path, sizes: Sizes, examples: int) -> list[dict[str, Any]]:
+def em_iteration_costs(model_dir: Path, sizes: Sizes, examples: int, m_primes: tuple[int, ...],
+                       measured: list[dict[str, Any]], save: Callable[[list[dict[str, Any]]], None]
+                       ) -> list[dict[str, Any]]:
     """One row per (m', method, prompts): methods "full" (anchors None) and "a=<a>" for each a < m',
     with shared prompts (the default); and "full" and the largest a < m' with the prompt run for every
-    row, the cost before the shared-prompt pass. Speedups are against full with the same prompts."""
+    row, the cost before the shared-prompt pass. Speedups are against full with the same prompts.
+
+    Rows already in ``measured`` (an earlier run's) are kept, not run again; ``save`` gets every
+    row so far after each configuration, so a run stopped by a time limit keeps what it measured."""
     vocab_size, eos_id = _model_vocab(model_dir)
-    rows = []
-    for m_prime in sizes.m_primes:
-        inputs = synthetic_inputs(sizes, m_prime, examples, vocab_size, eos_id)
-        anchor_counts = [a for a in sizes.anchors if a < m_prime]
-        runs = [(None, True), *((a, True) for a in anchor_counts), (None, False),
-                *((a, False) for a in anchor_counts[-1:])]
-        for anchors, share in runs:
-            rows.append({"m_prime": m_prime, "method": "full" if anchors is None else f"a={anchors}",
-                         "anchors": m_prime if anchors is None else anchors,
-                         "prompts": "shared" if share else "per row",
-                         **_em_iteration(model_dir, sizes, inputs, anchors, share)})
-            print(f"em m'={m_prime} {rows[-1]['method']} ({rows[-1]['prompts']}): {rows[-1]['total_s_per_example']} "
-                  f"s/example, peak {rows[-1]['peak_gib']} GiB", file=sys.stderr, flush=True)
-    for row in rows:
-        full = next(r for r in rows if r["m_prime"] == row["m_prime"] and r["method"] == "full"
-                    and r["prompts"] == row["prompts"])
-        both = not (row["oom"] or full["oom"])
+    rows = {(row["m_prime"], row["method"], row["prompts"]): row for row in measured}
+    for m_prime in m_primes:
+        inputs = None
+        for anchors, share in _em_configurations(sizes, m_prime):
+            row = {"m_prime": m_prime, "method": "full" if anchors is None else f"a={anchors}",
+                   "anchors": m_prime if anchors is None else anchors, "prompts": "shared" if share else "per row"}
+            if (m_prime, row["method"], row["prompts"]) in rows:
+                continue
+            inputs = inputs or synthetic_inputs(sizes, m_prime, examples, vocab_size, eos_id)
+            row.update(_em_iteration(model_dir, sizes, inputs, anchors, share))
+            rows[m_prime, row["method"], row["prompts"]] = row
+            print(f"em m'={m_prime} {row['method']} ({row['prompts']}): {row['total_s_per_example']} s/example, "
+                  f"peak {row['peak_gib']} GiB", file=sys.stderr, flush=True)
+            save(_em_table(sizes, rows))
+    return _em_table(sizes, rows)
+
+
+def _em_configurations(sizes: Sizes, m_prime: int) -> list[tuple[int | None, bool]]:
+    """(anchors, shared prompts) at m', in the table's order: full, then each a < m', shared; then
+    full and the largest a < m' with the prompt per row."""
+    anchor_counts = [a for a in sizes.anchors if a < m_prime]
+    return [(None, True), *((a, True) for a in anchor_counts), (None, False), *((a, False) for a in anchor_counts[-1:])]
+
+
+def _em_table(sizes: Sizes, rows: dict[tuple[int, str, str], dict[str, Any]]) -> list[dict[str, Any]]:
+    """The rows in the table's order, with speedup and memory ratio against full computation with
+    the same prompts (None where either is missing or ran out of memory)."""
+    order = [(m, "full" if a is None else f"a={a}", "shared" if share else "per row")
+             for m in sizes.m_primes for a, share in _em_configurations(sizes, m)]
+    table = [rows[key] for key in order if key in rows]
+    for row in table:
+        full = rows.get((row["m_prime"], "full", row["prompts"]))
+        both = full is not None and not (row["oom"] or full["oom"])
         row["speedup_vs_full"] = full["total_s_per_example"] / row["total_s_per_example"] if both else None
         row["memory_ratio_full_over_this"] = (full["peak_gib"] / row["peak_gib"]
                                               if both and row["peak_gib"] is not None else None)
-    return rows
+    return table
 
 
 def _em_iteration(model_dir: Path, sizes: Sizes, inputs: PolicyInputs, anchors: int | None, share_prompts: bool
@@ -708,6 +735,10 @@ def main() -> None:
     parser.add_argument("--examples", type=int, default=2, help="examples n of the EM section")
     parser.add_argument("--sections", default=",".join(SECTIONS),
                         help=f"comma-separated subset of {', '.join(SECTIONS)}")
+    parser.add_argument("--m-primes", help="comma-separated m' values of the EM section (default: all of the size's)")
+    parser.add_argument("--resume", type=Path, metavar="JSON",
+                        help="an em_gpu.json of an earlier run at the same size: its sections and EM "
+                             "configurations are kept and not run again")
     profile = parser.add_mutually_exclusive_group()
     profile.add_argument("--tiny", action="store_true", help="the tiny model on the CPU (the tests' path)")
     profile.add_argument("--cpu", action="store_true",
@@ -717,6 +748,9 @@ def main() -> None:
     if not sections <= set(SECTIONS) or args.examples < 1:
         parser.error(f"--sections takes {', '.join(SECTIONS)} (got {args.sections!r}); --examples >= 1")
     sizes = TINY if args.tiny else CPU if args.cpu else GPU
+    m_primes = sizes.m_primes if args.m_primes is None else tuple(int(m) for m in args.m_primes.split(","))
+    if not set(m_primes) <= set(sizes.m_primes):
+        parser.error(f"--m-primes takes values of {sizes.m_primes} at this size, got {args.m_primes!r}")
     if sizes.cuda and not torch.cuda.is_available():
         sys.exit("no CUDA device: run on the GPU machine, or pass --cpu or --tiny for a CPU run")
     if sizes.threads:
@@ -747,24 +781,39 @@ def main() -> None:
             "throughput": f"median of {sizes.repeats} passes after {sizes.warmups} warm-up(s)",
         },
     }
-    def finished(section: str, value: Any) -> None:
+    previous: dict[str, Any] = json.loads(args.resume.read_text()) if args.resume else {}
+    if previous and (previous["sizes"], previous["examples"], previous["device"]) != \
+            (results["sizes"], results["examples"], results["device"]):
+        parser.error(f"{args.resume} was measured at another size, n or device; it cannot be resumed here")
+    results.update({section: previous[section] for section in SECTIONS if section in previous})
+    if previous:
+        results["resumed_from"] = previous.get("resumed_from", previous["date"])
+
+    def save(section: str, value: Any) -> None:
         """Keep a section's numbers on disk at once: a run stopped by a time limit keeps what it did."""
         results[section] = value
         (args.out / "em_gpu.json").write_text(json.dumps(results, indent=2, allow_nan=False))
+
+    def finished(section: str, value: Any) -> None:
+        save(section, value)
         print(f"{section} done ({time.perf_counter() - started:.0f} s)", file=sys.stderr, flush=True)
+
+    def wanted(section: str) -> bool:
+        return section in sections and section not in previous
 
     started = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = build_model(sizes, Path(tmp) / "model")
-        if "check" in sections:
+        if wanted("check"):
             finished("check", lora_agreement(model_dir, sizes, _batches(model_dir, sizes)[min(sizes.batch_rows)]))
         if "em" in sections:
-            finished("em", em_iteration_costs(model_dir, sizes, args.examples))
-        if "throughput" in sections:
+            finished("em", em_iteration_costs(model_dir, sizes, args.examples, m_primes, previous.get("em", []),
+                                              lambda rows: save("em", rows)))
+        if wanted("throughput"):
             finished("throughput", anchor_pass_throughput(model_dir, sizes))
-        if "profile" in sections:
+        if wanted("profile"):
             finished("profile", anchor_pass_profile(model_dir, sizes, args.out))
-    if "matmul" in sections:
+    if wanted("matmul"):
         finished("matmul", matmul_tflops(sizes))
 
     print_report(results)

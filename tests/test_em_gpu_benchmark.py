@@ -131,3 +131,27 @@ def test_imports_pull_in_no_package_the_gpu_machine_lacks() -> None:
     absent, loaded = (json.loads(line) for line in proc.stdout.splitlines()[-2:])
     assert absent == []
     assert not {"moplex_core.config", "moplex_core.train", "moplex_core.cache"} & set(loaded)
+
+
+def test_a_split_run_resumes_where_the_first_part_stopped(tmp_path: Path) -> None:
+    """--m-primes runs part of the EM section; --resume keeps an earlier run's rows and runs only the
+    configurations it lacks, so one measurement can span several device time limits."""
+    def run(out: Path, *extra: str) -> subprocess.CompletedProcess:
+        argv = [SCRIPT, "--tiny", "--out", str(out), "--sections", "em", *extra]
+        runner = BLOCK + f"import runpy\nsys.argv = {argv!r}\nrunpy.run_path({SCRIPT!r}, run_name='__main__')\n"
+        proc = subprocess.run([sys.executable, "-c", runner], cwd=ROOT, env=_env(), capture_output=True, text=True,
+                              timeout=600)
+        assert proc.returncode == 0, proc.stderr[-5000:]
+        return proc
+
+    run(tmp_path / "first", "--m-primes", str(TINY_M_PRIMES[0]))
+    first = json.loads((tmp_path / "first" / "em_gpu.json").read_text())
+    assert [row["m_prime"] for row in first["em"]] == [TINY_M_PRIMES[0]] * len(TINY_METHODS)
+    second = run(tmp_path / "second", "--resume", str(tmp_path / "first" / "em_gpu.json"))
+    measured = re.findall(r"^em m'=(\d+) ", second.stderr, flags=re.MULTILINE)
+    assert measured == [str(TINY_M_PRIMES[1])] * len(TINY_METHODS)  # the first part's m' is not run again
+    results = json.loads((tmp_path / "second" / "em_gpu.json").read_text())
+    assert [(row["m_prime"], row["method"], row["prompts"]) for row in results["em"]] == \
+        [(m, *method) for m in TINY_M_PRIMES for method in TINY_METHODS]
+    assert results["em"][:len(TINY_METHODS)] == first["em"] and results["resumed_from"] == first["date"]
+    assert [row["speedup_vs_full"] for row in results["em"] if row["method"] == "full"] == [1.0] * 4
