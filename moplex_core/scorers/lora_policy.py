@@ -98,6 +98,10 @@ class PolicyInputs:
     def __len__(self) -> int:
         return len(self.example_ids)
 
+    def slots(self) -> list[tuple[int, int]]:
+        """(example i, response j) of every response, in example then response order."""
+        return [(i, j) for i, seqs in enumerate(self.sequences) for j in range(len(seqs))]
+
     def rankings(self, model: str = "pl") -> Rankings:
         """The rankings of these examples under the observation model ``model`` (pl, bt_pairs)."""
         return Rankings(self.tiers, self.ranked_prefix, self.example_ids, model)
@@ -224,7 +228,7 @@ class LoRAPolicyScorer:
         (``score_batch_size`` by default), in nats, adapters off. Every delta_c starts from it: 0 up to
         float32 rounding when this model computes what the cache did; a different dtype (a float32
         cache under bfloat16 training) or bfloat16's dependence on the batch's shape shows here."""
-        slots = [(i, j) for i, seqs in enumerate(inputs.sequences) for j in range(len(seqs))]
+        slots = inputs.slots()
         slots = slots[: responses or self.score_batch_size]
         groups = [i for i, _ in slots] if self.share_prompts else None
         passed = anchor_pass(self.model, [inputs.sequences[i][j] for i, j in slots], self.pad_token_id,
@@ -301,7 +305,7 @@ class LoRAPolicyScorer:
         # drawn on the CPU (the same features on any device), moved once: [V, width] is 19 MB for Qwen3
         left = torch.randn(vocab, width, generator=generator, dtype=torch.float64).to(device)  # [V, width]
         right = torch.randn(hidden, width, generator=generator, dtype=torch.float64).to(device)  # [d, width]
-        slots = [(i, j) for i, seqs in enumerate(inputs.sequences) for j in range(len(seqs))]
+        slots = inputs.slots()
         features = torch.zeros(len(inputs), inputs.tiers.shape[1], width * width, dtype=torch.float64)
         for start in tqdm(range(0, len(slots), self.score_batch_size), desc="response features", unit="batch",
                           disable=not self.progress, leave=False):
