@@ -1,6 +1,6 @@
 """Cost of one EM iteration over k LoRA adapters, full computation vs MoPLEx anchors (issue 9).
 
-    PYTHONPATH=. python3 benchmarks/em_gpu.py --out DIR [--examples 2] [--sections check,em,throughput,profile,matmul]
+    PYTHONPATH=. python3 benchmarks/em_gpu.py --out DIR [--examples 2] [--sections check,em,throughput,profile,ceilings]
                                               [--m-primes 26,32] [--resume EARLIER/em_gpu.json]
     PYTHONPATH=. python3 benchmarks/em_gpu.py --cpu --out DIR       # a small model on the CPU
     PYTHONPATH=. python3 benchmarks/em_gpu.py --tiny --out DIR      # the CPU path the tests run
@@ -39,7 +39,9 @@ tokens, EOS last. A check and four measurements, in one process:
    pass over the smallest B, timed, then profiled once (torch.profiler): wall time against the
    device's busy time and the kernels launched (a pass that waits on its host is launch-bound), and
    each aten op's self time with the difference the LoRA layer makes. The traces are written to OUT.
-4. The card's bf16 matmul rate (an 8192^3 GEMM), for reference.
+4. The card's ceilings (``ceilings``): its bf16 matmul rate (an 8192^3 GEMM) and its
+   device-to-device copy rate (a 2 GiB tensor: 4 GiB read and written), the two rates a pass's time
+   is read against.
 
 A run too long for one time limit can be split: ``--m-primes`` runs the EM section at some m' only,
 and ``--resume`` starts from an earlier run's em_gpu.json (same size, n and device), keeping its
@@ -107,7 +109,7 @@ MULTI_M = "multi-LoRA, k adapters mixed, fwd + backward into LoRA weights (M-ste
 PEFT_ONE = "PEFT, 1 active adapter of k, fwd + grad w.r.t. inputs_embeds"
 PEFT_MIXED = "PEFT mixed adapter_names, k adapters, fwd + grad w.r.t. inputs_embeds"
 PROFILE_TOP = 14  # aten ops the profile table lists by time; the rest are one row
-SECTIONS = ("check", "em", "throughput", "profile", "matmul")
+SECTIONS = ("check", "em", "throughput", "profile", "ceilings")
 
 
 @dataclass(frozen=True)
@@ -492,9 +494,23 @@ def anchor_pass_profile(model_dir: Path, sizes: Sizes, out: Path) -> dict[str, A
     with lora.requires_grad(False):
         multi = _profile(lambda: _mixed_pass(model, lora, batch, sizes), sizes,
                          out / "profile_multi_lora.json.gz")
+    extra_gb = _lora_extra_bytes(lora, b * sizes.row_tokens, sizes.dtype.itemsize) / 1e9
     del model, lora
     _free(sizes)
-    return {"batch": b, "plain": plain, "multi_lora": multi}
+    return {"batch": b, "plain": plain, "multi_lora": multi, "lora_extra_gb": extra_gb}
+
+
+def _lora_extra_bytes(lora: MultiLoRA, tokens: int, element_size: int) -> int:
+    """The bytes the LoRA path adds to a forward + input-gradient pass over ``tokens`` tokens, by
+    count (every tensor read or written once per kernel). Per projection, d_in -> d_out at rank r:
+    the forward's bmm reads x [T, d_in] and writes xa [T, r], its baddbmm reads the base output and
+    xa and writes the output; the backward's grad_xa reads grad_out and writes [T, r], the LoRA part
+    of grad_x reads grad_xa and writes [T, d_in], and adding it to the base path's grad_x reads two
+    [T, d_in] and writes one: T (5 d_in + 3 d_out + 4 r) elements. The adapters' own bytes (B r
+    (d_in + d_out) per projection) are left out, small against T."""
+    r = lora.settings.r
+    per_token = sum(5 * layer.base.in_features + 3 * layer.base.out_features + 4 * r for layer in lora.layers.values())
+    return tokens * per_token * element_size
 
 
 def _profile(run: Callable[[], Any], sizes: Sizes, trace: Path) -> dict[str, Any]:
@@ -584,26 +600,25 @@ def lora_agreement(model_dir: Path, sizes: Sizes, batch: list[TokenizedResponse]
             "base_vs_wide": float((base_batched - base).abs().max())}
 
 
-# -- 3. matmul rate --------------------------------------------------------------------------
+# -- 4. the card's ceilings ------------------------------------------------------------------
 
 
-def matmul_tflops(sizes: Sizes) -> dict[str, Any]:
-    """TFLOP/s of an n x n x n matmul in the run's dtype: 2 n^3 per product, median of ``repeats``."""
+def ceilings(sizes: Sizes) -> dict[str, Any]:
+    """The two rates a pass's time is read against (median of ``repeats`` each): TFLOP/s of an
+    n x n x n matmul in the run's dtype (2 n^3 per product), and TB/s of a device-to-device copy of
+    16 n^2 elements (bytes read plus bytes written)."""
     n = sizes.matmul_n
     generator = torch.Generator().manual_seed(0)
     a = torch.randn(n, n, generator=generator).to(device=sizes.device, dtype=sizes.dtype)  # [n, n]
     b = torch.randn(n, n, generator=generator).to(device=sizes.device, dtype=sizes.dtype)  # [n, n]
-    for _ in range(sizes.warmups):
-        a @ b
-    times = []
-    for _ in range(sizes.repeats):
-        _sync(sizes)
-        start = time.perf_counter()
-        a @ b
-        _sync(sizes)
-        times.append(time.perf_counter() - start)
-    tflops = 2 * n**3 / statistics.median(times) / 1e12
-    return {"n": n, "dtype": str(sizes.dtype).removeprefix("torch."), "tflops": tflops}
+    matmul_s = _median_seconds(lambda: a @ b, sizes)
+    del a, b
+    source = torch.rand(16 * n, n, device=sizes.device, dtype=sizes.dtype)  # [16n, n], 2 GiB in bf16 at n = 8192
+    target = torch.empty_like(source)
+    copy_s = _median_seconds(lambda: target.copy_(source), sizes)
+    moved = 2 * source.numel() * source.element_size()
+    return {"n": n, "dtype": str(sizes.dtype).removeprefix("torch."), "matmul_tflops": 2 * n**3 / matmul_s / 1e12,
+            "copy_gib": moved / 2**30, "copy_tbs": moved / copy_s / 1e12}
 
 
 # -- report ----------------------------------------------------------------------------------
@@ -657,7 +672,7 @@ def print_report(results: dict[str, Any]) -> None:
                   f"{_fmt(row['peak_gib'], '.1f', oom)} |")
         print()
     if "profile" in results:
-        _print_profile(results["profile"])
+        _print_profile(results["profile"], results.get("ceilings", {}).get("copy_tbs"))
     if "check" in results:
         check = results["check"]
         print(f"### Agreement: {check['rows']} rows, all k adapters mixed in one pass, against PEFT (one adapter "
@@ -670,12 +685,13 @@ def print_report(results: dict[str, Any]) -> None:
               f"{check['adapter_effect']:.3g} | {check['base_batch_shape']:.3g} | {check['base_vs_wide']:.3g} |\n")
         print("The last two are the base model's gaps every delta starts from when the cache computed log "
               "pi_ref in another pass shape or dtype (the train stage's reference_gap).\n")
-    if "matmul" in results:
-        mm = results["matmul"]
-        print(f"{mm['dtype']} matmul, {mm['n']}^3: {mm['tflops']:.1f} TFLOP/s")
+    if "ceilings" in results:
+        top = results["ceilings"]
+        print(f"{top['dtype']} matmul, {top['n']}^3: {top['matmul_tflops']:.1f} TFLOP/s; device-to-device copy "
+              f"moving {top['copy_gib']:.3g} GiB: {top['copy_tbs']:.3g} TB/s")
 
 
-def _print_profile(profile: dict[str, Any]) -> None:
+def _print_profile(profile: dict[str, Any], copy_tbs: float | None) -> None:
     plain, multi = profile["plain"], profile["multi_lora"]
     print(f"### Where the anchor pass's time goes: B = {profile['batch']} rows, wall time as above, then one "
           "profiled pass (torch.profiler; self time of each aten op's kernels, CPU time on the CPU)\n")
@@ -695,6 +711,10 @@ def _print_profile(profile: dict[str, Any]) -> None:
               f"{mine['ms'] - theirs['ms']:+.2f} |")
     rest = [sum(row["ops"][key]["ms"] for key in keys[PROFILE_TOP:] if key in row["ops"]) for row in (plain, multi)]
     print(f"| {len(keys) - PROFILE_TOP} other ops | {rest[0]:.2f} | | {rest[1]:.2f} | | {rest[1] - rest[0]:+.2f} |\n")
+    at_copy_rate = "" if copy_tbs is None else f", {profile['lora_extra_gb'] / copy_tbs:.3g} ms at the copy rate below"
+    print(f"The LoRA path's extra memory traffic, counted (each tensor read or written once per kernel): "
+          f"{profile['lora_extra_gb']:.3g} GB per pass{at_copy_rate}; measured wall-time difference "
+          f"{multi['wall_ms'] - plain['wall_ms']:.3g} ms.\n")
 
 
 def plot_figure5(results: dict[str, Any], path: Path) -> None:
@@ -813,8 +833,8 @@ def main() -> None:
             finished("throughput", anchor_pass_throughput(model_dir, sizes))
         if wanted("profile"):
             finished("profile", anchor_pass_profile(model_dir, sizes, args.out))
-    if wanted("matmul"):
-        finished("matmul", matmul_tflops(sizes))
+    if wanted("ceilings"):
+        finished("ceilings", ceilings(sizes))
 
     print_report(results)
     plot_figure5(results, args.out / "em_gpu.png")

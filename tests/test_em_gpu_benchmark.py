@@ -71,7 +71,10 @@ def test_table_has_every_configuration_and_pass(tiny_run: tuple[Path, str]) -> N
     ops = _table(stdout, "| aten op |")
     assert len(ops) == 15 and ops[-1][0].endswith("other ops")  # the 14 slowest, then the rest
     assert "OOM" not in stdout
-    assert re.search(r"^float32 matmul, 256\^3: [\d.]+ TFLOP/s$", stdout, flags=re.MULTILINE)
+    assert re.search(r"^float32 matmul, 256\^3: [\d.]+ TFLOP/s; device-to-device copy moving [\d.]+ GiB: "
+                     r"[\d.]+ TB/s$", stdout, flags=re.MULTILINE)
+    assert re.search(r"^The LoRA path's extra memory traffic, .*: [\d.e-]+ GB per pass, [\d.e-]+ ms at the copy rate",
+                     stdout, flags=re.MULTILINE)
 
 
 def test_mixed_multi_lora_pass_agrees_with_peft(tiny_run: tuple[Path, str]) -> None:
@@ -99,7 +102,8 @@ def test_json_numbers_are_positive_and_finite(tiny_run: tuple[Path, str]) -> Non
     for row in results["throughput"]["rows"]:
         for key in ("ms", "tokens_per_s", "ratio_vs_plain"):
             assert math.isfinite(row[key]) and row[key] > 0, (row["pass"], key, row[key])
-    assert math.isfinite(results["matmul"]["tflops"]) and results["matmul"]["tflops"] > 0
+    for key in ("matmul_tflops", "copy_tbs"):
+        assert math.isfinite(results["ceilings"][key]) and results["ceilings"][key] > 0
     profile = results["profile"]
     for name in ("plain", "multi_lora"):
         row = profile[name]
@@ -112,6 +116,11 @@ def test_json_numbers_are_positive_and_finite(tiny_run: tuple[Path, str]) -> Non
     assert "aten::bmm" in profile["multi_lora"]["ops"] and "aten::bmm" not in profile["plain"]["ops"]
     calls = [profile[name]["ops"].get("aten::index", {"calls": 0})["calls"] for name in ("plain", "multi_lora")]
     assert calls[0] == calls[1]
+    # Counted by hand for the tiny Qwen3 (2 layers, hidden 64, 4 / 2 heads of 16, MLP 192, r = 16),
+    # T (5 d_in + 3 d_out + 4 r) per projection: q and o 64 -> 64, k and v 64 -> 32, gate and up
+    # 64 -> 192, down 192 -> 64, so per layer 2*512 + 2*416 + 2*896 + 1152 + 7*4*16 = 5248 elements per
+    # token; float32, B = 4 rows of 28 tokens.
+    assert profile["lora_extra_gb"] == pytest.approx(2 * 5248 * 4 * 28 * 4 / 1e9)
 
 
 def test_figure_is_written(tiny_run: tuple[Path, str]) -> None:
