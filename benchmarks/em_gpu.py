@@ -504,12 +504,12 @@ def _lora_extra_bytes(lora: MultiLoRA, tokens: int, element_size: int) -> int:
     """The bytes the LoRA path adds to a forward + input-gradient pass over ``tokens`` tokens, by
     count (every tensor read or written once per kernel). Per projection, d_in -> d_out at rank r:
     the forward's bmm reads x [T, d_in] and writes xa [T, r], its baddbmm reads the base output and
-    xa and writes the output; the backward's grad_xa reads grad_out and writes [T, r], the LoRA part
-    of grad_x reads grad_xa and writes [T, d_in], and adding it to the base path's grad_x reads two
-    [T, d_in] and writes one: T (5 d_in + 3 d_out + 4 r) elements. The adapters' own bytes (B r
-    (d_in + d_out) per projection) are left out, small against T."""
+    xa and writes the output; the backward reads grad_out to write grad_xa [T, r], and its baddbmm
+    reads the base part of grad_x and grad_xa and writes grad_x: T (3 d_in + 3 d_out + 4 r)
+    elements. The adapters' own bytes (B r (d_in + d_out) per projection) are left out, small
+    against T."""
     r = lora.settings.r
-    per_token = sum(5 * layer.base.in_features + 3 * layer.base.out_features + 4 * r for layer in lora.layers.values())
+    per_token = sum(3 * layer.base.in_features + 3 * layer.base.out_features + 4 * r for layer in lora.layers.values())
     return tokens * per_token * element_size
 
 

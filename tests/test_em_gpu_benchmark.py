@@ -117,10 +117,10 @@ def test_json_numbers_are_positive_and_finite(tiny_run: tuple[Path, str]) -> Non
     calls = [profile[name]["ops"].get("aten::index", {"calls": 0})["calls"] for name in ("plain", "multi_lora")]
     assert calls[0] == calls[1]
     # Counted by hand for the tiny Qwen3 (2 layers, hidden 64, 4 / 2 heads of 16, MLP 192, r = 16),
-    # T (5 d_in + 3 d_out + 4 r) per projection: q and o 64 -> 64, k and v 64 -> 32, gate and up
-    # 64 -> 192, down 192 -> 64, so per layer 2*512 + 2*416 + 2*896 + 1152 + 7*4*16 = 5248 elements per
+    # T (3 d_in + 3 d_out + 4 r) per projection: q and o 64 -> 64, k and v 64 -> 32, gate and up
+    # 64 -> 192, down 192 -> 64, so per layer 2*384 + 2*288 + 2*768 + 768 + 7*4*16 = 4096 elements per
     # token; float32, B = 4 rows of 28 tokens.
-    assert profile["lora_extra_gb"] == pytest.approx(2 * 5248 * 4 * 28 * 4 / 1e9)
+    assert profile["lora_extra_gb"] == pytest.approx(2 * 4096 * 4 * 28 * 4 / 1e9)
 
 
 def test_figure_is_written(tiny_run: tuple[Path, str]) -> None:

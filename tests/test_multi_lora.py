@@ -10,9 +10,10 @@ import pytest
 import torch
 from lm_fixtures import tiny_model_dir  # noqa: F401  (fixture)
 from peft import LoraConfig, PeftModel, get_peft_model
+from torch import nn
 
 from moplex_core.lm.loading import load_model
-from moplex_core.lm.multi_lora import PEFT_CONFIG, LoRASettings, MultiLoRA
+from moplex_core.lm.multi_lora import PEFT_CONFIG, LoRASettings, MultiLoRA, _LoRALinear
 
 SETTINGS = LoRASettings(r=4, alpha=8.0, target_modules=("q_proj", "v_proj", "gate_proj", "down_proj"))
 K = 3
@@ -203,17 +204,49 @@ def test_dropout_falls_on_the_adapters_input_as_in_peft(tiny_model_dir, tmp_path
     model.train()
     peft.train()
     ids, mask = batch(rows=2)
+    emb = model.get_input_embeddings()(ids).detach()
+    ours_emb, theirs_emb = emb.clone().requires_grad_(True), emb.clone().requires_grad_(True)
+    torch.manual_seed(7)
+    with lora.route([0, 0]):
+        ours = model(inputs_embeds=ours_emb, attention_mask=mask).logits
+    torch.manual_seed(7)
+    theirs = peft(inputs_embeds=theirs_emb, attention_mask=mask).logits
     with torch.no_grad():
-        torch.manual_seed(7)
-        with lora.route([0, 0]):
-            ours = model(ids, attention_mask=mask).logits
-        torch.manual_seed(7)
-        theirs = peft(input_ids=ids, attention_mask=mask).logits
         torch.manual_seed(8)
         with lora.route([0, 0]):
-            other_mask = model(ids, attention_mask=mask).logits
+            other_mask = model(inputs_embeds=emb, attention_mask=mask).logits
     torch.testing.assert_close(ours, theirs, rtol=1e-10, atol=1e-10)
     assert (ours - other_mask).abs().max() > 1e-6  # dropout did act
+    # Gradients through the dropped-out LoRA input, for the inputs and an adapter matrix.
+    ours_a = lora.layers["model.layers.0.mlp.up_proj"].lora_A[0]
+    theirs_a = dict(peft.named_parameters())["base_model.model.model.layers.0.mlp.up_proj.lora_A.default.weight"]
+    ours_grads = torch.autograd.grad(ours.square().mean(), [ours_emb, ours_a])
+    theirs_grads = torch.autograd.grad(theirs.square().mean(), [theirs_emb, theirs_a])
+    torch.testing.assert_close(ours_grads[0], theirs_grads[0], rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close(ours_grads[1], theirs_grads[1].T, rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("per_row", [False, True], ids=["one adapter", "one per row"])
+@pytest.mark.parametrize("dropout", [False, True], ids=["LoRA input is x", "LoRA input after dropout"])
+def test_fused_lora_linear_backward_passes_gradcheck(per_row, dropout):
+    """The layer's own backward (the LoRA part of dL/dx accumulated into the base part) against
+    finite differences, float64, for every input that takes a gradient."""
+    generator = torch.Generator().manual_seed(0)
+
+    def draw(*shape: int, grad: bool = True) -> torch.Tensor:
+        return torch.randn(*shape, generator=generator, dtype=torch.float64).requires_grad_(grad)
+
+    rows, length, d_in, d_out, r = 3, 4, 5, 6, 2
+    x, weight, bias = draw(rows, length, d_in), draw(d_out, d_in, grad=False), draw(d_out, grad=False)
+    lora_input = draw(rows, length, d_in) if dropout else None
+    a, b = (draw(rows, d_in, r), draw(rows, r, d_out)) if per_row else (draw(d_in, r), draw(r, d_out))
+    assert torch.autograd.gradcheck(lambda x, lora_input, a, b: _LoRALinear.apply(x, lora_input, weight, bias, a, b, 0.7),
+                                    (x, lora_input, a, b))
+    source = x if lora_input is None else lora_input
+    expected = x @ weight.T + bias + 0.7 * torch.matmul(torch.matmul(source, a), b)
+    torch.testing.assert_close(_LoRALinear.apply(x, lora_input, weight, bias, a, b, 0.7), expected)
+    with pytest.raises(RuntimeError, match="freezes the base model's weights"):
+        _LoRALinear.apply(x, lora_input, weight.detach().requires_grad_(True), bias, a, b, 0.7).sum().backward()
 
 
 def test_bad_routes_and_targets_are_refused(tiny_model_dir):  # noqa: F811
@@ -228,6 +261,12 @@ def test_bad_routes_and_targets_are_refused(tiny_model_dir):  # noqa: F811
         MultiLoRA(load_model(tiny_model_dir), K, LoRASettings(target_modules=("nothing",)))
     with pytest.raises(ValueError, match=r"names the output layer \(lm_head\).*cannot be routed per row"):
         MultiLoRA(load_model(tiny_model_dir), K, LoRASettings(target_modules=("q_proj", "lm_head")))
+    special = load_model(tiny_model_dir)
+    layer = special.model.layers[0].self_attn.q_proj
+    special.model.layers[0].self_attn.q_proj = type("Linear8bit", (nn.Linear,), {})(layer.in_features,
+                                                                                    layer.out_features, bias=False)
+    with pytest.raises(ValueError, match=r"q_proj is a Linear8bit, not a plain torch.nn.Linear"):
+        MultiLoRA(special, K, SETTINGS)
 
 
 def test_bf16_model_keeps_float32_adapters_and_matches_float64_closely(tiny_model_dir):  # noqa: F811

@@ -11,14 +11,16 @@ and computing, for row b of a batch routed to adapter c_b,
     y_b = x_b W^T + (alpha / r) * (dropout(x_b) A_{c_b}) B_{c_b}
 
 `MultiLoRA.route` says which adapter each row of the next forwards uses. Each row's adapter is
-stacked into [B, d_in, r] and [B, r, d_out] and applied by one ``bmm`` and one ``baddbmm`` fused
-with the base output, so one forward serves rows of all k clusters; a batch of one adapter takes two
-plain matmuls. Without gradients into the adapters (the E-step's input-gradient pass, scoring) the
-stack is one copy per row; with them (the M-step) the adapters present are stacked once and gathered
-per row, whose backward sums each adapter's rows in one accumulating ``index_put`` instead of one
-addition per row. Only the routed adapters enter the autograd graph: the
-others get no gradient (None), so an optimizer step leaves them exactly where they are, as PEFT's
-inactive adapters. Outside a route every adapter is off and the model is exactly the base model,
+stacked into [B, d_in, r] and [B, r, d_out] and applied by one ``bmm`` and one ``baddbmm`` that
+accumulates into the base output, so one forward serves rows of all k clusters; a batch of one
+adapter takes two plain matmuls. Without gradients into the adapters (the E-step's input-gradient
+pass, scoring) the stack is one copy per row; with them (the M-step) the adapters present are
+stacked once and gathered per row, whose backward sums each adapter's rows in one accumulating
+``index_put`` instead of one addition per row. The layer has its own backward (`_LoRALinear`),
+which accumulates the LoRA part of dL/dx into the base part in the matmul that computes it, where
+autograd would write it and add it in a separate pass. Only the routed adapters enter the autograd
+graph: the others get no gradient (None), so an optimizer step leaves them exactly where they are,
+as PEFT's inactive adapters. Outside a route every adapter is off and the model is exactly the base model,
 pi_ref (no second copy of the weights). The base model's own weights are frozen.
 
 The adapters are read and written in PEFT's format (``adapter_config.json`` +
@@ -41,6 +43,7 @@ import torch
 from peft import LoraConfig
 from safetensors.torch import load_file, save_file
 from torch import nn
+from torch.nn import functional as F
 
 PEFT_WEIGHTS = "adapter_model.safetensors"
 PEFT_CONFIG = "adapter_config.json"
@@ -89,21 +92,17 @@ class MultiLoRALinear(nn.Module):
         self.dropout = nn.Dropout(settings.dropout) if settings.dropout > 0 else nn.Identity()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.base(x)  # [B, ..., d_out]
         routed, present = self.route.rows, self.route.present
         if not routed:
-            return out
+            return self.base(x)
         if x.shape[0] != len(routed):
             raise ValueError(f"the batch has {x.shape[0]} rows but the route names adapters for {len(routed)}; "
                              "route exactly the rows of the batch (MultiLoRA.route)")
-        rows, d_in, d_out = x.shape[0], x.shape[-1], out.shape[-1]
-        x = self.dropout(x)
+        dropped = self.dropout(x)
         if len(present) == 1:
             a = self.lora_A[present[0]].to(x.dtype)  # [d_in, r]
             b = self.lora_B[present[0]].to(x.dtype)  # [r, d_out]
-            xa = x.reshape(-1, d_in) @ a  # [B*L, r]
-            return torch.addmm(out.reshape(-1, d_out), xa, b, alpha=self.scaling).view(out.shape)
-        if torch.is_grad_enabled() and self.lora_A[present[0]].requires_grad:
+        elif torch.is_grad_enabled() and self.lora_A[present[0]].requires_grad:
             # Gradients into the adapters: stack those present and gather per row, so that each
             # adapter's gradient is one accumulating index_put over its rows (deterministic on CUDA,
             # unlike index_select's index_add), not one addition per row.
@@ -112,8 +111,70 @@ class MultiLoRALinear(nn.Module):
         else:
             a = torch.stack([self.lora_A[c] for c in routed]).to(x.dtype)  # [B, d_in, r]
             b = torch.stack([self.lora_B[c] for c in routed]).to(x.dtype)  # [B, r, d_out]
-        xa = torch.bmm(x.reshape(rows, -1, d_in), a)  # [B, L, r]
-        return torch.baddbmm(out.reshape(rows, -1, d_out), xa, b, alpha=self.scaling).view(out.shape)
+        rows = x.reshape(len(routed), -1, x.shape[-1])  # [B, L, d_in]
+        lora_input = None if dropped is x else dropped.reshape(rows.shape)
+        out = _LoRALinear.apply(rows, lora_input, self.base.weight, self.base.bias, a, b, self.scaling)  # [B, L, d_out]
+        return out.view(*x.shape[:-1], out.shape[-1])
+
+
+class _LoRALinear(torch.autograd.Function):
+    """out = x W^T + bias + s (x' A) B over rows x [B, L, d_in], with x' the LoRA input (x itself, or
+    x after dropout) and one adapter (A [d_in, r], B [r, d_out]) or one per row (A [B, d_in, r],
+    B [B, r, d_out]); W and bias are frozen.
+
+    Autograd of the same ops would write the LoRA part of dL/dx, then add it to the base part: per
+    projection, three [B, L, d_in] tensors more read or written than the two here, where (when x'
+    is x) the LoRA part is accumulated into the base part by the matmul that computes it. x and
+    x A are kept for the backward only when A or B need gradients."""
+
+    @staticmethod
+    def forward(ctx, x, lora_input, weight, bias, a, b, scaling):
+        source = x if lora_input is None else lora_input  # [B, L, d_in]
+        xa = torch.matmul(source, a)  # [B, L, r]
+        out = _add_product(F.linear(x, weight, bias), xa, b, scaling)  # [B, L, d_out]
+        need_a, need_b = ctx.needs_input_grad[4:6]
+        ctx.scaling, ctx.separate = scaling, lora_input is not None
+        ctx.save_for_backward(source if need_a else None, weight, a, b, xa if need_b else None)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):  # [B, L, d_out]
+        source, weight, a, b, xa = ctx.saved_tensors
+        need_x, need_lora_input, need_weight, need_bias, need_a, need_b, _ = ctx.needs_input_grad
+        if need_weight or need_bias:
+            raise RuntimeError("MultiLoRA freezes the base model's weights; they get no gradient (requires_grad_"
+                               "(False) on them, or train them outside MultiLoRA)")
+        scaling = ctx.scaling
+        grad_xa = torch.matmul(grad_out, b.mT)  # [B, L, r], without the scaling
+        grad_x = grad_lora_input = grad_a = grad_b = None
+        if need_x:
+            grad_x = torch.matmul(grad_out, weight)  # [B, L, d_in]
+            if not ctx.separate:
+                grad_x = _add_product(grad_x, grad_xa, a.mT, scaling)
+        if need_lora_input:
+            grad_lora_input = torch.matmul(grad_xa, a.mT).mul_(scaling)  # [B, L, d_in]
+        if need_a:
+            grad_a = _weight_grad(source, grad_xa, a.dim()).mul_(scaling)  # like a
+        if need_b:
+            grad_b = _weight_grad(xa, grad_out, b.dim()).mul_(scaling)  # like b
+        return grad_x, grad_lora_input, None, None, grad_a, grad_b, None
+
+
+def _add_product(into: torch.Tensor, left: torch.Tensor, right: torch.Tensor, alpha: float) -> torch.Tensor:
+    """``into += alpha * left @ right`` in place and returned: into [B, L, j], left [B, L, i], right
+    [i, j] (one matrix for every row) or [B, i, j] (one per row)."""
+    if right.dim() == 3:
+        return into.baddbmm_(left, right, alpha=alpha)
+    into.view(-1, into.shape[-1]).addmm_(left.reshape(-1, left.shape[-1]), right, alpha=alpha)
+    return into
+
+
+def _weight_grad(left: torch.Tensor, grad: torch.Tensor, dims: int) -> torch.Tensor:
+    """left^T grad summed over the rows and positions ([i, j], one matrix for every row; dims = 2)
+    or over the positions of each row ([B, i, j]; dims = 3), for left [B, L, i], grad [B, L, j]."""
+    if dims == 3:
+        return torch.bmm(left.mT, grad)
+    return left.reshape(-1, left.shape[-1]).T @ grad.reshape(-1, grad.shape[-1])
 
 
 class MultiLoRA:
@@ -136,6 +197,10 @@ class MultiLoRA:
         self.layers: dict[str, MultiLoRALinear] = {}
         for name, module in list(model.named_modules()):
             if name.rsplit(".", 1)[-1] in targets and isinstance(module, nn.Linear):
+                if type(module) is not nn.Linear:
+                    raise ValueError(f"{name} is a {type(module).__qualname__}, not a plain torch.nn.Linear; the "
+                                     "multi-LoRA layer computes its base as x W^T + bias, which would not be this "
+                                     "layer's output (a quantized or otherwise special linear layer)")
                 if module is output:
                     raise ValueError(f"target_modules names the output layer ({name}), which takes no adapter "
                                      "here: it runs on the response tokens of a batch, not on its rows, so it "
