@@ -143,7 +143,7 @@ def run_in_process(config: PipelineConfig) -> tuple[bool, str]:
             f"{failure_cause(state)}\n"
             f"(pipeline run {run_id} ended {state.type.value}; Prefect's log above has the traceback.) Finished "
             f"stages are kept: fix the cause and rerun the command, or retry the run (same PREFECT_HOME) with "
-            f"`prefect flow-run retry {run_id} --entrypoint flows/pipeline.py:moplex_pipeline` (a fault.stage set on "
+            f"`prefect flow-run retry {run_id} --entrypoint {Path(__file__).resolve()}:moplex_pipeline` (a fault.stage set on "
             f"purpose fails again on a new run). Prefect UI: {ui}"
         )
     dirs = state.result()

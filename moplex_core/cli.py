@@ -58,7 +58,7 @@ def _experiment_compare(args: argparse.Namespace) -> int:
         return 1
     print(f"{len(runs)} runs: {', '.join(methods)} x seeds {args.seed}..{args.seed + args.seeds - 1} on {args.data}",
           file=sys.stderr)
-    if args.threads:
+    if args.threads is not None:
         import torch
 
         torch.set_num_threads(args.threads)
@@ -98,7 +98,9 @@ def _ingest(args: argparse.Namespace) -> int:
     # Runs the stage in this process, without Prefect (moplex_core never imports it); the Prefect
     # flow (flows/ingest.py) calls the same run_ingest.
     from moplex_core.artifacts import ArtifactError, ArtifactStore
-    from moplex_core.config import IngestConfig, ingest_preset, with_overrides
+    from pydantic import ValidationError
+
+    from moplex_core.config import IngestConfig, describe_validation_error, ingest_preset, with_overrides
     from moplex_core.data.sources import DatasetUnavailableError
     from moplex_core.ingest import run_ingest
 
@@ -110,6 +112,9 @@ def _ingest(args: argparse.Namespace) -> int:
         data = {**base, **{k: v for k, v in (("dataset", args.dataset), ("path", args.path)) if v is not None}}
         config = with_overrides(IngestConfig.model_validate(data), args.set)
         result = run_ingest(config, ArtifactStore(args.root))
+    except ValidationError as err:  # the flags themselves; a bad --set is a ValueError of its own
+        print(f"moplex ingest: invalid settings:\n{describe_validation_error(err)}", file=sys.stderr)
+        return 1
     except (ValueError, DatasetUnavailableError, ArtifactError) as err:
         print(f"moplex ingest: {err}", file=sys.stderr)
         return 1
@@ -155,7 +160,7 @@ def _run(args: argparse.Namespace) -> int:
     except ValueError as err:
         print(f"moplex run: {err}", file=sys.stderr)
         return 1
-    if args.threads:
+    if args.threads is not None:
         import torch
 
         torch.set_num_threads(args.threads)
@@ -240,7 +245,7 @@ def build_parser() -> argparse.ArgumentParser:
     compare.add_argument("--seeds", type=int, default=3, help="number of train seeds")
     compare.add_argument("--seed", type=int, default=0, help="first train seed")
     compare.add_argument("--root", help="artifact root (default: the preset's)")
-    compare.add_argument("--threads", type=int, help="torch CPU threads (as moplex run)")
+    compare.add_argument("--threads", type=_positive_int, help="torch CPU threads (as moplex run)")
     compare.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                          help="override a field of the base PipelineConfig before the methods' own; repeatable")
     compare.set_defaults(func=_experiment_compare)
@@ -292,7 +297,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("preset", nargs="?", help="e.g. synthetic-demo (see --list)")
     run.add_argument("--list", action="store_true", help="list the presets and exit")
     run.add_argument("--root", help="artifact root (default: the preset's, data/artifacts)")
-    run.add_argument("--threads", type=int, help="torch CPU threads (1 is fastest for the tiny model on a busy "
+    run.add_argument("--threads", type=_positive_int, help="torch CPU threads (1 is fastest for the tiny model on a busy "
                      "2-core machine; default: torch's)")
     run.add_argument(
         "--set", action="append", default=[], metavar="KEY=VALUE",
@@ -314,6 +319,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _positive_int(text: str) -> int:
+    """An argparse type: an integer of at least 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer of at least 1, got {text!r}")
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
     # moplex_core's warnings (over-long responses cut by the cache, ...) go to the Prefect run's log,
     # and so to the UI, as well as to stderr. Prefect reads this when it is first imported (below,
@@ -327,6 +343,10 @@ def main(argv: list[str] | None = None) -> int:
         status = args.func(args)
         sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's exit
         return status
+    except KeyboardInterrupt:
+        print(f"\nmoplex {args.command}: interrupted. Finished stages and the shards and EM iterations written "
+              "so far are kept: the same command resumes from them.", file=sys.stderr)
+        return 130
     except BrokenPipeError:
         if not _stdout_closed():
             raise  # another pipe or socket broke: a real error

@@ -106,6 +106,10 @@ def test_cli_ingest_and_inspect(tmp_path, fixtures_dir, capsys):
     assert "helpsteer2.typo" in capsys.readouterr().err
     assert main(["ingest", "--root", str(root)]) == 1
     assert "give --dataset NAME or --preset NAME" in capsys.readouterr().err
+    assert main(["ingest", "--dataset", "generic", "--root", str(root)]) == 1
+    err = capsys.readouterr().err
+    assert "moplex ingest: invalid settings:\n  dataset 'generic' reads canonical Parquet/JSONL from a local path; " \
+        "set path" in err and "pydantic" not in err
 
 
 @pytest.mark.slow  # starts Prefect's ephemeral server: ~25 s on 2 cores

@@ -68,6 +68,23 @@ def test_moplex_run_lists_the_presets_and_refuses_a_bad_override(capsys):
     assert all(name in listing for name in preset_names())
     assert main(["run", "synthetic-demo", "--set", "train.clusters=3"]) == 1
     assert "train.clusters" in capsys.readouterr().err
+    for threads in ("0", "-1", "two"):
+        with pytest.raises(SystemExit) as exit_:
+            main(["run", "synthetic-demo", "--threads", threads])
+        assert exit_.value.code == 2
+        assert f"argument --threads: expected an integer of at least 1, got '{threads}'" in capsys.readouterr().err
+
+
+def test_an_interrupt_ends_with_one_line_and_status_130(monkeypatch, capsys):
+    from moplex_core import cli
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "_inspect", interrupted)
+    assert cli.main(["inspect", "anything"]) == 130
+    err = capsys.readouterr().err
+    assert "moplex inspect: interrupted." in err and "the same command resumes" in err and "Traceback" not in err
 
 
 def test_a_closed_pipe_ends_the_listing_quietly():
