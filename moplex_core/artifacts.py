@@ -291,11 +291,16 @@ class ArtifactStore:
 
     def resolve(self, text: str) -> Path:
         """What a user typed for an artifact: an existing path as it is, else ``stage/version``
-        (a version prefix is enough) under this root (`locate`)."""
+        (a version prefix is enough) under this root (`locate`), else a version prefix in an
+        existing stage folder (``ROOT/STAGE/PREFIX``)."""
         path = Path(text)
-        if path.exists() or text.strip("/").count("/") != 1:
+        if path.exists():
             return path
-        return self.locate(text).path
+        if text.strip("/").count("/") == 1 and not path.parent.is_dir():
+            return self.locate(text).path
+        if len(path.parts) >= 2 and path.parent.is_dir():
+            return ArtifactStore(path.parent.parent).locate(f"{path.parent.name}/{path.name}").path
+        return path
 
     def locate(self, ref: str | ArtifactRef) -> ArtifactInfo:
         """Find ``stage/version``, where version may be any unambiguous prefix (as with git)."""
@@ -304,10 +309,19 @@ class ArtifactStore:
         matches = [info for info in candidates if info.ref.version.startswith(ref.version)]
         if len(matches) == 1:
             return matches[0]
-        known = ", ".join(str(info.ref) for info in candidates) or "none"
         if not matches:
-            raise ArtifactNotFoundError(f"no artifact {ref} under {self.root} (versions of {ref.stage}: {known})")
-        raise ArtifactError(f"{ref} is ambiguous under {self.root}: it matches {known}; give more of the version")
+            raise ArtifactNotFoundError(f"no artifact {ref} under {self.root} (versions of {ref.stage}: "
+                                        f"{_some(candidates)})")
+        raise ArtifactError(f"{ref} is ambiguous under {self.root}: it matches {_some(matches)}; give more of the "
+                            "version")
+
+
+def _some(infos: list[ArtifactInfo], shown: int = 8) -> str:
+    """The first ``shown`` refs of a list, and how many more (`moplex inspect ROOT/STAGE` lists all)."""
+    if not infos:
+        return "none"
+    more = f", and {len(infos) - shown} more" if len(infos) > shown else ""
+    return ", ".join(str(info.ref) for info in infos[:shown]) + more
 
 
 class ArtifactWriter:

@@ -64,7 +64,7 @@ def _version_report(version_dir: Path, rows: int) -> str:
     if complete:
         lines += [
             f"status:   complete{' (resumed after an interruption)' if manifest.get('resumed') else ''}",
-            f"rows:     {manifest['rows']} in {manifest['shards']} shard(s)",
+            f"rows:     {_size(manifest)}",
             f"code:     {manifest.get('code_version') or '-'}",
             f"started:  {manifest.get('started')}   finished: {manifest.get('finished')}",
             "inputs:   " + (", ".join(f"{k} = {v}" for k, v in manifest["inputs"].items()) or "none"),
@@ -148,6 +148,14 @@ def _indent(text: str) -> str:
     return "\n".join("  " + line for line in text.splitlines())
 
 
+def _size(manifest: dict[str, Any], short: bool = False) -> str:
+    """A finished version's rows, or its files where the stage writes named files, not row shards."""
+    if manifest["shards"]:
+        return f"{manifest['rows']:,} rows" if short else f"{manifest['rows']:,} in {manifest['shards']} shard(s)"
+    files = len(manifest["files"])
+    return f"{files} files" if short else f"no part-*.parquet shards: the stage writes the {files} named files below"
+
+
 def _listing(directory: Path) -> str:
     """A stage folder or an artifact root: one line per version."""
     is_stage_dir = any(is_complete(p) or shard_paths(p) for p in directory.iterdir() if p.is_dir())
@@ -158,7 +166,7 @@ def _listing(directory: Path) -> str:
     lines = [f"artifacts under {directory}:"]
     for info in infos:
         if info.complete:
-            lines.append(f"  {str(info.ref):<32} complete    {info.manifest['rows']:>10,} rows  {info.manifest['finished']}")
+            lines.append(f"  {str(info.ref):<32} complete    {_size(info.manifest, short=True):>16}  {info.manifest['finished']}")
         else:
             lines.append(f"  {str(info.ref):<32} INCOMPLETE  {len(shard_paths(info.path)):>10} shard(s) so far")
     return "\n".join(lines)

@@ -97,6 +97,15 @@ def test_list_locate_and_fingerprint(tmp_path):
     assert store.resolve("demo/aab") == tmp_path / "demo" / "aab222"
     assert store.resolve(str(tmp_path / "demo" / "aaa111")) == tmp_path / "demo" / "aaa111"
     assert store.resolve("/no/such/folder") == Path("/no/such/folder")  # left for the caller to report
+    # a version prefix at the end of a stage folder's path, from anywhere
+    assert ArtifactStore(tmp_path / "elsewhere").resolve(str(tmp_path / "demo" / "aab")) == tmp_path / "demo" / "aab222"
+    with pytest.raises(ArtifactNotFoundError, match="versions of demo: demo/aaa111"):
+        store.resolve(str(tmp_path / "demo" / "zzz"))
+    many = ArtifactStore(tmp_path / "many")
+    for i in range(11):
+        write_demo(many, f"v{i:02d}")
+    with pytest.raises(ArtifactNotFoundError, match=r"demo/v07, and 3 more\)$"):
+        many.locate("demo/x")
     # Same content, same fingerprint, whatever the version name.
     assert store.fingerprint("demo", "aaa111") == store.fingerprint("demo", "aab222")
 

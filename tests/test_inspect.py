@@ -59,3 +59,15 @@ def test_other_stages_plug_in_their_own_section(tmp_path):
     report = inspect_path(w.path)
     assert "-- demo: 1 shard(s) --" in report and "rows per split:" in report
     assert "-- em/iter-0001/posteriors.parquet: 1 rows --" in report
+
+
+def test_a_version_of_named_files_counts_its_files_not_zero_rows(tmp_path):
+    """Stages such as train and evaluate write named files, not row shards: "0 rows" would mislead."""
+    store = ArtifactStore(tmp_path)
+    with store.writer("named-kind", "v1", config={}) as w:
+        w.write_table("metrics.parquet", pa.table({"metric": ["a", "b"], "value": [0.5, 0.25]}))
+        w.write_file("report.md", "# report")
+    report = inspect_path(w.path)
+    assert "rows:     no part-*.parquet shards: the stage writes the 2 named files below" in report
+    assert "-- metrics.parquet: 2 rows --" in report
+    assert "named-kind/v1" in (listing := inspect_path(tmp_path)) and "2 files" in listing and "0 rows" not in listing
