@@ -49,7 +49,7 @@ from moplex_core.scorers.lora_policy import LoRAPolicyScorer, PolicyInputs, Scor
 log = logging.getLogger(__name__)
 
 STAGE = "train"
-CODE_VERSION = "train-6"  # bump when a change to this stage changes what it writes
+CODE_VERSION = "train-7"  # bump when a change to this stage changes what it writes
 POSTERIORS = "posteriors.parquet"
 START_POSTERIORS = "start_posteriors.parquet"
 TRAIN_SPLIT = "train"
