@@ -12,10 +12,15 @@ a bad setting, a corrupt artifact, a dataset or model that is not here.
 
 from __future__ import annotations
 
+import functools
 import logging
+import signal
+import subprocess
+import threading
 import time
-from collections.abc import Callable
-from contextlib import AbstractContextManager, nullcontext
+import types
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 
 from prefect import flow, get_run_logger
@@ -125,11 +130,59 @@ def without_heartbeats() -> AbstractContextManager[None]:
     return temporary_settings(updates={PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None})
 
 
-def local_run_settings() -> AbstractContextManager[None]:
-    """Prefect settings for flows run in this process (``moplex run``, ``moplex experiment compare``):
-    without PREFECT_API_URL, Prefect's temporary server lives only as long as this process, so nothing
-    can act on heartbeats and they are turned off. Against a real server nothing changes."""
-    return nullcontext() if PREFECT_API_URL.value() else without_heartbeats()
+@contextmanager
+def local_run_settings() -> Iterator[None]:
+    """Prefect settings for flows run in this process (``moplex run``, ``moplex experiment compare``).
+    Against a real server nothing changes. Without PREFECT_API_URL, Prefect's temporary server lives
+    only as long as this process, so nothing can act on heartbeats and they are turned off, and the
+    server is started in a session of its own (`temporary_server_in_its_own_session`)."""
+    if PREFECT_API_URL.value():
+        yield
+        return
+    with without_heartbeats(), temporary_server_in_its_own_session():
+        yield
+
+
+@contextmanager
+def temporary_server_in_its_own_session() -> Iterator[None]:
+    """Prefect starts its temporary server as a child in this process's process group, so a Ctrl-C
+    in the terminal, or a SIGTERM or SIGINT to the group (``timeout``, systemd), stops the server at
+    the moment it stops this process. Prefect then retries for minutes to record the crash on the
+    dead server, printing connection tracebacks (``timeout -s INT 55 moplex run synthetic-demo``
+    took 5 min 52 s to exit, 2026-11-23). Started in a session of its own, as ``setsid`` would, the
+    server outlives the signal, Prefect records the crash at once, and it stops the server on exit as
+    after any run. Prefect 3.8.8 has no setting for this: its server module's ``subprocess.Popen``
+    is given ``start_new_session=True`` while the context is open (the server starts on the first
+    API call inside it)."""
+    from prefect.server.api import server
+
+    own_session = types.SimpleNamespace(**vars(subprocess))
+    own_session.Popen = functools.partial(subprocess.Popen, start_new_session=True)
+    previous, server.subprocess = server.subprocess, own_session
+    # No signal reaches that server now, so this process must unwind on SIGTERM for Prefect's exit
+    # hook to stop it: Prefect's engine, having recorded the crash, hands SIGTERM back to the handler
+    # it found, and the default one would end the process on the spot.
+    main = threading.current_thread() is threading.main_thread()
+    previous_handler = signal.signal(signal.SIGTERM, _raise_stop_signal) if main else None
+    try:
+        yield
+    finally:
+        server.subprocess = previous
+        if main:
+            signal.signal(signal.SIGTERM, previous_handler)
+
+
+class StopSignal(KeyboardInterrupt):
+    """SIGTERM during an in-process run, raised as Ctrl-C's KeyboardInterrupt is, with the exit status
+    a signal gives (128 + its number)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(f"stopped by signal {signum}")
+        self.status = 128 + signum
+
+
+def _raise_stop_signal(signum: int, frame: object) -> None:
+    raise StopSignal(signum)
 
 
 def run_in_process(config: PipelineConfig) -> tuple[bool, str]:

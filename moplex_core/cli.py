@@ -343,10 +343,10 @@ def main(argv: list[str] | None = None) -> int:
         status = args.func(args)
         sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's exit
         return status
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as stop:  # Ctrl-C, or SIGTERM during a run (flows.pipeline.StopSignal)
         print(f"\nmoplex {args.command}: interrupted. Finished stages and the shards and EM iterations written "
               "so far are kept: the same command resumes from them.", file=sys.stderr)
-        return 130
+        return getattr(stop, "status", 130)
     except BrokenPipeError:
         if not _stdout_closed():
             raise  # another pipe or socket broke: a real error

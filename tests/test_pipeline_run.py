@@ -5,6 +5,7 @@ stage) and the settings of an in-process run (local_run_settings)."""
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import pytest
 from prefect.settings import PREFECT_API_URL, PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
@@ -68,3 +69,70 @@ def test_an_in_process_run_on_a_temporary_server_sends_no_heartbeats_and_one_on_
         with temporary_settings(updates={PREFECT_API_URL: "http://127.0.0.1:4200/api"}), local_run_settings():
             assert PREFECT_FLOWS_HEARTBEAT_FREQUENCY.value() == 180
         assert PREFECT_FLOWS_HEARTBEAT_FREQUENCY.value() == 180
+
+
+def test_local_run_settings_leave_sigterm_and_prefects_server_module_as_they_found_them():
+    import signal
+
+    from prefect.server.api import server
+
+    before_handler, before_subprocess = signal.getsignal(signal.SIGTERM), server.subprocess
+    with temporary_settings(updates={PREFECT_API_URL: None}), local_run_settings():
+        assert signal.getsignal(signal.SIGTERM) is not before_handler
+        assert server.subprocess.Popen.keywords == {"start_new_session": True}
+    assert signal.getsignal(signal.SIGTERM) is before_handler and server.subprocess is before_subprocess
+    with temporary_settings(updates={PREFECT_API_URL: "http://127.0.0.1:4200/api"}), local_run_settings():
+        assert signal.getsignal(signal.SIGTERM) is before_handler and server.subprocess is before_subprocess
+
+
+def _temporary_servers(home: Path) -> list[int]:
+    """Pids of Prefect temporary servers whose PREFECT_HOME is ``home``."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if b"prefect.server.api.server:create_app" in (proc / "cmdline").read_bytes() and \
+                    f"PREFECT_HOME={home}".encode() in (proc / "environ").read_bytes().split(b"\0"):
+                pids.append(int(proc.name))
+        except (OSError, ValueError):
+            continue
+    return pids
+
+
+@pytest.mark.slow  # a pipeline run up to its train stage: ~40 s on 2 cores
+@pytest.mark.parametrize("stop", ["SIGTERM", "SIGINT"])
+def test_a_signal_to_the_process_group_stops_moplex_run_at_once_and_its_server_with_it(tmp_path, stop):
+    """`timeout`, systemd and a terminal's Ctrl-C signal the whole process group. Prefect's temporary
+    server runs in a session of its own, so it is still there to record the crash; then the run ends
+    with one line and the signal's status, and the server is stopped, not left behind."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    home = tmp_path / "prefect-home"
+    env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+           "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    env.pop("PREFECT_API_URL", None)
+    log = tmp_path / "stderr.log"
+    with log.open("w") as err:
+        run = subprocess.Popen([sys.executable, "-m", "moplex_core.cli", "run", "synthetic-demo", "--threads", "1",
+                                "--root", str(tmp_path / "artifacts")], stdout=subprocess.DEVNULL, stderr=err,
+                               env=env, start_new_session=True)
+        try:
+            deadline = time.monotonic() + 600
+            while "for flow 'train'" not in log.read_text() and run.poll() is None and time.monotonic() < deadline:
+                time.sleep(1)
+            assert run.poll() is None, log.read_text()[-3000:]
+            assert _temporary_servers(home), "the run's temporary server is not running"
+            os.killpg(run.pid, getattr(signal, stop))
+            status = run.wait(timeout=120)  # before this change: minutes of retries against a dead server
+        finally:
+            if run.poll() is None:
+                os.killpg(run.pid, signal.SIGKILL)
+    text = log.read_text()
+    assert status == 128 + getattr(signal, stop), text[-3000:]
+    assert "moplex run: interrupted. Finished stages" in text
+    assert "Traceback" not in text and "Error logging to API" not in text and "Connection refused" not in text
+    assert "Finished in state Crashed" in text  # Prefect recorded the crash on its live server
+    assert _temporary_servers(home) == []
