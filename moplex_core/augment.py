@@ -263,8 +263,7 @@ def run_augment(
     ``on_shortfall`` is "fail" and a prompt fell short (also when the version was completed earlier
     with "keep_fewer")."""
     plan = plan or plan_augment(config, rankings, store)
-    if plan.complete:
-        log.info("%s is complete at %s; nothing to do", plan.ref, plan.path)
+    if plan.complete:  # said by the caller (moplex augment, the augment flow)
         return _finished(plan, config)
     table = check_rankings(load_table(plan.rankings))
     if table.num_rows == 0:

@@ -29,6 +29,4 @@ def write_augmented(config: AugmentConfig, root: str, plan: AugmentPlan) -> Augm
     if result.shortfall.num_rows:
         logger.warning("%d ranking(s) kept with fewer generated responses; see %s/shortfall.parquet",
                        sum(result.shortfall.column("rankings").to_pylist()), result.path)
-    if result.built:
-        logger.info("wrote %d augmented rankings to %s", result.rows, result.path)
     return result

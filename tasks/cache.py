@@ -3,7 +3,7 @@ in tasks/ingest.py: a task never hands back a path whose files are gone."""
 
 from __future__ import annotations
 
-from prefect import get_run_logger, task
+from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from moplex_core.artifacts import ArtifactStore
@@ -20,6 +20,4 @@ def plan_reference_cache(config: CacheConfig, rankings_dir: str, root: str) -> C
 @task(name="write-cache", cache_policy=NO_CACHE)
 def write_reference_cache(config: CacheConfig, rankings_dir: str, root: str, plan: CachePlan) -> CacheResult:
     """Tokenise every response and compute its pi_ref terms, shard by shard (resumes a killed run)."""
-    result = run_cache(config, rankings_dir, ArtifactStore(root), plan)
-    get_run_logger().info("cache %s: %d examples at %s", result.ref, result.rows, result.path)
-    return result
+    return run_cache(config, rankings_dir, ArtifactStore(root), plan)  # logs what it wrote (moplex_core.cache)

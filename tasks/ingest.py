@@ -6,7 +6,7 @@ complete by construction), so a task can never hand back a path whose files are 
 
 from __future__ import annotations
 
-from prefect import get_run_logger, task
+from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from moplex_core.artifacts import ArtifactStore
@@ -23,10 +23,4 @@ def plan_rankings(config: IngestConfig, root: str) -> IngestPlan:
 @task(name="write-rankings", cache_policy=NO_CACHE)
 def write_rankings(config: IngestConfig, root: str, plan: IngestPlan) -> IngestResult:
     """Read, convert, validate and split the dataset, and write the rankings artifact."""
-    result = run_ingest(config, ArtifactStore(root), plan)
-    logger = get_run_logger()
-    if result.built:
-        logger.info("wrote %d rankings to %s", result.rows, result.path)
-    else:
-        logger.info("%s was completed by another run meanwhile; nothing written", result.ref)
-    return result
+    return run_ingest(config, ArtifactStore(root), plan)  # logs what it wrote (moplex_core.ingest)

@@ -3,7 +3,7 @@ cache, as in tasks/ingest.py."""
 
 from __future__ import annotations
 
-from prefect import get_run_logger, task
+from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from moplex_core.artifacts import ArtifactStore
@@ -20,5 +20,4 @@ def plan_model(config: TinyModelConfig, rankings_dir: str, root: str) -> TinyMod
 @task(name="build-tiny-model", cache_policy=NO_CACHE)
 def build_model(config: TinyModelConfig, rankings_dir: str, root: str, plan: TinyModelPlan) -> None:
     """Build and pre-train the tiny Qwen3 model on the rankings' train texts."""
-    model_dir = run_tiny_model(config, rankings_dir, ArtifactStore(root), plan)
-    get_run_logger().info("tiny model %s at %s", plan.ref, model_dir)
+    run_tiny_model(config, rankings_dir, ArtifactStore(root), plan)  # logs what it built (moplex_core.tiny_model)

@@ -180,8 +180,9 @@ def test_augment_flow_on_the_local_prefect_server(prefect_env, tmp_path, caplog)
     root = tmp_path / "artifacts"
     rankings = rankings_dir(tmp_path, root)
     config = AugmentConfig(backend="borrow", n_generated=1, on_shortfall="keep_fewer")
-    prefect_logger = logging.getLogger("prefect")
-    prefect_logger.addHandler(caplog.handler)
+    loggers = [logging.getLogger("prefect"), logging.getLogger("moplex_core")]  # as in test_ingest_flow
+    for logger in loggers:
+        logger.addHandler(caplog.handler)
     try:
         first = augment_flow(config, str(rankings), root=str(root))
         assert "wrote 6 augmented rankings" in caplog.text and "kept with fewer" in caplog.text
@@ -189,7 +190,8 @@ def test_augment_flow_on_the_local_prefect_server(prefect_env, tmp_path, caplog)
         second = augment_flow(config, str(rankings), root=str(root))
         assert "already complete" in caplog.text
     finally:
-        prefect_logger.removeHandler(caplog.handler)
+        for logger in loggers:
+            logger.removeHandler(caplog.handler)
     assert second == first
     with pytest.raises(ShortfallError, match="use a generating backend") as err:  # borrow: no temperature advice
         augment_flow(config.model_copy(update={"on_shortfall": "fail"}), str(rankings), root=str(root))
