@@ -150,6 +150,8 @@ def _run(args: argparse.Namespace) -> int:
     from moplex_core.config import pipeline_preset, preset_description, preset_names, with_overrides
 
     if args.list or args.preset is None:
+        if not args.list:
+            print("moplex run: name a preset, e.g. `moplex run synthetic-demo`; these are the presets:", file=sys.stderr)
         print("pipeline presets (data/presets/*.json):")
         for name in preset_names():
             print(f"  {name:<22} {preset_description(name)}")

@@ -66,6 +66,9 @@ def test_moplex_run_lists_the_presets_and_refuses_a_bad_override(capsys):
     assert main(["run", "--list"]) == 0
     listing = capsys.readouterr().out
     assert all(name in listing for name in preset_names())
+    assert main(["run"]) == 1
+    missing = capsys.readouterr()
+    assert "moplex run: name a preset" in missing.err and missing.out == listing
     assert main(["run", "synthetic-demo", "--set", "train.clusters=3"]) == 1
     assert "train.clusters" in capsys.readouterr().err
     for threads in ("0", "-1", "two"):
