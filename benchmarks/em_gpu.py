@@ -91,7 +91,7 @@ from torch.profiler import ProfilerActivity
 from transformers import AutoConfig
 
 from moplex_core.estimate import AnchorPass, anchor_pass
-from moplex_core.lm.loading import load_model
+from moplex_core.lm.loading import dtype_name, load_model
 from moplex_core.lm.multi_lora import LoRASettings, MultiLoRA
 from moplex_core.lm.tiny import build_qwen3_0_6b_shape, build_tiny_model
 from moplex_core.lm.tokenize import TokenizedResponse
@@ -591,8 +591,8 @@ def lora_agreement(model_dir: Path, sizes: Sizes, batch: list[TokenizedResponse]
             reference = logp(reference_model)
         del reference_model, reference_lora
         _free(sizes)
-    return {"rows": int(route.shape[0]), "dtype": str(sizes.dtype).removeprefix("torch."),
-            "wide_dtype": str(wide).removeprefix("torch."), "mean_abs_logp": float(reference.abs().mean()),
+    return {"rows": int(route.shape[0]), "dtype": dtype_name(sizes.dtype),
+            "wide_dtype": dtype_name(wide), "mean_abs_logp": float(reference.abs().mean()),
             "ours_vs_peft": float((ours - theirs).abs().max()), "ours_vs_wide": float((ours - reference).abs().max()),
             "peft_vs_wide": float((theirs - reference).abs().max()),
             "adapter_effect": float((reference - base).abs().max()),
@@ -617,7 +617,7 @@ def ceilings(sizes: Sizes) -> dict[str, Any]:
     target = torch.empty_like(source)
     copy_s = _median_seconds(lambda: target.copy_(source), sizes)
     moved = 2 * source.numel() * source.element_size()
-    return {"n": n, "dtype": str(sizes.dtype).removeprefix("torch."), "matmul_tflops": 2 * n**3 / matmul_s / 1e12,
+    return {"n": n, "dtype": dtype_name(sizes.dtype), "matmul_tflops": 2 * n**3 / matmul_s / 1e12,
             "copy_gib": moved / 2**30, "copy_tbs": moved / copy_s / 1e12}
 
 
