@@ -768,9 +768,14 @@ def main() -> None:
     if not sections <= set(SECTIONS) or args.examples < 1:
         parser.error(f"--sections takes {', '.join(SECTIONS)} (got {args.sections!r}); --examples >= 1")
     sizes = TINY if args.tiny else CPU if args.cpu else GPU
-    m_primes = sizes.m_primes if args.m_primes is None else tuple(int(m) for m in args.m_primes.split(","))
-    if not set(m_primes) <= set(sizes.m_primes):
+    try:
+        m_primes = sizes.m_primes if args.m_primes is None else tuple(int(m) for m in args.m_primes.split(","))
+    except ValueError:
+        m_primes = ()
+    if not m_primes or not set(m_primes) <= set(sizes.m_primes):
         parser.error(f"--m-primes takes values of {sizes.m_primes} at this size, got {args.m_primes!r}")
+    if args.m_primes is not None and "em" not in sections:
+        parser.error("--m-primes chooses the m' values of the em section, which --sections leaves out")
     if sizes.cuda and not torch.cuda.is_available():
         sys.exit("no CUDA device: run on the GPU machine, or pass --cpu or --tiny for a CPU run")
     if sizes.threads:

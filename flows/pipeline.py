@@ -12,6 +12,7 @@ a bad setting, a corrupt artifact, a dataset or model that is not here.
 
 from __future__ import annotations
 
+import atexit
 import functools
 import logging
 import signal
@@ -153,32 +154,51 @@ def temporary_server_in_its_own_session() -> Iterator[None]:
     server outlives the signal, Prefect records the crash at once, and it stops the server on exit as
     after any run. Prefect 3.8.8 has no setting for this: its server module's ``subprocess.Popen``
     is given ``start_new_session=True`` while the context is open (the server starts on the first
-    API call inside it)."""
+    API call inside it). On the main thread only: elsewhere nothing changes.
+
+    No signal reaches that server now, so this process must unwind on SIGTERM and SIGHUP (a closed
+    terminal) for Prefect's exit hook to stop it (`stop_on_signals_until_exit`). A SIGKILL of the
+    process leaves the server running, as it did before when only this process was killed."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
     from prefect.server.api import server
 
+    stop_on_signals_until_exit()
     own_session = types.SimpleNamespace(**vars(subprocess))
     own_session.Popen = functools.partial(subprocess.Popen, start_new_session=True)
     previous, server.subprocess = server.subprocess, own_session
-    # No signal reaches that server now, so this process must unwind on SIGTERM for Prefect's exit
-    # hook to stop it: Prefect's engine, having recorded the crash, hands SIGTERM back to the handler
-    # it found, and the default one would end the process on the spot.
-    main = threading.current_thread() is threading.main_thread()
-    previous_handler = signal.signal(signal.SIGTERM, _raise_stop_signal) if main else None
     try:
         yield
     finally:
         server.subprocess = previous
-        if main:
-            signal.signal(signal.SIGTERM, previous_handler)
+
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+
+
+def stop_on_signals_until_exit() -> None:
+    """SIGTERM and SIGHUP raise `StopSignal` in this (the main) thread from now until the
+    interpreter's exit hooks have run, Prefect's stopping of its temporary server included (hooks
+    run last registered first, and Prefect registers its own when the server starts, after this).
+    Prefect's engine, having recorded a crash, hands SIGTERM back to the handler it found; the
+    default one would end the process on the spot, before those hooks."""
+    if signal.getsignal(signal.SIGTERM) is _raise_stop_signal:
+        return
+    previous = {signum: signal.signal(signum, _raise_stop_signal) for signum in STOP_SIGNALS}
+    atexit.register(lambda: [signal.signal(signum, handler) for signum, handler in previous.items()])
 
 
 class StopSignal(KeyboardInterrupt):
-    """SIGTERM during an in-process run, raised as Ctrl-C's KeyboardInterrupt is, with the exit status
-    a signal gives (128 + its number)."""
+    """SIGTERM or SIGHUP during an in-process run, raised as Ctrl-C's KeyboardInterrupt is, with the
+    exit status a signal gives (128 + its number)."""
 
     def __init__(self, signum: int) -> None:
         super().__init__(f"stopped by signal {signum}")
-        self.status = 128 + signum
+        self.signum, self.status = signum, 128 + signum
+
+    def __reduce__(self) -> tuple[type[StopSignal], tuple[int]]:
+        return StopSignal, (self.signum,)
 
 
 def _raise_stop_signal(signum: int, frame: object) -> None:

@@ -181,6 +181,12 @@ def read_manifest(version_dir: str | Path) -> dict[str, Any]:
     return json.loads((version_dir / MANIFEST).read_text())
 
 
+def is_stage_folder(path: str | Path) -> bool:
+    """Whether ``path`` is a stage's folder: it holds a version, finished or with finished shards."""
+    path = Path(path)
+    return path.is_dir() and any(is_complete(p) or shard_paths(p) for p in path.iterdir() if p.is_dir())
+
+
 def shard_paths(version_dir: str | Path) -> list[Path]:
     """The visible row shards of a version directory, in shard order (finished or not)."""
     version_dir = Path(version_dir)
@@ -296,9 +302,14 @@ class ArtifactStore:
         path = Path(text)
         if path.exists():
             return path
-        if text.strip("/").count("/") == 1 and not path.parent.is_dir():
-            return self.locate(text).path
-        if len(path.parts) >= 2 and path.parent.is_dir():
+        in_stage_folder = len(path.parts) >= 2 and is_stage_folder(path.parent)
+        if text.strip("/").count("/") == 1:
+            try:
+                return self.locate(text).path
+            except ArtifactNotFoundError:
+                if not in_stage_folder:
+                    raise
+        if in_stage_folder:
             return ArtifactStore(path.parent.parent).locate(f"{path.parent.name}/{path.name}").path
         return path
 
@@ -376,9 +387,11 @@ class ArtifactWriter:
 
     def _enter(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        waited = False
         try:
             self._lock.acquire(timeout=0)
         except Timeout:
+            waited = True
             log.info("%s is being written by another run; waiting for its lock", self.ref)
             try:
                 self._lock.acquire(timeout=self._lock_timeout)
@@ -388,7 +401,10 @@ class ArtifactWriter:
                     f"(lock {self._lock.lock_file}). If no such run is alive, the lock is stale: delete it."
                 ) from None
         self.complete = is_complete(self.path)
-        if not self.complete:
+        if self.complete:
+            log.info("%s %s; nothing to do", self.ref,
+                     "was completed by another run while this one waited" if waited else "is already complete")
+        else:
             self.path.mkdir(exist_ok=True)
             _remove_temporaries(self.path)
             self.reused = _visible_files(self.path)

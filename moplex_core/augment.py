@@ -272,8 +272,7 @@ def run_augment(
     recorded = config.model_dump(mode="json")  # the full config, model path included, for provenance
     with store.writer(STAGE, plan.ref.version, config=recorded, inputs=plan.inputs,
                       code_version=CODE_VERSION) as writer:
-        if writer.complete:
-            log.info("%s was completed by another run while this one waited; nothing to do", plan.ref)
+        if writer.complete:  # another run finished it while this one waited (the writer says so)
             return _finished(plan, config)
         todo = [s for s in range(len(shards)) if not writer.has_shard(s)]
         if len(todo) < len(shards):

@@ -115,8 +115,7 @@ def run_ingest(config: IngestConfig, store: ArtifactStore, plan: IngestPlan | No
     recorded = {**config.identity(), "path": config.path}  # what made this version, and where it was read
     with store.writer(STAGE, plan.ref.version, config=recorded, inputs=plan.inputs,
                       code_version=CODE_VERSION) as writer:
-        if writer.complete:
-            log.info("%s was completed by another run while this one waited; nothing to do", plan.ref)
+        if writer.complete:  # another run finished it while this one waited (the writer says so)
             return _existing(store, plan)
         table = built.table
         for shard, start in enumerate(range(0, table.num_rows, config.shard_rows)):

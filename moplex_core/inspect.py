@@ -19,7 +19,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from moplex_core.artifacts import MANIFEST, ArtifactStore, is_complete, shard_paths
+from moplex_core.artifacts import MANIFEST, ArtifactStore, is_complete, is_stage_folder, shard_paths
 
 StageSection = Callable[[Path, list[Path]], list[str]]
 _STAGE_SECTIONS: dict[str, StageSection] = {}
@@ -158,7 +158,7 @@ def _size(manifest: dict[str, Any], short: bool = False) -> str:
 
 def _listing(directory: Path) -> str:
     """A stage folder or an artifact root: one line per version."""
-    is_stage_dir = any(is_complete(p) or shard_paths(p) for p in directory.iterdir() if p.is_dir())
+    is_stage_dir = is_stage_folder(directory)
     store = ArtifactStore(directory.parent if is_stage_dir else directory)
     infos = store.list(directory.name if is_stage_dir else None)
     if not infos:

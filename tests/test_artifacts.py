@@ -101,6 +101,9 @@ def test_list_locate_and_fingerprint(tmp_path):
     assert ArtifactStore(tmp_path / "elsewhere").resolve(str(tmp_path / "demo" / "aab")) == tmp_path / "demo" / "aab222"
     with pytest.raises(ArtifactNotFoundError, match="versions of demo: demo/aaa111"):
         store.resolve(str(tmp_path / "demo" / "zzz"))
+    # a folder that is not a stage's is not searched: the path is returned for the caller to report
+    (tmp_path / "notes").mkdir()
+    assert store.resolve(str(tmp_path / "notes" / "aab")) == tmp_path / "notes" / "aab"
     many = ArtifactStore(tmp_path / "many")
     for i in range(11):
         write_demo(many, f"v{i:02d}")

@@ -247,6 +247,10 @@ def test_fused_lora_linear_backward_passes_gradcheck(per_row, dropout):
     torch.testing.assert_close(_LoRALinear.apply(x, lora_input, weight, bias, a, b, 0.7), expected)
     with pytest.raises(RuntimeError, match="freezes the base model's weights"):
         _LoRALinear.apply(x, lora_input, weight.detach().requires_grad_(True), bias, a, b, 0.7).sum().backward()
+    with pytest.raises(RuntimeError, match="once_differentiable"):  # no silently wrong second derivative
+        (grad,) = torch.autograd.grad(_LoRALinear.apply(x, lora_input, weight, bias, a, b, 0.7).square().sum(), b,
+                                      create_graph=True)
+        grad.square().sum().backward()
 
 
 def test_bad_routes_and_targets_are_refused(tiny_model_dir):  # noqa: F811
@@ -267,6 +271,13 @@ def test_bad_routes_and_targets_are_refused(tiny_model_dir):  # noqa: F811
                                                                                     layer.out_features, bias=False)
     with pytest.raises(ValueError, match=r"q_proj is a Linear8bit, not a plain torch.nn.Linear"):
         MultiLoRA(special, K, SETTINGS)
+    hooked = load_model(tiny_model_dir)
+    hooked.model.layers[0].mlp.gate_proj.register_forward_pre_hook(lambda module, args: None)
+    with pytest.raises(ValueError, match=r"gate_proj is a Linear with hooks, not a plain torch.nn.Linear"):
+        MultiLoRA(hooked, K, SETTINGS)
+    with torch.autocast("cpu", dtype=torch.bfloat16), lora.route([0, 1]), \
+            pytest.raises(RuntimeError, match="not under torch.autocast"):
+        model(ids, attention_mask=mask)
 
 
 def test_bf16_model_keeps_float32_adapters_and_matches_float64_closely(tiny_model_dir):  # noqa: F811

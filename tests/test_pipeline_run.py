@@ -71,18 +71,26 @@ def test_an_in_process_run_on_a_temporary_server_sends_no_heartbeats_and_one_on_
         assert PREFECT_FLOWS_HEARTBEAT_FREQUENCY.value() == 180
 
 
-def test_local_run_settings_leave_sigterm_and_prefects_server_module_as_they_found_them():
+def test_local_run_settings_patch_prefects_server_module_for_the_run_and_stop_on_signals_until_exit():
+    import pickle
     import signal
 
     from prefect.server.api import server
 
-    before_handler, before_subprocess = signal.getsignal(signal.SIGTERM), server.subprocess
-    with temporary_settings(updates={PREFECT_API_URL: None}), local_run_settings():
-        assert signal.getsignal(signal.SIGTERM) is not before_handler
-        assert server.subprocess.Popen.keywords == {"start_new_session": True}
-    assert signal.getsignal(signal.SIGTERM) is before_handler and server.subprocess is before_subprocess
+    from flows.pipeline import StopSignal
+
+    before = server.subprocess
     with temporary_settings(updates={PREFECT_API_URL: "http://127.0.0.1:4200/api"}), local_run_settings():
-        assert signal.getsignal(signal.SIGTERM) is before_handler and server.subprocess is before_subprocess
+        assert server.subprocess is before  # against a real server nothing changes
+    with temporary_settings(updates={PREFECT_API_URL: None}), local_run_settings():
+        assert server.subprocess.Popen.keywords == {"start_new_session": True}
+    assert server.subprocess is before
+    # SIGTERM and SIGHUP unwind the process until its exit hooks (Prefect's server stop) have run.
+    for signum in (signal.SIGTERM, signal.SIGHUP):
+        with pytest.raises(StopSignal) as stop:
+            signal.getsignal(signum)(signum, None)
+        assert stop.value.status == 128 + signum
+    assert pickle.loads(pickle.dumps(StopSignal(15))).status == 143
 
 
 def _temporary_servers(home: Path) -> list[int]:
@@ -130,9 +138,12 @@ def test_a_signal_to_the_process_group_stops_moplex_run_at_once_and_its_server_w
         finally:
             if run.poll() is None:
                 os.killpg(run.pid, signal.SIGKILL)
+            left = _temporary_servers(home)
+            for pid in left:  # asserted below; killed here so a failing run leaves nothing behind
+                os.kill(pid, signal.SIGKILL)
     text = log.read_text()
     assert status == 128 + getattr(signal, stop), text[-3000:]
     assert "moplex run: interrupted. Finished stages" in text
     assert "Traceback" not in text and "Error logging to API" not in text and "Connection refused" not in text
     assert "Finished in state Crashed" in text  # Prefect recorded the crash on its live server
-    assert _temporary_servers(home) == []
+    assert left == []

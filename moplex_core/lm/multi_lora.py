@@ -43,6 +43,7 @@ import torch
 from peft import LoraConfig
 from safetensors.torch import load_file, save_file
 from torch import nn
+from torch.autograd.function import once_differentiable
 from torch.nn import functional as F
 
 PEFT_WEIGHTS = "adapter_model.safetensors"
@@ -98,6 +99,9 @@ class MultiLoRALinear(nn.Module):
         if x.shape[0] != len(routed):
             raise ValueError(f"the batch has {x.shape[0]} rows but the route names adapters for {len(routed)}; "
                              "route exactly the rows of the batch (MultiLoRA.route)")
+        if torch.is_autocast_enabled(x.device.type):
+            raise RuntimeError("the multi-LoRA layer runs in the model's own dtype, not under torch.autocast: load "
+                               "the model in bfloat16 instead (its adapters keep float32 masters)")
         dropped = self.dropout(x)
         if len(present) == 1:
             a = self.lora_A[present[0]].to(x.dtype)  # [d_in, r]
@@ -138,6 +142,7 @@ class _LoRALinear(torch.autograd.Function):
         return out
 
     @staticmethod
+    @once_differentiable  # x A is kept without its graph: a second derivative would be wrong, so none
     def backward(ctx, grad_out):  # [B, L, d_out]
         source, weight, a, b, xa = ctx.saved_tensors
         need_x, need_lora_input, need_weight, need_bias, need_a, need_b, _ = ctx.needs_input_grad
@@ -197,10 +202,12 @@ class MultiLoRA:
         self.layers: dict[str, MultiLoRALinear] = {}
         for name, module in list(model.named_modules()):
             if name.rsplit(".", 1)[-1] in targets and isinstance(module, nn.Linear):
-                if type(module) is not nn.Linear:
-                    raise ValueError(f"{name} is a {type(module).__qualname__}, not a plain torch.nn.Linear; the "
-                                     "multi-LoRA layer computes its base as x W^T + bias, which would not be this "
-                                     "layer's output (a quantized or otherwise special linear layer)")
+                hooked = module._forward_hooks or module._forward_pre_hooks or hasattr(module, "_hf_hook")
+                if type(module) is not nn.Linear or hooked:
+                    raise ValueError(f"{name} is a {type(module).__qualname__}{' with hooks' if hooked else ''}, not a "
+                                     "plain torch.nn.Linear; the multi-LoRA layer computes its base as x W^T + bias, "
+                                     "which would not be this layer's output (a quantized layer, or one that "
+                                     "accelerate's device_map offloads: load the model on one device)")
                 if module is output:
                     raise ValueError(f"target_modules names the output layer ({name}), which takes no adapter "
                                      "here: it runs on the response tokens of a batch, not on its rows, so it "
