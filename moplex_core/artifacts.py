@@ -181,6 +181,19 @@ def read_manifest(version_dir: str | Path) -> dict[str, Any]:
     return json.loads((version_dir / MANIFEST).read_text())
 
 
+def is_version_folder(path: str | Path) -> bool:
+    """Whether ``path`` is a version folder written by moplex, finished or under way (a data folder
+    of the user's may hold a ``manifest.json`` of its own: only moplex's names a stage)."""
+    path = Path(path)
+    if (path / _STARTED).is_file():
+        return True
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(manifest, dict) and {"stage", "version", "code_version"} <= manifest.keys()
+
+
 def is_stage_folder(path: str | Path) -> bool:
     """Whether ``path`` is a stage's folder: it holds a version, finished or with finished shards."""
     path = Path(path)

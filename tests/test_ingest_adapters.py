@@ -14,6 +14,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from moplex_core.artifacts import ArtifactStore
 from moplex_core.config import IngestConfig, PersonaOptions, SplitConfig, UltraFeedbackOptions
 from moplex_core.data import helpsteer2, persona, ultrafeedback
 from moplex_core.data.sources import (
@@ -275,6 +276,30 @@ def test_local_sources_are_fingerprinted_by_content_not_location(tmp_path, fixtu
     (tmp_path / "notes.txt").write_text("x")
     with pytest.raises(DatasetUnavailableError, match="not a data file"):
         records(tmp_path / "notes.txt")
+
+
+def test_a_data_folder_skips_moplex_artifacts_below_it_but_not_the_users_own_manifests(tmp_path, fixtures_dir):
+    # data/raw beside data/artifacts (the default root): --path data reads the raw records only.
+    data = tmp_path / "data"
+    (data / "raw" / "listing").mkdir(parents=True)
+    shutil.copy(fixtures_dir / "helpsteer2.jsonl", data / "raw" / "train.jsonl")
+    first = (fixtures_dir / "helpsteer2.jsonl").read_text().splitlines()[0]
+    (data / "raw" / "listing" / "manifest.json").write_text(f"[{first}]")  # records, named manifest.json
+    before = records(data)
+    fingerprint = source_fingerprint(data)
+    store = ArtifactStore(data / "artifacts")
+    with store.writer("ingest", "finished", config={}) as w:
+        w.write_shard(0, pa.table({"prompt": ["p"]}))
+    with pytest.raises(RuntimeError), store.writer("ingest", "underway", config={}) as w:
+        w.write_shard(0, pa.table({"prompt": ["p"]}))
+        raise RuntimeError("killed")
+    assert (data / "artifacts" / "ingest" / "underway" / "part-00000.parquet").is_file()
+    after = records(data)
+    assert [r.where for r in after] == [r.where for r in before]
+    assert [str(data / "raw" / "listing" / "manifest.json") in r.where for r in after].count(True) == 1
+    assert source_fingerprint(data) == fingerprint
+    with pytest.raises(DatasetUnavailableError, match="only moplex artifacts: 2 version folders"):
+        records(data / "artifacts")
 
 
 # --- splits ----------------------------------------------------------------------------------------

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import gzip
 import json
+import logging
+import os
 import zlib
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -19,11 +21,14 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from moplex_core.artifacts import is_version_folder
 from moplex_core.hashing import canonical_json, sha256_file, short_hash
 
 DATA_SUFFIXES = (".jsonl", ".jsonl.gz", ".json", ".parquet")
 _HUB_SPLIT_ORDER = ("train", "validation", "test")
 NEWLINE = b"\n"
+
+log = logging.getLogger(__name__)
 
 
 class DatasetUnavailableError(RuntimeError):
@@ -56,11 +61,20 @@ def local_files(path: str | Path) -> list[Path]:
             raise DatasetUnavailableError(f"{path} is not a data file; expected one of {', '.join(DATA_SUFFIXES)}")
         return [path]
     if path.is_dir():
-        files = sorted(p for p in path.rglob("*") if p.is_file() and p.name.endswith(DATA_SUFFIXES)
-                       and not any(part.startswith(".") for part in p.relative_to(path).parts))
+        files, artifacts = [], []
+        for folder, subfolders, names in os.walk(path):
+            folder = Path(folder)
+            # Hidden entries are never data; moplex's own artifacts (a root under the data folder,
+            # such as the default data/artifacts beside data/raw) are not the user's records.
+            artifacts += [folder / d for d in subfolders if is_version_folder(folder / d)]
+            subfolders[:] = sorted(d for d in subfolders if not d.startswith(".") and folder / d not in artifacts)
+            files += [folder / n for n in names if n.endswith(DATA_SUFFIXES) and not n.startswith(".")]
+        if artifacts:
+            log.info("%s: skipped %d moplex artifact version folder(s), e.g. %s", path, len(artifacts), artifacts[0])
         if not files:
-            raise DatasetUnavailableError(f"{path} holds no {', '.join(DATA_SUFFIXES)} files")
-        return files
+            skipped = f" (it holds only moplex artifacts: {len(artifacts)} version folders)" if artifacts else ""
+            raise DatasetUnavailableError(f"{path} holds no {', '.join(DATA_SUFFIXES)} files{skipped}")
+        return sorted(files)
     raise DatasetUnavailableError(f"{path} does not exist; pass the file or folder that holds the dataset")
 
 
