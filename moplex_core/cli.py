@@ -144,6 +144,32 @@ def _augment(args: argparse.Namespace) -> int:
     return 0
 
 
+def _assign(args: argparse.Namespace) -> int:
+    # In this process, without Prefect, like `moplex ingest`.
+    from moplex_core.artifacts import ArtifactError, ArtifactStore
+    from moplex_core.assign import run_assign
+
+    store = ArtifactStore(args.root)
+    try:
+        result = run_assign(store.resolve(args.train), store.resolve(args.rankings), store, device=args.device,
+                            score_batch_size=args.score_batch_size, progress=not args.quiet)
+    except (ValueError, ArtifactError, OSError) as err:
+        print(f"moplex assign: {err}", file=sys.stderr)
+        return 1
+    _say_done(result, "rankings")
+    summary = store.manifest(result.ref.stage, result.ref.version)["summary"]
+    mean = summary["mean_posterior_of_assigned"]
+    print("\n| cluster (adapter) | rankings | mean posterior |\n|---|---|---|")
+    for name, count in summary["assigned"].items():
+        print(f"| {name} | {count} | {mean[name]:.3f} |" if name in mean else f"| {name} | 0 | - |")
+    if "labels_by_assigned" in summary:
+        names = list(summary["assigned"])
+        print(f"\n| true label | {' | '.join(names)} |\n|---|{'---|' * len(names)}")
+        for label, row in summary["labels_by_assigned"].items():
+            print(f"| {label} | {' | '.join(str(row[n]) for n in names)} |")
+    return 0
+
+
 def _run(args: argparse.Namespace) -> int:
     # The command-line twin of the Prefect flow flows/pipeline.py, run in this process; moplex_core
     # never imports prefect, so the flow is imported here, lazily.
@@ -288,6 +314,23 @@ def build_parser() -> argparse.ArgumentParser:
     )
     augment.add_argument("--quiet", action="store_true", help="no progress bar")
     augment.set_defaults(func=_augment)
+
+    assign = sub.add_parser(
+        "assign",
+        help="route new rankings to a trained mixture's clusters: each ranking's posterior and adapter (no Prefect needed)",
+        description="Score every response of a rankings artifact (from `moplex ingest`) under each adapter of a "
+        "finished train artifact and write each ranking's posterior over the clusters and its most likely "
+        "adapter (train/<version>/adapters/cN) to an `assign` artifact. The rankings are first cached with the "
+        "train artifact's own cache settings. A second run with the same inputs does nothing.",
+    )
+    assign.add_argument("train", help="the train artifact: its folder, or train/<version> under --root")
+    assign.add_argument("rankings", help="the rankings artifact: its folder, or ingest/<version> under --root")
+    assign.add_argument("--root", default="data/artifacts", help="artifact root (the cache and assign artifacts go here)")
+    assign.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default: %(default)s)")
+    assign.add_argument("--score-batch-size", type=_positive_int, default=32,
+                        help="rows (one response under one adapter) per scoring pass (default: %(default)s)")
+    assign.add_argument("--quiet", action="store_true", help="no progress bar")
+    assign.set_defaults(func=_assign)
 
     run = sub.add_parser(
         "run",
