@@ -82,7 +82,7 @@ def plan_assign(train_dir: str | Path, rankings_dir: str | Path, store: Artifact
 
 
 def run_assign(train_dir: str | Path, rankings_dir: str | Path, store: ArtifactStore, *, device: str = "auto",
-               score_batch_size: int = 32, progress: bool = True) -> AssignResult:
+               score_batch_size: int = 32, progress: bool = True, plan: AssignPlan | None = None) -> AssignResult:
     """Cache ``rankings_dir`` as ``train_dir``'s cache was built (unless done), score every response
     under each trained adapter and write each ranking's posterior (unless this version exists)."""
     from moplex_core.cache import load_policy_inputs, run_cache
@@ -90,7 +90,7 @@ def run_assign(train_dir: str | Path, rankings_dir: str | Path, store: ArtifactS
     from moplex_core.lm.loading import resolve_device
     from moplex_core.train import load_trained
 
-    plan = plan_assign(train_dir, rankings_dir, store, device=device)
+    plan = plan or plan_assign(train_dir, rankings_dir, store, device=device)
     if plan.complete:
         return AssignResult(plan.ref, plan.path, False, store.manifest(STAGE, plan.ref.version)["rows"])
     run_cache(_cache_config(train_dir, device), rankings_dir, store, progress=progress)

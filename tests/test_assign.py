@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pyarrow.parquet as pq
 import pytest
 import torch
@@ -18,7 +20,8 @@ from moplex_core.train import load_posteriors, run_train
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    """(store, train folder, the rankings it was trained on): synthetic k = 3, m = 3, two exact EM iterations."""
+    """(store, train folder, the rankings it was trained on, 6 other rankings): synthetic k = 3, m = 3, two
+    exact EM iterations."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -29,7 +32,8 @@ def trained(tmp_path_factory):
         cache = run_cache(CacheConfig(model=str(model)), rankings, store, progress=False).path
         train = run_train(TrainConfig(k=3, lora_r=4, em_iterations=2, anchors=None, lora_targets=("q_proj", "v_proj")),
                           cache, store, progress=False).path
-        yield store, train, rankings
+        other = run_ingest(IngestConfig(dataset="synthetic", seed=11, synthetic={"n": 6, "k": 3, "m": 3}), store).path
+        yield store, train, rankings, other
     finally:
         torch.set_num_threads(threads)
 
@@ -37,7 +41,7 @@ def trained(tmp_path_factory):
 def test_the_training_rankings_get_the_posteriors_em_ended_with(trained):
     # EM's last E-step scored exactly (anchors=None) with the final adapters and the alpha in result.json,
     # so assigning the rankings it trained on must give its final posteriors back.
-    store, train, rankings = trained
+    store, train, rankings, _ = trained
     result = run_assign(train, rankings, store, device="cpu", progress=False)
     assert result.built and result.rows == 36
     assert plan_assign(train, rankings, store, device="cpu").cache_dir.parent.name == "cache"
@@ -53,7 +57,7 @@ def test_the_training_rankings_get_the_posteriors_em_ended_with(trained):
 
 
 def test_new_rankings_get_a_posterior_an_adapter_and_every_score(trained, capsys):
-    store, train, _ = trained
+    store, train, _, _ = trained
     new = run_ingest(IngestConfig(dataset="synthetic", seed=7, synthetic={"n": 12, "k": 3, "m": 3}), store).path
     assert main(["assign", str(train), str(new), "--root", str(store.root), "--device", "cpu", "--quiet"]) == 0
     out = capsys.readouterr().out
@@ -76,6 +80,20 @@ def test_new_rankings_get_a_posterior_an_adapter_and_every_score(trained, capsys
 
 
 def test_only_a_train_artifact_can_be_assigned_to(trained, capsys):
-    store, _, rankings = trained
+    store, _, rankings, _ = trained
     assert main(["assign", str(rankings), str(rankings), "--root", str(store.root)]) == 1
     assert "holds an ingest artifact, not a train artifact" in capsys.readouterr().err
+
+
+def test_assign_flow_on_the_local_prefect_server(prefect_env, trained):
+    from flows.assign import assign_flow
+
+    store, train, _, rankings = trained
+    assert not plan_assign(train, rankings, store, device="cpu").complete
+    folder = assign_flow(str(train), str(rankings), str(store.root), device="cpu")
+    assert folder == str(plan_assign(train, rankings, store, device="cpu").path)
+    assert load_table(folder).num_rows == 6
+    finished = store.manifest("assign", Path(folder).name)["finished"]
+    assert assign_flow(str(train), str(rankings), str(store.root), device="cpu") == folder
+    assert store.manifest("assign", Path(folder).name)["finished"] == finished  # found, not redone
+    verify(folder)

@@ -1,0 +1,21 @@
+"""`assign`: new rankings routed to a trained mixture's clusters (moplex_core.assign), as a flow to
+deploy beside the pipeline: a train artifact and a rankings artifact in, an `assign` artifact out."""
+
+from __future__ import annotations
+
+from prefect import flow, get_run_logger
+
+from moplex_core.artifacts import DEFAULT_ROOT
+from tasks.assign import plan_assignment, write_assignment
+
+
+@flow(name="assign")
+def assign_flow(train: str, rankings: str, root: str = DEFAULT_ROOT, device: str = "auto",
+                score_batch_size: int = 32) -> str:
+    """Write (or find) the posteriors of the rankings folder ``rankings`` (an ingest output) under the
+    mixture at ``train`` (a train artifact folder); returns the assign artifact's folder."""
+    plan = plan_assignment(train, rankings, root, device)
+    if plan.complete:
+        get_run_logger().info("%s is already complete at %s; nothing to do", plan.ref, plan.path)
+        return str(plan.path)
+    return str(write_assignment(train, rankings, root, device, score_batch_size, plan).path)
