@@ -37,6 +37,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -247,8 +248,7 @@ class LoRAPolicyScorer:
         losses: list[float] = []
         self.model.train()
         epochs = self.first_epochs if iteration == 0 else self.epochs
-        bar = tqdm(total=epochs * -(-pairs.shape[0] // self.batch_size), desc=f"M-step {iteration}",
-                   disable=not self.progress, leave=False)
+        bar = self._bar(total=epochs * -(-pairs.shape[0] // self.batch_size), desc=f"M-step {iteration}")
         try:
             for _ in range(epochs):
                 order = pairs[torch.randperm(pairs.shape[0], generator=self._shuffle)]
@@ -307,8 +307,7 @@ class LoRAPolicyScorer:
         right = torch.randn(hidden, width, generator=generator, dtype=torch.float64).to(device)  # [d, width]
         slots = inputs.slots()
         features = torch.zeros(len(inputs), inputs.tiers.shape[1], width * width, dtype=torch.float64)
-        for start in tqdm(range(0, len(slots), self.score_batch_size), desc="response features", unit="batch",
-                          disable=not self.progress, leave=False):
+        for start in self._bar(range(0, len(slots), self.score_batch_size), desc="response features", unit="batch"):
             chunk = slots[start : start + self.score_batch_size]
             batch = pad_batch([inputs.sequences[i][j] for i, j in chunk], self.pad_token_id)
             rows = output_score_features(self.model, batch.input_ids.to(device), batch.attention_mask.to(device),
@@ -363,6 +362,12 @@ class LoRAPolicyScorer:
 
     # -- internals -----------------------------------------------------------------------------
 
+    def _bar(self, iterable: Any = None, **kwargs: Any) -> tqdm:
+        """A progress bar of one M-step, E-step or scoring pass, gone when done. Shown on a terminal
+        only: these run under the train stage's EM bar, and a nested bar moves the cursor up with
+        escape codes, which a log file keeps as they are."""
+        return tqdm(iterable, disable=not (self.progress and sys.stderr.isatty()), leave=False, **kwargs)
+
     def _anchor_picks(self, inputs: PolicyInputs, round_: int, anchors: int | None) -> list[torch.Tensor]:
         """The anchors of round ``round_`` of every example: int64 [a_i] each (all responses when full)."""
         return [torch.as_tensor(anchor_indices(eid, len(seqs), anchors, self.seed, round_))
@@ -409,7 +414,7 @@ class LoRAPolicyScorer:
         rows = [(i, c, j) for i, c in pairs for j in picks[i].tolist()]  # a pair's anchors in a run, as in the M-step
         logp = torch.empty(len(rows), dtype=torch.float64)  # [R]
         s_policy: list[torch.Tensor | None] = [None] * len(rows)  # [m'_i] per row
-        bar = tqdm(total=len(rows), desc=what, unit="row", disable=not self.progress, leave=False)
+        bar = self._bar(total=len(rows), desc=what, unit="row")
         try:
             for start in range(0, len(rows), self.score_batch_size):
                 chunk = rows[start : start + self.score_batch_size]
