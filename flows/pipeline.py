@@ -13,10 +13,13 @@ a bad setting, a corrupt artifact, a dataset or model that is not here.
 from __future__ import annotations
 
 import atexit
+import ctypes
 import functools
 import logging
+import os
 import signal
 import subprocess
+import sys
 import threading
 import time
 import types
@@ -157,8 +160,9 @@ def temporary_server_in_its_own_session() -> Iterator[None]:
     API call inside it). On the main thread only: elsewhere nothing changes.
 
     No signal reaches that server now, so this process must unwind on SIGTERM and SIGHUP (a closed
-    terminal) for Prefect's exit hook to stop it (`stop_on_signals_until_exit`). A SIGKILL of the
-    process leaves the server running, as it did before when only this process was killed."""
+    terminal) for Prefect's exit hook to stop it (`stop_on_signals_until_exit`). A SIGKILL allows no
+    unwinding: on Linux the server is also told to stop when this thread ends (`_stop_with_this_thread`),
+    and it is started from the main thread, which ends only with the process."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -166,12 +170,29 @@ def temporary_server_in_its_own_session() -> Iterator[None]:
 
     stop_on_signals_until_exit()
     own_session = types.SimpleNamespace(**vars(subprocess))
-    own_session.Popen = functools.partial(subprocess.Popen, start_new_session=True)
+    own_session.Popen = functools.partial(subprocess.Popen, start_new_session=True,
+                                          preexec_fn=_stop_with_this_thread())
     previous, server.subprocess = server.subprocess, own_session
     try:
         yield
     finally:
         server.subprocess = previous
+
+
+def _stop_with_this_thread() -> Callable[[], None] | None:
+    """A ``preexec_fn`` that has the child sent SIGTERM when the thread that starts it ends, however it
+    ends, SIGKILL included (Linux ``prctl(PR_SET_PDEATHSIG)``); None elsewhere. It runs in the child
+    between fork and exec, so it only calls what was looked up here."""
+    if not sys.platform.startswith("linux"):
+        return None
+    prctl, parent, sigterm = ctypes.CDLL(None, use_errno=True).prctl, os.getpid(), int(signal.SIGTERM)
+
+    def stop_with_parent() -> None:
+        prctl(1, sigterm)  # PR_SET_PDEATHSIG
+        if os.getppid() != parent:  # the parent ended before the line above
+            os._exit(1)
+
+    return stop_with_parent
 
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)

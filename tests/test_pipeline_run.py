@@ -5,6 +5,8 @@ stage) and the settings of an in-process run (local_run_settings)."""
 from __future__ import annotations
 
 import logging
+import signal
+import sys
 from pathlib import Path
 
 import pytest
@@ -73,7 +75,6 @@ def test_an_in_process_run_on_a_temporary_server_sends_no_heartbeats_and_one_on_
 
 def test_local_run_settings_patch_prefects_server_module_for_the_run_and_stop_on_signals_until_exit():
     import pickle
-    import signal
 
     from prefect.server.api import server
 
@@ -83,7 +84,8 @@ def test_local_run_settings_patch_prefects_server_module_for_the_run_and_stop_on
     with temporary_settings(updates={PREFECT_API_URL: "http://127.0.0.1:4200/api"}), local_run_settings():
         assert server.subprocess is before  # against a real server nothing changes
     with temporary_settings(updates={PREFECT_API_URL: None}), local_run_settings():
-        assert server.subprocess.Popen.keywords == {"start_new_session": True}
+        assert server.subprocess.Popen.keywords["start_new_session"] is True
+        assert callable(server.subprocess.Popen.keywords["preexec_fn"])  # stop with this process (Linux)
     assert server.subprocess is before
     # SIGTERM and SIGHUP unwind the process until its exit hooks (Prefect's server stop) have run.
     for signum in (signal.SIGTERM, signal.SIGHUP):
@@ -106,14 +108,11 @@ def _temporary_servers(home: Path) -> list[int]:
     return pids
 
 
-@pytest.mark.slow  # a pipeline run up to its train stage: ~40 s on 2 cores
-@pytest.mark.parametrize("stop", ["SIGTERM", "SIGINT"])
-def test_a_signal_to_the_process_group_stops_moplex_run_at_once_and_its_server_with_it(tmp_path, stop):
-    """`timeout`, systemd and a terminal's Ctrl-C signal the whole process group. Prefect's temporary
-    server runs in a session of its own, so it is still there to record the crash; then the run ends
-    with one line and the signal's status, and the server is stopped, not left behind."""
+def _signal_moplex_run_in_train(tmp_path: Path, signum: int) -> tuple[int, str, list[int]]:
+    """Start `moplex run synthetic-demo` in a process group of its own, send ``signum`` to the group
+    once the train stage has begun, and return the run's status, its stderr and the pids of its
+    PREFECT_HOME's temporary servers still running 30 s later (killed, so none is left behind)."""
     import os
-    import signal
     import subprocess
     import sys
     import time
@@ -133,17 +132,37 @@ def test_a_signal_to_the_process_group_stops_moplex_run_at_once_and_its_server_w
                 time.sleep(1)
             assert run.poll() is None, log.read_text()[-3000:]
             assert _temporary_servers(home), "the run's temporary server is not running"
-            os.killpg(run.pid, getattr(signal, stop))
-            status = run.wait(timeout=120)  # before this change: minutes of retries against a dead server
+            os.killpg(run.pid, signum)
+            status = run.wait(timeout=120)  # before the own-session server: minutes of retries against a dead one
         finally:
             if run.poll() is None:
                 os.killpg(run.pid, signal.SIGKILL)
+            deadline = time.monotonic() + 30
+            while _temporary_servers(home) and time.monotonic() < deadline:
+                time.sleep(0.5)
             left = _temporary_servers(home)
-            for pid in left:  # asserted below; killed here so a failing run leaves nothing behind
+            for pid in left:  # asserted by the callers; killed here so a failing run leaves nothing behind
                 os.kill(pid, signal.SIGKILL)
-    text = log.read_text()
+    return status, log.read_text(), left
+
+
+@pytest.mark.slow  # a pipeline run up to its train stage: ~40 s on 2 cores
+@pytest.mark.parametrize("stop", ["SIGTERM", "SIGINT"])
+def test_a_signal_to_the_process_group_stops_moplex_run_at_once_and_its_server_with_it(tmp_path, stop):
+    """`timeout`, systemd and a terminal's Ctrl-C signal the whole process group. Prefect's temporary
+    server runs in a session of its own, so it is still there to record the crash; then the run ends
+    with one line and the signal's status, and the server is stopped, not left behind."""
+    status, text, left = _signal_moplex_run_in_train(tmp_path, getattr(signal, stop))
     assert status == 128 + getattr(signal, stop), text[-3000:]
     assert "moplex run: interrupted. Finished stages" in text
     assert "Traceback" not in text and "Error logging to API" not in text and "Connection refused" not in text
     assert "Finished in state Crashed" in text  # Prefect recorded the crash on its live server
+    assert left == []
+
+
+@pytest.mark.slow  # as above
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the server's parent-death signal is Linux's prctl")
+def test_a_sigkill_of_moplex_run_takes_its_server_down_too(tmp_path):
+    status, text, left = _signal_moplex_run_in_train(tmp_path, signal.SIGKILL)
+    assert status == -signal.SIGKILL, text[-3000:]
     assert left == []
