@@ -23,12 +23,17 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pyarrow as pa
 import torch
 
 from moplex_core.artifacts import ArtifactRef, ArtifactStore, load_table, read_manifest
+
+if TYPE_CHECKING:
+    from moplex_core.cache import CachePlan
+    from moplex_core.config import CacheConfig
 
 log = logging.getLogger(__name__)
 
@@ -50,8 +55,10 @@ ASSIGN_SCHEMA = pa.schema([
 class AssignPlan:
     ref: ArtifactRef
     path: Path
-    cache_dir: Path  # the new rankings' cache (built by `run_assign` when missing)
+    cache: CachePlan  # the new rankings' cache (built by `run_assign` when missing)
+    cache_config: CacheConfig  # the train artifact's cache settings, on this run's device
     inputs: dict[str, str]  # {"train": "train/<version>", "cache": "cache/<version>"}
+    recorded: dict[str, Any]  # the manifest's config: where from, and how it was scored
     complete: bool
 
 
@@ -63,21 +70,39 @@ class AssignResult:
     rows: int
 
 
-def plan_assign(train_dir: str | Path, rankings_dir: str | Path, store: ArtifactStore, *,
-                device: str = "auto") -> AssignPlan:
-    """Where the assignment of ``rankings_dir`` (a rankings or augmented artifact) to the mixture of
-    ``train_dir`` (a finished train artifact) lives, and the cache it needs."""
-    from moplex_core.cache import plan_cache
-    from moplex_core.lm.loading import identity_on_this_machine
+RANKING_STAGES = ("ingest", "augment")
 
-    train = read_manifest(train_dir)
+
+def plan_assign(train_dir: str | Path, rankings_dir: str | Path, store: ArtifactStore, *,
+                device: str = "auto", score_batch_size: int = 32) -> AssignPlan:
+    """Where the assignment of ``rankings_dir`` (a rankings or augmented artifact) to the mixture of
+    ``train_dir`` (a finished train artifact) lives, and the cache it needs. Refuses a base model
+    whose files changed since the adapters were trained on it."""
+    from moplex_core.cache import plan_cache
+    from moplex_core.lm.loading import dtype_name, identity_on_this_machine, resolve_device, resolve_dtype
+
+    train_dir, rankings_dir = Path(train_dir).resolve(), Path(rankings_dir).resolve()
+    train, rankings = read_manifest(train_dir), read_manifest(rankings_dir)
     if train["stage"] != "train":
-        raise ValueError(f"{train_dir} holds an {train['stage']} artifact, not a train artifact (train/<version>)")
-    cache = plan_cache(_cache_config(train_dir, device), rankings_dir, store)
+        raise ValueError(f"{train_dir} is not a train artifact (its stage is {train['stage']}); give train/<version>")
+    if rankings["stage"] not in RANKING_STAGES:
+        raise ValueError(f"{rankings_dir} is not a rankings artifact (its stage is {rankings['stage']}); give "
+                         f"{' or '.join(RANKING_STAGES)}/<version> (`moplex ingest --dataset generic --path FILE`)")
+    resolved = _checked_device(device)
+    trained_cache = read_manifest(train_dir.parents[1] / train["inputs"]["cache"])
+    cache_config = _cache_config(trained_cache, device)
+    cache = plan_cache(cache_config, rankings_dir, store)
+    if cache.inputs["model"] != trained_cache["inputs"]["model"]:
+        raise ValueError(f"the base model at {trained_cache['config']['model']} is not the one {train_dir} was "
+                         f"trained on: its files hash to {cache.inputs['model']}, not "
+                         f"{trained_cache['inputs']['model']}; restore that model")
     inputs = {"train": f"train/{train['version']}", "cache": str(cache.ref)}
     scored_in = identity_on_this_machine({"dtype": train["config"]["dtype"]}, device)
     version = store.version(STAGE, scored_in, inputs, CODE_VERSION)
-    return AssignPlan(ArtifactRef(STAGE, version), store.path(STAGE, version), cache.path, inputs,
+    recorded = {"train": str(train_dir), "rankings": str(rankings_dir), "device": resolved,
+                "resolved_dtype": dtype_name(resolve_dtype(train["config"]["dtype"], resolved)),
+                "score_batch_size": score_batch_size}
+    return AssignPlan(ArtifactRef(STAGE, version), store.path(STAGE, version), cache, cache_config, inputs, recorded,
                       store.is_complete(STAGE, version))
 
 
@@ -87,37 +112,35 @@ def run_assign(train_dir: str | Path, rankings_dir: str | Path, store: ArtifactS
     under each trained adapter and write each ranking's posterior (unless this version exists)."""
     from moplex_core.cache import load_policy_inputs, run_cache
     from moplex_core.em import mixture_posteriors
-    from moplex_core.lm.loading import resolve_device
     from moplex_core.train import load_trained
 
-    plan = plan or plan_assign(train_dir, rankings_dir, store, device=device)
+    plan = plan or plan_assign(train_dir, rankings_dir, store, device=device, score_batch_size=score_batch_size)
     if plan.complete:
         return AssignResult(plan.ref, plan.path, False, store.manifest(STAGE, plan.ref.version)["rows"])
-    run_cache(_cache_config(train_dir, device), rankings_dir, store, progress=progress)
-    inputs, clusters = load_policy_inputs(plan.cache_dir, split=None)
-    scorer, alpha, trained = load_trained(train_dir, device=resolve_device(device))
-    scorer.score_batch_size, scorer.progress = score_batch_size, progress
-    scores = scorer.exact_scores(inputs)  # float64 [n, k, M]
-    posterior, log_likelihood = mixture_posteriors(scores, inputs.rankings(trained.likelihood), alpha)  # [n, k], [n]
-    sizes = [len(s) for s in inputs.sequences]
-    table = pa.Table.from_pydict({
-        "example_id": list(inputs.example_ids),
-        "split": load_table(plan.cache_dir, columns=["split"]).column("split").to_pylist(),  # rows as inputs
-        "cluster": list(clusters),
-        "assigned": posterior.argmax(dim=1).to(torch.int32).tolist(),
-        "posterior": posterior.tolist(),
-        "log_likelihood": log_likelihood.tolist(),
-        "scores": [scores[i, :, :m].tolist() for i, m in enumerate(sizes)],
-    }, schema=ASSIGN_SCHEMA)
-    with store.writer(STAGE, plan.ref.version, config={"device": device, "score_batch_size": score_batch_size},
-                      inputs=plan.inputs, code_version=CODE_VERSION) as writer:
+    with store.writer(STAGE, plan.ref.version, config=plan.recorded, inputs=plan.inputs,
+                      code_version=CODE_VERSION) as writer:
         if writer.complete:
-            return AssignResult(plan.ref, plan.path, False, table.num_rows)
-        writer.write_shard(0, table)
+            return AssignResult(plan.ref, plan.path, False, store.manifest(STAGE, plan.ref.version)["rows"])
+        run_cache(plan.cache_config, rankings_dir, store, plan.cache, progress=progress)
+        inputs, clusters = load_policy_inputs(plan.cache.path, split=None)
+        scorer, alpha, trained = load_trained(train_dir, device=plan.recorded["device"])
+        scorer.score_batch_size, scorer.progress = plan.recorded["score_batch_size"], progress
+        scores = scorer.exact_scores(inputs)  # float64 [n, k, M]
+        posterior, log_likelihood = mixture_posteriors(scores, inputs.rankings(trained.likelihood), alpha)  # [n, k], [n]
+        sizes = [len(s) for s in inputs.sequences]
+        writer.write_shard(0, pa.Table.from_pydict({
+            "example_id": list(inputs.example_ids),
+            "split": load_table(plan.cache.path, columns=["split"]).column("split").to_pylist(),  # in inputs' order
+            "cluster": list(clusters),
+            "assigned": posterior.argmax(dim=1).to(torch.int32).tolist(),
+            "posterior": posterior.tolist(),
+            "log_likelihood": log_likelihood.tolist(),
+            "scores": [scores[i, :, :m].tolist() for i, m in enumerate(sizes)],  # [k][m_i] each
+        }, schema=ASSIGN_SCHEMA))
         writer.summary.update(assignment_summary(posterior.numpy(), clusters))
-    log.info("assigned %d rankings to the %d clusters of %s: %s", table.num_rows, scorer.k, plan.inputs["train"],
+    log.info("assigned %d rankings to the %d clusters of %s: %s", len(inputs), scorer.k, plan.inputs["train"],
              plan.path)
-    return AssignResult(plan.ref, plan.path, True, table.num_rows)
+    return AssignResult(plan.ref, plan.path, True, len(inputs))
 
 
 def assignment_summary(posterior: np.ndarray, clusters: list[str | None]) -> dict[str, object]:
@@ -138,11 +161,24 @@ def assignment_summary(posterior: np.ndarray, clusters: list[str | None]) -> dic
     return summary
 
 
-def _cache_config(train_dir: str | Path, device: str):
-    """The CacheConfig of the train artifact's cache (in the train artifact's root), on ``device``."""
+def _cache_config(cache_manifest: dict[str, Any], device: str) -> CacheConfig:
+    """The CacheConfig a cache artifact was built with, on ``device``."""
     from moplex_core.config import CacheConfig
 
-    root = Path(train_dir).parents[1]
-    recorded = dict(read_manifest(root / read_manifest(train_dir)["inputs"]["cache"])["config"])
+    recorded = dict(cache_manifest["config"])
     recorded.pop("resolved_dtype", None)  # what "auto" was where it ran (cache-N artifacts record it)
     return CacheConfig.model_validate({**recorded, "device": device})
+
+
+def _checked_device(device: str) -> str:
+    """``device`` as `resolve_device` resolves it, refused at once when torch cannot use it here."""
+    from moplex_core.lm.loading import resolve_device
+
+    resolved = resolve_device(device)
+    try:
+        kind = torch.device(resolved).type
+    except RuntimeError:
+        raise ValueError(f"device {device!r} is not a torch device: give cpu, cuda, cuda:N or auto") from None
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r}: this machine has no CUDA device torch can use (give cpu or auto)")
+    return resolved

@@ -156,6 +156,9 @@ def _assign(args: argparse.Namespace) -> int:
     except (ValueError, ArtifactError, OSError) as err:
         print(f"moplex assign: {err}", file=sys.stderr)
         return 1
+    except KeyError as err:  # a manifest without what a finished train or cache artifact records
+        print(f"moplex assign: an input artifact's manifest lacks {err}; was it written by moplex?", file=sys.stderr)
+        return 1
     _say_done(result, "rankings")
     summary = store.manifest(result.ref.stage, result.ref.version)["summary"]
     mean = summary["mean_posterior_of_assigned"]
@@ -164,9 +167,11 @@ def _assign(args: argparse.Namespace) -> int:
         print(f"| {name} | {count} | {mean[name]:.3f} |" if name in mean else f"| {name} | 0 | - |")
     if "labels_by_assigned" in summary:
         names = list(summary["assigned"])
-        print(f"\n| true label | {' | '.join(names)} |\n|---|{'---|' * len(names)}")
+        print(f"\n| true label | {' | '.join(f'adapter {n}' for n in names)} |\n|---|{'---|' * len(names)}")
         for label, row in summary["labels_by_assigned"].items():
             print(f"| {label} | {' | '.join(str(row[n]) for n in names)} |")
+    else:
+        print("\n(some rankings carry no `cluster` label, so there is no table of labels by adapter)")
     return 0
 
 

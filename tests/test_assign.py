@@ -2,26 +2,31 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
-import pyarrow.parquet as pq
 import pytest
 import torch
 
 from moplex_core.artifacts import ArtifactStore, load_table, verify
 from moplex_core.assign import ASSIGN_SCHEMA, plan_assign, run_assign
+from moplex_core.cache import load_policy_inputs, run_cache
 from moplex_core.cli import main
 from moplex_core.config import CacheConfig, IngestConfig, SplitConfig, TinyModelConfig, TrainConfig
-from moplex_core.cache import run_cache
+from moplex_core.em import mixture_posteriors
 from moplex_core.ingest import run_ingest
 from moplex_core.tiny_model import run_tiny_model
 from moplex_core.train import load_posteriors, run_train
 
+# Not the defaults, so that a new cache built with any other settings is another version (and
+# shards of 5 rows, so that rows are matched across shards).
+CACHE_SETTINGS = {"use_chat_template": False, "max_response_tokens": 48, "shard_rows": 5}
+
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    """(store, train folder, the rankings it was trained on, 6 other rankings): synthetic k = 3, m = 3, two
-    exact EM iterations."""
+    """(store, train folder, the rankings it was trained on, 6 other rankings with m = 4): synthetic
+    k = 3, m = 3, two exact EM iterations."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -29,10 +34,10 @@ def trained(tmp_path_factory):
         rankings = run_ingest(IngestConfig(dataset="synthetic", synthetic={"n": 36, "k": 3, "m": 3},
                                            split=SplitConfig(fractions=(0.5, 0.25, 0.25))), store).path
         model = run_tiny_model(TinyModelConfig(pretrain_steps=5, hidden_size=32), rankings, store)
-        cache = run_cache(CacheConfig(model=str(model)), rankings, store, progress=False).path
+        cache = run_cache(CacheConfig(model=str(model), **CACHE_SETTINGS), rankings, store, progress=False).path
         train = run_train(TrainConfig(k=3, lora_r=4, em_iterations=2, anchors=None, lora_targets=("q_proj", "v_proj")),
                           cache, store, progress=False).path
-        other = run_ingest(IngestConfig(dataset="synthetic", seed=11, synthetic={"n": 6, "k": 3, "m": 3}), store).path
+        other = run_ingest(IngestConfig(dataset="synthetic", seed=11, synthetic={"n": 6, "k": 3, "m": 4}), store).path
         yield store, train, rankings, other
     finally:
         torch.set_num_threads(threads)
@@ -44,8 +49,7 @@ def test_the_training_rankings_get_the_posteriors_em_ended_with(trained):
     store, train, rankings, _ = trained
     result = run_assign(train, rankings, store, device="cpu", progress=False)
     assert result.built and result.rows == 36
-    assert plan_assign(train, rankings, store, device="cpu").cache_dir.parent.name == "cache"
-    assert store.list("cache") and len(store.list("cache")) == 1  # the training cache, reused
+    assert len(store.list("cache")) == 1  # the training cache, found again: the same settings
     table = load_table(result.path)
     assert table.schema.equals(ASSIGN_SCHEMA)
     rows = table.to_pydict()
@@ -57,43 +61,72 @@ def test_the_training_rankings_get_the_posteriors_em_ended_with(trained):
 
 
 def test_new_rankings_get_a_posterior_an_adapter_and_every_score(trained, capsys):
-    store, train, _, _ = trained
-    new = run_ingest(IngestConfig(dataset="synthetic", seed=7, synthetic={"n": 12, "k": 3, "m": 3}), store).path
+    store, train, _, new = trained
     assert main(["assign", str(train), str(new), "--root", str(store.root), "--device", "cpu", "--quiet"]) == 0
     out = capsys.readouterr().out
-    assert "wrote 12 rankings" in out and "| cluster (adapter) | rankings | mean posterior |" in out
-    assert "| true label |" in out
+    assert "wrote 6 rankings" in out and "| cluster (adapter) | rankings | mean posterior |" in out
+    assert "| true label | adapter c0 | adapter c1 | adapter c2 |" in out
     plan = plan_assign(train, new, store, device="cpu")
     assert plan.complete
     verify(plan.path)
-    rows = pq.read_table(plan.path / "part-00000.parquet").to_pydict()
-    posterior = torch.tensor(rows["posterior"], dtype=torch.float64)  # [12, 3]
-    torch.testing.assert_close(posterior.sum(1), torch.ones(12, dtype=torch.float64))
+    manifest = store.manifest("assign", plan.ref.version)
+    assert manifest["config"]["resolved_dtype"] == "float32" and manifest["config"]["rankings"] == str(new)
+    assert {k: v for k, v in store.manifest("cache", plan.cache.ref.version)["config"].items()
+            if k in CACHE_SETTINGS} == CACHE_SETTINGS  # cached as training's cache was
+    rows = load_table(plan.path).to_pydict()
+    source = load_table(new).to_pydict()
+    assert sorted(rows["example_id"]) == sorted(source["example_id"])
+    label = dict(zip(source["example_id"], source["cluster"], strict=True))
+    assert rows["cluster"] == [label[example] for example in rows["example_id"]]
+
+    scores = torch.tensor(rows["scores"], dtype=torch.float64)
+    assert scores.shape == (6, 3, 4)  # [n, k, m]
+    inputs, _ = load_policy_inputs(plan.cache.path, split=None)
+    assert list(inputs.example_ids) == rows["example_id"]
+    alpha = torch.tensor(json.loads((train / "result.json").read_text())["alpha"], dtype=torch.float64)
+    posterior, log_likelihood = mixture_posteriors(scores, inputs.rankings(), alpha)
+    torch.testing.assert_close(torch.tensor(rows["posterior"], dtype=torch.float64), posterior)
+    torch.testing.assert_close(torch.tensor(rows["log_likelihood"], dtype=torch.float64), log_likelihood)
     assert rows["assigned"] == posterior.argmax(1).tolist()
-    assert all(len(s) == 3 and all(len(per) == 3 for per in s) for s in rows["scores"])  # [k][m]
-    assert all(ll < 0 for ll in rows["log_likelihood"])
-    summary = store.manifest("assign", plan.ref.version)["summary"]
-    assert sum(summary["assigned"].values()) == 12
-    assert sum(sum(row.values()) for row in summary["labels_by_assigned"].values()) == 12
+    summary = manifest["summary"]
+    assert sum(summary["assigned"].values()) == 6
+    assert sum(sum(row.values()) for row in summary["labels_by_assigned"].values()) == 6
     assert main(["assign", str(train), str(new), "--root", str(store.root), "--device", "cpu", "--quiet"]) == 0
     assert "already complete" in capsys.readouterr().out
 
 
-def test_only_a_train_artifact_can_be_assigned_to(trained, capsys):
-    store, _, rankings, _ = trained
-    assert main(["assign", str(rankings), str(rankings), "--root", str(store.root)]) == 1
-    assert "holds an ingest artifact, not a train artifact" in capsys.readouterr().err
+def test_assign_refuses_what_it_cannot_use_before_writing_anything(trained, capsys, tmp_path):
+    store, train, rankings, _ = trained
+    root = ["--root", str(tmp_path / "elsewhere")]
+    cache = store.list("cache")[0].path
+    for args, message in [
+        ([str(rankings), str(rankings)], "is not a train artifact (its stage is ingest)"),
+        ([str(train), str(cache)], "is not a rankings artifact (its stage is cache); give ingest or augment"),
+        ([str(train), str(rankings), "--device", "gpu"], "device 'gpu' is not a torch device"),
+    ]:
+        assert main(["assign", *args, *root]) == 1
+        assert message in capsys.readouterr().err
+    model = Path(store.manifest("cache", cache.name)["config"]["model"])
+    original = (model / "generation_config.json").read_bytes()
+    try:  # the base model's files changed since training: the adapters would meet another model
+        (model / "generation_config.json").write_bytes(original + b"\n")
+        assert main(["assign", str(train), str(rankings), *root]) == 1
+        assert "is not the one" in capsys.readouterr().err
+    finally:
+        (model / "generation_config.json").write_bytes(original)
+    assert not (tmp_path / "elsewhere").exists()
 
 
-def test_assign_flow_on_the_local_prefect_server(prefect_env, trained):
+def test_assign_flow_on_the_local_prefect_server(prefect_env, trained, tmp_path):
     from flows.assign import assign_flow
 
-    store, train, _, rankings = trained
-    assert not plan_assign(train, rankings, store, device="cpu").complete
-    folder = assign_flow(str(train), str(rankings), str(store.root), device="cpu")
-    assert folder == str(plan_assign(train, rankings, store, device="cpu").path)
+    store, train, _, new = trained
+    root = tmp_path / "artifacts"  # another root than the train artifact's
+    assert not plan_assign(train, new, ArtifactStore(root), device="cpu").complete
+    folder = assign_flow(str(train), str(new), str(root), device="cpu")
+    assert folder == str(plan_assign(train, new, ArtifactStore(root), device="cpu").path)
     assert load_table(folder).num_rows == 6
-    finished = store.manifest("assign", Path(folder).name)["finished"]
-    assert assign_flow(str(train), str(rankings), str(store.root), device="cpu") == folder
-    assert store.manifest("assign", Path(folder).name)["finished"] == finished  # found, not redone
+    finished = ArtifactStore(root).manifest("assign", Path(folder).name)["finished"]
+    assert assign_flow(str(train), str(new), str(root), device="cpu") == folder
+    assert ArtifactStore(root).manifest("assign", Path(folder).name)["finished"] == finished  # found, not redone
     verify(folder)

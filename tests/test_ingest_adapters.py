@@ -298,8 +298,12 @@ def test_a_data_folder_skips_moplex_artifacts_below_it_but_not_the_users_own_man
     assert [r.where for r in after] == [r.where for r in before]
     assert [str(data / "raw" / "listing" / "manifest.json") in r.where for r in after].count(True) == 1
     assert source_fingerprint(data) == fingerprint
-    with pytest.raises(DatasetUnavailableError, match="only moplex artifacts: 2 version folders"):
+    with pytest.raises(DatasetUnavailableError, match=r"only moplex artifacts: 2 version folder\(s\)"):
         records(data / "artifacts")
+    with pytest.raises(DatasetUnavailableError, match="is a moplex artifact, not a dataset"):
+        records(data / "artifacts" / "ingest" / "finished")
+    (data / "raw" / "gone.jsonl").symlink_to(data / "nowhere.jsonl")  # a dangling link is not a data file
+    assert [r.where for r in records(data)] == [r.where for r in before]
 
 
 # --- splits ----------------------------------------------------------------------------------------

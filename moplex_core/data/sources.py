@@ -61,18 +61,23 @@ def local_files(path: str | Path) -> list[Path]:
             raise DatasetUnavailableError(f"{path} is not a data file; expected one of {', '.join(DATA_SUFFIXES)}")
         return [path]
     if path.is_dir():
+        if is_version_folder(path):
+            raise DatasetUnavailableError(f"{path} is a moplex artifact, not a dataset: give the file or folder the "
+                                          "rankings came from (an ingest artifact is read with load_table)")
         files, artifacts = [], []
         for folder, subfolders, names in os.walk(path):
             folder = Path(folder)
             # Hidden entries are never data; moplex's own artifacts (a root under the data folder,
             # such as the default data/artifacts beside data/raw) are not the user's records.
-            artifacts += [folder / d for d in subfolders if is_version_folder(folder / d)]
-            subfolders[:] = sorted(d for d in subfolders if not d.startswith(".") and folder / d not in artifacts)
-            files += [folder / n for n in names if n.endswith(DATA_SUFFIXES) and not n.startswith(".")]
+            visible = [d for d in subfolders if not d.startswith(".")]
+            artifacts += [folder / d for d in visible if is_version_folder(folder / d)]
+            subfolders[:] = sorted(d for d in visible if folder / d not in artifacts)
+            files += [folder / n for n in names if n.endswith(DATA_SUFFIXES) and not n.startswith(".")
+                      and (folder / n).is_file()]  # not a dangling link or a FIFO
         if artifacts:
             log.info("%s: skipped %d moplex artifact version folder(s), e.g. %s", path, len(artifacts), artifacts[0])
         if not files:
-            skipped = f" (it holds only moplex artifacts: {len(artifacts)} version folders)" if artifacts else ""
+            skipped = f" (only moplex artifacts: {len(artifacts)} version folder(s))" if artifacts else ""
             raise DatasetUnavailableError(f"{path} holds no {', '.join(DATA_SUFFIXES)} files{skipped}")
         return sorted(files)
     raise DatasetUnavailableError(f"{path} does not exist; pass the file or folder that holds the dataset")
