@@ -243,5 +243,7 @@ def run_in_process(config: PipelineConfig) -> tuple[bool, str]:
     dirs = state.result()
     lines = [Path(dirs["report"]).read_text(), "artifacts (moplex inspect PATH shows any of them):"]
     lines += [f"  {stage:<9} {path}" for stage, path in dirs.items()]
+    lines.append(f"\nNew rankings to these clusters (README, Using the trained mixture): moplex ingest --dataset generic "
+                 f"--path FILE --root {config.root}, then moplex assign {dirs['train']} ingest/<version> --root {config.root}")
     lines.append(f"\nPrefect flow run {run_id} (stage versions, metrics, report and links under Artifacts):\n  {ui}")
     return True, "\n".join(lines)
