@@ -79,7 +79,7 @@ def plan_assign(train_dir: str | Path, rankings_dir: str | Path, store: Artifact
     ``train_dir`` (a finished train artifact) lives, and the cache it needs. Refuses a base model
     whose files changed since the adapters were trained on it."""
     from moplex_core.cache import plan_cache
-    from moplex_core.lm.loading import dtype_name, identity_on_this_machine, resolve_device, resolve_dtype
+    from moplex_core.lm.loading import dtype_name, identity_on_this_machine, resolve_dtype
 
     train_dir, rankings_dir = Path(train_dir).resolve(), Path(rankings_dir).resolve()
     train, rankings = read_manifest(train_dir), read_manifest(rankings_dir)

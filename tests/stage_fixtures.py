@@ -7,8 +7,15 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
+import torch
+
 from moplex_core.artifacts import ArtifactStore
+from moplex_core.cache import run_cache
+from moplex_core.config import CacheConfig, IngestConfig, SplitConfig, TinyModelConfig, TrainConfig
 from moplex_core.data.synthetic import SyntheticConfig, generate_synthetic
+from moplex_core.ingest import run_ingest
+from moplex_core.tiny_model import run_tiny_model
+from moplex_core.train import run_train
 
 
 def write_synthetic(store: ArtifactStore, *, n: int = 12, k: int = 3, m: int = 4, n_generated: int = 0,
@@ -28,3 +35,21 @@ def write_synthetic(store: ArtifactStore, *, n: int = 12, k: int = 3, m: int = 4
         for shard, start in enumerate(range(0, n, rows)):
             writer.write_shard(shard, table.slice(start, rows))
     return store.path(stage, version)
+
+
+def tiny_trained_mixture(store: ArtifactStore, *, em_iterations: int = 1, **cache_settings) -> tuple[Path, Path, Path]:
+    """(rankings, cache, train) folders: 36 synthetic rankings (k = 3, m = 3, split 50/25/25), the
+    pipeline's tiny model, its cache (CacheConfig defaults unless ``cache_settings``) and exact EM over 3
+    LoRA adapters (r = 4 on q_proj and v_proj), built on one torch thread."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        rankings = run_ingest(IngestConfig(dataset="synthetic", synthetic={"n": 36, "k": 3, "m": 3},
+                                           split=SplitConfig(fractions=(0.5, 0.25, 0.25))), store).path
+        model = run_tiny_model(TinyModelConfig(pretrain_steps=5, hidden_size=32), rankings, store)
+        cache = run_cache(CacheConfig(model=str(model), **cache_settings), rankings, store, progress=False).path
+        train = run_train(TrainConfig(k=3, lora_r=4, em_iterations=em_iterations, anchors=None,
+                                      lora_targets=("q_proj", "v_proj")), cache, store, progress=False).path
+    finally:
+        torch.set_num_threads(threads)
+    return rankings, cache, train

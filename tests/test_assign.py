@@ -10,13 +10,13 @@ import torch
 
 from moplex_core.artifacts import ArtifactStore, load_table, verify
 from moplex_core.assign import ASSIGN_SCHEMA, plan_assign, run_assign
-from moplex_core.cache import load_policy_inputs, run_cache
+from moplex_core.cache import load_policy_inputs
 from moplex_core.cli import main
-from moplex_core.config import CacheConfig, IngestConfig, SplitConfig, TinyModelConfig, TrainConfig
+from moplex_core.config import IngestConfig
 from moplex_core.em import mixture_posteriors
 from moplex_core.ingest import run_ingest
-from moplex_core.tiny_model import run_tiny_model
-from moplex_core.train import load_posteriors, run_train
+from moplex_core.train import load_posteriors
+from stage_fixtures import tiny_trained_mixture
 
 # Not the defaults, so that a new cache built with any other settings is another version (and
 # shards of 5 rows, so that rows are matched across shards).
@@ -25,22 +25,12 @@ CACHE_SETTINGS = {"use_chat_template": False, "max_response_tokens": 48, "shard_
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    """(store, train folder, the rankings it was trained on, 6 other rankings with m = 4): synthetic
-    k = 3, m = 3, two exact EM iterations."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        store = ArtifactStore(tmp_path_factory.mktemp("artifacts"))
-        rankings = run_ingest(IngestConfig(dataset="synthetic", synthetic={"n": 36, "k": 3, "m": 3},
-                                           split=SplitConfig(fractions=(0.5, 0.25, 0.25))), store).path
-        model = run_tiny_model(TinyModelConfig(pretrain_steps=5, hidden_size=32), rankings, store)
-        cache = run_cache(CacheConfig(model=str(model), **CACHE_SETTINGS), rankings, store, progress=False).path
-        train = run_train(TrainConfig(k=3, lora_r=4, em_iterations=2, anchors=None, lora_targets=("q_proj", "v_proj")),
-                          cache, store, progress=False).path
-        other = run_ingest(IngestConfig(dataset="synthetic", seed=11, synthetic={"n": 6, "k": 3, "m": 4}), store).path
-        yield store, train, rankings, other
-    finally:
-        torch.set_num_threads(threads)
+    """(store, train folder, the rankings it was trained on, 6 other rankings with m = 4): two exact EM
+    iterations on the tiny synthetic mixture."""
+    store = ArtifactStore(tmp_path_factory.mktemp("artifacts"))
+    rankings, _, train = tiny_trained_mixture(store, em_iterations=2, **CACHE_SETTINGS)
+    other = run_ingest(IngestConfig(dataset="synthetic", seed=11, synthetic={"n": 6, "k": 3, "m": 4}), store).path
+    return store, train, rankings, other
 
 
 def test_the_training_rankings_get_the_posteriors_em_ended_with(trained):

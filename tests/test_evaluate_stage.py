@@ -5,34 +5,23 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 import pytest
-import torch
 
 from moplex_core.artifacts import ArtifactStore, verify
-from moplex_core.cache import load_policy_inputs, run_cache
-from moplex_core.config import CacheConfig, EvaluateConfig, IngestConfig, SplitConfig, TinyModelConfig, TrainConfig
+from moplex_core.cache import load_policy_inputs
+from moplex_core.config import EvaluateConfig, IngestConfig
 from moplex_core.evaluate import METRICS_COLUMNS, em_start_metrics, plan_evaluate, run_evaluate
 from moplex_core.ingest import run_ingest
 from moplex_core.inspect import inspect_path
-from moplex_core.tiny_model import run_tiny_model
-from moplex_core.train import load_posteriors, run_train
+from moplex_core.train import load_posteriors
+from stage_fixtures import tiny_trained_mixture
 
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     """(store, train folder, cache folder): synthetic k = 3 rankings, the pipeline's tiny model, one EM iteration."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        store = ArtifactStore(tmp_path_factory.mktemp("artifacts"))
-        rankings = run_ingest(IngestConfig(dataset="synthetic", synthetic={"n": 36, "k": 3, "m": 3},
-                                           split=SplitConfig(fractions=(0.5, 0.25, 0.25))), store).path
-        model = run_tiny_model(TinyModelConfig(pretrain_steps=5, hidden_size=32), rankings, store)
-        cache = run_cache(CacheConfig(model=str(model)), rankings, store, progress=False).path
-        train = run_train(TrainConfig(k=3, lora_r=4, em_iterations=1, anchors=None, lora_targets=("q_proj", "v_proj")),
-                          cache, store, progress=False).path
-        yield store, train, cache
-    finally:
-        torch.set_num_threads(threads)
+    store = ArtifactStore(tmp_path_factory.mktemp("artifacts"))
+    _, cache, train = tiny_trained_mixture(store)
+    return store, train, cache
 
 
 def test_evaluation_writes_labelled_metrics_a_report_and_plots(trained):
