@@ -363,10 +363,12 @@ class LoRAPolicyScorer:
     # -- internals -----------------------------------------------------------------------------
 
     def _bar(self, iterable: Any = None, **kwargs: Any) -> tqdm:
-        """A progress bar of one M-step, E-step or scoring pass, gone when done. Shown on a terminal
-        only: these run under the train stage's EM bar, and a nested bar moves the cursor up with
-        escape codes, which a log file keeps as they are."""
-        return tqdm(iterable, disable=not (self.progress and sys.stderr.isatty()), leave=False, **kwargs)
+        """A progress bar of one M-step, E-step or scoring pass, gone when done. On a terminal it
+        nests under the train stage's EM bar; elsewhere (a log file, a pipe: chaos/ reads these bars)
+        it shares the EM bar's line, since a nested bar moves the cursor up with escape codes, which
+        a file keeps as they are."""
+        position = None if sys.stderr.isatty() else 0
+        return tqdm(iterable, disable=not self.progress, leave=False, position=position, **kwargs)
 
     def _anchor_picks(self, inputs: PolicyInputs, round_: int, anchors: int | None) -> list[torch.Tensor]:
         """The anchors of round ``round_`` of every example: int64 [a_i] each (all responses when full)."""
