@@ -161,7 +161,7 @@ def _adapt(config: IngestConfig, source: str) -> AdapterOutput:
         return persona.to_rankings(records, config.persona, source=source, seed=config.seed)
     if config.dataset == "helpsteer2":
         return helpsteer2.to_rankings(records, config.helpsteer2, source=source)
-    return generic.to_rankings(records, source=source)
+    return generic.to_rankings(records, source=source, keep_split=config.split.from_source)
 
 
 def _synthetic(config: IngestConfig) -> AdapterOutput:

@@ -26,7 +26,7 @@ from moplex_core.data.sources import (
 from moplex_core.data.splits import assign_splits
 from moplex_core.hashing import short_hash
 from moplex_core.ingest import build_rankings
-from moplex_core.schema import RANKINGS_SCHEMA, SPLITS
+from moplex_core.schema import RANKINGS_SCHEMA, SPLITS, SchemaError
 
 
 def records(path: Path) -> list:
@@ -217,6 +217,22 @@ def test_generic_fills_derivable_columns_and_keeps_the_source_split(fixtures_dir
     assert rows[2]["example_id"] and rows[2]["source"].startswith("generic@local-")
     assert rows[0]["source"] == "handmade" and rows[1]["ranked_prefix"] == 1
     assert built.summary["adapter"]["dropped_column:notes"] == 1
+
+
+def test_a_generic_split_column_that_is_not_kept_is_not_checked_either(tmp_path, fixtures_dir):
+    # Without split.from_source the ingest assigns the splits, so a source's own (here "dev", and one
+    # prompt in two splits) can neither be kept nor reject a row.
+    rows = [json.loads(line) for line in (fixtures_dir / "generic.jsonl").read_text().splitlines()]
+    rows[0]["split"], rows[1]["split"] = "dev", "test"
+    rows[1]["prompt"] = rows[0]["prompt"]
+    (tmp_path / "rows.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    built = build_rankings(IngestConfig(dataset="generic", path=str(tmp_path / "rows.jsonl")))
+    assert built.table.num_rows == len(rows)
+    assert set(built.table.column("split").to_pylist()) <= set(SPLITS)
+    assert built.summary["adapter"]["ignored_column:split"] == sum(1 for row in rows if row.get("split"))
+    with pytest.raises(SchemaError, match="'dev'"):
+        build_rankings(IngestConfig(dataset="generic", path=str(tmp_path / "rows.jsonl"),
+                                    split=SplitConfig(from_source=True)))
 
 
 def test_a_json_array_file_reads_like_jsonl(tmp_path, fixtures_dir):

@@ -2,9 +2,10 @@
 
 Convenience defaults for columns a hand-made file may leave out: ``prompt_id`` = hash of the prompt,
 ``example_id`` = hash of (prompt_id, responses, ranking, cluster), ``ranked_prefix`` = all tiers,
-``cluster`` = null, ``source`` = the source label given by the caller, ``split`` = null (assigned by
-the ingest unless ``split.from_source``). Other columns are dropped and counted. Values are not
-checked here; `moplex_core.schema` does that with row numbers.
+``cluster`` = null, ``source`` = the source label given by the caller. ``split`` is set to null (the
+ingest assigns one) unless ``keep_split`` (``split.from_source``): a split column that is not kept is
+not checked either. Other columns are dropped and counted. Values are not checked here;
+`moplex_core.schema` does that with row numbers.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from moplex_core.schema import RANKINGS_SCHEMA, prompt_id
 COLUMNS = tuple(RANKINGS_SCHEMA.names)
 
 
-def to_rankings(records: Iterable[Record], *, source: str) -> AdapterOutput:
+def to_rankings(records: Iterable[Record], *, source: str, keep_split: bool = False) -> AdapterOutput:
     rows, where = [], []
     stats: Counter[str] = Counter()
     for record in records:
@@ -42,6 +43,9 @@ def to_rankings(records: Iterable[Record], *, source: str) -> AdapterOutput:
                 row["example_id"] = short_hash("generic", str(row["prompt_id"]), content)
         if row["source"] is None:
             row["source"] = source
+        if not keep_split and row["split"] is not None:
+            row["split"] = None
+            stats["ignored_column:split"] += 1
         rows.append(row)
         where.append(record.where)
     stats["rankings"] = len(rows)
