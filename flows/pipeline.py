@@ -13,10 +13,9 @@ a bad setting, a corrupt artifact, a dataset or model that is not here.
 from __future__ import annotations
 
 import atexit
-import ctypes
-import functools
 import logging
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -161,7 +160,7 @@ def temporary_server_in_its_own_session() -> Iterator[None]:
 
     No signal reaches that server now, so this process must unwind on SIGTERM and SIGHUP (a closed
     terminal) for Prefect's exit hook to stop it (`stop_on_signals_until_exit`). A SIGKILL allows no
-    unwinding: on Linux the server is also told to stop when this thread ends (`_stop_with_this_thread`),
+    unwinding: on Linux the server is also told to stop when this thread ends (`_stopped_with_this_thread`),
     and it is started from the main thread, which ends only with the process."""
     if threading.current_thread() is not threading.main_thread():
         yield
@@ -170,8 +169,7 @@ def temporary_server_in_its_own_session() -> Iterator[None]:
 
     stop_on_signals_until_exit()
     own_session = types.SimpleNamespace(**vars(subprocess))
-    own_session.Popen = functools.partial(subprocess.Popen, start_new_session=True,
-                                          preexec_fn=_stop_with_this_thread())
+    own_session.Popen = _stopped_with_this_thread
     previous, server.subprocess = server.subprocess, own_session
     try:
         yield
@@ -179,20 +177,30 @@ def temporary_server_in_its_own_session() -> Iterator[None]:
         server.subprocess = previous
 
 
-def _stop_with_this_thread() -> Callable[[], None] | None:
-    """A ``preexec_fn`` that has the child sent SIGTERM when the thread that starts it ends, however it
-    ends, SIGKILL included (Linux ``prctl(PR_SET_PDEATHSIG)``); None elsewhere. It runs in the child
-    between fork and exec, so it only calls what was looked up here."""
-    if not sys.platform.startswith("linux"):
-        return None
-    prctl, parent, sigterm = ctypes.CDLL(None, use_errno=True).prctl, os.getpid(), int(signal.SIGTERM)
+# Run before the server's own command, in its process: ask Linux for SIGTERM when the parent thread
+# ends (prctl PR_SET_PDEATHSIG, kept across exec), give up if the parent already ended, then become
+# the server (exec: same pid, so Prefect stops it as before). No preexec_fn, which runs Python in the
+# forked child of a threaded process.
+_STOP_WITH_PARENT = f"""
+import ctypes, os, sys
+try:
+    ctypes.CDLL(None).prctl(1, {int(signal.SIGTERM)})
+except (OSError, AttributeError):
+    pass
+if os.getppid() != int(sys.argv[1]):
+    os._exit(1)
+os.execv(sys.argv[2], sys.argv[2:])
+"""
 
-    def stop_with_parent() -> None:
-        prctl(1, sigterm)  # PR_SET_PDEATHSIG
-        if os.getppid() != parent:  # the parent ended before the line above
-            os._exit(1)
 
-    return stop_with_parent
+def _stopped_with_this_thread(args, **kwargs) -> subprocess.Popen:
+    """`subprocess.Popen` of ``args`` in a session of its own, which on Linux also gets SIGTERM when the
+    calling thread ends, however it ends, SIGKILL included: the server is started from the main
+    thread, which ends only with the process."""
+    if sys.platform.startswith("linux") and isinstance(args, list) and \
+            threading.current_thread() is threading.main_thread():
+        args = [sys.executable, "-c", _STOP_WITH_PARENT, str(os.getpid()), *map(str, args)]
+    return subprocess.Popen(args, start_new_session=True, **kwargs)
 
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
@@ -243,7 +251,8 @@ def run_in_process(config: PipelineConfig) -> tuple[bool, str]:
     dirs = state.result()
     lines = [Path(dirs["report"]).read_text(), "artifacts (moplex inspect PATH shows any of them):"]
     lines += [f"  {stage:<9} {path}" for stage, path in dirs.items()]
+    root = shlex.quote(config.root)
     lines.append(f"\nNew rankings to these clusters (README, Using the trained mixture): moplex ingest --dataset generic "
-                 f"--path FILE --root {config.root}, then moplex assign {dirs['train']} ingest/<version> --root {config.root}")
+                 f"--path FILE --root {root}, then moplex assign {shlex.quote(dirs['train'])} ingest/<version> --root {root}")
     lines.append(f"\nPrefect flow run {run_id} (stage versions, metrics, report and links under Artifacts):\n  {ui}")
     return True, "\n".join(lines)

@@ -36,6 +36,14 @@ log = logging.getLogger(__name__)
 
 STAGE = "ingest"
 CODE_VERSION = "ingest-1"  # bump when a change to this stage changes what it writes
+# An adapter's own changes, added to its dataset's versions only (the others keep theirs). generic-2:
+# a split column that is not kept no longer rejects rows (validation=drop kept fewer before).
+ADAPTER_VERSIONS = {"generic": "generic-2"}
+
+
+def code_version(dataset: str) -> str:
+    """The code version of an ingest of ``dataset``: the stage's, plus its adapter's when it has one."""
+    return "+".join([CODE_VERSION, *([ADAPTER_VERSIONS[dataset]] if dataset in ADAPTER_VERSIONS else [])])
 
 
 @dataclass(frozen=True)
@@ -64,7 +72,7 @@ class IngestResult:
 
 def plan_ingest(config: IngestConfig, store: ArtifactStore) -> IngestPlan:
     inputs = _inputs(config)
-    version = store.version(STAGE, config.identity(), inputs, CODE_VERSION)
+    version = store.version(STAGE, config.identity(), inputs, code_version(config.dataset))
     return IngestPlan(ArtifactRef(STAGE, version), store.path(STAGE, version), inputs,
                       store.is_complete(STAGE, version))
 
@@ -114,7 +122,7 @@ def run_ingest(config: IngestConfig, store: ArtifactStore, plan: IngestPlan | No
     built = build_rankings(config, plan.inputs)
     recorded = {**config.identity(), "path": config.path}  # what made this version, and where it was read
     with store.writer(STAGE, plan.ref.version, config=recorded, inputs=plan.inputs,
-                      code_version=CODE_VERSION) as writer:
+                      code_version=code_version(config.dataset)) as writer:
         if writer.complete:  # another run finished it while this one waited (the writer says so)
             return _existing(store, plan)
         table = built.table

@@ -25,7 +25,7 @@ from moplex_core.data.sources import (
 )
 from moplex_core.data.splits import assign_splits
 from moplex_core.hashing import short_hash
-from moplex_core.ingest import build_rankings
+from moplex_core.ingest import build_rankings, code_version
 from moplex_core.schema import RANKINGS_SCHEMA, SPLITS, SchemaError
 
 
@@ -219,20 +219,30 @@ def test_generic_fills_derivable_columns_and_keeps_the_source_split(fixtures_dir
     assert built.summary["adapter"]["dropped_column:notes"] == 1
 
 
-def test_a_generic_split_column_that_is_not_kept_is_not_checked_either(tmp_path, fixtures_dir):
-    # Without split.from_source the ingest assigns the splits, so a source's own (here "dev", and one
-    # prompt in two splits) can neither be kept nor reject a row.
+@pytest.mark.parametrize("change, error", [
+    ({1: "test"}, "a prompt must stay in one split"),  # rows 0 and 1 share prompt p1; row 0 is train
+    ({2: "dev"}, "'dev'"),
+])
+def test_a_generic_split_column_that_is_not_kept_is_not_checked_either(tmp_path, fixtures_dir, change, error):
+    # Without split.from_source the ingest assigns the splits, so the source's own can neither be kept
+    # nor reject a row; kept, they are checked.
     rows = [json.loads(line) for line in (fixtures_dir / "generic.jsonl").read_text().splitlines()]
-    rows[0]["split"], rows[1]["split"] = "dev", "test"
-    rows[1]["prompt"] = rows[0]["prompt"]
+    for row, split in change.items():
+        rows[row]["split"] = split
     (tmp_path / "rows.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
-    built = build_rankings(IngestConfig(dataset="generic", path=str(tmp_path / "rows.jsonl")))
-    assert built.table.num_rows == len(rows)
-    assert set(built.table.column("split").to_pylist()) <= set(SPLITS)
-    assert built.summary["adapter"]["ignored_column:split"] == sum(1 for row in rows if row.get("split"))
-    with pytest.raises(SchemaError, match="'dev'"):
+    for validation in ("strict", "drop"):
+        built = build_rankings(IngestConfig(dataset="generic", path=str(tmp_path / "rows.jsonl"), validation=validation))
+        assert built.table.num_rows == len(rows) and built.summary["rejected_rows"] == 0
+        assert set(built.table.column("split").to_pylist()) <= set(SPLITS)
+        assert built.summary["adapter"]["ignored_column:split"] == sum(1 for row in rows if row.get("split"))
+    with pytest.raises(SchemaError, match=error):
         build_rankings(IngestConfig(dataset="generic", path=str(tmp_path / "rows.jsonl"),
                                     split=SplitConfig(from_source=True)))
+
+
+def test_only_the_generic_adapter_changed_its_code_version():
+    assert code_version("generic") == "ingest-1+generic-2"
+    assert code_version("synthetic") == code_version("ultrafeedback") == "ingest-1"  # the demo's versions kept
 
 
 def test_a_json_array_file_reads_like_jsonl(tmp_path, fixtures_dir):

@@ -5,8 +5,10 @@ stage) and the settings of an in-process run (local_run_settings)."""
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -84,8 +86,20 @@ def test_local_run_settings_patch_prefects_server_module_for_the_run_and_stop_on
     with temporary_settings(updates={PREFECT_API_URL: "http://127.0.0.1:4200/api"}), local_run_settings():
         assert server.subprocess is before  # against a real server nothing changes
     with temporary_settings(updates={PREFECT_API_URL: None}), local_run_settings():
-        assert server.subprocess.Popen.keywords["start_new_session"] is True
-        assert callable(server.subprocess.Popen.keywords["preexec_fn"])  # stop with this process (Linux)
+        command = [sys.executable, "-c", "import time; time.sleep(60)"]
+        child = server.subprocess.Popen(command)
+        try:
+            assert os.getsid(child.pid) == child.pid  # a session of its own
+            deadline = time.monotonic() + 30  # on Linux, a wrapper asks for the parent-death signal, then execs
+            while Path(f"/proc/{child.pid}/cmdline").read_bytes().split(b"\0")[:-1] != [c.encode() for c in command] \
+                    and time.monotonic() < deadline and sys.platform.startswith("linux"):
+                time.sleep(0.05)
+            assert child.poll() is None
+            if sys.platform.startswith("linux"):
+                assert Path(f"/proc/{child.pid}/cmdline").read_bytes().split(b"\0")[:-1] == [c.encode() for c in command]
+        finally:
+            child.kill()
+            child.wait()
     assert server.subprocess is before
     # SIGTERM and SIGHUP unwind the process until its exit hooks (Prefect's server stop) have run.
     for signum in (signal.SIGTERM, signal.SIGHUP):
@@ -108,14 +122,13 @@ def _temporary_servers(home: Path) -> list[int]:
     return pids
 
 
-def _signal_moplex_run_in_train(tmp_path: Path, signum: int) -> tuple[int, str, list[int]]:
+def _signal_moplex_run_in_train(tmp_path: Path, signum: int, wait_for_server: float = 0.0
+                                ) -> tuple[int, str, list[int]]:
     """Start `moplex run synthetic-demo` in a process group of its own, send ``signum`` to the group
     once the train stage has begun, and return the run's status, its stderr and the pids of its
-    PREFECT_HOME's temporary servers still running 30 s later (killed, so none is left behind)."""
-    import os
+    PREFECT_HOME's temporary servers still running when it has ended, or up to ``wait_for_server``
+    seconds later (killed then, so none is left behind)."""
     import subprocess
-    import sys
-    import time
 
     home = tmp_path / "prefect-home"
     env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
@@ -137,7 +150,7 @@ def _signal_moplex_run_in_train(tmp_path: Path, signum: int) -> tuple[int, str, 
         finally:
             if run.poll() is None:
                 os.killpg(run.pid, signal.SIGKILL)
-            deadline = time.monotonic() + 30
+            deadline = time.monotonic() + wait_for_server
             while _temporary_servers(home) and time.monotonic() < deadline:
                 time.sleep(0.5)
             left = _temporary_servers(home)
@@ -163,6 +176,7 @@ def test_a_signal_to_the_process_group_stops_moplex_run_at_once_and_its_server_w
 @pytest.mark.slow  # as above
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the server's parent-death signal is Linux's prctl")
 def test_a_sigkill_of_moplex_run_takes_its_server_down_too(tmp_path):
-    status, text, left = _signal_moplex_run_in_train(tmp_path, signal.SIGKILL)
+    # Nothing unwinds: the server learns of its parent's end by a signal of its own and stops in a moment.
+    status, text, left = _signal_moplex_run_in_train(tmp_path, signal.SIGKILL, wait_for_server=30)
     assert status == -signal.SIGKILL, text[-3000:]
     assert left == []

@@ -364,10 +364,10 @@ class LoRAPolicyScorer:
 
     def _bar(self, iterable: Any = None, **kwargs: Any) -> tqdm:
         """A progress bar of one M-step, E-step or scoring pass, gone when done. On a terminal it
-        nests under the train stage's EM bar; elsewhere (a log file, a pipe: chaos/ reads these bars)
-        it shares the EM bar's line, since a nested bar moves the cursor up with escape codes, which
-        a file keeps as they are."""
-        position = None if sys.stderr.isatty() else 0
+        nests under the train stage's EM bar, if one is open; elsewhere (a log file, a pipe: chaos/
+        reads these bars) it takes the first line, since a nested bar moves the cursor up with escape
+        codes, which a file keeps as they are."""
+        position = None if self.progress and getattr(sys.stderr, "isatty", lambda: False)() else 0
         return tqdm(iterable, disable=not self.progress, leave=False, position=position, **kwargs)
 
     def _anchor_picks(self, inputs: PolicyInputs, round_: int, anchors: int | None) -> list[torch.Tensor]:
