@@ -14,8 +14,8 @@ def assign_flow(train: str, rankings: str, root: str = DEFAULT_ROOT, device: str
                 score_batch_size: int = 32) -> str:
     """Write (or find) the posteriors of the rankings folder ``rankings`` (an ingest output) under the
     mixture at ``train`` (a train artifact folder); returns the assign artifact's folder."""
-    plan = plan_assignment(train, rankings, root, device)
+    plan = plan_assignment(train, rankings, root, device, score_batch_size)
     if plan.complete:
         get_run_logger().info("%s is already complete at %s; nothing to do", plan.ref, plan.path)
         return str(plan.path)
-    return str(write_assignment(train, rankings, root, device, score_batch_size, plan).path)
+    return str(write_assignment(train, rankings, root, plan).path)

@@ -109,7 +109,8 @@ def plan_assign(train_dir: str | Path, rankings_dir: str | Path, store: Artifact
 def run_assign(train_dir: str | Path, rankings_dir: str | Path, store: ArtifactStore, *, device: str = "auto",
                score_batch_size: int = 32, progress: bool = True, plan: AssignPlan | None = None) -> AssignResult:
     """Cache ``rankings_dir`` as ``train_dir``'s cache was built (unless done), score every response
-    under each trained adapter and write each ranking's posterior (unless this version exists)."""
+    under each trained adapter and write each ranking's posterior (unless this version exists). A
+    ``plan`` carries its own device and score_batch_size."""
     from moplex_core.cache import load_policy_inputs, run_cache
     from moplex_core.em import mixture_posteriors
     from moplex_core.train import load_trained

@@ -12,16 +12,14 @@ from moplex_core.assign import AssignPlan, AssignResult, plan_assign, run_assign
 
 
 @task(name="plan-assignment", cache_policy=NO_CACHE)
-def plan_assignment(train: str, rankings: str, root: str, device: str) -> AssignPlan:
+def plan_assignment(train: str, rankings: str, root: str, device: str, score_batch_size: int) -> AssignPlan:
     """The version these train and rankings artifacts map to, and whether it is done."""
-    return plan_assign(train, rankings, ArtifactStore(root), device=device)
+    return plan_assign(train, rankings, ArtifactStore(root), device=device, score_batch_size=score_batch_size)
 
 
 @task(name="write-assignment", cache_policy=NO_CACHE)
-def write_assignment(train: str, rankings: str, root: str, device: str, score_batch_size: int,
-                     plan: AssignPlan) -> AssignResult:
+def write_assignment(train: str, rankings: str, root: str, plan: AssignPlan) -> AssignResult:
     """Cache the rankings (unless done), score them under every adapter and write their posteriors."""
-    result = run_assign(train, rankings, ArtifactStore(root), device=device, score_batch_size=score_batch_size,
-                        plan=plan)
+    result = run_assign(train, rankings, ArtifactStore(root), plan=plan)
     get_run_logger().info("assignment %s: %d rankings at %s", result.ref, result.rows, result.path)
     return result

@@ -113,8 +113,9 @@ def test_assign_flow_on_the_local_prefect_server(prefect_env, trained, tmp_path)
     store, train, _, new = trained
     root = tmp_path / "artifacts"  # another root than the train artifact's
     assert not plan_assign(train, new, ArtifactStore(root), device="cpu").complete
-    folder = assign_flow(str(train), str(new), str(root), device="cpu")
+    folder = assign_flow(str(train), str(new), str(root), device="cpu", score_batch_size=5)
     assert folder == str(plan_assign(train, new, ArtifactStore(root), device="cpu").path)
+    assert ArtifactStore(root).manifest("assign", Path(folder).name)["config"]["score_batch_size"] == 5
     assert load_table(folder).num_rows == 6
     finished = ArtifactStore(root).manifest("assign", Path(folder).name)["finished"]
     assert assign_flow(str(train), str(new), str(root), device="cpu") == folder
