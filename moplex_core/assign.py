@@ -38,7 +38,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 STAGE = "assign"
-CODE_VERSION = "assign-1"  # bump when a change to this stage changes what it writes
+CODE_VERSION = "assign-2"  # bump when a change to this stage changes what it writes (assign-2: agreement_with_labels)
 
 ASSIGN_SCHEMA = pa.schema([
     pa.field("example_id", pa.string(), nullable=False),
@@ -155,9 +155,19 @@ def assignment_summary(posterior: np.ndarray, clusters: list[str | None]) -> dic
                                        for c in range(k) if (assigned == c).any()},
     }
     if clusters and all(c is not None for c in clusters):
+        from moplex_core.metrics import adjusted_rand_index, clustering_accuracy, fit_matching
+
+        names = sorted(set(clusters))
+        labels = np.array([names.index(c) for c in clusters])
         summary["labels_by_assigned"] = {
-            label: {f"c{c}": int(((assigned == c) & (np.asarray(clusters) == label)).sum()) for c in range(k)}
-            for label in sorted(set(clusters))
+            label: {f"c{c}": int(((assigned == c) & (labels == t)).sum()) for c in range(k)}
+            for t, label in enumerate(names)
+        }
+        # The matching is fitted on these same rankings: an upper bound, unlike evaluate's validation fit.
+        matching = fit_matching(assigned, labels, k, len(names))
+        summary["agreement_with_labels"] = {
+            "accuracy_best_matching": round(clustering_accuracy(assigned, labels, matching), 4),
+            "adjusted_rand_index": round(adjusted_rand_index(assigned, labels), 4),
         }
     return summary
 

@@ -170,6 +170,9 @@ def _assign(args: argparse.Namespace) -> int:
         print(f"\n| true label | {' | '.join(f'adapter {n}' for n in names)} |\n|---|{'---|' * len(names)}")
         for label, row in summary["labels_by_assigned"].items():
             print(f"| {label} | {' | '.join(str(row[n]) for n in names)} |")
+        agreement = summary["agreement_with_labels"]
+        print(f"\nagreement with the labels: {agreement['accuracy_best_matching']:.1%} under the best matching of "
+              f"adapters to labels (fitted on these rankings), adjusted Rand index {agreement['adjusted_rand_index']:.3f}")
     else:
         print("\n(some rankings carry no `cluster` label, so there is no table of labels by adapter)")
     return 0

@@ -5,8 +5,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
+from scipy.optimize import linear_sum_assignment
 
 from moplex_core.artifacts import ArtifactStore, load_table, verify
 from moplex_core.assign import ASSIGN_SCHEMA, plan_assign, run_assign
@@ -81,6 +83,10 @@ def test_new_rankings_get_a_posterior_an_adapter_and_every_score(trained, capsys
     summary = manifest["summary"]
     assert sum(summary["assigned"].values()) == 6
     assert sum(sum(row.values()) for row in summary["labels_by_assigned"].values()) == 6
+    counts = np.array([list(row.values()) for row in summary["labels_by_assigned"].values()])  # [labels, k]
+    rows_, cols = linear_sum_assignment(-counts)
+    assert summary["agreement_with_labels"]["accuracy_best_matching"] == round(counts[rows_, cols].sum() / 6, 4)
+    assert "agreement with the labels:" in out
     assert main(["assign", str(train), str(new), "--root", str(store.root), "--device", "cpu", "--quiet"]) == 0
     assert "already complete" in capsys.readouterr().out
 
