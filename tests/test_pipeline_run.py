@@ -180,3 +180,18 @@ def test_a_sigkill_of_moplex_run_takes_its_server_down_too(tmp_path):
     status, text, left = _signal_moplex_run_in_train(tmp_path, signal.SIGKILL, wait_for_server=30)
     assert status == -signal.SIGKILL, text[-3000:]
     assert left == []
+
+
+def test_the_pipeline_stops_right_after_ingest_when_a_split_it_needs_is_empty(prefect_env, tmp_path, fixtures_dir):
+    # 15 UltraFeedback rankings split by prompt leave 'test' empty: found before any model work, not by
+    # the evaluate stage after training.
+    from flows.pipeline import moplex_pipeline
+    from moplex_core.config import pipeline_preset, with_overrides
+
+    config = with_overrides(pipeline_preset("ultrafeedback-paper"), [
+        f"root={tmp_path}", f"ingest.path={fixtures_dir / 'ultrafeedback.jsonl'}", "ingest.split.sizes=null"])
+    state = moplex_pipeline(config=config, return_state=True)
+    assert state.is_failed()
+    with pytest.raises(ValueError, match=r"have none of split\(s\) \['test'\] \(\{'train': 11, 'validation': 4\}\)"):
+        state.result()
+    assert [p.name for p in tmp_path.iterdir()] == ["ingest"]
