@@ -35,7 +35,7 @@ from moplex_core.artifacts import ArtifactError
 from moplex_core.augment import ShortfallError
 from moplex_core.config import TINY_MODEL, PipelineConfig, pipeline_preset, with_overrides
 from moplex_core.data.sources import DatasetUnavailableError
-from moplex_core.evaluate import check_rankings_have_splits
+from moplex_core.ingest import check_rankings_fit
 from moplex_core.lm.loading import ModelUnavailableError
 from moplex_core.tiny_model import MODEL_DIR
 from flows.augment import augment_flow
@@ -89,7 +89,7 @@ def moplex_pipeline(preset: str = "synthetic-demo", overrides: list[str] | None 
                          config.retry_delay_seconds, get_run_logger())
 
     dirs = {"ingest": stage("ingest", ingest_flow, config.ingest)}
-    check_rankings_have_splits(config.evaluate, dirs["ingest"])  # before any model work
+    check_rankings_fit(dirs["ingest"], k=config.train.k, splits=config.evaluate.splits)  # before any model work
     augment, cache = config.augment, config.cache
     if config.uses_tiny_model():
         dirs["model"] = stage("model", tiny_model_flow, config.tiny_model, dirs["ingest"])

@@ -211,19 +211,6 @@ class _ScoredSplits:
         return self._by_inputs[id(inputs)]
 
 
-def check_rankings_have_splits(config: EvaluateConfig, rankings_dir: str | Path) -> None:
-    """Raise ValueError when the rankings artifact has no rankings of ``train`` or of a split evaluate
-    scores (a small source, or one that brings a single split): the pipeline checks this right after
-    ingest, not after training, where the evaluate stage would first meet it."""
-    per_split = read_manifest(rankings_dir)["summary"]["rows_per_split"]
-    missing = [split for split in ("train", *config.splits) if not per_split.get(split)]
-    if missing:
-        raise ValueError(
-            f"the rankings at {rankings_dir} have none of split(s) {missing} ({per_split or 'no rows'}); train "
-            f"needs 'train' and evaluate scores {list(config.splits)}: give more rankings or other "
-            "ingest.split fractions or sizes, or set evaluate.splits (with evaluate.fit_split among them)")
-
-
 def plan_evaluate(config: EvaluateConfig, train_dir: str | Path, cache_dir: str | Path,
                   store: ArtifactStore) -> EvaluatePlan:
     from moplex_core.lm.loading import identity_on_this_machine

@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
 
-from moplex_core.artifacts import ArtifactRef, ArtifactStore
+from moplex_core.artifacts import ArtifactRef, ArtifactStore, read_manifest
 from moplex_core.config import IngestConfig
 from moplex_core.data import generic, helpsteer2, persona, ultrafeedback
 from moplex_core.data.sources import (
@@ -75,6 +75,25 @@ def plan_ingest(config: IngestConfig, store: ArtifactStore) -> IngestPlan:
     version = store.version(STAGE, config.identity(), inputs, code_version(config.dataset))
     return IngestPlan(ArtifactRef(STAGE, version), store.path(STAGE, version), inputs,
                       store.is_complete(STAGE, version))
+
+
+def check_rankings_fit(rankings_dir: str | Path, *, k: int, splits: Sequence[str]) -> None:
+    """Raise ValueError when a rankings artifact cannot make a pipeline run: no ``train`` rankings or
+    none of a split evaluate scores (``splits``; a small source, or one that brings a single split), or
+    fewer training rankings than k clusters. The pipeline checks this right after ingest, before any
+    model work; the train and evaluate stages would meet it only after generation and caching."""
+    per_split = read_manifest(rankings_dir)["summary"]["rows_per_split"]
+    missing = [split for split in ("train", *splits) if not per_split.get(split)]
+    if missing:
+        raise ValueError(
+            f"the rankings at {rankings_dir} have none of split(s) {missing} ({per_split or 'no rows'}); train "
+            f"needs 'train' and evaluate scores {list(splits)}: give more rankings or other ingest.split "
+            "fractions or sizes, or set evaluate.splits (with evaluate.fit_split among them)")
+    if k > per_split["train"]:
+        raise ValueError(
+            f"train.k = {k} clusters, but the rankings at {rankings_dir} have only {per_split['train']} training "
+            f"ranking(s): EM cannot fill more clusters than rankings. Set train.k to at most {per_split['train']}, "
+            "or ingest more rankings.")
 
 
 def build_rankings(config: IngestConfig, inputs: dict[str, str] | None = None) -> BuiltRankings:

@@ -195,3 +195,17 @@ def test_the_pipeline_stops_right_after_ingest_when_a_split_it_needs_is_empty(pr
     with pytest.raises(ValueError, match=r"have none of split\(s\) \['test'\] \(\{'train': 11, 'validation': 4\}\)"):
         state.result()
     assert [p.name for p in tmp_path.iterdir()] == ["ingest"]
+
+
+def test_rankings_that_cannot_make_a_run_are_refused_with_what_to_change(tmp_path):
+    from moplex_core.artifacts import ArtifactStore
+    from moplex_core.config import IngestConfig
+    from moplex_core.ingest import check_rankings_fit, run_ingest
+
+    rankings = run_ingest(IngestConfig(dataset="synthetic", synthetic={"n": 30, "k": 3, "m": 3}),
+                          ArtifactStore(tmp_path)).path  # 24 / 3 / 3 rankings
+    check_rankings_fit(rankings, k=3, splits=("validation", "test"))
+    with pytest.raises(ValueError, match="train.k = 25 clusters, but the rankings at .* have only 24 training"):
+        check_rankings_fit(rankings, k=25, splits=("validation", "test"))
+    with pytest.raises(ValueError, match=r"have none of split\(s\) \['holdout'\]"):
+        check_rankings_fit(rankings, k=3, splits=("holdout",))
