@@ -89,11 +89,15 @@ def check_rankings_fit(rankings_dir: str | Path, *, k: int, splits: Sequence[str
             f"the rankings at {rankings_dir} have none of split(s) {missing} ({per_split or 'no rows'}); train "
             f"needs 'train' and evaluate scores {list(splits)}: give more rankings or other ingest.split "
             "fractions or sizes, or set evaluate.splits (with evaluate.fit_split among them)")
-    if k > per_split["train"]:
-        raise ValueError(
-            f"train.k = {k} clusters, but the rankings at {rankings_dir} have only {per_split['train']} training "
-            f"ranking(s): EM cannot fill more clusters than rankings. Set train.k to at most {per_split['train']}, "
-            "or ingest more rankings.")
+    check_clusters_fit(k, per_split["train"], f"the rankings at {rankings_dir} have")
+
+
+def check_clusters_fit(k: int, n: int, holder: str) -> None:
+    """Raise ValueError when k clusters exceed the n training rankings ``holder`` names (e.g. "the
+    cache at X has"): the pipeline asks right after ingest, the train stage against its cache."""
+    if k > n:
+        raise ValueError(f"train.k = {k} clusters, but {holder} only {n} training ranking(s): EM cannot fill more "
+                         f"clusters than rankings. Set train.k to at most {n}, or ingest more rankings.")
 
 
 def build_rankings(config: IngestConfig, inputs: dict[str, str] | None = None) -> BuiltRankings:

@@ -41,6 +41,7 @@ from moplex_core.artifacts import ArtifactRef, ArtifactStore, atomic_path, read_
 from moplex_core.cache import load_policy_inputs
 from moplex_core.config import TrainConfig
 from moplex_core.em import START_FILE, EMConfig, EMState, fit_mixture, posteriors_table, read_posteriors
+from moplex_core.ingest import check_clusters_fit
 from moplex_core.pl import PAD
 from moplex_core.lm.loading import dtype_name, identity_on_this_machine, resolve_device, resolve_dtype
 from moplex_core.lm.multi_lora import LoRASettings
@@ -183,12 +184,7 @@ def check_config_fits_data(config: TrainConfig, inputs: PolicyInputs, cache_dir:
     """Refuse, before EM writes anything, what only the data can show: more clusters than training
     rankings, or more anchors than responses (a > m'). An example with fewer responses than ``a``
     (ragged slates) is computed exactly, as ``a = m'`` would."""
-    n = len(inputs)
-    if config.k > n:
-        raise ValueError(
-            f"train.k = {config.k} clusters, but the cache at {cache_dir} has only {n} training ranking(s): "
-            f"EM cannot fill more clusters than rankings. Set train.k to at most {n}, or ingest more rankings."
-        )
+    check_clusters_fit(config.k, len(inputs), f"the cache at {cache_dir} has")
     responses = (inputs.tiers != PAD).sum(1)  # [n]: m' of every example
     largest, smallest = int(responses.max()), int(responses.min())
     if config.anchors is not None and config.anchors > largest:
