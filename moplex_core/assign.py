@@ -12,7 +12,10 @@ settings (same model, tokenization and truncation), so log pi_ref is computed as
 the new cache is a versioned, resumable artifact like any other (its anchor contractions go unused).
 Only the responses in the rankings are scored: nothing is generated.
 
-    assign/<version>/part-*.parquet   one row per ranking (ASSIGN_SCHEMA)
+    assign/<version>/part-*.parquet   one row per ranking (ASSIGN_SCHEMA); shard s holds the rankings
+                                      of the cache's shard s (cache.shard_rows each), written as soon
+                                      as they are scored, so a killed run resumes at the first
+                                      missing shard
 
 The version depends on the train and cache artifacts and the dtype the adapters score in; as for
 evaluate, ``device`` and ``score_batch_size`` are left out of it.
@@ -27,18 +30,22 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.parquet as pq
 import torch
+from tqdm.auto import tqdm
 
-from moplex_core.artifacts import ArtifactRef, ArtifactStore, load_table, read_manifest
+from moplex_core.artifacts import ArtifactRef, ArtifactStore, read_manifest, shard_name, shard_paths
 
 if TYPE_CHECKING:
     from moplex_core.cache import CachePlan
     from moplex_core.config import CacheConfig
+    from moplex_core.scorers.lora_policy import LoRAPolicyScorer
 
 log = logging.getLogger(__name__)
 
 STAGE = "assign"
-CODE_VERSION = "assign-2"  # bump when a change to this stage changes what it writes (assign-2: agreement_with_labels)
+CODE_VERSION = "assign-3"  # bump when a change to this stage changes what it writes
+# (assign-2: agreement_with_labels; assign-3: one shard per cache shard, each written when scored)
 
 ASSIGN_SCHEMA = pa.schema([
     pa.field("example_id", pa.string(), nullable=False),
@@ -111,8 +118,7 @@ def run_assign(train_dir: str | Path, rankings_dir: str | Path, store: ArtifactS
     """Cache ``rankings_dir`` as ``train_dir``'s cache was built (unless done), score every response
     under each trained adapter and write each ranking's posterior (unless this version exists). A
     ``plan`` carries its own device and score_batch_size."""
-    from moplex_core.cache import load_policy_inputs, run_cache
-    from moplex_core.em import mixture_posteriors
+    from moplex_core.cache import run_cache
     from moplex_core.train import load_trained
 
     plan = plan or plan_assign(train_dir, rankings_dir, store, device=device, score_batch_size=score_batch_size)
@@ -123,25 +129,45 @@ def run_assign(train_dir: str | Path, rankings_dir: str | Path, store: ArtifactS
         if writer.complete:
             return AssignResult(plan.ref, plan.path, False, store.manifest(STAGE, plan.ref.version)["rows"])
         run_cache(plan.cache_config, rankings_dir, store, plan.cache, progress=progress)
-        inputs, clusters = load_policy_inputs(plan.cache.path, split=None)
-        scorer, alpha, trained = load_trained(train_dir, device=plan.recorded["device"])
-        scorer.score_batch_size, scorer.progress = plan.recorded["score_batch_size"], progress
-        scores = scorer.exact_scores(inputs)  # float64 [n, k, M]
-        posterior, log_likelihood = mixture_posteriors(scores, inputs.rankings(trained.likelihood), alpha)  # [n, k], [n]
-        sizes = [len(s) for s in inputs.sequences]
-        writer.write_shard(0, pa.Table.from_pydict({
-            "example_id": list(inputs.example_ids),
-            "split": load_table(plan.cache.path, columns=["split"]).column("split").to_pylist(),  # in inputs' order
-            "cluster": list(clusters),
-            "assigned": posterior.argmax(dim=1).to(torch.int32).tolist(),
-            "posterior": posterior.tolist(),
-            "log_likelihood": log_likelihood.tolist(),
-            "scores": [scores[i, :, :m].tolist() for i, m in enumerate(sizes)],  # [k][m_i] each
-        }, schema=ASSIGN_SCHEMA))
-        writer.summary.update(assignment_summary(posterior.numpy(), clusters))
-    log.info("assigned %d rankings to the %d clusters of %s: %s", len(inputs), scorer.k, plan.inputs["train"],
-             plan.path)
-    return AssignResult(plan.ref, plan.path, True, len(inputs))
+        cache_shards = shard_paths(plan.cache.path)  # assign shard s holds the rankings of cache shard s
+        todo = [s for s in range(len(cache_shards)) if not writer.has_shard(s)]
+        if todo:
+            scorer, alpha, trained = load_trained(train_dir, device=plan.recorded["device"])
+            scorer.score_batch_size, scorer.progress = plan.recorded["score_batch_size"], progress
+            total = sum(pq.read_metadata(path).num_rows for path in cache_shards)
+            done = total - sum(pq.read_metadata(cache_shards[s]).num_rows for s in todo)
+            with tqdm(total=total, initial=done, desc="assign: rankings", unit="ranking", disable=not progress) as bar:
+                for s in todo:
+                    part = pq.read_table(cache_shards[s])
+                    writer.write_shard(s, _assigned_rows(part, scorer, alpha, trained.likelihood))
+                    bar.update(part.num_rows)
+        written = pa.concat_tables(pq.read_table(writer.path / shard_name(s), columns=["posterior", "cluster"])
+                                   for s in range(len(cache_shards)))
+        posterior = np.array(written.column("posterior").to_pylist(), dtype=np.float64)  # [n, k]
+        writer.summary.update(assignment_summary(posterior, written.column("cluster").to_pylist()))
+    log.info("assigned %d rankings to the %d clusters of %s: %s", len(posterior), posterior.shape[1],
+             plan.inputs["train"], plan.path)
+    return AssignResult(plan.ref, plan.path, True, len(posterior))
+
+
+def _assigned_rows(part: pa.Table, scorer: LoRAPolicyScorer, alpha: torch.Tensor, likelihood: str) -> pa.Table:
+    """ASSIGN_SCHEMA rows of some CACHE_SCHEMA rows: each response scored exactly under every adapter,
+    and each ranking's posterior over the clusters."""
+    from moplex_core.cache import policy_inputs
+    from moplex_core.em import mixture_posteriors
+
+    inputs, clusters = policy_inputs(part)
+    scores = scorer.exact_scores(inputs)  # float64 [n, k, M]
+    posterior, log_likelihood = mixture_posteriors(scores, inputs.rankings(likelihood), alpha)  # [n, k], [n]
+    return pa.Table.from_pydict({
+        "example_id": list(inputs.example_ids),
+        "split": part.column("split").to_pylist(),
+        "cluster": list(clusters),
+        "assigned": posterior.argmax(dim=1).to(torch.int32).tolist(),
+        "posterior": posterior.tolist(),
+        "log_likelihood": log_likelihood.tolist(),
+        "scores": [scores[i, :, :len(seqs)].tolist() for i, seqs in enumerate(inputs.sequences)],  # [k][m_i] each
+    }, schema=ASSIGN_SCHEMA)
 
 
 def assignment_summary(posterior: np.ndarray, clusters: list[str | None]) -> dict[str, object]:

@@ -187,14 +187,19 @@ def truncated_responses(rows: pa.Table, max_response_tokens: int | None, eos_tok
 
 def load_policy_inputs(cache_dir: str | Path, split: str | None = "train"):
     """The cache's rows of ``split`` (None: all) as PolicyInputs, and their cluster labels (list)."""
-    from moplex_core.scorers.lora_policy import PolicyInputs
-
     table = load_table(cache_dir)
     if split is not None:
         table = table.filter(pc.equal(table.column("split"), split))
         if table.num_rows == 0:
             raise ValueError(f"the cache at {cache_dir} has no rows of split {split!r}; "
                              "ingest with a split that has some")
+    return policy_inputs(table)
+
+
+def policy_inputs(table: pa.Table):
+    """CACHE_SCHEMA rows as PolicyInputs, in the table's order, and their cluster labels (list)."""
+    from moplex_core.scorers.lora_policy import PolicyInputs
+
     columns = table.to_pydict()
     sizes = [len(r) for r in columns["response_start"]]
     width = max(sizes)

@@ -10,7 +10,7 @@ import pytest
 import torch
 from scipy.optimize import linear_sum_assignment
 
-from moplex_core.artifacts import ArtifactStore, load_table, verify
+from moplex_core.artifacts import ArtifactStore, load_table, shard_paths, verify
 from moplex_core.assign import ASSIGN_SCHEMA, plan_assign, run_assign
 from moplex_core.cache import load_policy_inputs
 from moplex_core.cli import main
@@ -50,6 +50,28 @@ def test_the_training_rankings_get_the_posteriors_em_ended_with(trained):
     posterior = torch.tensor([rows["posterior"][where[example]] for example in ids], dtype=torch.float64)
     torch.testing.assert_close(posterior, final, atol=1e-6, rtol=0)
     assert {rows["split"][where[example]] for example in ids} == {"train"}
+
+
+def test_a_killed_assign_resumes_at_the_first_missing_shard(trained):
+    store, train, rankings, _ = trained
+    first = run_assign(train, rankings, store, device="cpu", progress=False)
+    plan = plan_assign(train, rankings, store, device="cpu")
+    shards = shard_paths(first.path)
+    assert [p.name for p in shards] == [p.name for p in shard_paths(plan.cache.path)]  # 36 rankings, 5 per shard
+    assert [load_table(first.path).slice(5 * s, 5).column("example_id") for s in range(8)] == [
+        load_table(plan.cache.path).slice(5 * s, 5).column("example_id") for s in range(8)]
+    whole, summary = load_table(first.path), store.manifest("assign", first.ref.version)["summary"]
+    # What a kill while scoring shard 3 leaves: shards 0-2 written, no manifest.
+    (first.path / "manifest.json").unlink()
+    for path in shards[3:]:
+        path.unlink()
+    kept = {path.name: path.stat().st_mtime_ns for path in shards[:3]}
+    again = run_assign(train, rankings, store, device="cpu", progress=False)
+    assert again.built and again.path == first.path and again.rows == 36
+    assert {path.name: path.stat().st_mtime_ns for path in shards[:3]} == kept  # not scored again
+    assert load_table(again.path).equals(whole)
+    assert store.manifest("assign", again.ref.version)["summary"] == summary
+    verify(again.path)
 
 
 def test_new_rankings_get_a_posterior_an_adapter_and_every_score(trained, capsys):
