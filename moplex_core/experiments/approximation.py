@@ -122,6 +122,8 @@ def run_approximation(
     *, progress: bool = False,
 ) -> ApproximationOutputs:
     """Train k adapters briefly per seed, measure both modes, write errors.parquet + table.md to ``out``."""
+    if not config.seeds:
+        raise ValueError("the approximation experiment needs at least one seed")
     examples = inputs.subset(range(min(config.examples, len(inputs))))
     frames = []
     for seed in config.seeds:
