@@ -85,8 +85,8 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=2e-3, help="LoRA learning rate")
     parser.add_argument("--first-epochs", type=int, default=None,
                         help="passes of the first M-step (train.first_epochs; default: the 2 of every M-step)")
-    parser.add_argument("--init", default="linearized", choices=("linearized", "kmeans", "dirichlet"),
-                        help="EM start (moplex_core.em)")
+    parser.add_argument("--init", default="linearized", choices=("linearized", "kmeans", "dirichlet", "labels"),
+                        help="EM start (train.init; labels: the true clusters)")
     parser.add_argument("--pretrain-steps", type=int, default=150)
     parser.add_argument("--approx-seeds", type=int, default=3,
                         help="seeds of the approximation-error table; 0 skips it")

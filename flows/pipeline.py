@@ -89,7 +89,8 @@ def moplex_pipeline(preset: str = "synthetic-demo", overrides: list[str] | None 
                          config.retry_delay_seconds, get_run_logger())
 
     dirs = {"ingest": stage("ingest", ingest_flow, config.ingest)}
-    check_rankings_fit(dirs["ingest"], k=config.train.k, splits=config.evaluate.splits)  # before any model work
+    check_rankings_fit(dirs["ingest"], k=config.train.k, splits=config.evaluate.splits,  # before any model work
+                       labelled=config.train.init == "labels")
     augment, cache = config.augment, config.cache
     if config.uses_tiny_model():
         dirs["model"] = stage("model", tiny_model_flow, config.tiny_model, dirs["ingest"])

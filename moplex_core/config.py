@@ -475,7 +475,11 @@ class TrainConfig(StageConfig):
     ``init`` breaks the symmetry of the first M-step (moplex_core.em): ``linearized`` (default), the
     posteriors of a linear PL mixture over each response's output-layer score gradient under the
     base model (one extra forward per training response; `LoRAPolicyScorer.response_features`);
-    ``kmeans`` over the rankings' Fisher-score features; or a seeded ``dirichlet``.
+    ``kmeans`` over the rankings' Fisher-score features; a seeded ``dirichlet``; or ``labels``, the
+    training rankings' own ``cluster`` labels (0.9 on the label's cluster, labels in sorted order to
+    c0, c1, ...): a warm start from known groups (annotators, criteria, personas) that EM then
+    refines, and the test of how much of a known partition the adapters can hold. It needs a label on
+    every training ranking, exactly k labels, and one restart (every restart would start alike).
 
     Left out of the version: ``score_batch_size``, ``device``, ``chunk_size`` (how fast, not what).
     The base model is the one the cache was built from (its version pins the model's content).
@@ -498,7 +502,7 @@ class TrainConfig(StageConfig):
     gamma_min: float = Field(1e-3, ge=0.0, lt=1.0)
     em_iterations: int = Field(10, ge=1)
     tol: float = Field(1e-6, ge=0.0)
-    init: Literal["linearized", "kmeans", "dirichlet"] = "linearized"
+    init: Literal["linearized", "kmeans", "dirichlet", "labels"] = "linearized"
     restarts: int = Field(1, ge=1)
     seed: int = 0
     dtype: ModelDtype = "auto"
@@ -514,6 +518,14 @@ class TrainConfig(StageConfig):
         if not v or any(not t.strip() for t in v):
             raise ValueError(f"lora_targets must name at least one module (e.g. q_proj), got {v}")
         return v
+
+    @model_validator(mode="after")
+    def _one_start_from_labels(self) -> TrainConfig:
+        if self.init == "labels" and self.restarts > 1:
+            raise ValueError(f"train.init = labels starts every restart from the same responsibilities (and "
+                             f"the same seed), so restarts = {self.restarts} would repeat one run: set "
+                             "train.restarts = 1")
+        return self
 
     def identity(self) -> dict[str, Any]:
         return self.model_dump(mode="json", exclude={"score_batch_size", "device", "chunk_size"})

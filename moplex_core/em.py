@@ -128,7 +128,8 @@ class EMConfig:
     """Stop when |LL_t - LL_{t-1}| <= tol * |LL_{t-1}| (LL per ranking)."""
     gamma_min: float = 1e-3
     """M-step skips (example, cluster) pairs whose responsibility is below this."""
-    init: Literal["kmeans", "dirichlet", "linearized"] = "kmeans"
+    init: Literal["kmeans", "dirichlet", "linearized", "labels"] = "kmeans"
+    """``labels``: the caller's known groups, given to `fit_mixture` as ``warm_start`` (`soft_one_hot`)."""
     dirichlet_concentration: float = 1.0
     restarts: int = 1
     """Independent runs from different initialisations; the best final log-likelihood is kept."""
@@ -206,6 +207,9 @@ def initial_responsibilities(
     n, k = len(rankings), config.k
     if k == 1:
         return torch.ones(n, 1, dtype=torch.float64)
+    if config.init == "labels":
+        raise ValueError("init='labels' starts from the caller's known groups: give them to fit_mixture as "
+                         "warm_start (soft_one_hot of each ranking's group)")
     if config.init == "dirichlet":
         # Normalised Gamma(c, 1) draws from a generator seeded here, never the global RNG.
         rng = np.random.default_rng(seed)
@@ -217,10 +221,15 @@ def initial_responsibilities(
 
     features = scorer.ranking_features(inputs, rankings).numpy()
     features = features / (np.linalg.norm(features, axis=1, keepdims=True) + 1e-12)
-    labels = KMeans(k, n_init=4, random_state=seed).fit_predict(features)
-    # Soft one-hot: confident but not certain, so the first M-step still sees every cluster.
-    gamma = torch.full((n, k), 0.1 / max(k - 1, 1), dtype=torch.float64)
-    gamma[torch.arange(n), torch.as_tensor(labels)] = 0.9
+    return soft_one_hot(KMeans(k, n_init=4, random_state=seed).fit_predict(features), k)
+
+
+def soft_one_hot(labels: np.ndarray, k: int) -> torch.Tensor:
+    """Responsibilities float64 [n, k] that put 0.9 on each ranking's cluster ``labels[i]`` (in 0..k-1)
+    and share 0.1 among the others: confident but not certain, so the first M-step still sees every
+    cluster."""
+    gamma = torch.full((len(labels), k), 0.1 / max(k - 1, 1), dtype=torch.float64)
+    gamma[torch.arange(len(labels)), torch.as_tensor(labels, dtype=torch.long)] = 0.9
     return gamma
 
 
@@ -369,6 +378,8 @@ def _run_restart(
         if config.hard:
             gamma = _one_hot(gamma)
         history.append(ll.mean().item())
+        if not config.hard:
+            _warn_if_the_likelihood_fell(history, iteration)
         converged = len(history) > 1 and abs(history[-1] - history[-2]) <= config.tol * abs(history[-2])
         state = EMState(restart, iteration, gamma, alpha, history, converged, scorer.state_dict())
         if restart_dir is not None:
@@ -395,6 +406,30 @@ def _warn_on_tied_rankings(rankings: Rankings) -> None:
             "which response is better or which cluster they came from"
             + (". With every ranking tied the clusters cannot be told apart: the posteriors tend to the "
                "mixing weights." if n_tied == n else "; EM fits on the others."),
+            RuntimeWarning,
+            stacklevel=3,
+        )
+
+
+LIKELIHOOD_FALL = 1e-6
+"""Relative fall of the log-likelihood per ranking between two EM iterations that counts as one."""
+
+
+def likelihood_falls(history: list[float]) -> list[int]:
+    """The iterations (0-based) whose log-likelihood per ranking fell below the one before. Soft EM
+    never lowers it when each M-step raises its own weighted objective, so a fall says an M-step
+    lowered it (with estimated scores, or a stochastic M-step, a small fall can also be noise; hard
+    EM may lower it)."""
+    return [t for t in range(1, len(history)) if history[t - 1] - history[t] > LIKELIHOOD_FALL * abs(history[t - 1])]
+
+
+def _warn_if_the_likelihood_fell(history: list[float], iteration: int) -> None:
+    if likelihood_falls(history[-2:]):
+        warnings.warn(
+            f"EM iteration {iteration}: the log-likelihood per ranking fell from {history[-2]:.6f} to "
+            f"{history[-1]:.6f}. EM only lowers it when an M-step lowers its own weighted objective: steps too "
+            "large (lower train.lr) or too few to recover from the last ones (raise train.epochs); with anchors "
+            "the scores are estimates, so a small fall can also be the estimation's",
             RuntimeWarning,
             stacklevel=3,
         )

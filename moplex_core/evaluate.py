@@ -165,7 +165,7 @@ def _name(c: int, label_names: list[str] | None) -> str:
 # the evaluate stage: a train artifact and its cache in, `evaluation` out (DESIGN 3, 7)
 
 STAGE = "evaluate"
-CODE_VERSION = "evaluate-4"  # bump when a change to this stage changes what it writes
+CODE_VERSION = "evaluate-5"  # bump when a change to this stage changes what it writes (5: where the LL fell)
 METRICS_FILE = "metrics.parquet"
 METRICS_COLUMNS = ("method", "split", "metric", "cluster", "value", "seed")
 

@@ -17,8 +17,9 @@ from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
+import pyarrow.compute as pc
 
-from moplex_core.artifacts import ArtifactRef, ArtifactStore, read_manifest
+from moplex_core.artifacts import ArtifactRef, ArtifactStore, load_table, read_manifest
 from moplex_core.config import IngestConfig
 from moplex_core.data import generic, helpsteer2, persona, ultrafeedback
 from moplex_core.data.sources import (
@@ -77,11 +78,13 @@ def plan_ingest(config: IngestConfig, store: ArtifactStore) -> IngestPlan:
                       store.is_complete(STAGE, version))
 
 
-def check_rankings_fit(rankings_dir: str | Path, *, k: int, splits: Sequence[str]) -> None:
+def check_rankings_fit(rankings_dir: str | Path, *, k: int, splits: Sequence[str], labelled: bool = False) -> None:
     """Raise ValueError when a rankings artifact cannot make a pipeline run: no ``train`` rankings or
-    none of a split evaluate scores (``splits``; a small source, or one that brings a single split), or
-    fewer training rankings than k clusters. The pipeline checks this right after ingest, before any
-    model work; the train and evaluate stages would meet it only after generation and caching."""
+    none of a split evaluate scores (``splits``; a small source, or one that brings a single split),
+    fewer training rankings than k clusters, or (``labelled``: EM starts from the labels) training
+    rankings without a label or with other than k labels. The pipeline checks this right after
+    ingest, before any model work; the train and evaluate stages would meet it only after generation
+    and caching."""
     per_split = read_manifest(rankings_dir)["summary"]["rows_per_split"]
     missing = [split for split in ("train", *splits) if not per_split.get(split)]
     if missing:
@@ -90,6 +93,29 @@ def check_rankings_fit(rankings_dir: str | Path, *, k: int, splits: Sequence[str
             f"needs 'train' and evaluate scores {list(splits)}: give more rankings or other ingest.split "
             "fractions or sizes, or set evaluate.splits (with evaluate.fit_split among them)")
     check_clusters_fit(k, per_split["train"], f"the rankings at {rankings_dir} have")
+    if labelled:
+        rows = load_table(rankings_dir, columns=["example_id", "split", "cluster"])
+        train = rows.filter(pc.equal(rows.column("split"), "train"))
+        check_labels_fit(train.column("cluster").to_pylist(), train.column("example_id").to_pylist(), k,
+                         f"the rankings at {rankings_dir}")
+
+
+def check_labels_fit(labels: Sequence[str | None], example_ids: Sequence[str], k: int, holder: str) -> list[str]:
+    """The sorted labels of the training rankings ``holder`` names (e.g. "the cache at X"), for EM to
+    start from (`train.init = labels`: label i on cluster c<i>); raise ValueError when a ranking has
+    none or there are not exactly k of them."""
+    missing = [example for example, label in zip(example_ids, labels, strict=True) if label is None]
+    if missing:
+        raise ValueError(f"train.init = labels needs a `cluster` label on every training ranking; {len(missing)} of "
+                         f"the {len(labels)} in {holder} have none (example_id {missing[0]!r}, ...). Label them, or "
+                         "choose another train.init (linearized, kmeans, dirichlet)")
+    names = sorted(set(labels))
+    if len(names) != k:
+        shown = ", ".join(names[:12]) + (", ..." if len(names) > 12 else "")
+        raise ValueError(f"train.init = labels puts each label on its own cluster, but the training rankings in "
+                         f"{holder} carry {len(names)} label(s) ({shown}) and train.k = {k}: set "
+                         f"train.k = {len(names)}, or choose another train.init")
+    return names
 
 
 def check_clusters_fit(k: int, n: int, holder: str) -> None:

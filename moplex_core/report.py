@@ -17,6 +17,7 @@ import numpy as np
 import pandas as pd
 from matplotlib.figure import Figure
 
+from moplex_core.em import likelihood_falls
 from moplex_core.evaluate import EM_START_SPLIT
 
 HEADLINE = ("clustering_accuracy", "ari", "nmi", "ranking_accuracy_posterior", "ranking_accuracy_oracle",
@@ -78,7 +79,14 @@ def write_report(writer, metrics: pd.DataFrame, diagnostics: pd.DataFrame, histo
                   "![per-cluster accuracy](plots/cluster_accuracy.png)", ""]
     lines += ["## EM training log-likelihood", "",
               f"{len(history)} iteration(s); log-likelihood per training ranking: "
-              + ", ".join(f"{v:.4f}" for v in history), "", "![EM log-likelihood](plots/em_log_likelihood.png)", ""]
+              + ", ".join(f"{v:.4f}" for v in history), ""]
+    falls = likelihood_falls(history)
+    if falls:
+        lines += [f"It fell at iteration(s) {', '.join(str(t + 1) for t in falls)}. Soft EM does not lower it unless "
+                  "an M-step lowers its own weighted objective: steps too large (`train.lr`) or too few to recover "
+                  "(`train.epochs`); estimated scores (anchors) add noise, and hard EM (`train.hard`) may lower it.",
+                  ""]
+    lines += ["![EM log-likelihood](plots/em_log_likelihood.png)", ""]
     lines += _em_start_section(start_rows)
     for name in confusion:
         lines += [f"## Posterior confusion ({name})", "", "Mean gamma per true label (rows) and EM cluster (columns).",

@@ -29,9 +29,11 @@ import json
 import logging
 import os
 import shutil
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
@@ -40,8 +42,9 @@ from tqdm.auto import tqdm
 from moplex_core.artifacts import ArtifactRef, ArtifactStore, atomic_path, read_manifest
 from moplex_core.cache import load_policy_inputs
 from moplex_core.config import TrainConfig
-from moplex_core.em import START_FILE, EMConfig, EMState, fit_mixture, posteriors_table, read_posteriors
-from moplex_core.ingest import check_clusters_fit
+from moplex_core.em import (START_FILE, EMConfig, EMState, fit_mixture, posteriors_table, read_posteriors,
+                            soft_one_hot)
+from moplex_core.ingest import check_clusters_fit, check_labels_fit
 from moplex_core.pl import PAD
 from moplex_core.lm.loading import dtype_name, identity_on_this_machine, resolve_device, resolve_dtype
 from moplex_core.lm.multi_lora import LoRASettings
@@ -110,8 +113,9 @@ def run_train(config: TrainConfig, cache_dir: str | Path, store: ArtifactStore, 
     plan = plan or plan_train(config, cache_dir, store)
     if plan.complete:
         return _finished(plan)
-    inputs, _ = load_policy_inputs(cache_dir, TRAIN_SPLIT)
+    inputs, labels = load_policy_inputs(cache_dir, TRAIN_SPLIT)
     check_config_fits_data(config, inputs, cache_dir)
+    warm_start = label_start(labels, config.k, inputs.example_ids, cache_dir) if config.init == "labels" else None
     rankings = inputs.rankings(config.likelihood)
     em_config = EMConfig(k=config.k, max_iter=config.em_iterations, tol=config.tol, gamma_min=config.gamma_min,
                          init=config.init, restarts=config.restarts, hard=config.hard, seed=config.seed)
@@ -139,7 +143,8 @@ def run_train(config: TrainConfig, cache_dir: str | Path, store: ArtifactStore, 
 
         with bar:
             result, scorer = fit_mixture(new_scorer, inputs, rankings, em_config, checkpoint_dir=writer.path / "em",
-                                         on_iteration=on_iteration, checkpoint_files=_iteration_files)
+                                         on_iteration=on_iteration, warm_start=warm_start,
+                                         checkpoint_files=_iteration_files)
         best = result.best
         with writer.directory("adapters") as staging:
             scorer.save_adapters(staging)
@@ -178,6 +183,13 @@ def check_reference_gap(scorer: LoRAPolicyScorer, inputs: PolicyInputs, cache_di
         log.info("the base model reproduces the cache's log pi_ref to %.3g nats (cache in %s, training in %s)",
                  gap, cached, trained)
     return gap
+
+
+def label_start(labels: list[str | None], k: int, example_ids: Sequence[str], cache_dir: str | Path) -> torch.Tensor:
+    """`train.init = labels`: the start float64 [n, k] from the training rankings' own labels, the
+    i-th of them in sorted order on cluster c<i> (`em.soft_one_hot`)."""
+    names = check_labels_fit(labels, example_ids, k, f"the cache at {cache_dir}")
+    return soft_one_hot(np.array([names.index(label) for label in labels]), k)
 
 
 def check_config_fits_data(config: TrainConfig, inputs: PolicyInputs, cache_dir: str | Path) -> None:

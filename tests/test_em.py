@@ -6,6 +6,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import warnings
 import weakref
 
 import numpy as np
@@ -260,3 +261,15 @@ def test_a_restart_keeps_its_start_and_a_rerun_reads_it_back(tmp_path):
     again, _ = fit_mixture(lambda: Counting(3, 3), x, rankings, config, checkpoint_dir=tmp_path)
     assert len(calls) == 2
     assert torch.equal(again.best.gamma, first.best.gamma) and again.best.history == first.best.history
+
+
+def test_soft_em_warns_when_an_m_step_lowered_the_likelihood():
+    from moplex_core.em import _warn_if_the_likelihood_fell
+
+    with pytest.warns(RuntimeWarning, match=r"EM iteration 3: the log-likelihood per ranking fell from -2.900000 to "
+                                            r"-2.950000\. EM only lowers it when an M-step lowers"):
+        _warn_if_the_likelihood_fell([-3.0, -2.8, -2.9, -2.95], 3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _warn_if_the_likelihood_fell([-3.0, -2.9], 1)
+        _warn_if_the_likelihood_fell([-2.9, -2.9 - 1e-9], 1)

@@ -9,9 +9,11 @@ import pytest
 from moplex_core.artifacts import ArtifactStore, verify
 from moplex_core.cache import load_policy_inputs
 from moplex_core.config import EvaluateConfig, IngestConfig
+from moplex_core.em import likelihood_falls
 from moplex_core.evaluate import METRICS_COLUMNS, em_start_metrics, plan_evaluate, run_evaluate
 from moplex_core.ingest import run_ingest
 from moplex_core.inspect import inspect_path
+from moplex_core.report import write_report
 from moplex_core.train import load_posteriors
 from stage_fixtures import tiny_trained_mixture
 
@@ -57,6 +59,17 @@ def test_evaluation_writes_labelled_metrics_a_report_and_plots(trained):
         assert (result.path / "plots" / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     shown = inspect_path(result.path, rows=1)  # metrics' cluster "all" beside the crosstab's total
     assert "-- metrics.parquet:" in shown and "(total)" in shown and "rows per cluster x split:" in shown
+
+
+def test_the_report_says_at_which_iterations_the_likelihood_fell(trained, tmp_path):
+    store, train, cache = trained
+    metrics = pd.read_parquet(run_evaluate(EvaluateConfig(), train, cache, store).path / "metrics.parquet")
+    history = [-3.0, -2.9, -2.95, -2.97, -2.8, -2.8 - 1e-9]  # the last is rounding, not a fall
+    with ArtifactStore(tmp_path).writer("evaluate", "0123456789ab", config={}) as writer:
+        write_report(writer, metrics, pd.DataFrame(), history, {}, {"train": "train/x"})
+    section = (writer.path / "report.md").read_text().split("## EM training log-likelihood")[1].split("\n## ")[0]
+    assert "It fell at iteration(s) 3, 4. Soft EM does not lower it unless an M-step" in section
+    assert likelihood_falls(history) == [2, 3]
 
 
 def test_the_same_evaluation_is_a_version_that_is_skipped(trained):

@@ -11,6 +11,7 @@ import textwrap
 import pyarrow.parquet as pq
 import pytest
 import torch
+from pydantic import ValidationError
 from lm_fixtures import tiny_model_dir  # noqa: F401  (fixture)
 from stage_fixtures import write_synthetic
 
@@ -18,6 +19,7 @@ from moplex_core.artifacts import ArtifactStore, read_manifest
 from moplex_core.cache import load_policy_inputs, run_cache
 from moplex_core.config import CacheConfig, TrainConfig
 from moplex_core.em import EMConfig, initial_responsibilities, posteriors_table, read_posteriors
+from moplex_core.ingest import check_labels_fit
 from moplex_core.train import (REFERENCE_GAP_WARNING, check_reference_gap, load_posteriors, load_trained, make_scorer,
                                run_train)
 
@@ -101,6 +103,39 @@ def test_the_start_kept_is_the_best_restarts(cache_dir, tmp_path):
     ids, start, _ = load_posteriors(result.path)
     starts = [read_posteriors(result.path / "em" / f"restart-{r:02d}" / "start.parquet", ids) for r in (0, 1)]
     assert not torch.equal(starts[0], starts[1]) and torch.equal(start, starts[best])
+
+
+def test_em_can_start_from_the_rankings_own_labels(cache_dir, tmp_path):
+    _, labels = load_policy_inputs(cache_dir, "train")
+    names = sorted(set(labels))
+    k = len(names)
+    config = CONFIG.model_copy(update={"k": k, "init": "labels", "em_iterations": 1})
+    result = run_train(config, cache_dir, ArtifactStore(tmp_path), progress=False)
+    ids, start, final = load_posteriors(result.path)
+    inputs, labels = load_policy_inputs(cache_dir, "train")
+    assert ids == inputs.example_ids
+    expected = torch.full((len(ids), k), 0.1 / (k - 1), dtype=torch.float64)
+    expected[torch.arange(len(ids)), torch.tensor([names.index(label) for label in labels])] = 0.9
+    torch.testing.assert_close(start, expected, rtol=0, atol=0)  # label i (sorted) on cluster c<i>
+    assert not torch.equal(final, start)
+    with pytest.raises(ValueError, match=rf"carry {k} label\(s\) \({', '.join(names)}\) and train.k = {k + 1}"):
+        run_train(config.model_copy(update={"k": k + 1}), cache_dir, ArtifactStore(tmp_path / "other"), progress=False)
+    assert not (tmp_path / "other" / "train").exists()
+    with pytest.raises(ValueError, match="2 of the 3 in the cache at X have none"):
+        check_labels_fit(["c0", None, None], ["a", "b", "c"], 1, "the cache at X")
+    with pytest.raises(ValidationError, match="restarts = 2 would repeat one run"):
+        TrainConfig(init="labels", restarts=2)
+    with pytest.raises(ValueError, match="give them to fit_mixture as warm_start"):
+        initial_responsibilities(EMConfig(k=k, init="labels"), None, inputs, inputs.rankings(), seed=0)
+
+
+def test_an_m_step_that_overshoots_is_warned_about(cache_dir, tmp_path):
+    # Too large a learning rate for one epoch: the third M-step lowers its own objective, and EM says so.
+    config = CONFIG.model_copy(update={"lr": 0.03, "anchors": None, "em_iterations": 4})
+    with pytest.warns(RuntimeWarning, match="the log-likelihood per ranking fell from"):
+        result = run_train(config, cache_dir, ArtifactStore(tmp_path), progress=False)
+    history = json.loads((result.path / "result.json").read_text())["history"]
+    assert any(later < earlier for earlier, later in zip(history, history[1:])), history
 
 
 def test_pairwise_hard_em_trains_on_bt_pairs_with_one_hot_posteriors(cache_dir, tmp_path):
