@@ -257,7 +257,7 @@ def build_parser() -> argparse.ArgumentParser:
     approx.add_argument("--split", default="train", help="cache split to measure on")
     approx.add_argument("--k", type=int, default=3, help="adapters trained briefly before measuring")
     approx.add_argument("--seed", type=int, default=0, help="first seed")
-    approx.add_argument("--seeds", type=int, default=3, help="number of seeds")
+    approx.add_argument("--seeds", type=_positive_int, default=3, help="number of seeds")
     approx.add_argument("--examples", type=int, default=50, help="examples per seed")
     approx.add_argument("--quiet", action="store_true", help="no progress bar")
     approx.set_defaults(func=_experiment_approximation)

@@ -227,8 +227,10 @@ def initial_responsibilities(
 def soft_one_hot(labels: np.ndarray, k: int) -> torch.Tensor:
     """Responsibilities float64 [n, k] that put 0.9 on each ranking's cluster ``labels[i]`` (in 0..k-1)
     and share 0.1 among the others: confident but not certain, so the first M-step still sees every
-    cluster."""
-    gamma = torch.full((len(labels), k), 0.1 / max(k - 1, 1), dtype=torch.float64)
+    cluster (k = 1: all ones)."""
+    if k == 1:
+        return torch.ones(len(labels), 1, dtype=torch.float64)
+    gamma = torch.full((len(labels), k), 0.1 / (k - 1), dtype=torch.float64)
     gamma[torch.arange(len(labels)), torch.as_tensor(labels, dtype=torch.long)] = 0.9
     return gamma
 
@@ -416,10 +418,10 @@ LIKELIHOOD_FALL = 1e-6
 
 
 def likelihood_falls(history: list[float]) -> list[int]:
-    """The iterations (0-based) whose log-likelihood per ranking fell below the one before. Soft EM
-    never lowers it when each M-step raises its own weighted objective, so a fall says an M-step
-    lowered it (with estimated scores, or a stochastic M-step, a small fall can also be noise; hard
-    EM may lower it)."""
+    """The iterations (counted from 0, as iter-NNNN) whose log-likelihood per ranking fell below the
+    one before. Soft EM never lowers it when each M-step raises its own weighted objective, so a fall
+    says an M-step lowered it (with estimated scores, a stochastic M-step or weights dropped below
+    gamma_min a small fall can also be noise; hard EM may lower it)."""
     return [t for t in range(1, len(history)) if history[t - 1] - history[t] > LIKELIHOOD_FALL * abs(history[t - 1])]
 
 
@@ -427,9 +429,10 @@ def _warn_if_the_likelihood_fell(history: list[float], iteration: int) -> None:
     if likelihood_falls(history[-2:]):
         warnings.warn(
             f"EM iteration {iteration}: the log-likelihood per ranking fell from {history[-2]:.6f} to "
-            f"{history[-1]:.6f}. EM only lowers it when an M-step lowers its own weighted objective: steps too "
-            "large (lower train.lr) or too few to recover from the last ones (raise train.epochs); with anchors "
-            "the scores are estimates, so a small fall can also be the estimation's",
+            f"{history[-1]:.6f}. EM only lowers it when an M-step lowers its own weighted objective: for the LoRA "
+            "adapters, steps too large (lower train.lr) or too few to recover from the last ones (raise "
+            "train.epochs). A small fall can also come from estimated scores (anchors) or from the weights "
+            "below train.gamma_min that the M-step drops",
             RuntimeWarning,
             stacklevel=3,
         )

@@ -114,7 +114,8 @@ def check_labels_fit(labels: Sequence[str | None], example_ids: Sequence[str], k
         shown = ", ".join(names[:12]) + (", ..." if len(names) > 12 else "")
         raise ValueError(f"train.init = labels puts each label on its own cluster, but the training rankings in "
                          f"{holder} carry {len(names)} label(s) ({shown}) and train.k = {k}: set "
-                         f"train.k = {len(names)}, or choose another train.init")
+                         f"train.k = {len(names)}, give the train split rankings of every label (ingest.split), "
+                         "or choose another train.init")
     return names
 
 

@@ -82,10 +82,10 @@ def write_report(writer, metrics: pd.DataFrame, diagnostics: pd.DataFrame, histo
               + ", ".join(f"{v:.4f}" for v in history), ""]
     falls = likelihood_falls(history)
     if falls:
-        lines += [f"It fell at iteration(s) {', '.join(str(t + 1) for t in falls)}. Soft EM does not lower it unless "
-                  "an M-step lowers its own weighted objective: steps too large (`train.lr`) or too few to recover "
-                  "(`train.epochs`); estimated scores (anchors) add noise, and hard EM (`train.hard`) may lower it.",
-                  ""]
+        lines += [f"It fell at iteration(s) {', '.join(map(str, falls))} (counted from 0, as the train log and "
+                  "`em/restart-RR/iter-NNNN` count them). Soft EM does not lower it unless an M-step lowers its own "
+                  "weighted objective: steps too large (`train.lr`) or too few to recover (`train.epochs`); "
+                  "estimated scores (anchors) add noise, and hard EM (`train.hard`) may lower it.", ""]
     lines += ["![EM log-likelihood](plots/em_log_likelihood.png)", ""]
     lines += _em_start_section(start_rows)
     for name in confusion:
@@ -161,8 +161,8 @@ def _cluster_accuracy_plot(clusters: pd.DataFrame, split: str) -> bytes:
 def _log_likelihood_plot(history: list[float]) -> bytes:
     figure = Figure(figsize=(4.5, 3.2))
     ax = figure.subplots()
-    ax.plot(np.arange(1, len(history) + 1), history, marker="o")
-    ax.set_xlabel("EM iteration")
+    ax.plot(np.arange(len(history)), history, marker="o")
+    ax.set_xlabel("EM iteration (iter-NNNN)")
     ax.set_ylabel("log-likelihood per ranking (train)")
     ax.set_title("EM")
     return png_bytes(figure)

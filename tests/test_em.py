@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from moplex_core.data.synthetic import SyntheticConfig, generate_synthetic
-from moplex_core.em import (EMConfig, Rankings, fit_mixture, initial_responsibilities, load_last_checkpoint, posteriors,
-                            read_posteriors)
+from moplex_core.em import (EMConfig, Rankings, fit_mixture, initial_responsibilities, likelihood_falls,
+                            load_last_checkpoint, posteriors, read_posteriors, soft_one_hot)
 from moplex_core.metrics import clustering_accuracy, fit_matching
 from moplex_core.scorers.item import ItemScorer
 from moplex_core.scorers.linear import LinearScorer
@@ -263,13 +263,26 @@ def test_a_restart_keeps_its_start_and_a_rerun_reads_it_back(tmp_path):
     assert torch.equal(again.best.gamma, first.best.gamma) and again.best.history == first.best.history
 
 
-def test_soft_em_warns_when_an_m_step_lowered_the_likelihood():
-    from moplex_core.em import _warn_if_the_likelihood_fell
+def test_soft_em_warns_when_an_m_step_lowered_the_likelihood_and_hard_em_does_not():
+    class Spoiling(LinearScorer):  # M-step 2 ends with every preference turned around
+        def fit(self, inputs, rankings, weights, iteration=0):
+            super().fit(inputs, rankings, weights, iteration)
+            if iteration == 2:
+                self.theta = -self.theta
 
-    with pytest.warns(RuntimeWarning, match=r"EM iteration 3: the log-likelihood per ranking fell from -2.900000 to "
-                                            r"-2.950000\. EM only lowers it when an M-step lowers"):
-        _warn_if_the_likelihood_fell([-3.0, -2.8, -2.9, -2.95], 3)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        _warn_if_the_likelihood_fell([-3.0, -2.9], 1)
-        _warn_if_the_likelihood_fell([-2.9, -2.9 - 1e-9], 1)
+    _, rankings, x = synthetic(k=2, m=4, n=200)
+    with pytest.warns(RuntimeWarning, match=r"EM iteration 2: the log-likelihood per ranking fell from"):
+        result, _ = fit_mixture(lambda: Spoiling(2, 2), x, rankings, EMConfig(k=2, max_iter=4, tol=0))
+    assert 2 in likelihood_falls(result.best.history)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result, _ = fit_mixture(lambda: Spoiling(2, 2), x, rankings, EMConfig(k=2, max_iter=4, tol=0, hard=True))
+    assert 2 in likelihood_falls(result.best.history)
+    assert not [w for w in caught if "fell from" in str(w.message)]
+    assert likelihood_falls([-3.0, -2.9, -2.9 - 1e-9, -2.95]) == [3]  # rounding is not a fall
+
+
+def test_a_start_from_labels_is_soft_one_hot_and_all_ones_for_one_cluster():
+    torch.testing.assert_close(soft_one_hot(np.array([1, 0]), 3), torch.tensor(
+        [[0.05, 0.9, 0.05], [0.9, 0.05, 0.05]], dtype=torch.float64))
+    torch.testing.assert_close(soft_one_hot(np.array([0, 0]), 1), torch.ones(2, 1, dtype=torch.float64))

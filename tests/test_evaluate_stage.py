@@ -68,7 +68,7 @@ def test_the_report_says_at_which_iterations_the_likelihood_fell(trained, tmp_pa
     with ArtifactStore(tmp_path).writer("evaluate", "0123456789ab", config={}) as writer:
         write_report(writer, metrics, pd.DataFrame(), history, {}, {"train": "train/x"})
     section = (writer.path / "report.md").read_text().split("## EM training log-likelihood")[1].split("\n## ")[0]
-    assert "It fell at iteration(s) 3, 4. Soft EM does not lower it unless an M-step" in section
+    assert "It fell at iteration(s) 2, 3 (counted from 0, as the train log" in section
     assert likelihood_falls(history) == [2, 3]
 
 
