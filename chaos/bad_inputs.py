@@ -260,6 +260,8 @@ def catalogue() -> list[Case]:
          ("augment.n_generated", "greater than or equal to 1"), True),
         ("unknown preset", (), ("unknown pipeline preset 'no-such-preset'",), False),
         ("synthetic with a path", ("ingest.path=/tmp/x.jsonl",), ("synthetic", "takes no path"), False),
+        ("a start from the labels, restarted", ("train.init=labels", "train.restarts=2"),
+         ("train.init = labels", "set train.restarts = 1"), False),
     ]
     for name, sets, expect, short in configs:
         argv = run(*sets) if name != "unknown preset" else ("run", "no-such-preset", "--root", "{root}")
@@ -283,6 +285,8 @@ def catalogue() -> list[Case]:
              ("acme/no-such-model", "Pass a local path"), "cache", flow=True),
         Case("flow: a > m' (known from the data)", run(*lm, "train.anchors=5"),
              ("train.anchors a = 5 > m' = 3",), "train", short=True, flow=True, root="lm"),
+        Case("flow: a start from the labels, k unlike their number", run("train.init=labels", "train.k=2"),
+             ("carry 3 label(s) (c0, c1, c2) and train.k = 2",), "train", flow=True),
         Case("flow: k > training rankings", run(*lm, "train.k=40"),
              ("train.k = 40 clusters", "training ranking(s)"), "train", flow=True, root="lm"),
         Case("flow: over-long responses truncated and reported", run(*lm, "train.k=2"), (), None,

@@ -97,7 +97,7 @@ def check_rankings_fit(rankings_dir: str | Path, *, k: int, splits: Sequence[str
         rows = load_table(rankings_dir, columns=["example_id", "split", "cluster"])
         train = rows.filter(pc.equal(rows.column("split"), "train"))
         check_labels_fit(train.column("cluster").to_pylist(), train.column("example_id").to_pylist(), k,
-                         f"the rankings at {rankings_dir}")
+                         f"the rankings artifact at {rankings_dir}")
 
 
 def check_labels_fit(labels: Sequence[str | None], example_ids: Sequence[str], k: int, holder: str) -> list[str]:

@@ -211,5 +211,5 @@ def test_rankings_that_cannot_make_a_run_are_refused_with_what_to_change(tmp_pat
         check_rankings_fit(rankings, k=3, splits=("holdout",))
     # EM to start from the labels: every training ranking labelled, and k of them
     check_rankings_fit(rankings, k=3, splits=("validation", "test"), labelled=True)
-    with pytest.raises(ValueError, match=r"the rankings at .* carry 3 label\(s\) \(c0, c1, c2\) and train.k = 2"):
+    with pytest.raises(ValueError, match=r"the rankings artifact at .* carry 3 label\(s\) \(c0, c1, c2\) and train.k = 2"):
         check_rankings_fit(rankings, k=2, splits=("validation", "test"), labelled=True)
