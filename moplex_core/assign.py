@@ -134,9 +134,10 @@ def run_assign(train_dir: str | Path, rankings_dir: str | Path, store: ArtifactS
         if todo:
             scorer, alpha, trained = load_trained(train_dir, device=plan.recorded["device"])
             scorer.score_batch_size, scorer.progress = plan.recorded["score_batch_size"], progress
-            total = sum(pq.read_metadata(path).num_rows for path in cache_shards)
-            done = total - sum(pq.read_metadata(cache_shards[s]).num_rows for s in todo)
-            with tqdm(total=total, initial=done, desc="assign: rankings", unit="ranking", disable=not progress) as bar:
+            rows = [pq.read_metadata(path).num_rows for path in cache_shards]
+            done = sum(rows) - sum(rows[s] for s in todo)
+            with tqdm(total=sum(rows), initial=done, desc="assign: rankings", unit="ranking",
+                      disable=not progress) as bar:
                 for s in todo:
                     part = pq.read_table(cache_shards[s])
                     writer.write_shard(s, _assigned_rows(part, scorer, alpha, trained.likelihood))
