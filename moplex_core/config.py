@@ -481,6 +481,11 @@ class TrainConfig(StageConfig):
     refines, and the test of how much of a known partition the adapters can hold. It needs a label on
     every training ranking, exactly k labels, and one restart (every restart would start alike).
 
+    ``backtracks``: when the training log-likelihood falls after an M-step, redo that M-step from
+    where it started at half the learning rate, up to this many times per iteration (each costs one
+    M-step and one E-step more; soft EM only). Soft EM never lowers the log-likelihood when every
+    M-step raises its own objective; a few AdamW steps may not.
+
     Left out of the version: ``score_batch_size``, ``device``, ``chunk_size`` (how fast, not what).
     The base model is the one the cache was built from (its version pins the model's content).
     """
@@ -504,6 +509,7 @@ class TrainConfig(StageConfig):
     tol: float = Field(1e-6, ge=0.0)
     init: Literal["linearized", "kmeans", "dirichlet", "labels"] = "linearized"
     restarts: int = Field(1, ge=1)
+    backtracks: int = Field(0, ge=0)
     seed: int = 0
     dtype: ModelDtype = "auto"
     """As the cache's: versioned as the dtype it resolves to on the machine that trains."""

@@ -114,6 +114,8 @@ class Scorer(Protocol):
 
     # Optional, for init="linearized": response_features(inputs) -> float64 [n, M, d], features in
     # which every cluster's score is (to first order) linear at the scorer's start.
+    # Optional, for EMConfig.backtracks: scale_steps(factor) sets the M-step's step size (learning
+    # rate) to factor times the configured one, until it is called again.
 
     def state_dict(self) -> dict[str, Any]: ...
 
@@ -137,6 +139,10 @@ class EMConfig:
     """Hard EM: gamma is one-hot at argmax_c (log alpha_c + log P_c), from the start on. MaxMin-RLHF
     assigns by the likelihood alone; with the alpha prior a large cluster keeps borderline rankings."""
     seed: int = 0
+    backtracks: int = 0
+    """When the log-likelihood falls after an M-step, redo that M-step from where it started with the
+    scorer's step halved (`Scorer.scale_steps`), up to this many times per iteration; the next
+    iteration starts at the configured step again. Soft EM only, and scorers with ``scale_steps``."""
 
     def __post_init__(self) -> None:
         if self.k < 1:
@@ -145,6 +151,8 @@ class EMConfig:
             raise ValueError("max_iter and restarts must be >= 1")
         if not 0 <= self.gamma_min < 1:
             raise ValueError(f"gamma_min must be in [0, 1), got {self.gamma_min}")
+        if self.backtracks < 0:
+            raise ValueError(f"backtracks must be >= 0, got {self.backtracks}")
 
 
 @dataclass
@@ -158,6 +166,7 @@ class EMState:
     history: list[float] = field(default_factory=list)  # LL per ranking, one per iteration
     converged: bool = False
     scorer_state: dict[str, Any] = field(default_factory=dict)
+    halvings: list[int] = field(default_factory=list)  # per iteration: times its M-step was redone
 
     @property
     def log_likelihood(self) -> float:
@@ -361,6 +370,7 @@ def _run_restart(
         if state.converged or state.iteration + 1 >= config.max_iter:
             return state
         gamma, history, start = state.gamma, list(state.history), state.iteration + 1
+        halvings = list(state.halvings)
     else:
         gamma = load_start(restart_dir, rankings.example_ids) if restart_dir is not None else None
         if gamma is None:
@@ -368,22 +378,23 @@ def _run_restart(
                 initial_responsibilities(config, scorer, inputs, rankings, seed)
             if restart_dir is not None:
                 save_start(restart_dir, gamma, rankings.example_ids)
-        gamma, history, start = (_one_hot(gamma) if config.hard else gamma), [], 0
+        gamma, history, start, halvings = (_one_hot(gamma) if config.hard else gamma), [], 0, []
 
     n = len(rankings)
     for iteration in range(start, config.max_iter):
         alpha = gamma.mean(0)
         _warn_on_empty_clusters(alpha, n, iteration)
         weights = torch.where(gamma >= config.gamma_min, gamma, 0.0)
-        scorer.fit(inputs, rankings, weights, iteration)
-        gamma, ll = posteriors(scorer, inputs, rankings, alpha, iteration)
+        gamma, ll, halved = _m_and_e_step(scorer, inputs, rankings, weights, alpha, iteration,
+                                          history[-1] if history else None, config)
         if config.hard:
             gamma = _one_hot(gamma)
         history.append(ll.mean().item())
+        halvings.append(halved)
         if not config.hard:
             _warn_if_the_likelihood_fell(history, iteration)
         converged = len(history) > 1 and abs(history[-1] - history[-2]) <= config.tol * abs(history[-2])
-        state = EMState(restart, iteration, gamma, alpha, history, converged, scorer.state_dict())
+        state = EMState(restart, iteration, gamma, alpha, history, converged, scorer.state_dict(), halvings)
         if restart_dir is not None:
             extra = None if checkpoint_files is None else lambda it_dir: checkpoint_files(it_dir, state, scorer)
             save_checkpoint(restart_dir, state, rankings.example_ids, extra)
@@ -392,6 +403,33 @@ def _run_restart(
         if converged:
             break
     return state
+
+
+def _m_and_e_step(scorer: Scorer, inputs: Any, rankings: Rankings, weights: torch.Tensor, alpha: torch.Tensor,
+                  iteration: int, previous: float | None, config: EMConfig) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """The M-step and E-step of one iteration: (gamma [n, k], LL [n], how often the M-step was redone).
+
+    With ``config.backtracks`` (soft EM, a scorer with ``scale_steps``, an LL to compare with), an
+    M-step after which the LL per ranking falls below ``previous`` is redone from the scorer's state
+    before it, with its step halved, until the LL does not fall or the backtracks are spent (the
+    last attempt is kept). Each attempt costs one M-step and one E-step more.
+    """
+    scale_steps = getattr(scorer, "scale_steps", None)
+    backtracks = config.backtracks if scale_steps is not None and previous is not None and not config.hard else 0
+    before = scorer.state_dict() if backtracks else None
+    for halved in range(backtracks + 1):
+        if backtracks:
+            scale_steps(0.5 ** halved)
+        scorer.fit(inputs, rankings, weights, iteration)
+        gamma, ll = posteriors(scorer, inputs, rankings, alpha, iteration)
+        if halved == backtracks or not likelihood_falls([previous, ll.mean().item()]):
+            break
+        log.info("EM iteration %d: the log-likelihood per ranking fell from %.6f to %.6f; redoing the M-step "
+                 "with its step halved (%d of %d)", iteration, previous, ll.mean().item(), halved + 1, backtracks)
+        scorer.load_state_dict(before)
+    if backtracks:
+        scale_steps(1.0)
+    return gamma, ll, halved
 
 
 def _warn_on_tied_rankings(rankings: Rankings) -> None:
@@ -430,9 +468,9 @@ def _warn_if_the_likelihood_fell(history: list[float], iteration: int) -> None:
         warnings.warn(
             f"EM iteration {iteration}: the log-likelihood per ranking fell from {history[-2]:.6f} to "
             f"{history[-1]:.6f}. EM only lowers it when an M-step lowers its own weighted objective: for the LoRA "
-            "adapters, steps too large (lower train.lr) or too few to recover from the last ones (raise "
-            "train.epochs). A small fall can also come from estimated scores (anchors) or from the weights "
-            "below train.gamma_min that the M-step drops",
+            "adapters, steps too large (lower train.lr, or let train.backtracks redo such an M-step at half the "
+            "rate) or too few to recover from the last ones (raise train.epochs). A small fall can also come "
+            "from estimated scores (anchors) or from the weights below train.gamma_min that the M-step drops",
             RuntimeWarning,
             stacklevel=3,
         )
@@ -511,6 +549,7 @@ def save_checkpoint(
         "alpha": state.alpha.tolist(),
         "log_likelihood": state.log_likelihood,
         "history": state.history,
+        "step_halvings": state.halvings,
         "converged": state.converged,
     }
     with atomic_path(it_dir / "state.json") as tmp:
@@ -535,4 +574,5 @@ def load_last_checkpoint(restart_dir: Path) -> EMState | None:
         history=summary["history"],
         converged=summary["converged"],
         scorer_state=payload["scorer"],
+        halvings=summary["step_halvings"],
     )

@@ -264,7 +264,7 @@ def run_evaluate(config: EvaluateConfig, train_dir: str | Path, cache_dir: str |
     metrics = metrics[list(METRICS_COLUMNS)]
     confusion = {name: _posterior_confusion(out, alpha, splits[name], label_names) for name, out in outputs.items()
                  if out.labels is not None}
-    history = json.loads((train_dir / "result.json").read_text())["history"]
+    em_result = json.loads((train_dir / "result.json").read_text())
     with store.writer(STAGE, plan.ref.version, config=config.model_dump(mode="json"), inputs=plan.inputs,
                       code_version=CODE_VERSION) as writer:
         if writer.complete:
@@ -272,7 +272,8 @@ def run_evaluate(config: EvaluateConfig, train_dir: str | Path, cache_dir: str |
         writer.write_table(METRICS_FILE, metrics)
         if not diagnostics.empty:
             writer.write_table("diagnostics.parquet", diagnostics)
-        write_report(writer, metrics, diagnostics, history, confusion, plan.inputs)
+        write_report(writer, metrics, diagnostics, em_result["history"], em_result["step_halvings"], confusion,
+                     plan.inputs)
         writer.summary.update({"metrics": len(metrics), "splits": list(config.splits), "method": config.method})
     return EvaluateResult(plan.ref, plan.path, True, metrics)
 

@@ -42,7 +42,7 @@ def per_cluster_table(metrics: pd.DataFrame, split: str) -> pd.DataFrame:
 
 
 def write_report(writer, metrics: pd.DataFrame, diagnostics: pd.DataFrame, history: list[float],
-                 confusion: dict[str, pd.DataFrame], inputs: dict[str, str]) -> None:
+                 halvings: list[int], confusion: dict[str, pd.DataFrame], inputs: dict[str, str]) -> None:
     """report.md and plots/*.png into an open ArtifactWriter of the evaluate stage."""
     start_rows = metrics[metrics.split == EM_START_SPLIT]
     metrics = metrics[metrics.split != EM_START_SPLIT]
@@ -84,8 +84,13 @@ def write_report(writer, metrics: pd.DataFrame, diagnostics: pd.DataFrame, histo
     if falls:
         lines += [f"It fell at iteration(s) {', '.join(map(str, falls))} (counted from 0, as the train log and "
                   "`em/restart-RR/iter-NNNN` count them). Soft EM does not lower it unless an M-step lowers its own "
-                  "weighted objective: steps too large (`train.lr`) or too few to recover (`train.epochs`); "
+                  "weighted objective: steps too large (`train.lr`; `train.backtracks` redoes such an M-step at half the "
+                  "rate) or too few to recover (`train.epochs`); "
                   "estimated scores (anchors) add noise, and hard EM (`train.hard`) may lower it.", ""]
+    redone = [f"{t} ({h}x)" for t, h in enumerate(halvings) if h]
+    if redone:
+        lines += [f"The M-step was redone at half its learning rate (`train.backtracks`), at iteration(s) "
+                  f"{', '.join(redone)}, because the log-likelihood had fallen after it.", ""]
     lines += ["![EM log-likelihood](plots/em_log_likelihood.png)", ""]
     lines += _em_start_section(start_rows)
     for name in confusion:

@@ -7,11 +7,11 @@ the cache's train split. Layout of the artifact (DESIGN 3)::
         em/restart-RR/start.parquet  the responsibilities that restart started from
         em/restart-RR/iter-NNNN/   posteriors.parquet, scores.parquet, adapters/cN/ (PEFT),
                                    state.pt (gamma, alpha, adapters, optimizer, shuffling RNG),
-                                   state.json (alpha, log-likelihood, history; written last)
+                                   state.json (alpha, log-likelihood, history, step halvings; written last)
         adapters/cN/               the best restart's final adapters (PEFT save_pretrained format)
         posteriors.parquet         its final posteriors (example_id, gamma, assigned)
         start_posteriors.parquet   the responsibilities it started from (EM's init), same columns
-        result.json                alpha, log-likelihood history, iterations, restart, seeds
+        result.json                alpha, log-likelihood history, step halvings, iterations, restart, seeds
 
 A killed run resumes at the last iteration whose state.json exists, with identical results (the
 scorer's state restores adapters, AdamW moments and the shuffling generator; anchors depend only on
@@ -118,7 +118,8 @@ def run_train(config: TrainConfig, cache_dir: str | Path, store: ArtifactStore, 
     warm_start = label_start(labels, config.k, inputs.example_ids, cache_dir) if config.init == "labels" else None
     rankings = inputs.rankings(config.likelihood)
     em_config = EMConfig(k=config.k, max_iter=config.em_iterations, tol=config.tol, gamma_min=config.gamma_min,
-                         init=config.init, restarts=config.restarts, hard=config.hard, seed=config.seed)
+                         init=config.init, restarts=config.restarts, hard=config.hard, seed=config.seed,
+                         backtracks=config.backtracks)
     dtype = resolve_dtype(config.dtype, resolve_device(config.device))
     recorded = {**config.model_dump(mode="json"), "model": plan.model, "resolved_dtype": dtype_name(dtype)}
     with store.writer(STAGE, plan.ref.version, config=recorded, inputs=plan.inputs, code_version=CODE_VERSION) as writer:
@@ -153,7 +154,8 @@ def run_train(config: TrainConfig, cache_dir: str | Path, store: ArtifactStore, 
         writer.write_file(START_POSTERIORS, start_file.read_bytes())  # EM wrote it for these example ids
         summary = {
             "restart": best.restart, "iterations": best.iteration + 1, "converged": best.converged,
-            "log_likelihood": best.log_likelihood, "history": best.history, "alpha": best.alpha.tolist(),
+            "log_likelihood": best.log_likelihood, "history": best.history, "step_halvings": best.halvings,
+            "alpha": best.alpha.tolist(),
             "restarts": [{"restart": s.restart, "log_likelihood": s.log_likelihood, "iterations": s.iteration + 1}
                          for s in result.restarts],
             "train_examples": len(inputs), "seed": config.seed, "reference_gap": gap[0],

@@ -282,6 +282,48 @@ def test_soft_em_warns_when_an_m_step_lowered_the_likelihood_and_hard_em_does_no
     assert likelihood_falls([-3.0, -2.9, -2.9 - 1e-9, -2.95]) == [3]  # rounding is not a fall
 
 
+class Overshooting(LinearScorer):
+    """Its M-step moves 4 x scale_steps' factor as far as the L-BFGS optimum: past it at 1 and 2,
+    onto it at 1/4, so only a backtracked M-step raises the log-likelihood."""
+
+    step = 1.0
+
+    def scale_steps(self, factor):
+        self.step = factor
+
+    def fit(self, inputs, rankings, weights, iteration=0):
+        before = self.theta
+        super().fit(inputs, rankings, weights, iteration)
+        self.theta = before + 4 * self.step * (self.theta - before)
+
+
+def test_backtracking_redoes_an_m_step_that_lowered_the_likelihood_and_resumes_alike(tmp_path):
+    _, rankings, x = synthetic(k=2, m=4, n=200)
+    with pytest.warns(RuntimeWarning, match="fell from"):
+        plain, _ = fit_mixture(lambda: Overshooting(2, 2), x, rankings, EMConfig(k=2, max_iter=4, tol=0))
+    assert likelihood_falls(plain.best.history) == [1, 3] and plain.best.halvings == [0, 0, 0, 0]
+
+    config = EMConfig(k=2, max_iter=4, tol=0, backtracks=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no fall left to warn about
+        result, scorer = fit_mixture(lambda: Overshooting(2, 2), x, rankings, config, checkpoint_dir=tmp_path)
+    assert likelihood_falls(result.best.history) == [] and result.best.halvings == [0, 2, 1, 1]
+    assert result.best.history[-1] > plain.best.history[0] and scorer.step == 1.0  # the next M-step starts at 1
+    assert load_last_checkpoint(tmp_path / "restart-00").halvings == [0, 2, 1, 1]
+
+    for later in ("iter-0002", "iter-0003"):  # killed after iteration 1: the rerun repeats the rest alike
+        shutil.rmtree(tmp_path / "restart-00" / later)
+    again, _ = fit_mixture(lambda: Overshooting(2, 2), x, rankings, config, checkpoint_dir=tmp_path)
+    assert again.best.history == result.best.history and again.best.halvings == [0, 2, 1, 1]
+    torch.testing.assert_close(again.best.gamma, result.best.gamma, rtol=0, atol=0)
+
+    hard, _ = fit_mixture(lambda: Overshooting(2, 2), x, rankings, EMConfig(k=2, max_iter=4, tol=0, hard=True,
+                                                                              backtracks=2))
+    assert hard.best.halvings == [0, 0, 0, 0]  # hard EM may lower the likelihood: it never backtracks
+    with pytest.raises(ValueError, match="backtracks must be >= 0"):
+        EMConfig(backtracks=-1)
+
+
 def test_a_start_from_labels_is_soft_one_hot_and_all_ones_for_one_cluster():
     torch.testing.assert_close(soft_one_hot(np.array([1, 0]), 3), torch.tensor(
         [[0.05, 0.9, 0.05], [0.9, 0.05, 0.05]], dtype=torch.float64))

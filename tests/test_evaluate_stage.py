@@ -66,9 +66,10 @@ def test_the_report_says_at_which_iterations_the_likelihood_fell(trained, tmp_pa
     metrics = pd.read_parquet(run_evaluate(EvaluateConfig(), train, cache, store).path / "metrics.parquet")
     history = [-3.0, -2.9, -2.95, -2.97, -2.8, -2.8 - 1e-9]  # the last is rounding, not a fall
     with ArtifactStore(tmp_path).writer("evaluate", "0123456789ab", config={}) as writer:
-        write_report(writer, metrics, pd.DataFrame(), history, {}, {"train": "train/x"})
+        write_report(writer, metrics, pd.DataFrame(), history, [0, 0, 2, 2, 0, 1], {}, {"train": "train/x"})
     section = (writer.path / "report.md").read_text().split("## EM training log-likelihood")[1].split("\n## ")[0]
     assert "It fell at iteration(s) 2, 3 (counted from 0, as the train log" in section
+    assert "half its learning rate (`train.backtracks`), at iteration(s) 2 (2x), 3 (2x), 5 (1x)," in section
     assert likelihood_falls(history) == [2, 3]
 
 

@@ -192,6 +192,27 @@ def test_a_resumed_scorer_repeats_the_m_step_exactly(tiny_model_dir, inputs, mon
         torch.testing.assert_close(resumed._lora[name], p, rtol=0, atol=0)
 
 
+def test_an_m_step_undone_and_redone_at_half_the_step_is_one_taken_only_at_half(tiny_model_dir, inputs):  # noqa: F811
+    weights = torch.full((len(inputs), 2), 0.5, dtype=torch.float64)
+    backtracked, straight = scorer(tiny_model_dir, anchors=2), scorer(tiny_model_dir, anchors=2)
+    for policy in (backtracked, straight):
+        policy.fit(inputs, inputs.rankings(), weights, 0)
+        policy.score(inputs, 0)
+    before = backtracked.state_dict()  # as EM's backtracking does (moplex_core.em._m_and_e_step)
+    backtracked.fit(inputs, inputs.rankings(), weights, 1)
+    backtracked.score(inputs, 1)
+    backtracked.load_state_dict(before)
+    backtracked.scale_steps(0.5)
+    backtracked.fit(inputs, inputs.rankings(), weights, 1)
+    for group in straight.optimizer.param_groups:
+        group["lr"] = 0.5e-2
+    straight.fit(inputs, inputs.rankings(), weights, 1)
+    for name, p in straight._lora.items():  # adapters, AdamW moments, shuffling and offsets all undone
+        torch.testing.assert_close(backtracked._lora[name], p, rtol=0, atol=0)
+    backtracked.scale_steps(1.0)
+    assert [group["lr"] for group in backtracked.optimizer.param_groups] == [1e-2]
+
+
 def test_m_step_passes_of_a_few_rows_accumulate_the_same_step(tiny_model_dir, inputs):  # noqa: F811
     weights = torch.full((len(inputs), 2), 0.5, dtype=torch.float64)
     whole, split = scorer(tiny_model_dir, anchors=2), scorer(tiny_model_dir, anchors=2)

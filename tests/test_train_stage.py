@@ -18,7 +18,8 @@ from stage_fixtures import write_synthetic
 from moplex_core.artifacts import ArtifactStore, read_manifest
 from moplex_core.cache import load_policy_inputs, run_cache
 from moplex_core.config import CacheConfig, TrainConfig
-from moplex_core.em import EMConfig, initial_responsibilities, posteriors_table, read_posteriors
+from moplex_core.em import (EMConfig, initial_responsibilities, likelihood_falls, posteriors_table,
+                            read_posteriors)
 from moplex_core.ingest import check_labels_fit
 from moplex_core.train import (REFERENCE_GAP_WARNING, check_reference_gap, load_posteriors, load_trained, make_scorer,
                                run_train)
@@ -81,6 +82,15 @@ def test_train_writes_every_iteration_and_the_final_adapters(cache_dir, tmp_path
     assert torch.equal(start, initial_responsibilities(em_config, None, None, rankings, seed=CONFIG.seed))
     assert torch.equal(start, read_posteriors(result.path / "em" / "restart-00" / "start.parquet", ids))
     assert run_train(CONFIG, cache_dir, ArtifactStore(tmp_path), progress=False).built is False
+
+
+def test_backtracking_records_its_halvings_and_keeps_every_iteration_it_could_mend(cache_dir, tmp_path):
+    config = CONFIG.model_copy(update={"backtracks": 2})
+    result = json.loads((run_train(config, cache_dir, ArtifactStore(tmp_path), progress=False).path
+                         / "result.json").read_text())
+    history, halvings = result["history"], result["step_halvings"]
+    assert len(halvings) == 3 and halvings[0] == 0 and sum(halvings) > 0  # it falls at iteration 2 here
+    assert not [t for t in likelihood_falls(history) if halvings[t] < 2]  # a fall only where halvings ran out
 
 
 def test_a_training_dtype_unlike_the_caches_is_measured_and_warned_about(cache_dir, caplog):

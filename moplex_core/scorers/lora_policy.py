@@ -200,6 +200,7 @@ class LoRAPolicyScorer:
         self.lora = MultiLoRA(self.model, k, lora, seed)
         self.model.eval()
         self._lora = self.lora.named_parameters()
+        self.lr = lr
         self.optimizer = torch.optim.AdamW(list(self._lora.values()), lr=lr, weight_decay=0.0)
         self._shuffle = torch.Generator().manual_seed(seed)
         self._estep: _EStepOffsets | None = None
@@ -268,6 +269,11 @@ class LoRAPolicyScorer:
             self.model.eval()
         self.last_fit = {"iteration": iteration, "pairs": int(pairs.shape[0]), "steps": len(losses),
                          "weighted_log_likelihood_last_epoch": float(np.mean(losses[-(len(losses) // epochs):]))}
+
+    def scale_steps(self, factor: float) -> None:
+        """The M-step's learning rate becomes ``factor`` * lr (EM's backtracking)."""
+        for group in self.optimizer.param_groups:
+            group["lr"] = factor * self.lr
 
     def ranking_features(self, inputs: PolicyInputs, rankings: Rankings, width: int = 32, dim: int = 256) -> torch.Tensor:
         """Fisher-score features for the k-means start: float64 [n, dim].
