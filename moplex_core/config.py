@@ -486,6 +486,11 @@ class TrainConfig(StageConfig):
     M-step and one E-step more; soft EM only). Soft EM never lowers the log-likelihood when every
     M-step raises its own objective; a few AdamW steps may not.
 
+    ``estimation_check``: after EM, the last E-step's estimated scores of this many training examples
+    (a seeded draw; 0 = none) are compared with their exact scores under the final adapters
+    (`train.check_estimates`, recorded in result.json, warned about when off by more than the
+    scores' own spread). With anchors only.
+
     Left out of the version: ``score_batch_size``, ``device``, ``chunk_size`` (how fast, not what).
     The base model is the one the cache was built from (its version pins the model's content).
     """
@@ -510,6 +515,7 @@ class TrainConfig(StageConfig):
     init: Literal["linearized", "kmeans", "dirichlet", "labels"] = "linearized"
     restarts: int = Field(1, ge=1)
     backtracks: int = Field(0, ge=0)
+    estimation_check: int = Field(64, ge=0)
     seed: int = 0
     dtype: ModelDtype = "auto"
     """As the cache's: versioned as the dtype it resolves to on the machine that trains."""

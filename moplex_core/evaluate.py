@@ -272,8 +272,7 @@ def run_evaluate(config: EvaluateConfig, train_dir: str | Path, cache_dir: str |
         writer.write_table(METRICS_FILE, metrics)
         if not diagnostics.empty:
             writer.write_table("diagnostics.parquet", diagnostics)
-        write_report(writer, metrics, diagnostics, em_result["history"], em_result["step_halvings"], confusion,
-                     plan.inputs)
+        write_report(writer, metrics, diagnostics, em_result, confusion, plan.inputs)
         writer.summary.update({"metrics": len(metrics), "splits": list(config.splits), "method": config.method})
     return EvaluateResult(plan.ref, plan.path, True, metrics)
 

@@ -12,6 +12,7 @@ change the process's plotting state.
 from __future__ import annotations
 
 import io
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -23,6 +24,8 @@ from moplex_core.evaluate import EM_START_SPLIT
 HEADLINE = ("clustering_accuracy", "ari", "nmi", "ranking_accuracy_posterior", "ranking_accuracy_oracle",
             "ranking_accuracy_marginal", "heldout_log_likelihood")
 RANKING_VARIANTS = ("posterior", "oracle", "marginal")
+ESTIMATION_ROWS = ("estimated_entries", "mean_abs_error", "score_spread", "relative_error", "same_cluster",
+                   "log_likelihood_estimated", "log_likelihood_exact")
 
 
 def headline_table(metrics: pd.DataFrame) -> pd.DataFrame:
@@ -41,9 +44,11 @@ def per_cluster_table(metrics: pd.DataFrame, split: str) -> pd.DataFrame:
     return table[[m for m in HEADLINE if m in table.columns]]
 
 
-def write_report(writer, metrics: pd.DataFrame, diagnostics: pd.DataFrame, history: list[float],
-                 halvings: list[int], confusion: dict[str, pd.DataFrame], inputs: dict[str, str]) -> None:
-    """report.md and plots/*.png into an open ArtifactWriter of the evaluate stage."""
+def write_report(writer, metrics: pd.DataFrame, diagnostics: pd.DataFrame, em_result: dict[str, Any],
+                 confusion: dict[str, pd.DataFrame], inputs: dict[str, str]) -> None:
+    """report.md and plots/*.png into an open ArtifactWriter of the evaluate stage; ``em_result`` is
+    the train artifact's result.json."""
+    history, halvings = em_result["history"], em_result["step_halvings"]
     start_rows = metrics[metrics.split == EM_START_SPLIT]
     metrics = metrics[metrics.split != EM_START_SPLIT]
     splits = list(dict.fromkeys(metrics.split))
@@ -92,6 +97,7 @@ def write_report(writer, metrics: pd.DataFrame, diagnostics: pd.DataFrame, histo
         lines += [f"The M-step was redone at half its learning rate (`train.backtracks`), at iteration(s) "
                   f"{', '.join(redone)}, because the log-likelihood had fallen after it.", ""]
     lines += ["![EM log-likelihood](plots/em_log_likelihood.png)", ""]
+    lines += _estimation_section(em_result["estimation_check"])
     lines += _em_start_section(start_rows)
     for name in confusion:
         lines += [f"## Posterior confusion ({name})", "", "Mean gamma per true label (rows) and EM cluster (columns).",
@@ -161,6 +167,21 @@ def _cluster_accuracy_plot(clusters: pd.DataFrame, split: str) -> bytes:
     ax.set_title(f"per-cluster accuracy ({split})")
     ax.legend(fontsize=7, loc="lower right")
     return png_bytes(figure)
+
+
+def _estimation_section(check: dict[str, Any] | None) -> list[str]:
+    if check is None:
+        return []
+    rows = pd.DataFrame({"value": [check[key] for key in ESTIMATION_ROWS]}, index=list(ESTIMATION_ROWS))
+    verdict = ("further off than the spread they should order: EM's clusters rest on estimates that do not hold "
+               "here (raise `train.anchors`, or `null` for exact scores)" if not check["holds"] else
+               "within the spread of the exact scores")
+    return ["## The anchors' estimates at the end of training", "",
+            f"The last E-step (iteration {check['iteration']}) against exact scores under the same adapters, on "
+            f"{check['examples']} training examples (`train.estimation_check`): mean |r_hat - r| over the estimated "
+            "responses, the mean std of a slate's exact scores, their ratio, the fraction of rankings whose most "
+            "probable cluster is the same, and the log-likelihood per ranking under each. The estimates are "
+            f"{verdict}.", "", markdown_table(rows.round(4)), ""]
 
 
 def _log_likelihood_plot(history: list[float]) -> bytes:

@@ -32,6 +32,7 @@ import shutil
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -44,6 +45,7 @@ from moplex_core.cache import load_policy_inputs
 from moplex_core.config import TrainConfig
 from moplex_core.em import (START_FILE, EMConfig, EMState, fit_mixture, posteriors_table, read_posteriors,
                             soft_one_hot)
+from moplex_core.estimate import estimation_error
 from moplex_core.ingest import check_clusters_fit, check_labels_fit
 from moplex_core.pl import PAD
 from moplex_core.lm.loading import dtype_name, identity_on_this_machine, resolve_device, resolve_dtype
@@ -159,11 +161,57 @@ def run_train(config: TrainConfig, cache_dir: str | Path, store: ArtifactStore, 
             "restarts": [{"restart": s.restart, "log_likelihood": s.log_likelihood, "iterations": s.iteration + 1}
                          for s in result.restarts],
             "train_examples": len(inputs), "seed": config.seed, "reference_gap": gap[0],
+            "estimation_check": check_estimates(scorer, inputs, best, config, writer.path / "em"),
         }
         writer.write_file("result.json", json.dumps(summary, indent=2))
         writer.summary.update({k: summary[k] for k in ("restart", "iterations", "converged", "log_likelihood",
-                                                       "alpha", "train_examples", "reference_gap")})
+                                                       "alpha", "train_examples", "reference_gap",
+                                                       "estimation_check")})
     return TrainResult(plan.ref, plan.path, True, best.log_likelihood, best.iteration + 1)
+
+
+ESTIMATION_WARNING = 1.0
+"""`estimate.estimation_error`'s relative_error above which the train stage warns: the estimates'
+error is larger than the spread of the exact scores that orders a slate."""
+
+
+def check_estimates(scorer: LoRAPolicyScorer, inputs: PolicyInputs, best: EMState, config: TrainConfig,
+                    em_dir: Path) -> dict[str, Any] | None:
+    """The last E-step's scores of up to ``train.estimation_check`` training examples (a seeded draw)
+    against their exact scores under the same, final adapters (`estimate.estimation_error`): does
+    EM's partition rest on estimates that order the slates as the exact scores do? Logged, with a
+    warning above ESTIMATION_WARNING (``holds`` is False then). None without estimated responses or with estimation_check = 0.
+    It costs one exact forward over the checked examples' responses under each adapter."""
+    if config.anchors is None or config.estimation_check == 0:
+        return None
+    picked = np.sort(np.random.default_rng(config.seed).choice(
+        len(inputs), size=min(config.estimation_check, len(inputs)), replace=False))
+    checked = inputs.subset(picked)
+    scores = em_dir / f"restart-{best.restart:02d}" / f"iter-{best.iteration:04d}" / "scores.parquet"
+    table = pq.read_table(scores, filters=[("example_id", "in", list(checked.example_ids))]).to_pydict()
+    exact = scorer.exact_scores(checked)  # [n', k, M]
+    estimated, is_estimated = exact.clone(), torch.zeros(exact.shape, dtype=torch.bool)
+    row = {example_id: i for i, example_id in enumerate(checked.example_ids)}
+    for example_id, c, j, score, flag in zip(table["example_id"], table["cluster"], table["response_idx"],
+                                             table["score"], table["estimated"], strict=True):
+        estimated[row[example_id], c, j], is_estimated[row[example_id], c, j] = score, flag
+    if not is_estimated.any():
+        return None
+    check = {"examples": len(picked), "iteration": best.iteration,
+             **estimation_error(estimated, exact, is_estimated, checked.tiers != PAD,
+                                checked.rankings(config.likelihood).log_likelihood, best.alpha)}
+    check["holds"] = check["relative_error"] <= ESTIMATION_WARNING
+    message = (f"anchors' estimates after EM iteration {best.iteration}, on {len(picked)} training examples: mean "
+               f"|r_hat - r| = {check['mean_abs_error']:.4g} against a spread of {check['score_spread']:.4g} in the "
+               f"exact scores of a slate (relative error {check['relative_error']:.2f}); "
+               f"{check['same_cluster']:.0%} keep their most probable cluster under exact scores; LL per ranking "
+               f"{check['log_likelihood_estimated']:.4f} estimated, {check['log_likelihood_exact']:.4f} exact")
+    if not check["holds"]:
+        log.warning("%s. The estimates are further off than the scores they should order: EM's clusters rest on "
+                    "them. Raise train.anchors, or set it to null to compute every response exactly.", message)
+    else:
+        log.info("%s", message)
+    return check
 
 
 REFERENCE_GAP_WARNING = 0.05  # nats: float32 rounding is ~1e-5; a float32 cache under bfloat16 is ~0.1-1

@@ -8,6 +8,7 @@ import torch
 from lm_fixtures import float64_rmsnorm, prompt_pass_counts, tiny_model_dir  # noqa: F401  (fixtures)
 
 from moplex_core.estimate import (
+    estimation_error,
     anchor_indices,
     anchor_pass,
     apply_offsets,
@@ -18,9 +19,11 @@ from moplex_core.estimate import (
     reference_terms_batch,
     response_embeddings,
 )
+from moplex_core.em import Rankings
 from moplex_core.lm.loading import load_model, load_tokenizer
 from moplex_core.lm.logprobs import embed, sequence_logprobs
 from moplex_core.lm.tokenize import pad_batch, tokenize_responses
+from moplex_core.pl import PAD
 
 RESPONSES = ["[3, 1, 2]", "[5, 0, 2, 7]", "[1, 1]", "[-4, -2, -9]"]
 
@@ -218,3 +221,33 @@ def test_rows_run_whole_where_a_shared_prompt_would_not_be_exact(model64, prompt
     grouped = anchor_pass(sliding, rows, 0, input_grads=False, groups=["a", "b"])
     torch.testing.assert_close(whole.logp, alone, rtol=0, atol=1e-10)
     assert torch.equal(grouped.logp, whole.logp) and counts == []
+
+
+def test_estimation_error_against_a_plain_recomputation():
+    gen = torch.Generator().manual_seed(3)
+    n, k, m = 5, 2, 4
+    exact = torch.randn(n, k, m, generator=gen, dtype=torch.float64)
+    in_slate = torch.ones(n, m, dtype=torch.bool)
+    in_slate[0, 3] = False  # a ragged slate: its padding is neither estimated nor part of the spread
+    is_estimated = torch.zeros(n, k, m, dtype=torch.bool)
+    is_estimated[:, :, 2:] = in_slate[:, None, 2:]
+    noise = torch.randn(n, k, m, generator=gen, dtype=torch.float64)
+    estimated = torch.where(is_estimated, exact + noise, exact)
+    tiers = torch.arange(m).expand(n, m).clone()
+    tiers[0, 3] = PAD
+    rankings = Rankings(tiers)
+    alpha = torch.tensor([0.3, 0.7], dtype=torch.float64)
+    check = estimation_error(estimated, exact, is_estimated, in_slate, rankings.log_likelihood, alpha)
+
+    errors = [abs(noise[i, c, j].item()) for i in range(n) for c in range(k) for j in range(m) if is_estimated[i, c, j]]
+    spreads = [np.std(exact[i, c, :int(in_slate[i].sum())].numpy(), ddof=1) for i in range(n) for c in range(k)]
+    assert check["estimated_entries"] == len(errors) == 2 * 2 * n - 2
+    assert check["mean_abs_error"] == pytest.approx(np.mean(errors))
+    assert check["score_spread"] == pytest.approx(np.mean(spreads))
+    assert check["relative_error"] == pytest.approx(np.mean(errors) / np.mean(spreads))
+    for name, scores in (("estimated", estimated), ("exact", exact)):
+        joint = torch.log(alpha) + rankings.log_likelihood(scores)
+        assert check[f"log_likelihood_{name}"] == pytest.approx(torch.logsumexp(joint, 1).mean().item())
+    same = estimation_error(exact, exact, is_estimated, in_slate, rankings.log_likelihood, alpha)
+    assert same["mean_abs_error"] == 0 and same["same_cluster"] == 1
+    assert same["log_likelihood_estimated"] == same["log_likelihood_exact"]

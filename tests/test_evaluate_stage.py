@@ -61,15 +61,22 @@ def test_evaluation_writes_labelled_metrics_a_report_and_plots(trained):
     assert "-- metrics.parquet:" in shown and "(total)" in shown and "rows per cluster x split:" in shown
 
 
-def test_the_report_says_at_which_iterations_the_likelihood_fell(trained, tmp_path):
+def test_the_report_says_where_the_likelihood_fell_and_how_far_off_the_estimates_were(trained, tmp_path):
     store, train, cache = trained
     metrics = pd.read_parquet(run_evaluate(EvaluateConfig(), train, cache, store).path / "metrics.parquet")
     history = [-3.0, -2.9, -2.95, -2.97, -2.8, -2.8 - 1e-9]  # the last is rounding, not a fall
+    check = {"examples": 60, "iteration": 5, "estimated_entries": 720, "mean_abs_error": 2.6, "score_spread": 0.32,
+             "relative_error": 8.1, "same_cluster": 0.72, "log_likelihood_estimated": -6.9,
+             "log_likelihood_exact": -3.3, "holds": False}
+    em_result = {"history": history, "step_halvings": [0, 0, 2, 2, 0, 1], "estimation_check": check}
     with ArtifactStore(tmp_path).writer("evaluate", "0123456789ab", config={}) as writer:
-        write_report(writer, metrics, pd.DataFrame(), history, [0, 0, 2, 2, 0, 1], {}, {"train": "train/x"})
+        write_report(writer, metrics, pd.DataFrame(), em_result, {}, {"train": "train/x"})
     section = (writer.path / "report.md").read_text().split("## EM training log-likelihood")[1].split("\n## ")[0]
     assert "It fell at iteration(s) 2, 3 (counted from 0, as the train log" in section
     assert "half its learning rate (`train.backtracks`), at iteration(s) 2 (2x), 3 (2x), 5 (1x)," in section
+    estimates = (writer.path / "report.md").read_text().split("## The anchors' estimates at the end of training")[1]
+    assert "(iteration 5)" in estimates and "on 60 training examples" in estimates
+    assert "further off than the spread they should order" in estimates and "| relative_error | 8.1000 |" in estimates
     assert likelihood_falls(history) == [2, 3]
 
 

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import textwrap
 
+import numpy as np
 import pyarrow.parquet as pq
 import pytest
 import torch
@@ -91,6 +92,25 @@ def test_backtracking_records_its_halvings_and_keeps_every_iteration_it_could_me
     history, halvings = result["history"], result["step_halvings"]
     assert len(halvings) == 3 and halvings[0] == 0 and sum(halvings) > 0  # it falls at iteration 2 here
     assert not [t for t in likelihood_falls(history) if halvings[t] < 2]  # a fall only where halvings ran out
+
+
+def test_the_last_e_steps_estimates_are_checked_against_exact_scores(cache_dir, tmp_path):
+    result = run_train(CONFIG, cache_dir, ArtifactStore(tmp_path), progress=False)
+    check = json.loads((result.path / "result.json").read_text())["estimation_check"]
+    assert read_manifest(result.path)["summary"]["estimation_check"] == check
+    scorer, _, _ = load_trained(result.path)
+    inputs, _ = load_policy_inputs(cache_dir, "train")
+    exact = scorer.exact_scores(inputs)  # every training example (fewer than estimation_check = 64)
+    last = pq.read_table(result.path / "em" / "restart-00" / "iter-0002" / "scores.parquet").to_pandas()
+    row = {example_id: i for i, example_id in enumerate(inputs.example_ids)}
+    errors = [abs(r.score - exact[row[r.example_id], r.cluster, r.response_idx].item())
+              for r in last[last.estimated].itertuples()]
+    assert check["examples"] == len(inputs) and check["iteration"] == 2 and check["estimated_entries"] == len(errors)
+    assert check["mean_abs_error"] == pytest.approx(np.mean(errors), rel=1e-4) and check["mean_abs_error"] > 0
+    assert check["holds"] == (check["relative_error"] <= 1.0)
+    full = run_train(CONFIG.model_copy(update={"anchors": None, "em_iterations": 1}), cache_dir,
+                     ArtifactStore(tmp_path), progress=False)
+    assert json.loads((full.path / "result.json").read_text())["estimation_check"] is None  # nothing estimated
 
 
 def test_a_training_dtype_unlike_the_caches_is_measured_and_warned_about(cache_dir, caplog):
