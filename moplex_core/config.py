@@ -488,8 +488,8 @@ class TrainConfig(StageConfig):
 
     ``estimation_check``: after EM, the last E-step's estimated scores of this many training examples
     (a seeded draw; 0 = none) are compared with their exact scores under the final adapters
-    (`train.check_estimates`, recorded in result.json, warned about when off by more than the
-    scores' own spread). With anchors only.
+    (`train.check_estimates`, recorded in result.json, warned about outside `train.ESTIMATES_HOLD`).
+    With anchors only.
 
     Left out of the version: ``score_batch_size``, ``device``, ``chunk_size`` (how fast, not what).
     The base model is the one the cache was built from (its version pins the model's content).

@@ -173,9 +173,10 @@ def _estimation_section(check: dict[str, Any] | None) -> list[str]:
     if check is None:
         return []
     rows = pd.DataFrame({"value": [check[key] for key in ESTIMATION_ROWS]}, index=list(ESTIMATION_ROWS))
-    verdict = ("further off than the spread they should order: EM's clusters rest on estimates that do not hold "
-               "here (raise `train.anchors`, or `null` for exact scores)" if not check["holds"] else
-               "within the spread of the exact scores")
+    verdict = ("off by more than the spread of the exact scores, or change the most probable cluster of more than "
+               "one ranking in ten: EM's clusters rest on estimates that do not hold here (raise `train.anchors`, "
+               "or `null` for exact scores)" if not check["holds"] else
+               "within the spread of the exact scores, and keep nine in ten rankings' most probable cluster")
     return ["## The anchors' estimates at the end of training", "",
             f"The last E-step (iteration {check['iteration']}) against exact scores under the same adapters, on "
             f"{check['examples']} training examples (`train.estimation_check`): mean |r_hat - r| over the estimated "
