@@ -262,6 +262,9 @@ def catalogue() -> list[Case]:
         ("synthetic with a path", ("ingest.path=/tmp/x.jsonl",), ("synthetic", "takes no path"), False),
         ("a start from the labels, restarted", ("train.init=labels", "train.restarts=2"),
          ("train.init = labels", "set train.restarts = 1"), False),
+        ("backtracks < 0", ("train.backtracks=-1",), ("train.backtracks", "greater than or equal to 0"), False),
+        ("estimation check < 0", ("train.estimation_check=-5",),
+         ("train.estimation_check", "greater than or equal to 0"), False),
     ]
     for name, sets, expect, short in configs:
         argv = run(*sets) if name != "unknown preset" else ("run", "no-such-preset", "--root", "{root}")
