@@ -489,7 +489,7 @@ class TrainConfig(StageConfig):
     ``estimation_check``: after EM, the last E-step's estimated scores of this many training examples
     (a seeded draw; 0 = none) are compared with their exact scores under the final adapters
     (`train.check_estimates`, recorded in result.json, warned about outside `train.ESTIMATES_HOLD`).
-    With anchors only.
+    With anchors only. It is part of the version because result.json holds its outcome.
 
     Left out of the version: ``score_batch_size``, ``device``, ``chunk_size`` (how fast, not what).
     The base model is the one the cache was built from (its version pins the model's content).
@@ -530,6 +530,14 @@ class TrainConfig(StageConfig):
         if not v or any(not t.strip() for t in v):
             raise ValueError(f"lora_targets must name at least one module (e.g. q_proj), got {v}")
         return v
+
+    @model_validator(mode="after")
+    def _backtracks_are_soft_em(self) -> TrainConfig:
+        if self.hard and self.backtracks > 0:
+            raise ValueError(f"train.backtracks = {self.backtracks} redoes M-steps after which the log-likelihood "
+                             "fell, but hard EM (train.hard) may lower it legitimately and never backtracks: set "
+                             "train.backtracks = 0")
+        return self
 
     @model_validator(mode="after")
     def _one_start_from_labels(self) -> TrainConfig:
@@ -708,7 +716,8 @@ METHODS: dict[str, Method] = {m.name: m for m in (
            "one Plackett-Luce policy on the original rankings"),
     Method("mixture_bt", "EM-DPO", ("train.likelihood=bt_pairs", *_ORIGINALS_EXACT),
            "soft EM over k Bradley-Terry models on the pairs of the original rankings"),
-    Method("maxmin_bt", "MaxMin-RLHF", ("train.likelihood=bt_pairs", "train.hard=true", *_ORIGINALS_EXACT),
+    Method("maxmin_bt", "MaxMin-RLHF", ("train.likelihood=bt_pairs", "train.hard=true", "train.backtracks=0",
+                                        *_ORIGINALS_EXACT),
            "hard EM over k Bradley-Terry models on pairs (argmax of the alpha-weighted posterior; "
            "MaxMin-RLHF's own assignment uses the likelihood alone)"),
     Method("moplex", "MoPLEx (Alg. 2)", (), "k Plackett-Luce models on augmented rankings, a anchors"),

@@ -321,14 +321,16 @@ def _response_rows(full: torch.Tensor, starts: torch.Tensor, lengths: torch.Tens
 
 
 def estimation_error(estimated: torch.Tensor, exact: torch.Tensor, is_estimated: torch.Tensor, in_slate: torch.Tensor,
-                     log_likelihood: Callable[[torch.Tensor], torch.Tensor], alpha: torch.Tensor) -> dict[str, float]:
+                     log_likelihood: Callable[[torch.Tensor], torch.Tensor], alpha: torch.Tensor
+                     ) -> dict[str, float | None]:
     """How far one E-step's estimated scores are from the exact ones under the same adapters.
 
     estimated, exact: float64 [n, k, M] scores r; is_estimated: bool [n, k, M] (False at anchors and
     padding); in_slate: bool [n, M]; log_likelihood: scores [n, k, M] -> log P_c(sigma_i) [n, k];
     alpha: float64 [k]. ``relative_error`` is the mean |r_hat - r| over estimated entries divided by
     the spread that orders a slate (the mean over (example, cluster) of the std of its exact
-    scores): above about 1 the estimates say less about an order than their error does.
+    scores; None when every slate's exact scores are equal): above about 1 the estimates say less
+    about an order than their error does.
     ``same_cluster`` is the fraction of rankings whose most probable cluster is the same under both.
     """
     error = (estimated - exact).abs()[is_estimated]
@@ -343,7 +345,7 @@ def estimation_error(estimated: torch.Tensor, exact: torch.Tensor, is_estimated:
         "estimated_entries": int(is_estimated.sum()),
         "mean_abs_error": mean_error,
         "score_spread": mean_spread,
-        "relative_error": mean_error / mean_spread if mean_spread > 0 else float("inf"),
+        "relative_error": mean_error / mean_spread if mean_spread > 0 else None,
         "same_cluster": float((joint["estimated"].argmax(1) == joint["exact"].argmax(1)).double().mean()),
         "log_likelihood_estimated": float(torch.logsumexp(joint["estimated"], 1).mean()),
         "log_likelihood_exact": float(torch.logsumexp(joint["exact"], 1).mean()),

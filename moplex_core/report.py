@@ -48,7 +48,7 @@ def write_report(writer, metrics: pd.DataFrame, diagnostics: pd.DataFrame, em_re
                  confusion: dict[str, pd.DataFrame], inputs: dict[str, str]) -> None:
     """report.md and plots/*.png into an open ArtifactWriter of the evaluate stage; ``em_result`` is
     the train artifact's result.json."""
-    history, halvings = em_result["history"], em_result["step_halvings"]
+    history, halvings = em_result["history"], em_result.get("step_halvings", [])  # absent before train-8
     start_rows = metrics[metrics.split == EM_START_SPLIT]
     metrics = metrics[metrics.split != EM_START_SPLIT]
     splits = list(dict.fromkeys(metrics.split))
@@ -95,9 +95,10 @@ def write_report(writer, metrics: pd.DataFrame, diagnostics: pd.DataFrame, em_re
     redone = [f"{t} ({h}x)" for t, h in enumerate(halvings) if h]
     if redone:
         lines += [f"The M-step was redone at half its learning rate (`train.backtracks`), at iteration(s) "
-                  f"{', '.join(redone)}, because the log-likelihood had fallen after it.", ""]
+                  f"{', '.join(redone)} (times halved), because the log-likelihood had fallen after it; once the "
+                  "halvings are spent the last attempt is kept, fallen or not.", ""]
     lines += ["![EM log-likelihood](plots/em_log_likelihood.png)", ""]
-    lines += _estimation_section(em_result["estimation_check"])
+    lines += _estimation_section(em_result.get("estimation_check"))
     lines += _em_start_section(start_rows)
     for name in confusion:
         lines += [f"## Posterior confusion ({name})", "", "Mean gamma per true label (rows) and EM cluster (columns).",

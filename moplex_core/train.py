@@ -55,7 +55,7 @@ from moplex_core.scorers.lora_policy import LoRAPolicyScorer, PolicyInputs, Scor
 log = logging.getLogger(__name__)
 
 STAGE = "train"
-CODE_VERSION = "train-7"  # bump when a change to this stage changes what it writes
+CODE_VERSION = "train-8"  # bump when a change to this stage changes what it writes
 POSTERIORS = "posteriors.parquet"
 START_POSTERIORS = "start_posteriors.parquet"
 TRAIN_SPLIT = "train"
@@ -202,11 +202,12 @@ def check_estimates(scorer: LoRAPolicyScorer, inputs: PolicyInputs, best: EMStat
     check = {"examples": len(picked), "iteration": best.iteration,
              **estimation_error(estimated, exact, is_estimated, checked.tiers != PAD,
                                 checked.rankings(config.likelihood).log_likelihood, best.alpha)}
-    check["holds"] = (check["relative_error"] <= ESTIMATES_HOLD["relative_error"]
+    relative = check["relative_error"]
+    check["holds"] = (relative is not None and relative <= ESTIMATES_HOLD["relative_error"]
                       and check["same_cluster"] >= ESTIMATES_HOLD["same_cluster"])
     message = (f"anchors' estimates after EM iteration {best.iteration}, on {len(picked)} training examples: mean "
                f"|r_hat - r| = {check['mean_abs_error']:.4g} against a spread of {check['score_spread']:.4g} in the "
-               f"exact scores of a slate (relative error {check['relative_error']:.2f}); "
+               f"exact scores of a slate (relative error {'-' if relative is None else f'{relative:.2f}'}); "
                f"{check['same_cluster']:.0%} keep their most probable cluster under exact scores; LL per ranking "
                f"{check['log_likelihood_estimated']:.4f} estimated, {check['log_likelihood_exact']:.4f} exact")
     if not check["holds"]:

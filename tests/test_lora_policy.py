@@ -192,22 +192,26 @@ def test_a_resumed_scorer_repeats_the_m_step_exactly(tiny_model_dir, inputs, mon
         torch.testing.assert_close(resumed._lora[name], p, rtol=0, atol=0)
 
 
-def test_an_m_step_undone_and_redone_at_half_the_step_is_one_taken_only_at_half(tiny_model_dir, inputs):  # noqa: F811
+def test_an_m_step_undone_twice_and_redone_at_a_quarter_is_one_taken_only_at_a_quarter(tiny_model_dir, inputs):  # noqa: F811
     weights = torch.full((len(inputs), 2), 0.5, dtype=torch.float64)
     backtracked, straight = scorer(tiny_model_dir, anchors=2), scorer(tiny_model_dir, anchors=2)
     for policy in (backtracked, straight):
         policy.fit(inputs, inputs.rankings(), weights, 0)
         policy.score(inputs, 0)
     before = backtracked.state_dict()  # as EM's backtracking does (moplex_core.em._m_and_e_step)
-    backtracked.fit(inputs, inputs.rankings(), weights, 1)
-    backtracked.score(inputs, 1)
-    backtracked.load_state_dict(before)
-    backtracked.scale_steps(0.5)
+    for factor in (1.0, 0.5):  # two attempts undone, each from the same state
+        backtracked.scale_steps(factor)
+        backtracked.fit(inputs, inputs.rankings(), weights, 1)
+        backtracked.score(inputs, 1)
+        assert backtracked._estep.round == 2
+        backtracked.load_state_dict(before)
+        assert backtracked._estep.round == 1 and torch.equal(backtracked._estep.offsets, before["estep"]["offsets"])
+    backtracked.scale_steps(0.25)
     backtracked.fit(inputs, inputs.rankings(), weights, 1)
     for group in straight.optimizer.param_groups:
-        group["lr"] = 0.5e-2
+        group["lr"] = 0.25e-2
     straight.fit(inputs, inputs.rankings(), weights, 1)
-    for name, p in straight._lora.items():  # adapters, AdamW moments, shuffling and offsets all undone
+    for name, p in straight._lora.items():  # adapters, AdamW moments and steps, shuffling all undone
         torch.testing.assert_close(backtracked._lora[name], p, rtol=0, atol=0)
     backtracked.scale_steps(1.0)
     assert [group["lr"] for group in backtracked.optimizer.param_groups] == [1e-2]

@@ -8,6 +8,7 @@ from pydantic import ValidationError
 from moplex_core.config import (
     TINY_MODEL,
     PipelineConfig,
+    method_config,
     pipeline_preset,
     preset_description,
     preset_names,
@@ -51,6 +52,14 @@ def test_unknown_keys_and_unknown_presets_are_refused():
         pipeline_preset("nope")
     with pytest.raises(ValidationError, match="fit_split"):
         PipelineConfig.model_validate({**demo.model_dump(mode="json"), "evaluate": {"splits": ["test"]}})
+
+
+def test_hard_em_refuses_backtracks_and_its_baseline_turns_them_off():
+    base = with_overrides(pipeline_preset("synthetic-compare"), ["train.backtracks=2"])
+    with pytest.raises(ValueError, match="hard EM .* never backtracks: set train.backtracks = 0"):
+        with_overrides(base, ["train.hard=true"])
+    assert method_config(base, "maxmin_bt", 0).train.backtracks == 0
+    assert method_config(base, "moplex", 0).train.backtracks == 2
 
 
 def test_the_config_round_trips_through_json_as_a_flow_parameter_does():

@@ -34,6 +34,7 @@ The anchors of round t serve the M-step of t and the E-step of t - 1; they are d
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import logging
@@ -345,10 +346,13 @@ class LoRAPolicyScorer:
         with torch.no_grad():
             for name, p in self._lora.items():
                 p.copy_(state["adapters"][name])
-        self.optimizer.load_state_dict(state["optimizer"])
+        # AdamW keeps the state tensors it is given where they already sit on the right device (the
+        # CPU), and steps them in place: a state restored twice (EM's backtracking) must not share them.
+        self.optimizer.load_state_dict(copy.deepcopy(state["optimizer"]))
         self._shuffle.set_state(state["shuffle_rng"])
         estep = state.get("estep")
-        self._estep = None if estep is None else _EStepOffsets(estep["round"], estep["inputs"], estep["offsets"])
+        self._estep = None if estep is None else _EStepOffsets(estep["round"], estep["inputs"],
+                                                               estep["offsets"].clone())
 
     # -- adapters in PEFT's format -------------------------------------------------------------
 
