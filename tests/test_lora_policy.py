@@ -217,6 +217,25 @@ def test_an_m_step_undone_twice_and_redone_at_a_quarter_is_one_taken_only_at_a_q
     assert [group["lr"] for group in backtracked.optimizer.param_groups] == [1e-2]
 
 
+def test_lora_dropout_masks_depend_on_seed_and_iteration_only(tiny_model_dir, inputs):  # noqa: F811
+    dropout = dataclasses.replace(SMALL, dropout=0.3)
+    weights = torch.full((len(inputs), 2), 0.5, dtype=torch.float64)
+    trained = []
+    for global_seed in (1, 2):  # what ran before (another M-step, a resumed process) moved the global RNG
+        policy = LoRAPolicyScorer(tiny_model_dir, 2, lora=dropout, lr=1e-2, batch_size=4, score_batch_size=4,
+                                  anchors=None)
+        torch.manual_seed(global_seed)
+        policy.fit(inputs, inputs.rankings(), weights, 1)
+        trained.append(policy)
+    for name, p in trained[0]._lora.items():
+        torch.testing.assert_close(trained[1]._lora[name], p, rtol=0, atol=0)
+    torch.manual_seed(5)
+    expected = torch.rand(3)
+    torch.manual_seed(5)
+    trained[0].fit(inputs, inputs.rankings(), weights, 2)
+    assert torch.equal(torch.rand(3), expected)  # the caller's RNG is left where it was
+
+
 def test_m_step_passes_of_a_few_rows_accumulate_the_same_step(tiny_model_dir, inputs):  # noqa: F811
     weights = torch.full((len(inputs), 2), 0.5, dtype=torch.float64)
     whole, split = scorer(tiny_model_dir, anchors=2), scorer(tiny_model_dir, anchors=2)

@@ -40,6 +40,7 @@ import json
 import logging
 import sys
 from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -252,24 +253,35 @@ class LoRAPolicyScorer:
         epochs = self.first_epochs if iteration == 0 else self.epochs
         bar = self._bar(total=epochs * -(-pairs.shape[0] // self.batch_size), desc=f"M-step {iteration}")
         try:
-            for _ in range(epochs):
-                order = pairs[torch.randperm(pairs.shape[0], generator=self._shuffle)]
-                for start in range(0, order.shape[0], self.batch_size):
-                    batch = order[start : start + self.batch_size]  # [B, 2]
-                    self.optimizer.zero_grad(set_to_none=True)
-                    objective = 0.0
-                    for group in self._row_groups(batch.tolist(), picks):
-                        objective += self._weighted_logp(inputs, rankings, weights, group, picks, offsets,
-                                                         batch.shape[0])
-                    self.optimizer.step()
-                    losses.append(objective)
-                    bar.update()
-                    bar.set_postfix(weighted_logP=f"{np.mean(losses[-20:]):.4f}")
+            with self._dropout_masks(iteration):
+                for _ in range(epochs):
+                    order = pairs[torch.randperm(pairs.shape[0], generator=self._shuffle)]
+                    for start in range(0, order.shape[0], self.batch_size):
+                        batch = order[start : start + self.batch_size]  # [B, 2]
+                        self.optimizer.zero_grad(set_to_none=True)
+                        objective = 0.0
+                        for group in self._row_groups(batch.tolist(), picks):
+                            objective += self._weighted_logp(inputs, rankings, weights, group, picks, offsets,
+                                                             batch.shape[0])
+                        self.optimizer.step()
+                        losses.append(objective)
+                        bar.update()
+                        bar.set_postfix(weighted_logP=f"{np.mean(losses[-20:]):.4f}")
         finally:
             bar.close()
             self.model.eval()
         self.last_fit = {"iteration": iteration, "pairs": int(pairs.shape[0]), "steps": len(losses),
                          "weighted_log_likelihood_last_epoch": float(np.mean(losses[-(len(losses) // epochs):]))}
+
+    @contextmanager
+    def _dropout_masks(self, iteration: int) -> Iterator[None]:
+        """The global RNG (LoRA dropout's) seeded by (seed, iteration) for one M-step and restored after,
+        so a redone M-step (EM's backtracking) and a resumed run draw the masks an uninterrupted run drew."""
+        key = hashlib.sha256(f"dropout {self.seed} {iteration}".encode()).digest()
+        cuda = [self.model.device.index or 0] if self.model.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=cuda):
+            torch.manual_seed(int.from_bytes(key[:8], "little"))
+            yield
 
     def scale_steps(self, factor: float) -> None:
         """The M-step's learning rate becomes ``factor`` * lr (EM's backtracking)."""
