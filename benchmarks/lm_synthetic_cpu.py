@@ -134,7 +134,8 @@ def main() -> None:
         check = json.loads((Path(train_dir) / "result.json").read_text())["estimation_check"]
         results[label] = {**evaluate(train_dir, cache_dir), "seconds": time.time() - t0, "start": start, "end": end,
                           "estimates": "exact" if check is None else
-                          f"{check['relative_error']:.2f} ({check['same_cluster']:.2f})"}
+                          f"{'-' if check['relative_error'] is None else format(check['relative_error'], '.2f')} "
+                          f"({check['same_cluster']:.2f})"}
 
     print(f"\nk = {k}, m = {m}, {args.n} rankings (60/20/20), a = {args.anchors} anchors, "
           f"{args.iterations} EM iterations, first M-step {args.first_epochs or 2} epochs (then 2), "

@@ -277,10 +277,12 @@ class LoRAPolicyScorer:
     def _dropout_masks(self, iteration: int) -> Iterator[None]:
         """The global RNG (LoRA dropout's) seeded by (seed, iteration) for one M-step and restored after,
         so a redone M-step (EM's backtracking) and a resumed run draw the masks an uninterrupted run drew."""
-        key = hashlib.sha256(f"dropout {self.seed} {iteration}".encode()).digest()
+        seed = int.from_bytes(hashlib.sha256(f"dropout {self.seed} {iteration}".encode()).digest()[:8], "little")
         cuda = [self.model.device.index or 0] if self.model.device.type == "cuda" else []
-        with torch.random.fork_rng(devices=cuda):
-            torch.manual_seed(int.from_bytes(key[:8], "little"))
+        with torch.random.fork_rng(devices=cuda):  # restores the CPU's and the model's GPU's generators only
+            torch.random.default_generator.manual_seed(seed)
+            for index in cuda:
+                torch.cuda.default_generators[index].manual_seed(seed)
             yield
 
     def scale_steps(self, factor: float) -> None:
