@@ -257,14 +257,15 @@ def run_evaluate(config: EvaluateConfig, train_dir: str | Path, cache_dir: str |
     metrics = evaluate_mixture(_ScoredSplits(scorer.k, outputs), alpha, splits, label_names, config.fit_split)
     diagnostics = _generated_diagnostics(outputs, splits, alpha, scorer.k)
     seed = read_manifest(train_dir)["config"]["seed"]
-    metrics = pd.concat([metrics, _diagnostic_metrics(diagnostics), em_start_rows(train_dir, cache_dir, label_names)],
+    em_result = json.loads((train_dir / "result.json").read_text())
+    metrics = pd.concat([metrics, _diagnostic_metrics(diagnostics), em_start_rows(train_dir, cache_dir, label_names),
+                         estimation_rows(em_result.get("estimation_check"))],  # absent before train-8
                         ignore_index=True)
     metrics.insert(0, "method", config.method)
     metrics["seed"] = seed
     metrics = metrics[list(METRICS_COLUMNS)]
     confusion = {name: _posterior_confusion(out, alpha, splits[name], label_names) for name, out in outputs.items()
                  if out.labels is not None}
-    em_result = json.loads((train_dir / "result.json").read_text())
     with store.writer(STAGE, plan.ref.version, config=config.model_dump(mode="json"), inputs=plan.inputs,
                       code_version=CODE_VERSION) as writer:
         if writer.complete:
@@ -291,6 +292,16 @@ def em_start_rows(train_dir: str | Path, cache_dir: str | Path, label_names: lis
         by_id = dict(zip(table["example_id"], table["cluster"], strict=True))
         labels = np.array([label_names.index(by_id[e]) for e in example_ids])
     return em_start_metrics(start, final, labels, len(label_names) if label_names else None)
+
+
+def estimation_rows(check: dict[str, Any] | None) -> pd.DataFrame:
+    """The train stage's check of the anchors' estimates (`train.check_estimates`) as rows of split
+    ``train_em``: estimates_relative_error (NaN for a zero spread) and estimates_same_cluster."""
+    if check is None:
+        return pd.DataFrame(columns=["split", "metric", "cluster", "value"])
+    relative = float("nan") if check["relative_error"] is None else check["relative_error"]
+    return pd.DataFrame({"split": EM_START_SPLIT, "metric": ["estimates_relative_error", "estimates_same_cluster"],
+                         "cluster": "all", "value": [relative, check["same_cluster"]]})
 
 
 def cache_label_names(cache_dir: str | Path) -> list[str] | None:

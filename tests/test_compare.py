@@ -100,12 +100,15 @@ def test_the_em_start_table_shows_start_end_and_their_agreement_per_method():
         rows += [("moplex", "train_em", "clustering_accuracy_start", "all", start, seed),
                  ("moplex", "train_em", "clustering_accuracy_final", "all", end, seed),
                  ("moplex", "train_em", "start_final_ari", "all", ari, seed),
+                 ("moplex", "train_em", "estimates_relative_error", "all", 1.0 + seed, seed),
+                 ("moplex", "train_em", "estimates_same_cluster", "all", 0.5, seed),
                  ("moplex", "test", "clustering_accuracy", "all", 0.0, seed)]
     table = em_start_table(_metrics(rows))
-    assert table.splitlines()[2] == "| MoPLEx (Alg. 2) (`moplex`) | 85.0 ± 7.1 | 60.0 ± 14.1 | 0.30 ± 0.14 |"
+    assert table.splitlines()[2] == ("| MoPLEx (Alg. 2) (`moplex`) | 85.0 ± 7.1 | 60.0 ± 14.1 | 0.30 ± 0.14 | "
+                                     "1.50 ± 0.71 | 50.0 ± 0.0 |")
     unlabelled = em_start_table(_metrics([("no_aug", "train_em", "start_final_ari", "all", 1.0, 0)]))
-    assert unlabelled.splitlines()[2] == "| w/o generated responses (`no_aug`) | - | - | 1.00 |"
-    assert em_start_table(_metrics(rows[3:4])) == ""
+    assert unlabelled.splitlines()[2] == "| w/o generated responses (`no_aug`) | - | - | 1.00 | - | - |"
+    assert em_start_table(_metrics(rows[5:6])) == ""
 
 
 @pytest.mark.slow

@@ -10,7 +10,7 @@ from moplex_core.artifacts import ArtifactStore, verify
 from moplex_core.cache import load_policy_inputs
 from moplex_core.config import EvaluateConfig, IngestConfig
 from moplex_core.em import likelihood_falls
-from moplex_core.evaluate import METRICS_COLUMNS, em_start_metrics, plan_evaluate, run_evaluate
+from moplex_core.evaluate import METRICS_COLUMNS, em_start_metrics, estimation_rows, plan_evaluate, run_evaluate
 from moplex_core.ingest import run_ingest
 from moplex_core.inspect import inspect_path
 from moplex_core.report import write_report
@@ -94,3 +94,10 @@ def test_a_train_artifact_is_evaluated_only_with_its_own_cache(trained, tmp_path
     other = run_ingest(IngestConfig(dataset="synthetic", synthetic={"n": 12, "k": 3, "m": 3}), store).path
     with pytest.raises(ValueError, match="was trained on cache/"):
         plan_evaluate(EvaluateConfig(), train, other, store)
+
+
+def test_the_estimation_check_becomes_train_em_rows_for_the_comparison():
+    assert estimation_rows(None).empty  # every response exact: nothing was estimated
+    rows = estimation_rows({"relative_error": None, "same_cluster": 0.75}).set_index("metric")
+    assert set(rows.split) == {"train_em"} and set(rows.cluster) == {"all"}
+    assert np.isnan(rows.value["estimates_relative_error"]) and rows.value["estimates_same_cluster"] == 0.75

@@ -113,23 +113,32 @@ def table3(metrics: pd.DataFrame, metric: str = "ranking_accuracy_posterior", sp
 
 def em_start_table(metrics: pd.DataFrame) -> str:
     """Per mixture method, on the training rankings (evaluate's ``train_em`` rows): clustering accuracy
-    of the partition EM started from and of the one it ended with (each under its own matching), and
-    the ARI between the two; mean ± std over seeds. Empty when no run kept its start."""
+    of the partition EM started from and of the one it ended with (each under its own matching), the
+    ARI between the two, and, for runs with anchors, the train stage's check of their estimates
+    (`train.check_estimates`); mean ± std over seeds. Empty when no run kept its start."""
     rows = metrics[metrics.split == EM_START_SPLIT]
     if rows.empty:
         return ""
     stats = rows.groupby(["method", "metric"], sort=False)["value"].agg(["mean", "std"])
-    lines = ["| method | clustering accuracy % at the start | clustering accuracy % at the end | ARI start-end |",
-             "|---|---|---|---|"]
+    lines = ["| method | clustering accuracy % at the start | clustering accuracy % at the end | ARI start-end | "
+             "estimates' relative error | % keeping their cluster under exact scores |",
+             "|---|---|---|---|---|---|"]
     for method in dict.fromkeys(rows.method):
         cells = []
         for when in ("start", "final"):
             key = (method, f"clustering_accuracy_{when}")
             cells.append(_cell(*stats.loc[key]) if key in stats.index else "-")
-        mean, std = stats.loc[(method, "start_final_ari")]
-        cells.append(f"{mean:.2f}" if np.isnan(std) else f"{mean:.2f} ± {std:.2f}")
+        cells.append(_plain_cell(*stats.loc[(method, "start_final_ari")]))
+        key = (method, "estimates_relative_error")
+        cells.append(_plain_cell(*stats.loc[key]) if key in stats.index else "-")
+        key = (method, "estimates_same_cluster")
+        cells.append(_cell(*stats.loc[key]) if key in stats.index else "-")
         lines.append(f"| {_label(method)} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def _plain_cell(mean: float, std: float) -> str:
+    return f"{mean:.2f}" if np.isnan(std) else f"{mean:.2f} ± {std:.2f}"
 
 
 def all_variants_table(metrics: pd.DataFrame, split: str = SPLIT) -> pd.DataFrame:
