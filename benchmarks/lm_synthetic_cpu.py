@@ -89,7 +89,8 @@ def main() -> None:
     parser.add_argument("--init", default="linearized", choices=("linearized", "kmeans", "dirichlet", "labels"),
                         help="EM start (train.init; labels: the true clusters)")
     parser.add_argument("--backtracks", type=int, default=0,
-                        help="redo an M-step after which the LL fell at half the lr, this many times (train.backtracks)")
+                        help="redo an M-step after which the LL fell at half the lr, up to this many times "
+                             "(train.backtracks)")
     parser.add_argument("--seed", type=int, default=0,
                         help="train.seed (LoRA init, EM start, shuffling, anchors); the data and tiny model stay fixed")
     parser.add_argument("--pretrain-steps", type=int, default=150)

@@ -89,8 +89,8 @@ def write_report(writer, metrics: pd.DataFrame, diagnostics: pd.DataFrame, em_re
     if falls:
         lines += [f"It fell at iteration(s) {', '.join(map(str, falls))} (counted from 0, as the train log and "
                   "`em/restart-RR/iter-NNNN` count them). Soft EM does not lower it unless an M-step lowers its own "
-                  "weighted objective: steps too large (`train.lr`; `train.backtracks` redoes such an M-step at half the "
-                  "rate) or too few to recover (`train.epochs`); "
+                  "weighted objective: steps too large (`train.lr`; `train.backtracks` redoes such an M-step at "
+                  "half the rate) or too few to recover (`train.epochs`); "
                   "estimated scores (anchors) add noise, and hard EM (`train.hard`) may lower it.", ""]
     redone = [f"{t} ({h}x)" for t, h in enumerate(halvings) if h]
     if redone:
