@@ -161,8 +161,8 @@ def temporary_server_in_its_own_session() -> Iterator[None]:
     is given ``start_new_session=True`` while the context is open (the server starts on the first
     API call inside it). On the main thread only: elsewhere nothing changes.
 
-    No signal reaches that server now, so this process must unwind on SIGTERM and SIGHUP (a closed
-    terminal) for Prefect's exit hook to stop it (`stop_on_signals_until_exit`). A SIGKILL allows no
+    No signal reaches that server now, so this process must unwind on SIGTERM, SIGHUP (a closed
+    terminal) and SIGINT for Prefect's exit hook to stop it (`stop_on_signals_until_exit`). A SIGKILL allows no
     unwinding: on Linux the server is also told to stop when this thread ends (`_stopped_with_this_thread`),
     and it is started from the main thread, which ends only with the process."""
     if threading.current_thread() is not threading.main_thread():
@@ -206,15 +206,18 @@ def _stopped_with_this_thread(args, **kwargs) -> subprocess.Popen:
     return subprocess.Popen(args, start_new_session=True, **kwargs)
 
 
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
 
 
 def stop_on_signals_until_exit() -> None:
-    """SIGTERM and SIGHUP raise `StopSignal` in this (the main) thread from now until the
+    """SIGTERM, SIGHUP and SIGINT raise `StopSignal` in this (the main) thread from now until the
     interpreter's exit hooks have run, Prefect's stopping of its temporary server included (hooks
     run last registered first, and Prefect registers its own when the server starts, after this).
     Prefect's engine, having recorded a crash, hands SIGTERM back to the handler it found; the
-    default one would end the process on the spot, before those hooks."""
+    default one would end the process on the spot, before those hooks. SIGINT (Ctrl-C) is taken too:
+    with Python's own handler in place, an `asyncio.run` in the main thread swaps in one that only
+    cancels its task, so a SIGINT landing there is lost if the cancellation is absorbed (seen once: a
+    `moplex run` signalled as its train stage began ran on to the end)."""
     if signal.getsignal(signal.SIGTERM) is _raise_stop_signal:
         return
     previous = {signum: signal.signal(signum, _raise_stop_signal) for signum in STOP_SIGNALS}
@@ -222,8 +225,8 @@ def stop_on_signals_until_exit() -> None:
 
 
 class StopSignal(KeyboardInterrupt):
-    """SIGTERM or SIGHUP during an in-process run, raised as Ctrl-C's KeyboardInterrupt is, with the
-    exit status a signal gives (128 + its number)."""
+    """SIGTERM, SIGHUP or SIGINT during an in-process run, raised as Ctrl-C's KeyboardInterrupt is,
+    with the exit status a signal gives (128 + its number)."""
 
     def __init__(self, signum: int) -> None:
         super().__init__(f"stopped by signal {signum}")

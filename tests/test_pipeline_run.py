@@ -101,8 +101,8 @@ def test_local_run_settings_patch_prefects_server_module_for_the_run_and_stop_on
             child.kill()
             child.wait()
     assert server.subprocess is before
-    # SIGTERM and SIGHUP unwind the process until its exit hooks (Prefect's server stop) have run.
-    for signum in (signal.SIGTERM, signal.SIGHUP):
+    # SIGTERM, SIGHUP and SIGINT unwind the process until its exit hooks (Prefect's server stop) have run.
+    for signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
         with pytest.raises(StopSignal) as stop:
             signal.getsignal(signum)(signum, None)
         assert stop.value.status == 128 + signum
