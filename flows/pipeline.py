@@ -162,9 +162,10 @@ def temporary_server_in_its_own_session() -> Iterator[None]:
     API call inside it). On the main thread only: elsewhere nothing changes.
 
     No signal reaches that server now, so this process must unwind on SIGTERM, SIGHUP (a closed
-    terminal) and SIGINT for Prefect's exit hook to stop it (`stop_on_signals_until_exit`). A SIGKILL allows no
-    unwinding: on Linux the server is also told to stop when this thread ends (`_stopped_with_this_thread`),
-    and it is started from the main thread, which ends only with the process."""
+    terminal) and SIGINT for Prefect's exit hook to stop it (`stop_on_signals_until_exit`). A SIGKILL
+    allows no unwinding: on Linux the server is also told to stop when this thread ends
+    (`_stopped_with_this_thread`), and it is started from the main thread, which ends only with the
+    process."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return

@@ -57,6 +57,7 @@ log = logging.getLogger(__name__)
 STAGE = "train"
 CODE_VERSION = "train-8"  # bump when a change to this stage changes what it writes
 POSTERIORS = "posteriors.parquet"
+SCORES = "scores.parquet"  # of one EM iteration, under em/restart-RR/iter-NNNN/ (SCORES_SCHEMA)
 START_POSTERIORS = "start_posteriors.parquet"
 TRAIN_SPLIT = "train"
 
@@ -189,14 +190,14 @@ def check_estimates(scorer: LoRAPolicyScorer, inputs: PolicyInputs, best: EMStat
     picked = np.sort(np.random.default_rng(config.seed).choice(
         len(inputs), size=min(config.estimation_check, len(inputs)), replace=False))
     checked = inputs.subset(picked)
-    scores = em_dir / f"restart-{best.restart:02d}" / f"iter-{best.iteration:04d}" / "scores.parquet"
+    scores = em_dir / f"restart-{best.restart:02d}" / f"iter-{best.iteration:04d}" / SCORES
     table = pq.read_table(scores, filters=[("example_id", "in", list(checked.example_ids))]).to_pydict()
     exact = scorer.exact_scores(checked)  # [n', k, M]
-    estimated, is_estimated = exact.clone(), torch.zeros(exact.shape, dtype=torch.bool)
     row = {example_id: i for i, example_id in enumerate(checked.example_ids)}
-    for example_id, c, j, score, flag in zip(table["example_id"], table["cluster"], table["response_idx"],
-                                             table["score"], table["estimated"], strict=True):
-        estimated[row[example_id], c, j], is_estimated[row[example_id], c, j] = score, flag
+    at = (torch.tensor([row[e] for e in table["example_id"]]), torch.tensor(table["cluster"]),
+          torch.tensor(table["response_idx"]))  # 3 x [rows]
+    estimated = exact.index_put(at, torch.tensor(table["score"], dtype=exact.dtype))
+    is_estimated = torch.zeros(exact.shape, dtype=torch.bool).index_put(at, torch.tensor(table["estimated"]))
     if not is_estimated.any():
         return None
     check = {"examples": len(picked), "iteration": best.iteration,
@@ -288,7 +289,7 @@ def _iteration_files(it_dir: Path, state: EMState, scorer: LoRAPolicyScorer) -> 
     if record is None or record.iteration != state.iteration:
         raise RuntimeError(f"the scorer holds no E-step scores of iteration {state.iteration}")
     table = scores_table(record)
-    with atomic_path(it_dir / "scores.parquet") as tmp:
+    with atomic_path(it_dir / SCORES) as tmp:
         pq.write_table(table, tmp)
     staging = it_dir / f".adapters.tmp-{os.getpid()}"
     shutil.rmtree(staging, ignore_errors=True)
