@@ -173,9 +173,29 @@ def write_bad_files(data: Path) -> dict[str, Path]:
     files["no records"].write_text("\n\n")
     files["not a data file"] = data / "rankings.csv"
     files["not a data file"].write_text("example_id,prompt\n")
+    survey, conversation = prism_records()
+    (data / "prism-bad-score").mkdir(exist_ok=True)
+    files["PRISM score out of range"] = data / "prism-bad-score"
+    (data / "prism-bad-score" / "survey.jsonl").write_text(json.dumps(survey) + "\n")
+    conversation["conversation_history"][2]["score"] = 101
+    (data / "prism-bad-score" / "conversations.jsonl").write_text(json.dumps(conversation) + "\n")
+    files["PRISM without its survey"] = data / "prism-conversations.jsonl"
+    files["PRISM without its survey"].write_text(json.dumps(prism_records()[1]) + "\n")
     files["LM data"] = data / "lm.jsonl"
     files["LM data"].write_text("".join(json.dumps(row) + "\n" for row in lm_rows()))
     return files
+
+
+def prism_records() -> tuple[dict[str, Any], dict[str, Any]]:
+    """A PRISM survey record and one conversation of that participant (the fields the adapter reads)."""
+    survey = {"user_id": "user0", "survey_only": False, "age": "25-34 years old", "gender": "Female",
+              "location": {"reside_country": "United Kingdom", "special_region": "UK"}}
+    history = [{"turn": 0, "role": "user", "content": "Name a colour.", "within_turn_id": None, "score": None}]
+    history += [{"turn": 0, "role": "model", "content": colour, "within_turn_id": w, "model_name": "gpt-4",
+                 "score": 90 - 20 * w, "if_chosen": w == 0} for w, colour in enumerate(["red", "blue", "green", "grey"])]
+    conversation = {"conversation_id": "c0", "user_id": "user0", "conversation_type": "unguided",
+                    "opening_prompt": "Name a colour.", "conversation_history": history}
+    return survey, conversation
 
 
 LONG_RESPONSE_TOKENS = 16  # cache.max_response_tokens of the flow cases
@@ -237,6 +257,13 @@ def catalogue() -> list[Case]:
     ]
     cases += [Case(f"file: {name}", ("ingest", "--dataset", "generic", "--path", f"{{data}}/{file}"), expect,
                    "ingest", short=short, process=name == "non-UTF-8 JSONL") for name, file, expect, short in files]
+    cases += [
+        Case("file: PRISM score out of range", ("ingest", "--dataset", "prism", "--path", "{data}/prism-bad-score"),
+             ("conversations.jsonl line 1", "field 'conversation_history[2]'", "key 'score'", "1..100"), "ingest"),
+        Case("file: PRISM conversations without the survey",
+             ("ingest", "--dataset", "prism", "--path", "{data}/prism-conversations.jsonl"),
+             ("prism-conversations.jsonl line 1", "no survey records", "survey.jsonl"), "ingest"),
+    ]
     cases.append(Case("config: ingest split fractions do not sum to 1",
                       ("ingest", "--dataset", "generic", "--path", "{data}/lm.jsonl",
                        "--set", "split.fractions=[0.5,0.5,0.5]"),

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import typing
 from pathlib import Path
 
 
@@ -262,7 +263,7 @@ def build_parser() -> argparse.ArgumentParser:
     approx.add_argument("--quiet", action="store_true", help="no progress bar")
     approx.set_defaults(func=_experiment_approximation)
 
-    from moplex_core.config import METHODS
+    from moplex_core.config import METHODS, DatasetName
 
     compare = exp_sub.add_parser(
         "compare",
@@ -292,7 +293,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Read a preference dataset into a versioned rankings artifact. A second run with "
         "the same config and source does nothing.",
     )
-    ingest.add_argument("--dataset", choices=["ultrafeedback", "persona", "helpsteer2", "synthetic", "generic"],
+    ingest.add_argument("--dataset", choices=typing.get_args(DatasetName),
                         help="the dataset's adapter (its raw schema); give this or --preset")
     ingest.add_argument("--preset", help="a named IngestConfig (moplex_core.config.INGEST_PRESETS)")
     ingest.add_argument("--path", help="local file or folder in the dataset's raw schema (instead of the hub)")

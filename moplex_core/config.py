@@ -100,16 +100,22 @@ def describe_validation_error(err: ValidationError) -> str:
 # ---------------------------------------------------------------------------------------------------
 # ingest
 
-DatasetName = Literal["ultrafeedback", "persona", "helpsteer2", "synthetic", "generic"]
+DatasetName = Literal["ultrafeedback", "persona", "helpsteer2", "prism", "synthetic", "generic"]
 
 ULTRAFEEDBACK_CRITERIA = ("helpfulness", "honesty", "instruction_following", "truthfulness")
 HELPSTEER2_ATTRIBUTES = ("helpfulness", "correctness", "coherence", "complexity", "verbosity")
+PRISM_OPENING_RESPONSES = 4  # models answering a PRISM conversation's opening prompt
 
 HUB_SOURCES: dict[str, tuple[str, str | None]] = {
     # dataset -> (hub name, pinned revision); UltraFeedback's revision has the Dec 2023 score fix.
     "ultrafeedback": ("openbmb/UltraFeedback", "40b436560ca83a8dba36114c22ab3c66e43f6d5e"),
     "persona": ("SynthLabsAI/PERSONA", None),
     "helpsteer2": ("nvidia/HelpSteer2", None),
+    "prism": ("HannahRoseKirk/prism-alignment", None),
+}
+HUB_CONFIGS: dict[str, tuple[str, ...]] = {
+    # dataset -> the hub configs it reads (a dataset not named here has a single default config)
+    "prism": ("survey", "conversations"),
 }
 
 
@@ -221,6 +227,36 @@ class HelpSteer2Options(Options):
         return v
 
 
+class PrismOptions(Options):
+    """One ranking per conversation: the opening turn's model responses ranked by the participant's
+    scores (1-100; equal scores are tied tiers); cluster = the participant's profile from the survey.
+
+    The profile label joins ``field=value`` for each of ``fields``, in order, e.g.
+    ``special_region=UK``; a field is a survey column (``age``, ``gender``, ``education``, ...) or a
+    key of one of its nested columns, written with a dot (``location.special_region``,
+    ``ethnicity.simplified``, ``religion.simplified``), and the label uses the part after the last
+    dot. Participants with a value in ``exclude_values`` or without a field are left out, and
+    ``top_profiles`` keeps the most frequent profiles (ties by label). Conversations whose opening
+    turn has fewer than ``min_responses`` distinct scored responses, or scores them all alike, give
+    no ranking.
+
+    The paper does not use PRISM; this default is ours: the PRISM authors' own regions (which split
+    the US and UK from the rest of their continents), the four largest of them.
+    """
+
+    fields: tuple[str, ...] = ("location.special_region",)
+    exclude_values: tuple[str, ...] = ("Prefer not to say",)
+    top_profiles: int | None = Field(4, ge=1)
+    min_responses: int = Field(4, ge=2, le=PRISM_OPENING_RESPONSES)
+
+    @field_validator("fields")
+    @classmethod
+    def _some_fields(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        if not v or len(set(v)) != len(v) or any(not f.strip() or f.startswith(".") or f.endswith(".") for f in v):
+            raise ValueError(f"fields must be distinct survey columns or column.key paths, got {v}")
+        return v
+
+
 class SyntheticOptions(Options):
     """moplex_core.data.synthetic.SyntheticConfig without its augmentation fields: the rankings
     artifact holds originals only (generated responses are the augment stage's); the seed is the
@@ -264,6 +300,7 @@ class IngestConfig(StageConfig):
     ultrafeedback: UltraFeedbackOptions = UltraFeedbackOptions()
     persona: PersonaOptions = PersonaOptions()
     helpsteer2: HelpSteer2Options = HelpSteer2Options()
+    prism: PrismOptions = PrismOptions()
     synthetic: SyntheticOptions = SyntheticOptions()
 
     @model_validator(mode="after")
@@ -297,7 +334,7 @@ class IngestConfig(StageConfig):
         separately (as the version's input), so moving a file keeps the version and editing it does
         not. Options of other datasets are left out."""
         data = self.model_dump(mode="json", exclude={"path"})
-        for name in ("ultrafeedback", "persona", "helpsteer2", "synthetic"):
+        for name in ("ultrafeedback", "persona", "helpsteer2", "prism", "synthetic"):
             if name != self.dataset:
                 del data[name]
         if self.path is None and self.dataset in HUB_SOURCES:
@@ -652,7 +689,7 @@ class PipelineConfig(Options):
         """m' (at most) where the config alone tells it: the dataset's m plus the generated ones; None
         for a generic source (the train stage checks against the data then)."""
         m = {"synthetic": self.ingest.synthetic.m, "ultrafeedback": self.ingest.ultrafeedback.m,
-             "helpsteer2": 2, "persona": 2}.get(self.ingest.dataset)
+             "helpsteer2": 2, "persona": 2, "prism": PRISM_OPENING_RESPONSES}.get(self.ingest.dataset)
         if m is None:
             return None
         return m + (self.augment.n_generated if self.augment is not None else 0)

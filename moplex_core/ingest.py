@@ -20,8 +20,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from moplex_core.artifacts import ArtifactRef, ArtifactStore, load_table, read_manifest
-from moplex_core.config import IngestConfig
-from moplex_core.data import generic, helpsteer2, persona, ultrafeedback
+from moplex_core.config import HUB_CONFIGS, IngestConfig
+from moplex_core.data import generic, helpsteer2, persona, prism, ultrafeedback
 from moplex_core.data.sources import (
     AdapterOutput,
     Record,
@@ -219,6 +219,8 @@ def _adapt(config: IngestConfig, source: str) -> AdapterOutput:
         return persona.to_rankings(records, config.persona, source=source, seed=config.seed)
     if config.dataset == "helpsteer2":
         return helpsteer2.to_rankings(records, config.helpsteer2, source=source)
+    if config.dataset == "prism":
+        return prism.to_rankings(records, config.prism, source=source)
     return generic.to_rankings(records, source=source, keep_split=config.split.from_source)
 
 
@@ -238,7 +240,7 @@ def _records(config: IngestConfig) -> Iterator[Record]:
     if config.path is not None:
         return iter_local_records(config.path)
     name, revision = config.hub_source()
-    return iter_hub_records(name, revision, config.dataset)
+    return iter_hub_records(name, revision, config.dataset, HUB_CONFIGS.get(config.dataset, ()))
 
 
 def _source_label(config: IngestConfig, inputs: dict[str, str]) -> str:

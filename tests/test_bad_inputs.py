@@ -157,6 +157,10 @@ def test_anchors_up_to_m_prime_and_generic_sources_pass_the_config_check():
     assert with_overrides(demo, ["augment=null", "train.anchors=4"]).train.anchors == 4
     generic = with_overrides(demo, ["ingest.dataset=generic", "ingest.path=x.jsonl", "train.anchors=50"])
     assert generic.responses_per_example() is None  # the train stage checks it against the data
+    prism = pipeline_preset("prism")
+    assert prism.responses_per_example() == 8 and with_overrides(prism, ["train.anchors=8"]).train.anchors == 8
+    with pytest.raises(ValueError, match=r"a = 9 > m' = 8 responses per example \(4 from prism \+ 4 generated\)"):
+        with_overrides(prism, ["train.anchors=9"])
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -15,8 +15,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from moplex_core.artifacts import ArtifactStore
-from moplex_core.config import IngestConfig, PersonaOptions, SplitConfig, UltraFeedbackOptions
-from moplex_core.data import helpsteer2, persona, ultrafeedback
+from moplex_core.config import IngestConfig, PersonaOptions, PrismOptions, SplitConfig, UltraFeedbackOptions
+from moplex_core.data import helpsteer2, persona, prism, ultrafeedback
 from moplex_core.data.sources import (
     DatasetUnavailableError,
     RawSchemaError,
@@ -204,6 +204,64 @@ def test_helpsteer2_reads_gzipped_jsonl_and_rejects_out_of_range_ratings(tmp_pat
         helpsteer2.to_rankings(records(tmp_path / "bad.jsonl"), helpsteer2.HelpSteer2Options(), source="hs")
 
 
+# --- PRISM -----------------------------------------------------------------------------------------
+
+
+def _prism_lines(fixtures_dir: Path, name: str) -> list[dict]:
+    return [json.loads(line) for line in (fixtures_dir / "prism" / name).read_text().splitlines()]
+
+
+def test_prism_ranks_each_opening_turn_by_score_with_the_participants_region(fixtures_dir):
+    out = prism.to_rankings(records(fixtures_dir / "prism"), PrismOptions(), source="p")
+    conversations = {c["conversation_id"]: c for c in _prism_lines(fixtures_dir, "conversations.jsonl")}
+    regions = {u["user_id"]: u["location"]["special_region"] for u in _prism_lines(fixtures_dir, "survey.jsonl")}
+    assert out.stats["skipped_other_records"] == 1  # the utterances file beside them
+    assert out.stats["participants"] == 10 and out.stats["conversations"] == 20
+    for row in out.rows:
+        (cid,) = [c for c in conversations if short_hash("prism", c) == row["example_id"]]
+        conversation = conversations[cid]
+        opening = sorted((m for m in conversation["conversation_history"] if m["turn"] == 0 and m["role"] == "model"),
+                         key=lambda m: m["within_turn_id"])
+        assert row["prompt"] == conversation["opening_prompt"]
+        assert row["responses"] == [m["content"] for m in opening]  # turn 1's A/B answers are not read
+        scores = [m["score"] for m in opening]
+        # tiers best first, every response once, equal scores together
+        assert sorted(j for tier in row["ranking"] for j in tier) == [0, 1, 2, 3]
+        tier_scores = [{scores[j] for j in tier} for tier in row["ranking"]]
+        assert all(len(t) == 1 for t in tier_scores)
+        assert [t.pop() for t in tier_scores] == sorted(set(scores), reverse=True)
+        assert row["cluster"] == f"special_region={regions[conversation['user_id']]}"
+    assert any(len(tier) == 2 for row in out.rows for tier in row["ranking"])  # conversation c5's tie
+    assert out.stats == out.stats | {"skipped_user_not_in_survey": 2, "skipped_no_profile": 2,  # Prefer not to say
+                                     "skipped_all_tied": 1, "skipped_short_slate": 2, "skipped_rare_profile": 2,
+                                     "profiles": 4, "rankings": 11}
+    assert len({r["example_id"] for r in out.rows}) == len(out.rows)
+
+
+def test_prism_profiles_from_nested_and_plain_survey_columns(fixtures_dir):
+    options = PrismOptions(fields=("gender", "ethnicity.simplified"), top_profiles=None, min_responses=3)
+    out = prism.to_rankings(records(fixtures_dir / "prism"), options, source="p")
+    assert "gender=Female|simplified=White" in {r["cluster"] for r in out.rows}
+    assert "skipped_short_slate" not in out.stats and out.stats["profiles"] == len({r["cluster"] for r in out.rows})
+    three = [r for r in out.rows if len(r["responses"]) == 3]
+    assert len(three) == 2  # the conversation with three answers, and the one where two models said the same
+    missing = prism.to_rankings(records(fixtures_dir / "prism"), PrismOptions(fields=("location.no_such_key",)),
+                                source="p")
+    assert missing.rows == [] and missing.stats["skipped_no_profile"] == 18
+
+
+def test_prism_names_a_bad_score_and_asks_for_the_survey(tmp_path, fixtures_dir):
+    conversations = _prism_lines(fixtures_dir, "conversations.jsonl")
+    shutil.copy(fixtures_dir / "prism" / "survey.jsonl", tmp_path / "survey.jsonl")
+    conversations[1]["conversation_history"][3]["score"] = 250
+    (tmp_path / "conversations.jsonl").write_text("\n".join(json.dumps(c) for c in conversations) + "\n")
+    with pytest.raises(RawSchemaError, match=r"conversations.jsonl line 2, field 'conversation_history\[3\]', "
+                                             r"key 'score': 250 is not a score in 1..100"):
+        prism.to_rankings(records(tmp_path), PrismOptions(), source="p")
+    with pytest.raises(RawSchemaError, match="no survey records .* survey.jsonl beside conversations.jsonl"):
+        prism.to_rankings(records(fixtures_dir / "prism" / "conversations.jsonl"), PrismOptions(), source="p")
+
+
 # --- generic, synthetic, ingest-level --------------------------------------------------------------
 
 
@@ -255,8 +313,9 @@ def test_a_json_array_file_reads_like_jsonl(tmp_path, fixtures_dir):
 
 
 def test_every_dataset_builds_a_valid_split_rankings_table(fixtures_dir):
-    for dataset in ("ultrafeedback", "persona", "helpsteer2"):
-        config = IngestConfig(dataset=dataset, path=str(fixtures_dir / f"{dataset}.jsonl"),
+    for dataset, path in [("ultrafeedback", "ultrafeedback.jsonl"), ("persona", "persona.jsonl"),
+                          ("helpsteer2", "helpsteer2.jsonl"), ("prism", "prism")]:
+        config = IngestConfig(dataset=dataset, path=str(fixtures_dir / path),
                               split=SplitConfig(fractions=(0.5, 0.25, 0.25)))
         table = build_rankings(config).table
         assert table.schema == RANKINGS_SCHEMA and table.num_rows > 0
@@ -286,6 +345,10 @@ def test_loading_by_name_offline_says_how_to_pass_a_local_path(monkeypatch):
     # the download command it suggests is one the installed huggingface_hub provides
     assert "`hf download openbmb/UltraFeedback --repo-type dataset --revision 40b4365" in message
     assert "`hf auth login`" in message and entry_points(group="console_scripts", name="hf")
+    with pytest.raises(DatasetUnavailableError) as err:  # a dataset of several configs names the one it tried
+        build_rankings(IngestConfig(dataset="prism"))
+    assert "'HannahRoseKirk/prism-alignment' (config 'survey') (revision latest)" in str(err.value)
+    assert "moplex ingest --dataset prism --path DIR" in str(err.value)
 
 
 def test_local_sources_are_fingerprinted_by_content_not_location(tmp_path, fixtures_dir):

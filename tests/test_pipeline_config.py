@@ -17,7 +17,7 @@ from moplex_core.config import (
 
 
 def test_every_shipped_preset_loads_and_describes_itself():
-    assert set(preset_names()) >= {"synthetic-demo", "ultrafeedback-paper", "persona-paper", "helpsteer2"}
+    assert set(preset_names()) >= {"synthetic-demo", "ultrafeedback-paper", "persona-paper", "helpsteer2", "prism"}
     for name in preset_names():
         config = pipeline_preset(name)
         assert preset_description(name)

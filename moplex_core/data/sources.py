@@ -164,27 +164,30 @@ def _parse_json(text: str, where: str, *, whole_file: bool) -> Any:
         raise RawSchemaError(f"{where} is not valid JSON ({at}: {err.msg}); expected {expected}") from None
 
 
-def iter_hub_records(name: str, revision: str | None, dataset: str) -> Iterator[Record]:
-    """Every split of a hub dataset (train, validation, test, then others), row by row."""
+def iter_hub_records(name: str, revision: str | None, dataset: str, configs: tuple[str, ...] = ()) -> Iterator[Record]:
+    """Every split of a hub dataset (train, validation, test, then others), row by row; of each of
+    ``configs`` in turn when the dataset has several (none: its default config)."""
     import datasets  # imported here: slow to import and only needed with hub access
 
-    try:
-        loaded = datasets.load_dataset(name, revision=revision)
-    except OSError as err:  # ConnectionError, offline mode, DatasetNotFoundError (gated/unknown)
-        raise DatasetUnavailableError(
-            f"could not load {name!r} (revision {revision or 'latest'}) from the Hugging Face hub: {err}\n"
-            f"Without hub access, download it where the hub is reachable, e.g. `hf download "
-            f"{name} --repo-type dataset{f' --revision {revision}' if revision else ''} --local-dir DIR`, copy "
-            f"DIR here and pass it as the local path: `moplex ingest --dataset {dataset} --path DIR` "
-            f"(`moplex run ... --set ingest.path=DIR` in a pipeline; IngestConfig(dataset={dataset!r}, "
-            "path='DIR') in Python). A file or folder of .jsonl/.json/.parquet "
-            "in the dataset's raw schema works. Gated datasets (PERSONA) also need their terms accepted "
-            "and `hf auth login` (the `hf` command of huggingface_hub)."
-        ) from err
-    order = sorted(loaded, key=lambda s: (_HUB_SPLIT_ORDER.index(s) if s in _HUB_SPLIT_ORDER else 99, s))
-    for split in order:
-        for row, data in enumerate(loaded[split]):
-            yield Record(f"{name} ({split}) row {row}", data)
+    for config in configs or (None,):
+        try:
+            loaded = datasets.load_dataset(name, config, revision=revision)
+        except OSError as err:  # ConnectionError, offline mode, DatasetNotFoundError (gated/unknown)
+            raise DatasetUnavailableError(
+                f"could not load {name!r}{f' (config {config!r})' if config else ''} (revision {revision or 'latest'}) "
+                f"from the Hugging Face hub: {err}\n"
+                f"Without hub access, download it where the hub is reachable, e.g. `hf download "
+                f"{name} --repo-type dataset{f' --revision {revision}' if revision else ''} --local-dir DIR`, copy "
+                f"DIR here and pass it as the local path: `moplex ingest --dataset {dataset} --path DIR` "
+                f"(`moplex run ... --set ingest.path=DIR` in a pipeline; IngestConfig(dataset={dataset!r}, "
+                "path='DIR') in Python). A file or folder of .jsonl/.json/.parquet "
+                "in the dataset's raw schema works. Gated datasets (PERSONA) also need their terms accepted "
+                "and `hf auth login` (the `hf` command of huggingface_hub)."
+            ) from err
+        order = sorted(loaded, key=lambda s: (_HUB_SPLIT_ORDER.index(s) if s in _HUB_SPLIT_ORDER else 99, s))
+        for split in order:
+            for row, data in enumerate(loaded[split]):
+                yield Record(f"{name} ({f'{config}, ' if config else ''}{split}) row {row}", data)
 
 
 def _as_object(data: Any, where: str) -> dict[str, Any]:

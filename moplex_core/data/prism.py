@@ -1,0 +1,149 @@
+"""PRISM (HannahRoseKirk/prism-alignment) as rankings: m = 4, cluster = the participant's profile.
+
+Two of the release's files are read, in their raw schema (DESIGN.md 6):
+- ``survey.jsonl``, one participant per record: ``user_id``, ``survey_only``, demographics (``age``,
+  ``gender``, ``education``, ...) and nested ones (``location``, ``ethnicity``, ``religion``, each a
+  dict such as ``{"special_region": "UK", ...}``);
+- ``conversations.jsonl``, one conversation per record: ``conversation_id``, ``user_id``,
+  ``opening_prompt`` and ``conversation_history``, a list of ``{"turn", "role", "content",
+  "within_turn_id", "model_name", "score", "if_chosen", ...}`` (role "user" or "model"; turn 0 is
+  the opening turn, where four models answered and the participant scored each 1-100).
+
+Records are told apart by their fields, so a folder holding the whole release (``hf download``
+brings ``utterances.jsonl`` and ``metadata.jsonl`` too) or the hub's per-config Parquet reads as
+it is; the other files' records are counted and skipped. Each conversation gives one ranking of its
+opening turn's responses (in ``within_turn_id`` order) by score, equal scores tied; the rules for
+the profile are `moplex_core.config.PrismOptions`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Iterable
+from typing import Any
+
+from moplex_core.config import PrismOptions
+from moplex_core.data.sources import AdapterOutput, RawSchemaError, Record
+from moplex_core.hashing import short_hash
+from moplex_core.schema import ranking_from_scores, ranking_row
+
+NAME = "PRISM"
+CONVERSATION_FIELDS = ("conversation_id", "user_id", "conversation_history")
+SURVEY_MARK = "survey_only"  # a column only the survey has
+SCORE_RANGE = (1, 100)
+
+
+def to_rankings(records: Iterable[Record], options: PrismOptions, *, source: str) -> AdapterOutput:
+    stats: Counter[str] = Counter()
+    profiles: dict[str, str | None] = {}  # user_id -> profile label (None: left out)
+    conversations: list[Record] = []
+    for record in records:
+        stats["records"] += 1
+        if "conversation_history" in record.data:
+            record.require(CONVERSATION_FIELDS, NAME)
+            conversations.append(record)
+        elif SURVEY_MARK in record.data:
+            record.require(("user_id",), NAME)
+            profiles[str(record.data["user_id"])] = profile_label(record, options)
+        else:
+            stats["skipped_other_records"] += 1  # utterances, metadata
+    stats["participants"] = len(profiles)
+    stats["conversations"] = len(conversations)
+    if conversations and not profiles:
+        raise RawSchemaError(
+            f"{conversations[0].where}: PRISM conversations were found but no survey records (with "
+            f"{SURVEY_MARK!r} and user_id), so no conversation has a cluster. Point the path at a folder that "
+            "holds survey.jsonl beside conversations.jsonl (the release's layout)."
+        )
+
+    rows = []
+    for record in conversations:
+        user = str(record.data["user_id"])
+        if user not in profiles:
+            stats["skipped_user_not_in_survey"] += 1
+            continue
+        label = profiles[user]
+        if label is None:
+            stats["skipped_no_profile"] += 1
+            continue
+        opening = _opening_turn(record)
+        if opening is None:
+            stats["skipped_no_opening_prompt"] += 1
+            continue
+        prompt, responses, scores = opening
+        if len(responses) < options.min_responses:
+            stats["skipped_short_slate"] += 1
+            continue
+        if len(set(scores)) == 1:
+            stats["skipped_all_tied"] += 1
+            continue
+        example_id = short_hash("prism", str(record.data["conversation_id"]))
+        rows.append(ranking_row(example_id, prompt, responses, ranking_from_scores(scores), label, source))
+
+    if options.top_profiles is not None:
+        counts = Counter(row["cluster"] for row in rows)
+        kept = {label for label, _ in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))[: options.top_profiles]}
+        stats["skipped_rare_profile"] = sum(1 for row in rows if row["cluster"] not in kept)
+        rows = [row for row in rows if row["cluster"] in kept]
+    stats["profiles"] = len({row["cluster"] for row in rows})
+    stats["rankings"] = len(rows)
+    return AdapterOutput(rows, dict(stats))
+
+
+def profile_label(record: Record, options: PrismOptions) -> str | None:
+    """e.g. ``special_region=UK|gender=Female``; None when a field is absent, empty or excluded."""
+    parts = []
+    for path in options.fields:
+        value: Any = record.data
+        for key in path.split("."):
+            value = value.get(key) if isinstance(value, dict) else None
+        if not isinstance(value, str | int | float) or isinstance(value, bool) or not str(value).strip():
+            return None
+        value = str(value).strip()
+        if value in options.exclude_values:
+            return None
+        parts.append(f"{path.rsplit('.', 1)[-1]}={value}")
+    return "|".join(parts)
+
+
+def _opening_turn(record: Record) -> tuple[str, list[str], list[float]] | None:
+    """(prompt, responses, scores) of turn 0: the participant's message and the models' distinct
+    non-empty answers in ``within_turn_id`` order (a repeated answer is read once); None when turn 0
+    has no user message."""
+    history = record.data["conversation_history"]
+    if not isinstance(history, list):
+        raise RawSchemaError(f"{record.where}, field 'conversation_history': expected a list of messages, "
+                             f"got {type(history).__name__}")
+    prompt, answers = None, []
+    for i, message in enumerate(history):
+        where = f"{record.where}, field 'conversation_history[{i}]'"
+        if not isinstance(message, dict) or "role" not in message or "turn" not in message:
+            raise RawSchemaError(f"{where}: a message needs 'turn', 'role' and 'content'; got {message!r:.200}")
+        if message["turn"] != 0:
+            continue
+        content = message.get("content")
+        if message["role"] == "user":
+            prompt = content if isinstance(content, str) and content.strip() else None
+        elif message["role"] == "model" and isinstance(content, str) and content.strip():
+            answers.append((_order(message.get("within_turn_id"), i), content, _score(message.get("score"), where)))
+    if prompt is None:
+        return None
+    responses, scores = [], []
+    for _, content, score in sorted(answers, key=lambda a: a[0]):
+        if content.strip() not in {r.strip() for r in responses}:
+            responses.append(content)
+            scores.append(score)
+    return prompt, responses, scores
+
+
+def _order(within_turn_id: object, position: int) -> tuple[int, int]:
+    return (within_turn_id if isinstance(within_turn_id, int) else position, position)
+
+
+def _score(value: object, where: str) -> float:
+    low, high = SCORE_RANGE
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) \
+            or not low <= value <= high:
+        raise RawSchemaError(f"{where}, key 'score': {value!r} is not a score in {low}..{high}")
+    return float(value)
