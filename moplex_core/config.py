@@ -113,10 +113,6 @@ HUB_SOURCES: dict[str, tuple[str, str | None]] = {
     "helpsteer2": ("nvidia/HelpSteer2", None),
     "prism": ("HannahRoseKirk/prism-alignment", None),
 }
-HUB_CONFIGS: dict[str, tuple[str, ...]] = {
-    # dataset -> the hub configs it reads (a dataset not named here has a single default config)
-    "prism": ("survey", "conversations"),
-}
 
 
 class SplitConfig(Options):
@@ -210,13 +206,20 @@ class PersonaOptions(Options):
 
 
 class HelpSteer2Options(Options):
-    """For every pair of responses to one prompt and every attribute whose ratings differ by at least
-    ``min_gap``, one ranking (m = 2) with the higher-rated response first; cluster = attribute. Higher
-    is treated as preferred for every attribute, verbosity and complexity included (each attribute is
-    its own criterion)."""
+    """``data="ratings"`` (the default config): for every pair of responses to one prompt and every
+    attribute whose ratings differ by at least ``min_gap``, one ranking (m = 2) with the higher-rated
+    response first; cluster = attribute. Higher is treated as preferred for every attribute,
+    verbosity and complexity included (each attribute is its own criterion).
 
+    ``data="preference"`` (the ``preference`` data_dir): one ranking per annotated pair whose
+    ``preference_strength`` (-3: response_1 much better .. 3: response_2 much better) is at least
+    ``min_strength`` either way, the preferred response first; no cluster label (one population,
+    whose clusters EM has to find)."""
+
+    data: Literal["ratings", "preference"] = "ratings"
     attributes: tuple[str, ...] = HELPSTEER2_ATTRIBUTES
     min_gap: int = Field(1, ge=1, le=4)
+    min_strength: int = Field(1, ge=1, le=3)
 
     @field_validator("attributes")
     @classmethod
@@ -328,6 +331,15 @@ class IngestConfig(StageConfig):
         if self.revision is not None or self.hub_name is not None:
             return name, self.revision
         return name, default_revision
+
+    def hub_parts(self) -> tuple[dict[str, str], ...]:
+        """The `datasets.load_dataset` keyword arguments of each part this config reads from the hub:
+        PRISM's two configs, HelpSteer2's ``preference`` data_dir, else the default config."""
+        if self.dataset == "prism":
+            return ({"name": "survey"}, {"name": "conversations"})
+        if self.dataset == "helpsteer2" and self.helpsteer2.data == "preference":
+            return ({"data_dir": "preference"},)
+        return ({},)
 
     def identity(self) -> dict[str, Any]:
         """Everything that changes the rankings except where a local file lives: its content is hashed

@@ -20,7 +20,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from moplex_core.artifacts import ArtifactRef, ArtifactStore, load_table, read_manifest
-from moplex_core.config import HUB_CONFIGS, IngestConfig
+from moplex_core.config import IngestConfig
 from moplex_core.data import generic, helpsteer2, persona, prism, ultrafeedback
 from moplex_core.data.sources import (
     AdapterOutput,
@@ -197,7 +197,7 @@ def default_labels(config: IngestConfig) -> tuple[str, ...] | None:
         return config.labels
     if config.dataset == "ultrafeedback":
         return config.ultrafeedback.criteria
-    if config.dataset == "helpsteer2":
+    if config.dataset == "helpsteer2" and config.helpsteer2.data == "ratings":
         return config.helpsteer2.attributes
     if config.dataset == "synthetic":
         return tuple(f"c{c}" for c in range(config.synthetic.k))
@@ -240,7 +240,7 @@ def _records(config: IngestConfig) -> Iterator[Record]:
     if config.path is not None:
         return iter_local_records(config.path)
     name, revision = config.hub_source()
-    return iter_hub_records(name, revision, config.dataset, HUB_CONFIGS.get(config.dataset, ()))
+    return iter_hub_records(name, revision, config.dataset, config.hub_parts())
 
 
 def _source_label(config: IngestConfig, inputs: dict[str, str]) -> str:

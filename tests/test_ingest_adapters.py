@@ -204,6 +204,48 @@ def test_helpsteer2_reads_gzipped_jsonl_and_rejects_out_of_range_ratings(tmp_pat
         helpsteer2.to_rankings(records(tmp_path / "bad.jsonl"), helpsteer2.HelpSteer2Options(), source="hs")
 
 
+def _helpsteer2_release(tmp_path: Path, fixtures_dir: Path) -> Path:
+    """The release's layout (`hf download nvidia/HelpSteer2`): ratings beside the other two data_dirs."""
+    release = tmp_path / "HelpSteer2"
+    shutil.copytree(fixtures_dir / "helpsteer2-extra", release)
+    with gzip.open(release / "train.jsonl.gz", "wt") as f:
+        f.write((fixtures_dir / "helpsteer2.jsonl").read_text())
+    return release
+
+
+def test_helpsteer2_reads_the_whole_release_folder_for_its_ratings(tmp_path, fixtures_dir):
+    release = _helpsteer2_release(tmp_path, fixtures_dir)
+    alone = helpsteer2.to_rankings(records(fixtures_dir / "helpsteer2.jsonl"), helpsteer2.HelpSteer2Options(),
+                                   source="hs")
+    out = helpsteer2.to_rankings(records(release), helpsteer2.HelpSteer2Options(), source="hs")
+    assert out.rows == alone.rows
+    assert out.stats["skipped_preference_records"] == 6 and out.stats["skipped_disagreements_records"] == 4
+
+
+def test_helpsteer2_preference_ranks_each_pair_by_the_sign_of_its_strength(tmp_path, fixtures_dir):
+    release = _helpsteer2_release(tmp_path, fixtures_dir)
+    options = helpsteer2.HelpSteer2Options(data="preference")
+    out = helpsteer2.to_rankings(records(release), options, source="hs")
+    raw = [json.loads(line) for line in (release / "preference" / "preference.jsonl").read_text().splitlines()]
+    kept = [r for r in raw[:5] if r["preference_strength"] != 0]
+    assert [(r["responses"], r["ranking"]) for r in out.rows] == [
+        ([p["response_1"], p["response_2"]], [[0], [1]] if p["preference_strength"] < 0 else [[1], [0]]) for p in kept]
+    assert all(r["cluster"] is None for r in out.rows)
+    assert out.stats == out.stats | {"skipped_weak_or_no_preference": 1, "skipped_duplicate_record": 1,
+                                     "skipped_ratings_records": 9, "skipped_disagreements_records": 4, "rankings": 4}
+    strong = helpsteer2.to_rankings(records(release), options.model_copy(update={"min_strength": 2}), source="hs")
+    assert len(strong.rows) == 2
+    config = IngestConfig(dataset="helpsteer2", path=str(release), helpsteer2={"data": "preference"},
+                          split=SplitConfig(fractions=(0.5, 0.5, 0.0)))
+    built = build_rankings(config)
+    assert built.table.num_rows == 4 and built.summary["labels"] is None
+    bad = raw[0] | {"preference_strength": 5}
+    (tmp_path / "bad.jsonl").write_text(json.dumps(bad) + "\n")
+    with pytest.raises(RawSchemaError, match=r"bad.jsonl line 1, field 'preference_strength': rating 5 is not an "
+                                             r"integer in -3..3"):
+        helpsteer2.to_rankings(records(tmp_path / "bad.jsonl"), options, source="hs")
+
+
 # --- PRISM -----------------------------------------------------------------------------------------
 
 
@@ -347,8 +389,10 @@ def test_loading_by_name_offline_says_how_to_pass_a_local_path(monkeypatch):
     assert "`hf auth login`" in message and entry_points(group="console_scripts", name="hf")
     with pytest.raises(DatasetUnavailableError) as err:  # a dataset of several configs names the one it tried
         build_rankings(IngestConfig(dataset="prism"))
-    assert "'HannahRoseKirk/prism-alignment' (config 'survey') (revision latest)" in str(err.value)
+    assert "'HannahRoseKirk/prism-alignment' (name 'survey') (revision latest)" in str(err.value)
     assert "moplex ingest --dataset prism --path DIR" in str(err.value)
+    assert IngestConfig(dataset="helpsteer2", helpsteer2={"data": "preference"}).hub_parts() == (
+        {"data_dir": "preference"},)
 
 
 def test_local_sources_are_fingerprinted_by_content_not_location(tmp_path, fixtures_dir):

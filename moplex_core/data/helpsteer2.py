@@ -1,10 +1,23 @@
-"""HelpSteer2 (nvidia/HelpSteer2, default config) as rankings: m = 2, cluster = attribute (k = 5).
+"""HelpSteer2 (nvidia/HelpSteer2) as rankings: m = 2, from its ratings or its preference annotations.
 
-Raw record: ``prompt``, ``response`` and integer ratings 0-4 for ``helpfulness``, ``correctness``,
-``coherence``, ``complexity``, ``verbosity``; rows with the same prompt (consecutive in the release)
-are responses to one prompt. Every pair of distinct responses to a prompt (a repeated response is
-read once) gives one ranking per attribute whose ratings differ by at least ``min_gap``, the
-higher-rated response first (`moplex_core.config.HelpSteer2Options`). A pair keeps dataset order.
+The release holds three kinds of record, told apart by their fields, so that a folder with all of it
+(`hf download` brings ``train.jsonl.gz``, ``validation.jsonl.gz``, ``preference/`` and
+``disagreements/``) reads as it is; records of the kinds not asked for are counted and skipped.
+
+- ratings (the default config; ``data="ratings"``, cluster = attribute, k = 5): ``prompt``,
+  ``response`` and integer ratings 0-4 for ``helpfulness``, ``correctness``, ``coherence``,
+  ``complexity``, ``verbosity``; rows with the same prompt (consecutive in the release) are
+  responses to one prompt. Every pair of distinct responses to a prompt (a repeated response is
+  read once) gives one ranking per attribute whose ratings differ by at least ``min_gap``, the
+  higher-rated response first. A pair keeps dataset order.
+- preference (the ``preference`` data_dir; ``data="preference"``, no cluster label): ``prompt``,
+  ``response_1``, ``response_2`` and ``preference_strength`` -3..3 (negative: response_1 is
+  better), with ``split`` and the annotators' statements, which are not read. One ranking per pair
+  with a strength of at least ``min_strength`` either way, in the record's response order.
+- disagreements (the ``disagreements`` data_dir): the ratings' schema with each attribute a list of
+  the individual annotators' ratings; never read.
+
+The rules are `moplex_core.config.HelpSteer2Options`.
 """
 
 from __future__ import annotations
@@ -20,14 +33,36 @@ from moplex_core.schema import prompt_id, ranking_row
 
 NAME = "HelpSteer2"
 MAX_RATING = 4
+PREFERENCE_FIELDS = ("prompt", "response_1", "response_2", "preference_strength")
+MAX_STRENGTH = 3
 
 
 def to_rankings(records: Iterable[Record], options: HelpSteer2Options, *, source: str) -> AdapterOutput:
     stats: Counter[str] = Counter()
+    rows = _preference_rankings(records, options, source, stats) if options.data == "preference" else \
+        _ratings_rankings(records, options, source, stats)
+    stats["rankings"] = len(rows)
+    return AdapterOutput(rows, dict(stats))
+
+
+def _kind(record: Record, options: HelpSteer2Options) -> str:
+    if "response_1" in record.data:
+        return "preference"
+    if options.attributes and all(isinstance(record.data.get(a), list) for a in options.attributes):
+        return "disagreements"
+    return "ratings"
+
+
+def _ratings_rankings(records: Iterable[Record], options: HelpSteer2Options, source: str,
+                      stats: Counter[str]) -> list[dict]:
     by_prompt: dict[str, list[tuple[str, dict[str, int | None]]]] = {}
     for record in records:
-        record.require(("prompt", "response", *options.attributes), NAME)
         stats["records"] += 1
+        kind = _kind(record, options)
+        if kind != "ratings":
+            stats[f"skipped_{kind}_records"] += 1
+            continue
+        record.require(("prompt", "response", *options.attributes), NAME)
         prompt, response = record.data["prompt"], record.data["response"]
         if not isinstance(prompt, str) or not prompt.strip():
             stats["skipped_empty_prompt"] += 1
@@ -54,15 +89,43 @@ def to_rankings(records: Iterable[Record], options: HelpSteer2Options, *, source
                 example_id = short_hash(pair_id, attribute)
                 rows.append(ranking_row(example_id, prompt, [text_a, text_b], ranking, attribute, source))
     stats["prompts"] = len(by_prompt)
-    stats["rankings"] = len(rows)
-    return AdapterOutput(rows, dict(stats))
+    return rows
 
 
-def _rating(value: object, where: str) -> int | None:
+def _preference_rankings(records: Iterable[Record], options: HelpSteer2Options, source: str,
+                         stats: Counter[str]) -> list[dict]:
+    rows, seen = [], set()
+    for record in records:
+        stats["records"] += 1
+        kind = _kind(record, options)
+        if kind != "preference":
+            stats[f"skipped_{kind}_records"] += 1
+            continue
+        record.require(PREFERENCE_FIELDS, NAME)
+        prompt, first, second = (record.data[f] for f in ("prompt", "response_1", "response_2"))
+        if not all(isinstance(text, str) and text.strip() for text in (prompt, first, second)):
+            stats["skipped_missing_text"] += 1
+            continue
+        strength = _rating(record.data["preference_strength"], f"{record.where}, field 'preference_strength'",
+                           low=-MAX_STRENGTH, high=MAX_STRENGTH)
+        if strength is None or abs(strength) < options.min_strength or first.strip() == second.strip():
+            stats["skipped_weak_or_no_preference"] += 1
+            continue
+        example_id = short_hash("helpsteer2-preference", prompt_id(prompt), short_hash(first), short_hash(second))
+        if example_id in seen:
+            stats["skipped_duplicate_record"] += 1
+            continue
+        seen.add(example_id)
+        ranking = [[0], [1]] if strength < 0 else [[1], [0]]
+        rows.append(ranking_row(example_id, prompt, [first, second], ranking, None, source))
+    return rows
+
+
+def _rating(value: object, where: str, *, low: int = 0, high: int = MAX_RATING) -> int | None:
     if value is None:
         return None
     if isinstance(value, float) and value.is_integer():
         value = int(value)
-    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= MAX_RATING:
-        raise RawSchemaError(f"{where}: rating {value!r} is not an integer in 0..{MAX_RATING}")
+    if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+        raise RawSchemaError(f"{where}: rating {value!r} is not an integer in {low}..{high}")
     return value

@@ -13,7 +13,7 @@ import json
 import logging
 import os
 import zlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -164,17 +164,20 @@ def _parse_json(text: str, where: str, *, whole_file: bool) -> Any:
         raise RawSchemaError(f"{where} is not valid JSON ({at}: {err.msg}); expected {expected}") from None
 
 
-def iter_hub_records(name: str, revision: str | None, dataset: str, configs: tuple[str, ...] = ()) -> Iterator[Record]:
-    """Every split of a hub dataset (train, validation, test, then others), row by row; of each of
-    ``configs`` in turn when the dataset has several (none: its default config)."""
+def iter_hub_records(name: str, revision: str | None, dataset: str,
+                     parts: Sequence[dict[str, str]] = ({},)) -> Iterator[Record]:
+    """Every split of a hub dataset (train, validation, test, then others), row by row, of each part
+    in turn: ``parts`` are `datasets.load_dataset` keyword arguments such as ``{"name": "survey"}``
+    (a config) or ``{"data_dir": "preference"}``; ``{}`` is the default config."""
     import datasets  # imported here: slow to import and only needed with hub access
 
-    for config in configs or (None,):
+    for part in parts:
+        shown = ", ".join(f"{key} {value!r}" for key, value in part.items())
         try:
-            loaded = datasets.load_dataset(name, config, revision=revision)
+            loaded = datasets.load_dataset(name, revision=revision, **part)
         except OSError as err:  # ConnectionError, offline mode, DatasetNotFoundError (gated/unknown)
             raise DatasetUnavailableError(
-                f"could not load {name!r}{f' (config {config!r})' if config else ''} (revision {revision or 'latest'}) "
+                f"could not load {name!r}{f' ({shown})' if shown else ''} (revision {revision or 'latest'}) "
                 f"from the Hugging Face hub: {err}\n"
                 f"Without hub access, download it where the hub is reachable, e.g. `hf download "
                 f"{name} --repo-type dataset{f' --revision {revision}' if revision else ''} --local-dir DIR`, copy "
@@ -187,7 +190,7 @@ def iter_hub_records(name: str, revision: str | None, dataset: str, configs: tup
         order = sorted(loaded, key=lambda s: (_HUB_SPLIT_ORDER.index(s) if s in _HUB_SPLIT_ORDER else 99, s))
         for split in order:
             for row, data in enumerate(loaded[split]):
-                yield Record(f"{name} ({f'{config}, ' if config else ''}{split}) row {row}", data)
+                yield Record(f"{name} ({f'{shown}, ' if shown else ''}{split}) row {row}", data)
 
 
 def _as_object(data: Any, where: str) -> dict[str, Any]:
