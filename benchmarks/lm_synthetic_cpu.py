@@ -77,6 +77,10 @@ def start_and_end_accuracy(train_dir: str, cache_dir: str) -> tuple[float, float
     return float(metrics["clustering_accuracy_start"]), float(metrics["clustering_accuracy_final"])
 
 
+def _relative(check: dict) -> str:
+    return "-" if check["relative_error"] is None else format(check["relative_error"], ".2f")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--n", type=int, default=600, help="rankings (60/20/20 train/validation/test)")
@@ -135,15 +139,16 @@ def main() -> None:
         check = json.loads((Path(train_dir) / "result.json").read_text())["estimation_check"]
         results[label] = {**evaluate(train_dir, cache_dir), "seconds": time.time() - t0, "start": start, "end": end,
                           "estimates": "exact" if check is None else
-                          f"{'-' if check['relative_error'] is None else format(check['relative_error'], '.2f')} "
-                          f"({check['same_cluster']:.2f})"}
+                          f"{_relative(check)} ({check['same_cluster']:.2f}); by iteration "
+                          + " / ".join(_relative(m) for m in check["by_iteration"])}
 
     print(f"\nk = {k}, m = {m}, {args.n} rankings (60/20/20), a = {args.anchors} anchors, "
           f"{args.iterations} EM iterations, first M-step {args.first_epochs or 2} epochs (then 2), "
           f"{args.backtracks} backtracks, train seed {args.seed}, "
           "tiny Qwen3 (hidden 64, 2 layers), CPU\n")
     print(f"| data | train clustering acc. at the {args.init} start -> at the end | test clustering acc. | "
-          "test ranking acc. (oracle) | test LL/ranking | estimates' relative error (same cluster) | seconds |")
+          "test ranking acc. (oracle) | test LL/ranking | estimates' relative error (same cluster); each E-step's | "
+          "seconds |")
     print("|---|---|---|---|---|---|---|")
     for label, r in results.items():
         print(f"| {label} | {r['start']:.3f} -> {r['end']:.3f} | {r['clustering_accuracy']:.3f} | "

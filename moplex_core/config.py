@@ -535,10 +535,11 @@ class TrainConfig(StageConfig):
     M-step and one E-step more; soft EM only). Soft EM never lowers the log-likelihood when every
     M-step raises its own objective; a few AdamW steps may not.
 
-    ``estimation_check``: after EM, the last E-step's estimated scores of this many training examples
-    (a seeded draw; 0 = none) are compared with their exact scores under the final adapters
-    (`train.check_estimates`, recorded in result.json, warned about outside `train.ESTIMATES_HOLD`).
-    With anchors only. It is part of the version because result.json holds its outcome.
+    ``estimation_check``: after every E-step, its estimated scores of this many training examples (a
+    seeded draw, the same each iteration; 0 = none) are compared with their exact scores under the
+    same adapters (`train.measure_estimates`, in each iteration's estimation.json; the last one and
+    the trajectory in result.json, warned about outside `train.ESTIMATES_HOLD`). With anchors only.
+    It is part of the version because result.json holds its outcome.
 
     Left out of the version: ``score_batch_size``, ``device``, ``chunk_size`` (how fast, not what).
     The base model is the one the cache was built from (its version pins the model's content).

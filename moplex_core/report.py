@@ -183,7 +183,16 @@ def _estimation_section(check: dict[str, Any] | None) -> list[str]:
             f"{check['examples']} training examples (`train.estimation_check`): mean |r_hat - r| over the estimated "
             "responses, the mean std of a slate's exact scores, their ratio, the fraction of rankings whose most "
             "probable cluster is the same, and the log-likelihood per ranking under each. The estimates are "
-            f"{verdict}.", "", markdown_table(rows.round(4)), ""]
+            f"{verdict}.", "", markdown_table(rows.round(4)), "", *_estimation_by_iteration(check.get("by_iteration"))]
+
+
+def _estimation_by_iteration(by_iteration: list[dict[str, Any]] | None) -> list[str]:
+    """When the estimates stopped holding: each E-step's relative error and same-cluster fraction
+    (absent before train-9, whose result.json has the last iteration's only)."""
+    if not by_iteration:
+        return []
+    table = pd.DataFrame(by_iteration).set_index("iteration")[["relative_error", "same_cluster", "holds"]]
+    return ["Each EM iteration's E-step, on the same examples:", "", markdown_table(table.round(4)), ""]
 
 
 def _log_likelihood_plot(history: list[float]) -> bytes:

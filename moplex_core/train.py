@@ -6,12 +6,14 @@ the cache's train split. Layout of the artifact (DESIGN 3)::
     train/<version>/
         em/restart-RR/start.parquet  the responsibilities that restart started from
         em/restart-RR/iter-NNNN/   posteriors.parquet, scores.parquet, adapters/cN/ (PEFT),
+                                   estimation.json (that E-step's estimates against exact scores),
                                    state.pt (gamma, alpha, adapters, optimizer, shuffling RNG),
                                    state.json (alpha, log-likelihood, history, step halvings; written last)
         adapters/cN/               the best restart's final adapters (PEFT save_pretrained format)
         posteriors.parquet         its final posteriors (example_id, gamma, assigned)
         start_posteriors.parquet   the responsibilities it started from (EM's init), same columns
-        result.json                alpha, log-likelihood history, step halvings, iterations, restart, seeds
+        result.json                alpha, log-likelihood history, step halvings, iterations, restart, seeds,
+                                   the estimation check (the last iteration's, and each iteration's)
 
 A killed run resumes at the last iteration whose state.json exists, with identical results (the
 scorer's state restores adapters, AdamW moments and the shuffling generator; anchors depend only on
@@ -31,6 +33,7 @@ import os
 import shutil
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -55,9 +58,10 @@ from moplex_core.scorers.lora_policy import LoRAPolicyScorer, PolicyInputs, Scor
 log = logging.getLogger(__name__)
 
 STAGE = "train"
-CODE_VERSION = "train-8"  # bump when a change to this stage changes what it writes
+CODE_VERSION = "train-9"  # bump when a change to this stage changes what it writes
 POSTERIORS = "posteriors.parquet"
 SCORES = "scores.parquet"  # of one EM iteration, under em/restart-RR/iter-NNNN/ (SCORES_SCHEMA)
+ESTIMATES = "estimation.json"  # of one EM iteration, beside it: `measure_estimates`
 START_POSTERIORS = "start_posteriors.parquet"
 TRAIN_SPLIT = "train"
 
@@ -148,7 +152,7 @@ def run_train(config: TrainConfig, cache_dir: str | Path, store: ArtifactStore, 
         with bar:
             result, scorer = fit_mixture(new_scorer, inputs, rankings, em_config, checkpoint_dir=writer.path / "em",
                                          on_iteration=on_iteration, warm_start=warm_start,
-                                         checkpoint_files=_iteration_files)
+                                         checkpoint_files=partial(_iteration_files, inputs=inputs, config=config))
         best = result.best
         with writer.directory("adapters") as staging:
             scorer.save_adapters(staging)
@@ -162,7 +166,7 @@ def run_train(config: TrainConfig, cache_dir: str | Path, store: ArtifactStore, 
             "restarts": [{"restart": s.restart, "log_likelihood": s.log_likelihood, "iterations": s.iteration + 1}
                          for s in result.restarts],
             "train_examples": len(inputs), "seed": config.seed, "reference_gap": gap[0],
-            "estimation_check": check_estimates(scorer, inputs, best, config, writer.path / "em"),
+            "estimation_check": check_estimates(best, writer.path / "em"),
         }
         writer.write_file("result.json", json.dumps(summary, indent=2))
         writer.summary.update({k: summary[k] for k in ("restart", "iterations", "converged", "log_likelihood",
@@ -175,23 +179,24 @@ ESTIMATES_HOLD = {"relative_error": 1.0, "same_cluster": 0.9}
 """`check_estimates` warns when `estimate.estimation_error`'s relative_error is above 1.0 (the
 estimates' error is larger than the spread of the exact scores in a slate) or its same_cluster is
 below 0.9 (more than one ranking in ten would change its most probable cluster under exact scores)."""
+BY_ITERATION = ("iteration", "relative_error", "same_cluster", "holds")  # result.json's per-iteration check
 
 
-def check_estimates(scorer: LoRAPolicyScorer, inputs: PolicyInputs, best: EMState, config: TrainConfig,
-                    em_dir: Path) -> dict[str, Any] | None:
-    """The last E-step's scores of up to ``train.estimation_check`` training examples (a seeded draw)
-    against their exact scores under the same, final adapters (`estimate.estimation_error`): does
-    EM's partition rest on estimates that order the slates as the exact scores do? Logged, with a
-    warning outside ESTIMATES_HOLD (``holds`` is False then). None without estimated responses or
-    with estimation_check = 0. It costs one exact forward over the checked examples' responses under
-    each adapter."""
+def measure_estimates(scorer: LoRAPolicyScorer, inputs: PolicyInputs, config: TrainConfig, it_dir: Path,
+                      state: EMState) -> dict[str, Any] | None:
+    """The E-step scores of one EM iteration (``it_dir``/scores.parquet) of up to
+    ``train.estimation_check`` training examples (a seeded draw, the same every iteration) against
+    their exact scores under the same adapters, the scorer's now (`estimate.estimation_error`): does
+    EM's partition rest on estimates that order the slates as the exact scores do? ``holds`` says
+    whether they are within `ESTIMATES_HOLD`. None without estimated responses or with
+    estimation_check = 0. It costs one exact forward over the checked examples' responses under each
+    adapter, and changes nothing EM does."""
     if config.anchors is None or config.estimation_check == 0:
         return None
     picked = np.sort(np.random.default_rng(config.seed).choice(
         len(inputs), size=min(config.estimation_check, len(inputs)), replace=False))
     checked = inputs.subset(picked)
-    scores = em_dir / f"restart-{best.restart:02d}" / f"iter-{best.iteration:04d}" / SCORES
-    table = pq.read_table(scores, filters=[("example_id", "in", list(checked.example_ids))]).to_pydict()
+    table = pq.read_table(it_dir / SCORES, filters=[("example_id", "in", list(checked.example_ids))]).to_pydict()
     exact = scorer.exact_scores(checked)  # [n', k, M]
     row = {example_id: i for i, example_id in enumerate(checked.example_ids)}
     at = (torch.tensor([row[e] for e in table["example_id"]]), torch.tensor(table["cluster"]),
@@ -200,20 +205,36 @@ def check_estimates(scorer: LoRAPolicyScorer, inputs: PolicyInputs, best: EMStat
     is_estimated = torch.zeros(exact.shape, dtype=torch.bool).index_put(at, torch.tensor(table["estimated"]))
     if not is_estimated.any():
         return None
-    check = {"examples": len(picked), "iteration": best.iteration,
+    check = {"examples": len(picked), "iteration": state.iteration,
              **estimation_error(estimated, exact, is_estimated, checked.tiers != PAD,
-                                checked.rankings(config.likelihood).log_likelihood, best.alpha)}
+                                checked.rankings(config.likelihood).log_likelihood, state.alpha)}
     relative = check["relative_error"]
     check["holds"] = (relative is not None and relative <= ESTIMATES_HOLD["relative_error"]
                       and check["same_cluster"] >= ESTIMATES_HOLD["same_cluster"])
-    message = (f"anchors' estimates after EM iteration {best.iteration}, on {len(picked)} training examples: mean "
-               f"|r_hat - r| = {check['mean_abs_error']:.4g} against a spread of {check['score_spread']:.4g} in the "
-               f"exact scores of a slate (relative error {'-' if relative is None else f'{relative:.2f}'}); "
+    return check
+
+
+def check_estimates(best: EMState, em_dir: Path) -> dict[str, Any] | None:
+    """The best restart's last `measure_estimates`, with ``by_iteration`` (each iteration's
+    iteration, relative_error, same_cluster and holds: when the estimates stopped holding), logged
+    with a warning when they do not hold at the end. None when nothing was measured."""
+    restart_dir = em_dir / f"restart-{best.restart:02d}"
+    measured = [json.loads((restart_dir / f"iter-{t:04d}" / ESTIMATES).read_text())
+                for t in range(best.iteration + 1) if (restart_dir / f"iter-{t:04d}" / ESTIMATES).is_file()]
+    if not measured or measured[-1]["iteration"] != best.iteration:
+        return None
+    check = {**measured[-1], "by_iteration": [{key: m[key] for key in BY_ITERATION} for m in measured]}
+    relative = check["relative_error"]
+    message = (f"anchors' estimates after EM iteration {best.iteration}, on {check['examples']} training examples: "
+               f"mean |r_hat - r| = {check['mean_abs_error']:.4g} against a spread of {check['score_spread']:.4g} in "
+               f"the exact scores of a slate (relative error {'-' if relative is None else f'{relative:.2f}'}); "
                f"{check['same_cluster']:.0%} keep their most probable cluster under exact scores; LL per ranking "
                f"{check['log_likelihood_estimated']:.4f} estimated, {check['log_likelihood_exact']:.4f} exact")
     if not check["holds"]:
-        log.warning("%s. EM's clusters rest on these estimates, and they do not hold here (train.ESTIMATES_HOLD): "
-                    "raise train.anchors, or set it to null to compute every response exactly.", message)
+        held = [m["iteration"] for m in measured if m["holds"]]
+        since = f"; they held until iteration {held[-1]}" if held else "; they held at no iteration"
+        log.warning("%s%s. EM's clusters rest on these estimates, and they do not hold here (train.ESTIMATES_HOLD): "
+                    "raise train.anchors, or set it to null to compute every response exactly.", message, since)
     else:
         log.info("%s", message)
     return check
@@ -283,8 +304,10 @@ def load_trained(train_dir: str | Path, *, device: str | None = None
     return scorer, alpha, config
 
 
-def _iteration_files(it_dir: Path, state: EMState, scorer: LoRAPolicyScorer) -> None:
-    """scores.parquet and adapters/ of one EM iteration, each renamed into place when whole."""
+def _iteration_files(it_dir: Path, state: EMState, scorer: LoRAPolicyScorer, *, inputs: PolicyInputs,
+                     config: TrainConfig) -> None:
+    """scores.parquet, adapters/ and estimation.json (`measure_estimates`, when it measures) of one EM
+    iteration, each renamed into place when whole."""
     record = scorer.last_scores
     if record is None or record.iteration != state.iteration:
         raise RuntimeError(f"the scorer holds no E-step scores of iteration {state.iteration}")
@@ -296,6 +319,14 @@ def _iteration_files(it_dir: Path, state: EMState, scorer: LoRAPolicyScorer) -> 
     scorer.save_adapters(staging)
     shutil.rmtree(it_dir / "adapters", ignore_errors=True)
     os.replace(staging, it_dir / "adapters")
+    check = measure_estimates(scorer, inputs, config, it_dir, state)
+    if check is not None:
+        log.info("iteration %d: the anchors' estimates against exact scores on %d training examples: relative error "
+                 "%s, %.0f%% keep their most probable cluster", state.iteration, check["examples"],
+                 "-" if check["relative_error"] is None else f"{check['relative_error']:.2f}",
+                 100 * check["same_cluster"])
+        with atomic_path(it_dir / ESTIMATES) as tmp:
+            tmp.write_text(json.dumps(check, indent=2))
 
 
 def scores_table(record: ScoreRecord) -> pa.Table:

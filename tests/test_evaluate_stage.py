@@ -67,7 +67,10 @@ def test_the_report_says_where_the_likelihood_fell_and_how_far_off_the_estimates
     history = [-3.0, -2.9, -2.95, -2.97, -2.8, -2.8 - 1e-9]  # the last is rounding, not a fall
     check = {"examples": 60, "iteration": 5, "estimated_entries": 720, "mean_abs_error": 2.6, "score_spread": 0.32,
              "relative_error": 8.1, "same_cluster": 0.72, "log_likelihood_estimated": -6.9,
-             "log_likelihood_exact": -3.3, "holds": False}
+             "log_likelihood_exact": -3.3, "holds": False,
+             "by_iteration": [{"iteration": t, "relative_error": e, "same_cluster": c, "holds": e <= 1 and c >= 0.9}
+                              for t, (e, c) in enumerate([(0.4, 1.0), (0.8, 0.95), (1.7, 0.9), (3.0, 0.8), (6.2, 0.75),
+                                                          (8.1, 0.72)])]}
     em_result = {"history": history, "step_halvings": [0, 0, 2, 2, 0, 1], "estimation_check": check}
     with ArtifactStore(tmp_path).writer("evaluate", "0123456789ab", config={}) as writer:
         write_report(writer, metrics, pd.DataFrame(), em_result, {}, {"train": "train/x"})
@@ -77,6 +80,7 @@ def test_the_report_says_where_the_likelihood_fell_and_how_far_off_the_estimates
     estimates = (writer.path / "report.md").read_text().split("## The anchors' estimates at the end of training")[1]
     assert "(iteration 5)" in estimates and "on 60 training examples" in estimates
     assert "do not hold here" in estimates and "| relative_error | 8.1000 |" in estimates
+    assert "| 1 | 0.8000 | 0.9500 | True |" in estimates and "| 2 | 1.7000 | 0.9000 | False |" in estimates
     assert likelihood_falls(history) == [2, 3]
 
 

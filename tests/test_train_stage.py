@@ -22,8 +22,8 @@ from moplex_core.config import CacheConfig, TrainConfig
 from moplex_core.em import (EMConfig, initial_responsibilities, likelihood_falls, posteriors_table,
                             read_posteriors)
 from moplex_core.ingest import check_labels_fit
-from moplex_core.train import (REFERENCE_GAP_WARNING, check_reference_gap, load_posteriors, load_trained, make_scorer,
-                               run_train)
+from moplex_core.train import (BY_ITERATION, ESTIMATES, REFERENCE_GAP_WARNING, check_reference_gap, load_posteriors,
+                               load_trained, make_scorer, run_train)
 
 CONFIG = TrainConfig(k=2, anchors=2, lora_r=4, lora_alpha=8.0, lora_targets=("q_proj", "v_proj"), lr=1e-2,
                      batch_size=4, em_iterations=3, tol=0.0, init="dirichlet", dtype="float32", device="cpu")
@@ -109,6 +109,17 @@ def test_the_last_e_steps_estimates_are_checked_against_exact_scores(cache_dir, 
     assert check["mean_abs_error"] == pytest.approx(np.mean(errors), rel=1e-4) and check["mean_abs_error"] > 0
     relative = check["relative_error"]
     assert check["holds"] == (relative is not None and relative <= 1.0 and check["same_cluster"] >= 0.9)
+    # every iteration's E-step is measured the same way, under that iteration's adapters
+    assert [m["iteration"] for m in check["by_iteration"]] == [0, 1, 2]
+    assert {k: check[k] for k in BY_ITERATION} == check["by_iteration"][-1]
+    first = json.loads((result.path / "em" / "restart-00" / "iter-0000" / ESTIMATES).read_text())
+    scorer.load_adapters(result.path / "em" / "restart-00" / "iter-0000" / "adapters")
+    exact = scorer.exact_scores(inputs)
+    scores = pq.read_table(result.path / "em" / "restart-00" / "iter-0000" / "scores.parquet").to_pandas()
+    errors = [abs(r.score - exact[row[r.example_id], r.cluster, r.response_idx].item())
+              for r in scores[scores.estimated].itertuples()]
+    assert first["mean_abs_error"] == pytest.approx(np.mean(errors), rel=1e-4)
+    assert check["by_iteration"][0] == {k: first[k] for k in BY_ITERATION}
     full = run_train(CONFIG.model_copy(update={"anchors": None, "em_iterations": 1}), cache_dir,
                      ArtifactStore(tmp_path), progress=False)
     assert json.loads((full.path / "result.json").read_text())["estimation_check"] is None  # nothing estimated
