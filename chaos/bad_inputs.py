@@ -179,8 +179,8 @@ def write_bad_files(data: Path) -> dict[str, Path]:
     (data / "prism-bad-score" / "survey.jsonl").write_text(json.dumps(survey) + "\n")
     conversation["conversation_history"][2]["score"] = 101
     (data / "prism-bad-score" / "conversations.jsonl").write_text(json.dumps(conversation) + "\n")
-    files["PRISM without its survey"] = data / "prism-conversations.jsonl"
-    files["PRISM without its survey"].write_text(json.dumps(prism_records()[1]) + "\n")
+    files["PRISM conversations without the survey"] = data / "prism-conversations.jsonl"
+    files["PRISM conversations without the survey"].write_text(json.dumps(prism_records()[1]) + "\n")
     files["LM data"] = data / "lm.jsonl"
     files["LM data"].write_text("".join(json.dumps(row) + "\n" for row in lm_rows()))
     return files
@@ -192,7 +192,8 @@ def prism_records() -> tuple[dict[str, Any], dict[str, Any]]:
               "location": {"reside_country": "United Kingdom", "special_region": "UK"}}
     history = [{"turn": 0, "role": "user", "content": "Name a colour.", "within_turn_id": None, "score": None}]
     history += [{"turn": 0, "role": "model", "content": colour, "within_turn_id": w, "model_name": "gpt-4",
-                 "score": 90 - 20 * w, "if_chosen": w == 0} for w, colour in enumerate(["red", "blue", "green", "grey"])]
+                 "score": 90 - 20 * w, "if_chosen": w == 0}
+                for w, colour in enumerate(["red", "blue", "green", "grey"])]
     conversation = {"conversation_id": "c0", "user_id": "user0", "conversation_type": "unguided",
                     "opening_prompt": "Name a colour.", "conversation_history": history}
     return survey, conversation

@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import typing
 from pathlib import Path
+from typing import get_args
 
 
 def _experiment_identifiability(args: argparse.Namespace) -> int:
@@ -293,7 +293,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Read a preference dataset into a versioned rankings artifact. A second run with "
         "the same config and source does nothing.",
     )
-    ingest.add_argument("--dataset", choices=typing.get_args(DatasetName),
+    ingest.add_argument("--dataset", choices=get_args(DatasetName),
                         help="the dataset's adapter (its raw schema); give this or --preset")
     ingest.add_argument("--preset", help="a named IngestConfig (moplex_core.config.INGEST_PRESETS)")
     ingest.add_argument("--path", help="local file or folder in the dataset's raw schema (instead of the hub)")

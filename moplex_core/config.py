@@ -111,7 +111,7 @@ HUB_SOURCES: dict[str, tuple[str, str | None]] = {
     "ultrafeedback": ("openbmb/UltraFeedback", "40b436560ca83a8dba36114c22ab3c66e43f6d5e"),
     "persona": ("SynthLabsAI/PERSONA", None),
     "helpsteer2": ("nvidia/HelpSteer2", None),
-    "prism": ("HannahRoseKirk/prism-alignment", None),
+    "prism": ("HannahRoseKirk/prism-alignment", "18ab5cfb37456f4ec8cbc00212ce54cf7b1239f6"),
 }
 
 
@@ -235,10 +235,10 @@ class PrismOptions(Options):
     scores (1-100; equal scores are tied tiers); cluster = the participant's profile from the survey.
 
     The profile label joins ``field=value`` for each of ``fields``, in order, e.g.
-    ``special_region=UK``; a field is a survey column (``age``, ``gender``, ``education``, ...) or a
-    key of one of its nested columns, written with a dot (``location.special_region``,
-    ``ethnicity.simplified``, ``religion.simplified``), and the label uses the part after the last
-    dot. Participants with a value in ``exclude_values`` or without a field are left out, and
+    ``location.special_region=UK|gender=Female``; a field is a survey column (``age``, ``gender``,
+    ``education``, ...) or a key of one of its nested columns, written with a dot
+    (``location.special_region``, ``ethnicity.simplified``, ``religion.simplified``). Participants
+    with a value in ``exclude_values`` or without a field are left out, and
     ``top_profiles`` keeps the most frequent profiles (ties by label). Conversations whose opening
     turn has fewer than ``min_responses`` distinct scored responses, or scores them all alike, give
     no ranking.
@@ -255,7 +255,7 @@ class PrismOptions(Options):
     @field_validator("fields")
     @classmethod
     def _some_fields(cls, v: tuple[str, ...]) -> tuple[str, ...]:
-        if not v or len(set(v)) != len(v) or any(not f.strip() or f.startswith(".") or f.endswith(".") for f in v):
+        if not v or len(set(v)) != len(v) or any(not part.strip() for f in v for part in f.split(".")):
             raise ValueError(f"fields must be distinct survey columns or column.key paths, got {v}")
         return v
 
@@ -349,6 +349,10 @@ class IngestConfig(StageConfig):
         for name in ("ultrafeedback", "persona", "helpsteer2", "prism", "synthetic"):
             if name != self.dataset:
                 del data[name]
+        if self.dataset == "helpsteer2":  # only the options of the data read (ratings keep their old versions)
+            unused = ("data", "min_strength") if self.helpsteer2.data == "ratings" else ("attributes", "min_gap")
+            for key in unused:
+                del data["helpsteer2"][key]
         if self.path is None and self.dataset in HUB_SOURCES:
             data["hub_name"], data["revision"] = self.hub_source()
         return data

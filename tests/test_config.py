@@ -88,3 +88,16 @@ def test_presets_are_valid_configs_with_the_paper_split_sizes():
     assert all(isinstance(c, IngestConfig) for c in INGEST_PRESETS.values())
     with pytest.raises(ValueError, match="unknown ingest preset 'x'; choose one of ultrafeedback-paper"):
         ingest_preset("x")
+
+
+def test_existing_datasets_keep_their_ingest_versions_as_options_are_added():
+    # the default configs' fingerprints before PRISM and HelpSteer2's preference data (6699fdc)
+    pinned = {"ultrafeedback": "4c24b0514f8486e0", "persona": "fa809a5475b4e53d", "helpsteer2": "bb40d15d51118cd2",
+              "generic": "dc59e397a60b926c", "synthetic": "fd0f62a6f9f5848b"}
+    for dataset, fingerprint in pinned.items():
+        config = IngestConfig(dataset=dataset, **({"path": "x.jsonl"} if dataset == "generic" else {}))
+        assert config.fingerprint() == fingerprint, dataset
+    preference = IngestConfig(dataset="helpsteer2", helpsteer2={"data": "preference"})
+    assert set(preference.identity()["helpsteer2"]) == {"data", "min_strength"}
+    assert preference.fingerprint() != IngestConfig(dataset="helpsteer2", helpsteer2={"data": "preference",
+                                                                                      "min_strength": 2}).fingerprint()

@@ -228,8 +228,10 @@ def test_helpsteer2_preference_ranks_each_pair_by_the_sign_of_its_strength(tmp_p
     out = helpsteer2.to_rankings(records(release), options, source="hs")
     raw = [json.loads(line) for line in (release / "preference" / "preference.jsonl").read_text().splitlines()]
     kept = [r for r in raw[:5] if r["preference_strength"] != 0]
-    assert [(r["responses"], r["ranking"]) for r in out.rows] == [
-        ([p["response_1"], p["response_2"]], [[0], [1]] if p["preference_strength"] < 0 else [[1], [0]]) for p in kept]
+    assert [r["responses"] for r in out.rows] == [[p["response_1"], p["response_2"]] for p in kept]
+    # strengths 2, -1, -3, 1: response_2, response_1, response_1, response_2 first
+    assert [r["ranking"] for r in out.rows] == [[[1], [0]], [[0], [1]], [[0], [1]], [[1], [0]]]
+    assert out.rows[2]["responses"][1] == "Clouds make rain." and kept[2]["preference_strength"] == -3
     assert all(r["cluster"] is None for r in out.rows)
     assert out.stats == out.stats | {"skipped_weak_or_no_preference": 1, "skipped_duplicate_record": 1,
                                      "skipped_ratings_records": 9, "skipped_disagreements_records": 4, "rankings": 4}
@@ -241,7 +243,7 @@ def test_helpsteer2_preference_ranks_each_pair_by_the_sign_of_its_strength(tmp_p
     assert built.table.num_rows == 4 and built.summary["labels"] is None
     bad = raw[0] | {"preference_strength": 5}
     (tmp_path / "bad.jsonl").write_text(json.dumps(bad) + "\n")
-    with pytest.raises(RawSchemaError, match=r"bad.jsonl line 1, field 'preference_strength': rating 5 is not an "
+    with pytest.raises(RawSchemaError, match=r"bad.jsonl line 1, field 'preference_strength': strength 5 is not an "
                                              r"integer in -3..3"):
         helpsteer2.to_rankings(records(tmp_path / "bad.jsonl"), options, source="hs")
 
@@ -272,18 +274,21 @@ def test_prism_ranks_each_opening_turn_by_score_with_the_participants_region(fix
         tier_scores = [{scores[j] for j in tier} for tier in row["ranking"]]
         assert all(len(t) == 1 for t in tier_scores)
         assert [t.pop() for t in tier_scores] == sorted(set(scores), reverse=True)
-        assert row["cluster"] == f"special_region={regions[conversation['user_id']]}"
+        assert row["cluster"] == f"location.special_region={regions[conversation['user_id']]}"
     assert any(len(tier) == 2 for row in out.rows for tier in row["ranking"])  # conversation c5's tie
     assert out.stats == out.stats | {"skipped_user_not_in_survey": 2, "skipped_no_profile": 2,  # Prefer not to say
                                      "skipped_all_tied": 1, "skipped_short_slate": 2, "skipped_rare_profile": 2,
                                      "profiles": 4, "rankings": 11}
     assert len({r["example_id"] for r in out.rows}) == len(out.rows)
+    # Africa and Latin America tie at 2 rankings; the tie goes to the first label
+    assert {r["cluster"] for r in out.rows} == {f"location.special_region={region}"
+                                                for region in ("UK", "US", "Europe", "Africa")}
 
 
 def test_prism_profiles_from_nested_and_plain_survey_columns(fixtures_dir):
     options = PrismOptions(fields=("gender", "ethnicity.simplified"), top_profiles=None, min_responses=3)
     out = prism.to_rankings(records(fixtures_dir / "prism"), options, source="p")
-    assert "gender=Female|simplified=White" in {r["cluster"] for r in out.rows}
+    assert "gender=Female|ethnicity.simplified=White" in {r["cluster"] for r in out.rows}
     assert "skipped_short_slate" not in out.stats and out.stats["profiles"] == len({r["cluster"] for r in out.rows})
     three = [r for r in out.rows if len(r["responses"]) == 3]
     assert len(three) == 2  # the conversation with three answers, and the one where two models said the same
@@ -302,6 +307,42 @@ def test_prism_names_a_bad_score_and_asks_for_the_survey(tmp_path, fixtures_dir)
         prism.to_rankings(records(tmp_path), PrismOptions(), source="p")
     with pytest.raises(RawSchemaError, match="no survey records .* survey.jsonl beside conversations.jsonl"):
         prism.to_rankings(records(fixtures_dir / "prism" / "conversations.jsonl"), PrismOptions(), source="p")
+
+
+
+@pytest.mark.parametrize(("message", "expected"), [
+    ("not a message", r"\[1\]': a message needs 'turn', 'role' and 'content'"),
+    ({"turn": "0", "role": "model", "content": "hi", "score": 50}, r"\[1\]', key 'turn': '0' is not an integer"),
+    ({"turn": 0, "role": "assistant", "content": "hi", "score": 50}, r"\[1\]', key 'role': 'assistant' is not one of"),
+    ({"turn": 0, "role": "model", "content": None, "score": 50}, r"\[1\]', key 'content': expected text, got NoneType"),
+    ({"turn": 0, "role": "model", "content": "hi", "score": 10**400},
+     r"\[1\]', key 'score': 1000.* is not a score in 1..100"),
+    ({"turn": 0, "role": "model", "content": "hi", "score": None}, r"\[1\]', key 'score': None is not a score"),
+])
+def test_prism_names_a_malformed_message_even_of_a_participant_left_out(tmp_path, fixtures_dir, message, expected):
+    survey = _prism_lines(fixtures_dir, "survey.jsonl")
+    (tmp_path / "survey.jsonl").write_text("\n".join(json.dumps(u) for u in survey) + "\n")
+    conversation = _prism_lines(fixtures_dir, "conversations.jsonl")[0] | {"user_id": "user8"}  # Prefer not to say
+    conversation["conversation_history"][1] = message
+    (tmp_path / "conversations.jsonl").write_text(json.dumps(conversation) + "\n")
+    with pytest.raises(RawSchemaError, match=r"conversations.jsonl line 1, field 'conversation_history" + expected):
+        prism.to_rankings(records(tmp_path), PrismOptions(), source="p")
+
+
+def test_prism_reads_a_repeated_file_once_and_refuses_a_participant_with_two_profiles(tmp_path, fixtures_dir):
+    (tmp_path / "copy").mkdir()
+    for name in ("survey.jsonl", "conversations.jsonl"):
+        shutil.copy(fixtures_dir / "prism" / name, tmp_path / name)
+        shutil.copy(fixtures_dir / "prism" / name, tmp_path / "copy" / name)
+    once = prism.to_rankings(records(fixtures_dir / "prism"), PrismOptions(), source="p")
+    twice = prism.to_rankings(records(tmp_path), PrismOptions(), source="p")
+    assert twice.rows == once.rows and twice.stats["skipped_duplicate_record"] == 10 + 20
+    survey = _prism_lines(fixtures_dir, "survey.jsonl")
+    survey[1] = survey[1] | {"user_id": "user0"}  # a UK and a second, other participant under one id
+    (tmp_path / "copy" / "survey.jsonl").write_text("\n".join(json.dumps(u) for u in survey) + "\n")
+    shutil.copy(fixtures_dir / "prism" / "conversations.jsonl", tmp_path / "copy" / "conversations.jsonl")
+    with pytest.raises(RawSchemaError, match="user_id 'user0' is also the participant of"):
+        prism.to_rankings(records(tmp_path / "copy"), PrismOptions(fields=("age",)), source="p")
 
 
 # --- generic, synthetic, ingest-level --------------------------------------------------------------
@@ -389,7 +430,7 @@ def test_loading_by_name_offline_says_how_to_pass_a_local_path(monkeypatch):
     assert "`hf auth login`" in message and entry_points(group="console_scripts", name="hf")
     with pytest.raises(DatasetUnavailableError) as err:  # a dataset of several configs names the one it tried
         build_rankings(IngestConfig(dataset="prism"))
-    assert "'HannahRoseKirk/prism-alignment' (name 'survey') (revision latest)" in str(err.value)
+    assert "'HannahRoseKirk/prism-alignment' (name 'survey', revision 18ab5cf" in str(err.value)
     assert "moplex ingest --dataset prism --path DIR" in str(err.value)
     assert IngestConfig(dataset="helpsteer2", helpsteer2={"data": "preference"}).hub_parts() == (
         {"data_dir": "preference"},)

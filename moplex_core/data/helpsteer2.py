@@ -48,7 +48,7 @@ def to_rankings(records: Iterable[Record], options: HelpSteer2Options, *, source
 def _kind(record: Record, options: HelpSteer2Options) -> str:
     if "response_1" in record.data:
         return "preference"
-    if options.attributes and all(isinstance(record.data.get(a), list) for a in options.attributes):
+    if all(isinstance(record.data.get(a), list) for a in options.attributes):
         return "disagreements"
     return "ratings"
 
@@ -107,8 +107,11 @@ def _preference_rankings(records: Iterable[Record], options: HelpSteer2Options, 
             stats["skipped_missing_text"] += 1
             continue
         strength = _rating(record.data["preference_strength"], f"{record.where}, field 'preference_strength'",
-                           low=-MAX_STRENGTH, high=MAX_STRENGTH)
-        if strength is None or abs(strength) < options.min_strength or first.strip() == second.strip():
+                           low=-MAX_STRENGTH, high=MAX_STRENGTH, what="strength")
+        if first.strip() == second.strip():
+            stats["skipped_identical_responses"] += 1
+            continue
+        if strength is None or abs(strength) < options.min_strength:
             stats["skipped_weak_or_no_preference"] += 1
             continue
         example_id = short_hash("helpsteer2-preference", prompt_id(prompt), short_hash(first), short_hash(second))
@@ -121,11 +124,11 @@ def _preference_rankings(records: Iterable[Record], options: HelpSteer2Options, 
     return rows
 
 
-def _rating(value: object, where: str, *, low: int = 0, high: int = MAX_RATING) -> int | None:
+def _rating(value: object, where: str, *, low: int = 0, high: int = MAX_RATING, what: str = "rating") -> int | None:
     if value is None:
         return None
     if isinstance(value, float) and value.is_integer():
         value = int(value)
     if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
-        raise RawSchemaError(f"{where}: rating {value!r} is not an integer in {low}..{high}")
+        raise RawSchemaError(f"{where}: {what} {value!r} is not an integer in {low}..{high}")
     return value

@@ -11,19 +11,19 @@ Two of the release's files are read, in their raw schema (DESIGN.md 6):
 
 Records are told apart by their fields, so a folder holding the whole release (``hf download``
 brings ``utterances.jsonl`` and ``metadata.jsonl`` too) or the hub's per-config Parquet reads as
-it is; the other files' records are counted and skipped. Each conversation gives one ranking of its
-opening turn's responses (in ``within_turn_id`` order) by score, equal scores tied; the rules for
-the profile are `moplex_core.config.PrismOptions`.
+it is; the other files' records are counted and skipped, and so are repeated records (a second copy
+of a file). Each conversation gives one ranking of its opening turn's responses (in
+``within_turn_id`` order) by score, equal scores tied; the rules for the profile are
+`moplex_core.config.PrismOptions`.
 """
 
 from __future__ import annotations
 
-import math
 from collections import Counter
 from collections.abc import Iterable
 from typing import Any
 
-from moplex_core.config import PrismOptions
+from moplex_core.config import PRISM_OPENING_RESPONSES, PrismOptions
 from moplex_core.data.sources import AdapterOutput, RawSchemaError, Record
 from moplex_core.hashing import short_hash
 from moplex_core.schema import ranking_from_scores, ranking_row
@@ -32,11 +32,12 @@ NAME = "PRISM"
 CONVERSATION_FIELDS = ("conversation_id", "user_id", "conversation_history")
 SURVEY_MARK = "survey_only"  # a column only the survey has
 SCORE_RANGE = (1, 100)
+ROLES = ("user", "model")
 
 
 def to_rankings(records: Iterable[Record], options: PrismOptions, *, source: str) -> AdapterOutput:
     stats: Counter[str] = Counter()
-    profiles: dict[str, str | None] = {}  # user_id -> profile label (None: left out)
+    profiles: dict[str, tuple[str | None, str]] = {}  # user_id -> (profile label or None: left out, where)
     conversations: list[Record] = []
     for record in records:
         stats["records"] += 1
@@ -45,11 +46,14 @@ def to_rankings(records: Iterable[Record], options: PrismOptions, *, source: str
             conversations.append(record)
         elif SURVEY_MARK in record.data:
             record.require(("user_id",), NAME)
-            profiles[str(record.data["user_id"])] = profile_label(record, options)
+            user, label = _id(record, "user_id"), profile_label(record, options)
+            if user in profiles and profiles[user][0] != label:
+                raise RawSchemaError(f"{record.where}: user_id {user!r} is also the participant of "
+                                     f"{profiles[user][1]}, with another profile; a participant has one survey record")
+            stats["skipped_duplicate_record" if user in profiles else "participants"] += 1
+            profiles[user] = (label, record.where)
         else:
             stats["skipped_other_records"] += 1  # utterances, metadata
-    stats["participants"] = len(profiles)
-    stats["conversations"] = len(conversations)
     if conversations and not profiles:
         raise RawSchemaError(
             f"{conversations[0].where}: PRISM conversations were found but no survey records (with "
@@ -57,17 +61,23 @@ def to_rankings(records: Iterable[Record], options: PrismOptions, *, source: str
             "holds survey.jsonl beside conversations.jsonl (the release's layout)."
         )
 
-    rows = []
+    rows, seen = [], set()
     for record in conversations:
-        user = str(record.data["user_id"])
+        stats["conversations"] += 1
+        opening = _opening_turn(record)  # parsed first: a bad record fails whatever the profile options
+        example_id = short_hash("prism", _id(record, "conversation_id"))
+        if example_id in seen:
+            stats["skipped_duplicate_record"] += 1
+            continue
+        seen.add(example_id)
+        user = _id(record, "user_id")
         if user not in profiles:
             stats["skipped_user_not_in_survey"] += 1
             continue
-        label = profiles[user]
+        label = profiles[user][0]
         if label is None:
             stats["skipped_no_profile"] += 1
             continue
-        opening = _opening_turn(record)
         if opening is None:
             stats["skipped_no_opening_prompt"] += 1
             continue
@@ -78,7 +88,6 @@ def to_rankings(records: Iterable[Record], options: PrismOptions, *, source: str
         if len(set(scores)) == 1:
             stats["skipped_all_tied"] += 1
             continue
-        example_id = short_hash("prism", str(record.data["conversation_id"]))
         rows.append(ranking_row(example_id, prompt, responses, ranking_from_scores(scores), label, source))
 
     if options.top_profiles is not None:
@@ -92,7 +101,7 @@ def to_rankings(records: Iterable[Record], options: PrismOptions, *, source: str
 
 
 def profile_label(record: Record, options: PrismOptions) -> str | None:
-    """e.g. ``special_region=UK|gender=Female``; None when a field is absent, empty or excluded."""
+    """e.g. ``location.special_region=UK|gender=Female``; None when a field is absent, empty or excluded."""
     parts = []
     for path in options.fields:
         value: Any = record.data
@@ -103,14 +112,21 @@ def profile_label(record: Record, options: PrismOptions) -> str | None:
         value = str(value).strip()
         if value in options.exclude_values:
             return None
-        parts.append(f"{path.rsplit('.', 1)[-1]}={value}")
+        parts.append(f"{path}={value}")
     return "|".join(parts)
+
+
+def _id(record: Record, field: str) -> str:
+    value = record.data[field]
+    if isinstance(value, bool) or not isinstance(value, str | int) or not str(value).strip():
+        raise RawSchemaError(f"{record.where}, field {field!r}: {value!r} is not an id (a non-empty string)")
+    return str(value)
 
 
 def _opening_turn(record: Record) -> tuple[str, list[str], list[float]] | None:
     """(prompt, responses, scores) of turn 0: the participant's message and the models' distinct
     non-empty answers in ``within_turn_id`` order (a repeated answer is read once); None when turn 0
-    has no user message."""
+    has no user message. A message that is not as the release writes it raises `RawSchemaError`."""
     history = record.data["conversation_history"]
     if not isinstance(history, list):
         raise RawSchemaError(f"{record.where}, field 'conversation_history': expected a list of messages, "
@@ -118,32 +134,38 @@ def _opening_turn(record: Record) -> tuple[str, list[str], list[float]] | None:
     prompt, answers = None, []
     for i, message in enumerate(history):
         where = f"{record.where}, field 'conversation_history[{i}]'"
-        if not isinstance(message, dict) or "role" not in message or "turn" not in message:
+        if not isinstance(message, dict) or not {"turn", "role", "content"} <= message.keys():
             raise RawSchemaError(f"{where}: a message needs 'turn', 'role' and 'content'; got {message!r:.200}")
-        if message["turn"] != 0:
+        turn, role, content = message["turn"], message["role"], message["content"]
+        if isinstance(turn, bool) or not isinstance(turn, int):
+            raise RawSchemaError(f"{where}, key 'turn': {turn!r} is not an integer (0 is the opening turn)")
+        if role not in ROLES:
+            raise RawSchemaError(f"{where}, key 'role': {role!r} is not one of {ROLES}")
+        if not isinstance(content, str):
+            raise RawSchemaError(f"{where}, key 'content': expected text, got {type(content).__name__}")
+        if turn != 0:
             continue
-        content = message.get("content")
-        if message["role"] == "user":
-            prompt = content if isinstance(content, str) and content.strip() else None
-        elif message["role"] == "model" and isinstance(content, str) and content.strip():
-            answers.append((_order(message.get("within_turn_id"), i), content, _score(message.get("score"), where)))
+        if role == "user":
+            prompt = content if content.strip() else None
+        else:
+            answers.append((message.get("within_turn_id"), content, _score(message.get("score"), where)))
+    if len(answers) > PRISM_OPENING_RESPONSES:
+        raise RawSchemaError(f"{record.where}, field 'conversation_history': {len(answers)} model answers at turn 0; "
+                             f"PRISM's opening turn has at most {PRISM_OPENING_RESPONSES}")
     if prompt is None:
         return None
+    if all(isinstance(w, int) and not isinstance(w, bool) for w, _, _ in answers):
+        answers.sort(key=lambda answer: answer[0])  # stable: else the history's own order
     responses, scores = [], []
-    for _, content, score in sorted(answers, key=lambda a: a[0]):
-        if content.strip() not in {r.strip() for r in responses}:
+    for _, content, score in answers:
+        if content.strip() and content.strip() not in {r.strip() for r in responses}:
             responses.append(content)
             scores.append(score)
     return prompt, responses, scores
 
 
-def _order(within_turn_id: object, position: int) -> tuple[int, int]:
-    return (within_turn_id if isinstance(within_turn_id, int) else position, position)
-
-
 def _score(value: object, where: str) -> float:
     low, high = SCORE_RANGE
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) \
-            or not low <= value <= high:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not low <= value <= high:
         raise RawSchemaError(f"{where}, key 'score': {value!r} is not a score in {low}..{high}")
     return float(value)

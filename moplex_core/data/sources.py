@@ -177,7 +177,7 @@ def iter_hub_records(name: str, revision: str | None, dataset: str,
             loaded = datasets.load_dataset(name, revision=revision, **part)
         except OSError as err:  # ConnectionError, offline mode, DatasetNotFoundError (gated/unknown)
             raise DatasetUnavailableError(
-                f"could not load {name!r}{f' ({shown})' if shown else ''} (revision {revision or 'latest'}) "
+                f"could not load {name!r} ({f'{shown}, ' if shown else ''}revision {revision or 'latest'}) "
                 f"from the Hugging Face hub: {err}\n"
                 f"Without hub access, download it where the hub is reachable, e.g. `hf download "
                 f"{name} --repo-type dataset{f' --revision {revision}' if revision else ''} --local-dir DIR`, copy "
