@@ -113,10 +113,11 @@ def write_report(writer, metrics: pd.DataFrame, diagnostics: pd.DataFrame, em_re
 
 
 def _em_start_section(rows: pd.DataFrame) -> list[str]:
-    """What EM kept of the responsibilities it started from, on the training rankings."""
-    if rows.empty:
-        return []
+    """What EM kept of the responsibilities it started from, on the training rankings (none for k = 1,
+    whose ``train_em`` rows are the estimation check's alone)."""
     value = rows.set_index("metric").value
+    if "start_final_ari" not in value:
+        return []
     lines = ["## EM's start and end (training rankings)", "",
              f"Adjusted Rand index between the partition EM started from (argmax of its initial "
              f"responsibilities) and the one it ended with: {value['start_final_ari']:.4f} (1 = unchanged).", ""]

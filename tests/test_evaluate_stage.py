@@ -84,6 +84,22 @@ def test_the_report_says_where_the_likelihood_fell_and_how_far_off_the_estimates
     assert likelihood_falls(history) == [2, 3]
 
 
+def test_a_single_policy_with_anchors_has_an_estimation_check_and_no_em_start_section(trained, tmp_path):
+    # k = 1 keeps no EM start (one partition), but its anchors' check still gives train_em rows
+    store, train, cache = trained
+    metrics = pd.read_parquet(run_evaluate(EvaluateConfig(), train, cache, store).path / "metrics.parquet")
+    check = {"examples": 8, "iteration": 1, "estimated_entries": 16, "mean_abs_error": 0.2, "score_spread": 0.4,
+             "relative_error": 0.5, "same_cluster": 1.0, "log_likelihood_estimated": -1.1,
+             "log_likelihood_exact": -1.0, "holds": True}
+    metrics = pd.concat([metrics[metrics.split != "train_em"],
+                         estimation_rows(check).assign(method=metrics.method[0], seed=metrics.seed[0])])
+    with ArtifactStore(tmp_path).writer("evaluate", "0123456789ab", config={}) as writer:
+        write_report(writer, metrics, pd.DataFrame(), {"history": [-1.2, -1.1], "estimation_check": check}, {},
+                     {"train": "train/x"})
+    report = (writer.path / "report.md").read_text()
+    assert "## The anchors' estimates at the end of training" in report and "EM's start and end" not in report
+
+
 def test_the_same_evaluation_is_a_version_that_is_skipped(trained):
     store, train, cache = trained
     first = run_evaluate(EvaluateConfig(), train, cache, store)
