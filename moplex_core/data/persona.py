@@ -14,7 +14,7 @@ from collections import Counter
 from collections.abc import Iterable
 
 from moplex_core.config import PersonaOptions
-from moplex_core.data.sources import AdapterOutput, Record
+from moplex_core.data.sources import AdapterOutput, Record, most_frequent_profiles
 from moplex_core.hashing import short_hash
 from moplex_core.schema import prompt_id, ranking_row
 
@@ -85,10 +85,7 @@ def to_rankings(records: Iterable[Record], options: PersonaOptions, *, source: s
         rows.append(ranking_row(example_id, prompt, responses, ranking, label, source))
 
     if options.top_profiles is not None:
-        counts = Counter(row["cluster"] for row in rows)
-        kept = {label for label, _ in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))[: options.top_profiles]}
-        stats["skipped_rare_profile"] = sum(1 for row in rows if row["cluster"] not in kept)
-        rows = [row for row in rows if row["cluster"] in kept]
+        rows = most_frequent_profiles(rows, options.top_profiles, stats)
     stats["profiles"] = len({row["cluster"] for row in rows})
     stats["rankings"] = len(rows)
     return AdapterOutput(rows, dict(stats))

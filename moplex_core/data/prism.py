@@ -24,7 +24,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from moplex_core.config import PRISM_OPENING_RESPONSES, PrismOptions
-from moplex_core.data.sources import AdapterOutput, RawSchemaError, Record
+from moplex_core.data.sources import AdapterOutput, RawSchemaError, Record, most_frequent_profiles
 from moplex_core.hashing import short_hash
 from moplex_core.schema import ranking_from_scores, ranking_row
 
@@ -91,10 +91,7 @@ def to_rankings(records: Iterable[Record], options: PrismOptions, *, source: str
         rows.append(ranking_row(example_id, prompt, responses, ranking_from_scores(scores), label, source))
 
     if options.top_profiles is not None:
-        counts = Counter(row["cluster"] for row in rows)
-        kept = {label for label, _ in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))[: options.top_profiles]}
-        stats["skipped_rare_profile"] = sum(1 for row in rows if row["cluster"] not in kept)
-        rows = [row for row in rows if row["cluster"] in kept]
+        rows = most_frequent_profiles(rows, options.top_profiles, stats)
     stats["profiles"] = len({row["cluster"] for row in rows})
     stats["rankings"] = len(rows)
     return AdapterOutput(rows, dict(stats))

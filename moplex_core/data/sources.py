@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import zlib
+from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -208,3 +209,12 @@ class AdapterOutput:
     stats: dict[str, int]
     where: list[str] | None = None
     """Per row, where its record was read (adapters that make one row per record), for error messages."""
+
+
+def most_frequent_profiles(rows: list[dict[str, Any]], top: int, stats: Counter[str]) -> list[dict[str, Any]]:
+    """The rows of the ``top`` most frequent ``cluster`` labels (ties go to the first label); the
+    others are counted as ``skipped_rare_profile``."""
+    counts = Counter(row["cluster"] for row in rows)
+    kept = {label for label, _ in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))[:top]}
+    stats["skipped_rare_profile"] = sum(1 for row in rows if row["cluster"] not in kept)
+    return [row for row in rows if row["cluster"] in kept]
