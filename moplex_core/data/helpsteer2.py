@@ -23,7 +23,7 @@ The rules are `moplex_core.config.HelpSteer2Options`.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from itertools import combinations
 
 from moplex_core.config import HelpSteer2Options
@@ -45,23 +45,26 @@ def to_rankings(records: Iterable[Record], options: HelpSteer2Options, *, source
     return AdapterOutput(rows, dict(stats))
 
 
-def _kind(record: Record, options: HelpSteer2Options) -> str:
-    if "response_1" in record.data:
-        return "preference"
-    if all(isinstance(record.data.get(a), list) for a in options.attributes):
-        return "disagreements"
-    return "ratings"
+def _of_kind(kind: str, records: Iterable[Record], options: HelpSteer2Options, stats: Counter[str]) -> Iterator[Record]:
+    """The records of one kind (ratings, preference), counting every record and skipping the others."""
+    for record in records:
+        stats["records"] += 1
+        if "response_1" in record.data:
+            found = "preference"
+        elif all(isinstance(record.data.get(a), list) for a in options.attributes):
+            found = "disagreements"
+        else:
+            found = "ratings"
+        if found == kind:
+            yield record
+        else:
+            stats[f"skipped_{found}_records"] += 1
 
 
 def _ratings_rankings(records: Iterable[Record], options: HelpSteer2Options, source: str,
                       stats: Counter[str]) -> list[dict]:
     by_prompt: dict[str, list[tuple[str, dict[str, int | None]]]] = {}
-    for record in records:
-        stats["records"] += 1
-        kind = _kind(record, options)
-        if kind != "ratings":
-            stats[f"skipped_{kind}_records"] += 1
-            continue
+    for record in _of_kind("ratings", records, options, stats):
         record.require(("prompt", "response", *options.attributes), NAME)
         prompt, response = record.data["prompt"], record.data["response"]
         if not isinstance(prompt, str) or not prompt.strip():
@@ -95,12 +98,7 @@ def _ratings_rankings(records: Iterable[Record], options: HelpSteer2Options, sou
 def _preference_rankings(records: Iterable[Record], options: HelpSteer2Options, source: str,
                          stats: Counter[str]) -> list[dict]:
     rows, seen = [], set()
-    for record in records:
-        stats["records"] += 1
-        kind = _kind(record, options)
-        if kind != "preference":
-            stats[f"skipped_{kind}_records"] += 1
-            continue
+    for record in _of_kind("preference", records, options, stats):
         record.require(PREFERENCE_FIELDS, NAME)
         prompt, first, second = (record.data[f] for f in ("prompt", "response_1", "response_2"))
         if not all(isinstance(text, str) and text.strip() for text in (prompt, first, second)):
