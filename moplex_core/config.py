@@ -545,6 +545,12 @@ class TrainConfig(StageConfig):
     the trajectory in result.json, warned about outside `train.ESTIMATES_HOLD`). With anchors only.
     It is part of the version because result.json holds its outcome.
 
+    ``exact_fallback``: when an E-step's estimates of those examples are off by more than the spread
+    of their exact scores (`train.ESTIMATES_HOLD`'s relative error), redo that E-step with every
+    response exact, and every later E- and M-step too (the `full` computation from there; where, in
+    result.json's ``fell_back``). Never train on estimates seen not to hold, at the price of exact
+    passes once they fail. Needs anchors and estimation_check > 0.
+
     Left out of the version: ``score_batch_size``, ``device``, ``chunk_size`` (how fast, not what).
     The base model is the one the cache was built from (its version pins the model's content).
     """
@@ -570,6 +576,7 @@ class TrainConfig(StageConfig):
     restarts: int = Field(1, ge=1)
     backtracks: int = Field(0, ge=0)
     estimation_check: int = Field(64, ge=0)
+    exact_fallback: bool = False
     seed: int = 0
     dtype: ModelDtype = "auto"
     """As the cache's: versioned as the dtype it resolves to on the machine that trains."""
@@ -591,6 +598,14 @@ class TrainConfig(StageConfig):
             raise ValueError(f"train.backtracks = {self.backtracks} redoes M-steps after which the log-likelihood "
                              "fell, but hard EM (train.hard) may lower it legitimately and never backtracks: set "
                              "train.backtracks = 0")
+        return self
+
+    @model_validator(mode="after")
+    def _fallback_has_a_check(self) -> TrainConfig:
+        if self.exact_fallback and (self.anchors is None or self.estimation_check == 0):
+            raise ValueError("train.exact_fallback computes every response exactly once the anchors' estimates "
+                             "fail the estimation check: it needs train.anchors (not null) and "
+                             "train.estimation_check > 0")
         return self
 
     @model_validator(mode="after")

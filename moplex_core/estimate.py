@@ -320,6 +320,24 @@ def _response_rows(full: torch.Tensor, starts: torch.Tensor, lengths: torch.Tens
     return rows * valid[..., None]
 
 
+def estimation_gap(estimated: torch.Tensor, exact: torch.Tensor, is_estimated: torch.Tensor,
+                   in_slate: torch.Tensor) -> tuple[float, float]:
+    """(mean |r_hat - r| over the estimated entries, the mean over (example, cluster) of the std of
+    a slate's exact scores): `estimation_error`'s relative error is their ratio. Shapes as there."""
+    error = (estimated - exact).abs()[is_estimated]
+    slate = in_slate.unsqueeze(1).expand_as(exact)  # [n, k, M]
+    count = slate.sum(-1)  # [n, k]
+    mean = torch.where(slate, exact, 0.0).sum(-1) / count
+    spread = (torch.where(slate, exact - mean.unsqueeze(-1), 0.0).pow(2).sum(-1) / (count - 1).clamp(min=1)).sqrt()
+    return float(error.mean()), float(spread.mean())
+
+
+def check_sample(n: int, size: int, seed: int) -> np.ndarray:
+    """The examples (sorted indices into n) an estimation check scores exactly: a seeded draw of
+    ``size`` (all when fewer), the same at every EM iteration."""
+    return np.sort(np.random.default_rng(seed).choice(n, size=min(size, n), replace=False))
+
+
 def estimation_error(estimated: torch.Tensor, exact: torch.Tensor, is_estimated: torch.Tensor, in_slate: torch.Tensor,
                      log_likelihood: Callable[[torch.Tensor], torch.Tensor], alpha: torch.Tensor
                      ) -> dict[str, float | None]:
@@ -333,14 +351,9 @@ def estimation_error(estimated: torch.Tensor, exact: torch.Tensor, is_estimated:
     about an order than their error does.
     ``same_cluster`` is the fraction of rankings whose most probable cluster is the same under both.
     """
-    error = (estimated - exact).abs()[is_estimated]
-    slate = in_slate.unsqueeze(1).expand_as(exact)  # [n, k, M]
-    count = slate.sum(-1)  # [n, k]
-    mean = torch.where(slate, exact, 0.0).sum(-1) / count
-    spread = (torch.where(slate, exact - mean.unsqueeze(-1), 0.0).pow(2).sum(-1) / (count - 1).clamp(min=1)).sqrt()
+    mean_error, mean_spread = estimation_gap(estimated, exact, is_estimated, in_slate)
     joint = {name: torch.log(alpha) + log_likelihood(scores) for name, scores in
              (("estimated", estimated), ("exact", exact))}  # [n, k] each
-    mean_error, mean_spread = float(error.mean()), float(spread.mean())
     return {
         "estimated_entries": int(is_estimated.sum()),
         "mean_abs_error": mean_error,

@@ -98,7 +98,7 @@ def write_report(writer, metrics: pd.DataFrame, diagnostics: pd.DataFrame, em_re
                   f"{', '.join(redone)} (times halved), because the log-likelihood had fallen after it; once the "
                   "halvings are spent the last attempt is kept, fallen or not.", ""]
     lines += ["![EM log-likelihood](plots/em_log_likelihood.png)", ""]
-    lines += _estimation_section(em_result.get("estimation_check"))
+    lines += _estimation_section(em_result.get("estimation_check"), em_result.get("fell_back"))
     lines += _em_start_section(start_rows)
     for name in confusion:
         lines += [f"## Posterior confusion ({name})", "", "Mean gamma per true label (rows) and EM cluster (columns).",
@@ -171,20 +171,31 @@ def _cluster_accuracy_plot(clusters: pd.DataFrame, split: str) -> bytes:
     return png_bytes(figure)
 
 
-def _estimation_section(check: dict[str, Any] | None) -> list[str]:
+def _estimation_section(check: dict[str, Any] | None, fell_back: dict[str, Any] | None) -> list[str]:
+    fallback = [] if fell_back is None else [
+        f"At iteration {fell_back['iteration']} the estimates were off by {fell_back['relative_error']:.2f} times the "
+        "spread of the exact scores, so that E-step and every later step computed every response exactly "
+        "(`train.exact_fallback`): the final partition rests on exact scores.", ""]
     if check is None:
-        return []
+        return ["## The anchors' estimates", "", *fallback] if fallback else []
     rows = pd.DataFrame({"value": [check[key] for key in ESTIMATION_ROWS]}, index=list(ESTIMATION_ROWS))
-    verdict = ("off by more than the spread of the exact scores, or change the most probable cluster of more than "
-               "one ranking in ten: EM's clusters rest on estimates that do not hold here (raise `train.anchors`, "
-               "or `null` for exact scores)" if not check["holds"] else
-               "within the spread of the exact scores, and keep nine in ten rankings' most probable cluster")
+    if check["holds"]:
+        verdict = "within the spread of the exact scores, and keep nine in ten rankings' most probable cluster"
+    elif fell_back is None:
+        verdict = ("off by more than the spread of the exact scores, or change the most probable cluster of more "
+                   "than one ranking in ten: EM's clusters rest on estimates that do not hold here (raise "
+                   "`train.anchors`, `null` for exact scores, or `train.exact_fallback`)")
+    else:
+        verdict = "off by more than the spread of the exact scores, or change the most probable cluster of more " \
+                  "than one ranking in ten"
     return ["## The anchors' estimates at the end of training", "",
-            f"The last E-step (iteration {check['iteration']}) against exact scores under the same adapters, on "
+            f"The last E-step with estimates (iteration {check['iteration']}) against exact scores under the same "
+            "adapters, on "
             f"{check['examples']} training examples (`train.estimation_check`): mean |r_hat - r| over the estimated "
             "responses, the mean std of a slate's exact scores, their ratio, the fraction of rankings whose most "
             "probable cluster is the same, and the log-likelihood per ranking under each. The estimates are "
-            f"{verdict}.", "", markdown_table(rows.round(4)), "", *_estimation_by_iteration(check.get("by_iteration"))]
+            f"{verdict}.", "", markdown_table(rows.round(4)), "", *_estimation_by_iteration(check.get("by_iteration")),
+            *fallback]
 
 
 def _estimation_by_iteration(by_iteration: list[dict[str, Any]] | None) -> list[str]:

@@ -48,7 +48,7 @@ from moplex_core.cache import load_policy_inputs
 from moplex_core.config import TrainConfig
 from moplex_core.em import (START_FILE, EMConfig, EMState, fit_mixture, posteriors_table, read_posteriors,
                             soft_one_hot)
-from moplex_core.estimate import estimation_error
+from moplex_core.estimate import check_sample, estimation_error
 from moplex_core.ingest import check_clusters_fit, check_labels_fit
 from moplex_core.pl import PAD
 from moplex_core.lm.loading import dtype_name, identity_on_this_machine, resolve_device, resolve_dtype
@@ -109,6 +109,8 @@ def make_scorer(config: TrainConfig, model: str, *, progress: bool = False) -> L
         lr=config.lr, epochs=config.epochs, first_epochs=config.first_epochs, batch_size=config.batch_size,
         score_batch_size=config.score_batch_size,
         chunk_size=config.chunk_size, share_prompts=config.share_prompts, seed=config.seed,
+        exact_fallback=config.estimation_check if config.exact_fallback else 0,
+        fallback_above=ESTIMATES_HOLD["relative_error"],
         dtype=resolve_dtype(config.dtype, device), device=device,
         progress=progress,
     )
@@ -166,7 +168,8 @@ def run_train(config: TrainConfig, cache_dir: str | Path, store: ArtifactStore, 
             "restarts": [{"restart": s.restart, "log_likelihood": s.log_likelihood, "iterations": s.iteration + 1}
                          for s in result.restarts],
             "train_examples": len(inputs), "seed": config.seed, "reference_gap": gap[0],
-            "estimation_check": check_estimates(best, writer.path / "em"),
+            "estimation_check": check_estimates(best, writer.path / "em", scorer.fell_back),
+            "fell_back": scorer.fell_back,
         }
         writer.write_file("result.json", json.dumps(summary, indent=2))
         writer.summary.update({k: summary[k] for k in ("restart", "iterations", "converged", "log_likelihood",
@@ -193,9 +196,7 @@ def measure_estimates(scorer: LoRAPolicyScorer, inputs: PolicyInputs, config: Tr
     adapter, and changes nothing EM does."""
     if config.anchors is None or config.estimation_check == 0:
         return None
-    picked = np.sort(np.random.default_rng(config.seed).choice(
-        len(inputs), size=min(config.estimation_check, len(inputs)), replace=False))
-    checked = inputs.subset(picked)
+    checked = inputs.subset(check_sample(len(inputs), config.estimation_check, config.seed))
     table = pq.read_table(it_dir / SCORES, filters=[("example_id", "in", list(checked.example_ids))]).to_pydict()
     exact = scorer.exact_scores(checked)  # [n', k, M]
     row = {example_id: i for i, example_id in enumerate(checked.example_ids)}
@@ -205,7 +206,7 @@ def measure_estimates(scorer: LoRAPolicyScorer, inputs: PolicyInputs, config: Tr
     is_estimated = torch.zeros(exact.shape, dtype=torch.bool).index_put(at, torch.tensor(table["estimated"]))
     if not is_estimated.any():
         return None
-    check = {"examples": len(picked), "iteration": state.iteration,
+    check = {"examples": len(checked), "iteration": state.iteration,
              **estimation_error(estimated, exact, is_estimated, checked.tiers != PAD,
                                 checked.rankings(config.likelihood).log_likelihood, state.alpha)}
     relative = check["relative_error"]
@@ -214,27 +215,35 @@ def measure_estimates(scorer: LoRAPolicyScorer, inputs: PolicyInputs, config: Tr
     return check
 
 
-def check_estimates(best: EMState, em_dir: Path) -> dict[str, Any] | None:
+def check_estimates(best: EMState, em_dir: Path, fell_back: dict[str, Any] | None = None) -> dict[str, Any] | None:
     """The best restart's last `measure_estimates`, with ``by_iteration`` (each iteration's
     iteration, relative_error, same_cluster and holds: when the estimates stopped holding), logged
-    with a warning when they do not hold at the end. None when nothing was measured."""
+    with a warning when EM ended on estimates that do not hold. None when nothing was measured.
+    After an exact fallback (``fell_back``, `train.exact_fallback`) the last measured iteration is
+    the one before it: every later score was exact."""
     restart_dir = em_dir / f"restart-{best.restart:02d}"
     measured = [json.loads((restart_dir / f"iter-{t:04d}" / ESTIMATES).read_text())
                 for t in range(best.iteration + 1) if (restart_dir / f"iter-{t:04d}" / ESTIMATES).is_file()]
-    if not measured or measured[-1]["iteration"] != best.iteration:
+    if not measured:
         return None
     check = {**measured[-1], "by_iteration": [{key: m[key] for key in BY_ITERATION} for m in measured]}
     relative = check["relative_error"]
-    message = (f"anchors' estimates after EM iteration {best.iteration}, on {check['examples']} training examples: "
-               f"mean |r_hat - r| = {check['mean_abs_error']:.4g} against a spread of {check['score_spread']:.4g} in "
-               f"the exact scores of a slate (relative error {'-' if relative is None else f'{relative:.2f}'}); "
-               f"{check['same_cluster']:.0%} keep their most probable cluster under exact scores; LL per ranking "
-               f"{check['log_likelihood_estimated']:.4f} estimated, {check['log_likelihood_exact']:.4f} exact")
-    if not check["holds"]:
+    message = (f"anchors' estimates after EM iteration {check['iteration']}, on {check['examples']} training "
+               f"examples: mean |r_hat - r| = {check['mean_abs_error']:.4g} against a spread of "
+               f"{check['score_spread']:.4g} in the exact scores of a slate (relative error "
+               f"{'-' if relative is None else f'{relative:.2f}'}); {check['same_cluster']:.0%} keep their most "
+               f"probable cluster under exact scores; LL per ranking {check['log_likelihood_estimated']:.4f} "
+               f"estimated, {check['log_likelihood_exact']:.4f} exact")
+    if fell_back is not None:
+        log.info("%s. At iteration %d they were off by %.2f times the spread and EM computed every response "
+                 "exactly from there (train.exact_fallback).", message, fell_back["iteration"],
+                 fell_back["relative_error"])
+    elif not check["holds"]:
         held = [m["iteration"] for m in measured if m["holds"]]
         since = f"; they held until iteration {held[-1]}" if held else "; they held at no iteration"
         log.warning("%s%s. EM's clusters rest on these estimates, and they do not hold here (train.ESTIMATES_HOLD): "
-                    "raise train.anchors, or set it to null to compute every response exactly.", message, since)
+                    "raise train.anchors, set it to null to compute every response exactly, or let "
+                    "train.exact_fallback switch to exact scores when they fail.", message, since)
     else:
         log.info("%s", message)
     return check

@@ -99,6 +99,14 @@ def test_a_single_policy_with_anchors_has_an_estimation_check_and_no_em_start_se
     report = (writer.path / "report.md").read_text()
     assert "## The anchors' estimates at the end of training" in report and "EM's start and end" not in report
 
+    fallback = {"iteration": 0, "relative_error": 1.78}  # train.exact_fallback at the first E-step: nothing measured
+    with ArtifactStore(tmp_path).writer("evaluate", "ba9876543210", config={}) as writer:
+        write_report(writer, metrics[metrics.split != "train_em"], pd.DataFrame(),
+                     {"history": [-1.2, -1.1], "estimation_check": None, "fell_back": fallback}, {}, {"train": "train/x"})
+    section = (writer.path / "report.md").read_text().split("## The anchors' estimates")[1]
+    assert "At iteration 0 the estimates were off by 1.78 times the spread" in section
+    assert "the final partition rests on exact scores" in section
+
 
 def test_the_same_evaluation_is_a_version_that_is_skipped(trained):
     store, train, cache = trained

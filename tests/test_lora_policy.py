@@ -318,3 +318,22 @@ def test_response_features_are_each_responses_reference_output_gradient(tiny_mod
         torch.testing.assert_close(features[i, j], alone, rtol=1e-4, atol=1e-4)
     gamma = initial_responsibilities(EMConfig(k=2, init="linearized"), policy, inputs, inputs.rankings(), seed=0)
     assert gamma.shape == (len(inputs), 2) and torch.allclose(gamma.sum(1), torch.ones(len(inputs), dtype=torch.float64))
+
+
+def test_the_exact_fallback_is_part_of_the_state_a_redo_or_a_resume_restores(tiny_model_dir, inputs):  # noqa: F811
+    policy = scorer(tiny_model_dir, anchors=2, exact_fallback=4, fallback_above=0.0)  # any error falls back
+    policy.fit(inputs, inputs.rankings(), torch.ones(len(inputs), 2, dtype=torch.float64), 0)
+    before = policy.state_dict()
+    scores = policy.score(inputs, 0)
+    assert policy.anchors is None and policy.fell_back["iteration"] == 0 and policy.fell_back["relative_error"] > 0
+    torch.testing.assert_close(scores, policy.exact_scores(inputs))  # that E-step was redone exactly
+    assert bool(policy.last_scores.is_anchor.all())
+    after = policy.state_dict()
+    policy.load_state_dict(before)  # a backtracking redo of that iteration starts with the anchors again
+    assert policy.anchors == 2 and policy.fell_back is None
+    resumed = scorer(tiny_model_dir, anchors=2, exact_fallback=4)
+    resumed.load_state_dict(after)
+    assert resumed.anchors is None and resumed.fell_back == after["fell_back"]
+    exact = scorer(tiny_model_dir, anchors=None)
+    exact.load_state_dict(before)  # a state without a fallback keeps the loading scorer's own anchors
+    assert exact.anchors is None

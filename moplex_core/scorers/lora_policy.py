@@ -56,8 +56,10 @@ from moplex_core.estimate import (
     anchor_indices,
     anchor_pass,
     apply_offsets,
+    check_sample,
     contraction,
     estimate_offsets,
+    estimation_gap,
     response_embeddings,
 )
 from moplex_core.lm.loading import load_model
@@ -162,6 +164,11 @@ class LoRAPolicyScorer:
                        (moplex_core.lm.logprobs.prompt_prefix): the same scores and gradients for
                        fewer tokens. With LoRA dropout the prompt's dropout mask is then shared too.
     seed:              adapter initialisation (LoRA A), M-step shuffling and anchor draws.
+    exact_fallback:    examples (a seeded draw, `estimate.check_sample`) whose estimated E-step scores
+                       are compared with exact ones after every estimated E-step; 0 = never. When the
+                       mean error exceeds ``fallback_above`` times the spread of the exact scores, that
+                       E-step is redone with every response exact, and so is every later step
+                       (``anchors`` becomes None; ``fell_back`` records where and how far off).
     """
 
     def __init__(
@@ -181,6 +188,8 @@ class LoRAPolicyScorer:
         chunk_size: int = 1024,
         share_prompts: bool = True,
         seed: int = 0,
+        exact_fallback: int = 0,
+        fallback_above: float = 1.0,
         dtype: str | torch.dtype = torch.float32,
         device: str = "cpu",
         progress: bool = False,
@@ -193,9 +202,12 @@ class LoRAPolicyScorer:
                              f"epochs={epochs}, first_epochs={first_epochs}, batch_size={batch_size}, "
                              f"score_batch_size={score_batch_size}")
         self.k, self.beta, self.anchors, self.estimation = k, beta, anchors, estimation
+        self._configured_anchors = anchors  # `anchors` becomes None after an exact fallback
         self.epochs, self.batch_size, self.score_batch_size = epochs, batch_size, score_batch_size
         self.first_epochs = first_epochs
         self.chunk_size, self.share_prompts, self.seed, self.progress = chunk_size, share_prompts, seed, progress
+        self.exact_fallback, self.fallback_above = exact_fallback, fallback_above
+        self.fell_back: dict[str, Any] | None = None  # {"iteration", "relative_error"} once estimates failed
         self.adapter_names = [f"c{c}" for c in range(k)]
         self.model = load_model(model_path, dtype=dtype, device=device)
         self.pad_token_id = self.model.config.pad_token_id if self.model.config.pad_token_id is not None else 0
@@ -215,9 +227,29 @@ class LoRAPolicyScorer:
         """E-step scores float64 [n, k, M] (estimated for non-anchors when anchors < m'), with the
         anchors of round ``iteration + 1``, whose offsets the next M-step reuses."""
         scores, is_anchor, offsets = self._score_all(inputs, iteration + 1, self.anchors, f"E-step {iteration}")
+        relative = self._estimates_off_by(inputs, scores, is_anchor) if self.exact_fallback else None
+        if relative is not None and relative > self.fallback_above:
+            log.warning("E-step %d: the anchors' estimates are off by %.2f times the spread of the exact scores on "
+                        "%d training examples; redoing it, and every later step, with every response exact",
+                        iteration, relative, min(self.exact_fallback, len(inputs)))
+            self.anchors, self.fell_back = None, {"iteration": iteration, "relative_error": relative}
+            scores, is_anchor, offsets = self._score_all(inputs, iteration + 1, None, f"E-step {iteration} (exact)")
         self._estep = _EStepOffsets(iteration + 1, _inputs_key(inputs), offsets)
         self.last_scores = ScoreRecord(iteration, inputs.example_ids, scores, is_anchor, inputs.tiers != PAD)
         return scores
+
+    def _estimates_off_by(self, inputs: PolicyInputs, scores: torch.Tensor, is_anchor: torch.Tensor) -> float | None:
+        """mean |r_hat - r| / the spread of the exact scores (`estimate.estimation_gap`) on the
+        fallback's examples; None when none of their scores is estimated or their spread is 0."""
+        picked = torch.as_tensor(check_sample(len(inputs), self.exact_fallback, self.seed))
+        checked = inputs.subset(picked)
+        in_slate = checked.tiers != PAD  # [n', M]
+        width = in_slate.shape[1]
+        estimated = (~is_anchor[picked, :width] & in_slate).unsqueeze(1).expand(-1, self.k, -1)  # [n', k, M]
+        if not estimated.any():
+            return None
+        error, spread = estimation_gap(scores[picked, :, :width], self.exact_scores(checked), estimated, in_slate)
+        return error / spread if spread > 0 else None
 
     def exact_scores(self, inputs: PolicyInputs) -> torch.Tensor:
         """Every response exact, float64 [n, k, M] (evaluation, DESIGN 5.4)."""
@@ -350,6 +382,7 @@ class LoRAPolicyScorer:
             "optimizer": optimizer,
             "shuffle_rng": self._shuffle.get_state(),
             "estep": estep,
+            "fell_back": None if self.fell_back is None else dict(self.fell_back),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -367,6 +400,9 @@ class LoRAPolicyScorer:
         estep = state.get("estep")
         self._estep = None if estep is None else _EStepOffsets(estep["round"], estep["inputs"],
                                                                estep["offsets"].clone())
+        fell_back = state.get("fell_back")  # absent from states saved before the exact fallback existed
+        self.fell_back = None if fell_back is None else dict(fell_back)
+        self.anchors = None if fell_back is not None else self._configured_anchors
 
     # -- adapters in PEFT's format -------------------------------------------------------------
 
