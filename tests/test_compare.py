@@ -109,6 +109,9 @@ def test_the_em_start_table_shows_start_end_and_their_agreement_per_method():
     unlabelled = em_start_table(_metrics([("no_aug", "train_em", "start_final_ari", "all", 1.0, 0)]))
     assert unlabelled.splitlines()[2] == "| w/o generated responses (`no_aug`) | - | - | 1.00 | - | - |"
     assert em_start_table(_metrics(rows[5:6])) == ""
+    single = em_start_table(_metrics([("k1", "train_em", "estimates_relative_error", "all", 1.2, 0),
+                                      ("k1", "train_em", "estimates_same_cluster", "all", 1.0, 0)]))
+    assert single.splitlines()[2] == "| w/o mixture models (`k1`) | - | - | - | 1.20 | 100.0 |"
 
 
 @pytest.mark.slow

@@ -123,16 +123,12 @@ def em_start_table(metrics: pd.DataFrame) -> str:
     lines = ["| method | clustering accuracy % at the start | clustering accuracy % at the end | ARI start-end | "
              "estimates' relative error | % keeping their cluster under exact scores |",
              "|---|---|---|---|---|---|"]
+    columns = [("clustering_accuracy_start", _cell), ("clustering_accuracy_final", _cell),
+               ("start_final_ari", _plain_cell), ("estimates_relative_error", _plain_cell),
+               ("estimates_same_cluster", _cell)]  # a k = 1 run (k1) has the estimates' check only
     for method in dict.fromkeys(rows.method):
-        cells = []
-        for when in ("start", "final"):
-            key = (method, f"clustering_accuracy_{when}")
-            cells.append(_cell(*stats.loc[key]) if key in stats.index else "-")
-        cells.append(_plain_cell(*stats.loc[(method, "start_final_ari")]))
-        key = (method, "estimates_relative_error")
-        cells.append(_plain_cell(*stats.loc[key]) if key in stats.index else "-")
-        key = (method, "estimates_same_cluster")
-        cells.append(_cell(*stats.loc[key]) if key in stats.index else "-")
+        cells = [cell(*stats.loc[(method, metric)]) if (method, metric) in stats.index else "-"
+                 for metric, cell in columns]
         lines.append(f"| {_label(method)} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
