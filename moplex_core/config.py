@@ -546,10 +546,11 @@ class TrainConfig(StageConfig):
     It is part of the version because result.json holds its outcome.
 
     ``exact_fallback``: when an E-step's estimates of those examples are off by more than the spread
-    of their exact scores (`train.ESTIMATES_HOLD`'s relative error), redo that E-step with every
-    response exact, and every later E- and M-step too (the `full` computation from there; where, in
-    result.json's ``fell_back``). Never train on estimates seen not to hold, at the price of exact
-    passes once they fail. Needs anchors and estimation_check > 0.
+    of their exact scores (`train.ESTIMATES_HOLD`'s relative error), redo that iteration's M-step
+    (which trained on them) and E-step with every response exact, and every later step too (the
+    `full` computation from there; where, in result.json's ``fell_back``). Never train on estimates
+    seen not to hold, at the price of exact passes once they fail (and, once, of the discarded
+    steps). Needs anchors and estimation_check > 0.
 
     Left out of the version: ``score_batch_size``, ``device``, ``chunk_size`` (how fast, not what).
     The base model is the one the cache was built from (its version pins the model's content).

@@ -413,15 +413,27 @@ def _m_and_e_step(scorer: Scorer, inputs: Any, rankings: Rankings, weights: torc
     M-step after which the LL per ranking falls below ``previous`` is redone from the scorer's state
     before it, with its step halved, until the LL does not fall or the backtracks are spent (the
     last attempt is kept). Each attempt costs one M-step and one E-step more.
+
+    With a scorer that falls back to exact scores (``exact_fallback``, ``fell_back``: the LoRA
+    scorer's `train.exact_fallback`), an E-step whose estimates failed is preceded by an M-step that
+    trained on them: that M-step is redone from the same state with every response exact.
     """
     scale_steps = getattr(scorer, "scale_steps", None)
     backtracks = config.backtracks if scale_steps is not None and previous is not None and not config.hard else 0
-    before = scorer.state_dict() if backtracks else None
+    fallback = bool(getattr(scorer, "exact_fallback", 0)) and getattr(scorer, "fell_back", None) is None
+    before = scorer.state_dict() if backtracks or fallback else None
     for halved in range(backtracks + 1):
         if backtracks:
             scale_steps(0.5 ** halved)
         scorer.fit(inputs, rankings, weights, iteration)
         gamma, ll = posteriors(scorer, inputs, rankings, alpha, iteration)
+        if fallback and scorer.fell_back is not None:
+            log.info("EM iteration %d: redoing the M-step with every response exact (the estimates it trained on "
+                     "failed the check)", iteration)
+            fallback, before = False, {**before, "fell_back": scorer.fell_back}  # a later redo stays exact too
+            scorer.load_state_dict(before)
+            scorer.fit(inputs, rankings, weights, iteration)
+            gamma, ll = posteriors(scorer, inputs, rankings, alpha, iteration)
         if halved == backtracks or not likelihood_falls([previous, ll.mean().item()]):
             break
         log.info("EM iteration %d: the log-likelihood per ranking fell from %.6f to %.6f; redoing the M-step "

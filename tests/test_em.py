@@ -328,3 +328,38 @@ def test_a_start_from_labels_is_soft_one_hot_and_all_ones_for_one_cluster():
     torch.testing.assert_close(soft_one_hot(np.array([1, 0]), 3), torch.tensor(
         [[0.05, 0.9, 0.05], [0.9, 0.05, 0.05]], dtype=torch.float64))
     torch.testing.assert_close(soft_one_hot(np.array([0, 0]), 1), torch.ones(2, 1, dtype=torch.float64))
+
+
+class FallingBack(LinearScorer):
+    """A scorer whose E-step "estimates" fail at iteration 1 (the LoRA scorer's exact_fallback): it
+    records each M-step's starting theta and whether it ran in exact mode."""
+
+    exact_fallback = 1
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.fell_back, self.fits = None, []
+
+    def fit(self, inputs, rankings, weights, iteration=0):
+        self.fits.append((iteration, self.fell_back is not None, self.theta.clone()))
+        super().fit(inputs, rankings, weights, iteration)
+
+    def score(self, inputs, iteration=0):
+        if iteration == 1 and self.fell_back is None:
+            self.fell_back = {"iteration": 1, "relative_error": 2.0}
+        return super().score(inputs, iteration)
+
+    def state_dict(self):
+        return {**super().state_dict(), "fell_back": self.fell_back}
+
+    def load_state_dict(self, state):
+        super().load_state_dict(state)
+        self.fell_back = state["fell_back"]
+
+
+def test_an_m_step_whose_estimates_then_failed_is_redone_exact_from_the_same_state():
+    _, rankings, x = synthetic(k=2, m=4, n=60)
+    result, scorer = fit_mixture(lambda: FallingBack(2, 2), x, rankings, EMConfig(k=2, max_iter=3, tol=0))
+    assert [(t, exact) for t, exact, _ in scorer.fits] == [(0, False), (1, False), (1, True), (2, True)]
+    torch.testing.assert_close(scorer.fits[1][2], scorer.fits[2][2], rtol=0, atol=0)  # the redo starts where it did
+    assert len(result.best.history) == 3 and scorer.fell_back == {"iteration": 1, "relative_error": 2.0}
