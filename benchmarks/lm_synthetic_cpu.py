@@ -92,8 +92,9 @@ def main() -> None:
                         help="passes of the first M-step (train.first_epochs; default: the 2 of every M-step)")
     parser.add_argument("--init", default="linearized", choices=("linearized", "kmeans", "dirichlet", "labels"),
                         help="EM start (train.init; labels: the true clusters)")
-    parser.add_argument("--exact-fallback", action="store_true",
-                        help="train.exact_fallback: every response exact once the estimates fail the check")
+    parser.add_argument("--exact-fallback", type=float, default=None, metavar="RELATIVE_ERROR",
+                        help="train.exact_fallback: every response exact once an E-step's estimates are off by "
+                             "more than this many times the spread of the exact scores")
     parser.add_argument("--backtracks", type=int, default=0,
                         help="redo an M-step after which the LL fell at half the lr, up to this many times "
                              "(train.backtracks)")

@@ -545,12 +545,13 @@ class TrainConfig(StageConfig):
     the trajectory in result.json, warned about outside `train.ESTIMATES_HOLD`). With anchors only.
     It is part of the version because result.json holds its outcome.
 
-    ``exact_fallback``: when an E-step's estimates of those examples are off by more than the spread
-    of their exact scores (`train.ESTIMATES_HOLD`'s relative error), redo that iteration's M-step
+    ``exact_fallback``: when an E-step's estimates of those examples are off by more than this many
+    times the spread of their exact scores (their relative error; `ESTIMATES_HOLD` warns above 1.0,
+    where they say nothing about an order; 0.5 is a stricter guard), redo that iteration's M-step
     (which trained on them) and E-step with every response exact, and every later step too (the
     `full` computation from there; where, in result.json's ``fell_back``). Never train on estimates
     seen not to hold, at the price of exact passes once they fail (and, once, of the discarded
-    steps). Needs anchors and estimation_check > 0.
+    steps). None: never. Needs anchors and estimation_check > 0.
 
     Left out of the version: ``score_batch_size``, ``device``, ``chunk_size`` (how fast, not what).
     The base model is the one the cache was built from (its version pins the model's content).
@@ -577,7 +578,7 @@ class TrainConfig(StageConfig):
     restarts: int = Field(1, ge=1)
     backtracks: int = Field(0, ge=0)
     estimation_check: int = Field(64, ge=0)
-    exact_fallback: bool = False
+    exact_fallback: float | None = Field(None, gt=0.0)
     seed: int = 0
     dtype: ModelDtype = "auto"
     """As the cache's: versioned as the dtype it resolves to on the machine that trains."""
@@ -603,7 +604,7 @@ class TrainConfig(StageConfig):
 
     @model_validator(mode="after")
     def _fallback_has_a_check(self) -> TrainConfig:
-        if self.exact_fallback and (self.anchors is None or self.estimation_check == 0):
+        if self.exact_fallback is not None and (self.anchors is None or self.estimation_check == 0):
             raise ValueError("train.exact_fallback computes every response exactly once the anchors' estimates "
                              "fail the estimation check: it needs train.anchors (not null) and "
                              "train.estimation_check > 0")

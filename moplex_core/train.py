@@ -109,8 +109,8 @@ def make_scorer(config: TrainConfig, model: str, *, progress: bool = False) -> L
         lr=config.lr, epochs=config.epochs, first_epochs=config.first_epochs, batch_size=config.batch_size,
         score_batch_size=config.score_batch_size,
         chunk_size=config.chunk_size, share_prompts=config.share_prompts, seed=config.seed,
-        exact_fallback=config.estimation_check if config.exact_fallback else 0,
-        fallback_above=ESTIMATES_HOLD["relative_error"],
+        exact_fallback=0 if config.exact_fallback is None else config.estimation_check,
+        fallback_above=config.exact_fallback or 0.0,
         dtype=resolve_dtype(config.dtype, device), device=device,
         progress=progress,
     )
@@ -243,7 +243,7 @@ def check_estimates(best: EMState, em_dir: Path, fell_back: dict[str, Any] | Non
         since = f"; they held until iteration {held[-1]}" if held else "; they held at no iteration"
         log.warning("%s%s. EM's clusters rest on these estimates, and they do not hold here (train.ESTIMATES_HOLD): "
                     "raise train.anchors, set it to null to compute every response exactly, or let "
-                    "train.exact_fallback switch to exact scores when they fail.", message, since)
+                    "train.exact_fallback (e.g. 0.5) switch to exact scores when they fail.", message, since)
     else:
         log.info("%s", message)
     return check
