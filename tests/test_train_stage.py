@@ -132,9 +132,10 @@ def test_estimates_that_fail_the_check_make_em_exact_from_that_e_step_on(cache_d
     fell_back = summary["fell_back"]
     assert fell_back is not None and fell_back["relative_error"] > 1.0
     for t in range(3):
-        scores = pq.read_table(result.path / "em" / "restart-00" / f"iter-{t:04d}" / "scores.parquet").to_pandas()
+        it_dir = result.path / "em" / "restart-00" / f"iter-{t:04d}"
+        scores = pq.read_table(it_dir / "scores.parquet").to_pandas()
         assert scores.estimated.any() == (t < fell_back["iteration"])  # exact from that E-step on
-        assert (result.path / "em" / "restart-00" / f"iter-{t:04d}" / ESTIMATES).is_file() == (t < fell_back["iteration"])
+        assert (it_dir / ESTIMATES).is_file() == (t < fell_back["iteration"])
     # the tiny model's estimates fail at once; before the fallback the run is the plain one
     plain = json.loads((run_train(CONFIG, cache_dir, ArtifactStore(tmp_path), progress=False).path
                         / "result.json").read_text())
