@@ -141,8 +141,11 @@ def main() -> None:
         start, end = start_and_end_accuracy(train_dir, cache_dir)
         trained = json.loads((Path(train_dir) / "result.json").read_text())
         check, fell_back = trained["estimation_check"], trained["fell_back"]
-        estimates = "exact" if check is None else (f"{_relative(check)} ({check['same_cluster']:.2f}); by iteration "
-                                                   + " / ".join(_relative(m) for m in check["by_iteration"]))
+        if check is not None:
+            estimates = (f"{_relative(check)} ({check['same_cluster']:.2f}); by iteration "
+                         + " / ".join(_relative(m) for m in check["by_iteration"]))
+        else:
+            estimates = "exact" if fell_back is None else "-"
         if fell_back is not None:
             estimates += f"; exact from E-step {fell_back['iteration']} ({fell_back['relative_error']:.2f})"
         results[label] = {**evaluate(train_dir, cache_dir), "seconds": time.time() - t0, "start": start, "end": end,

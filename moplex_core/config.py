@@ -548,10 +548,10 @@ class TrainConfig(StageConfig):
     ``exact_fallback``: when an E-step's estimates of those examples are off by more than this many
     times the spread of their exact scores (their relative error; `ESTIMATES_HOLD` warns above 1.0,
     where they say nothing about an order; 0.5 is a stricter guard), redo that iteration's M-step
-    (which trained on them) and E-step with every response exact, and every later step too (the
-    `full` computation from there; where, in result.json's ``fell_back``). Never train on estimates
-    seen not to hold, at the price of exact passes once they fail (and, once, of the discarded
-    steps). None: never. Needs anchors and estimation_check > 0.
+    (whose estimated objective led there) and E-step with every response exact, and every later step
+    too (the `full` computation from there; where, in result.json's ``fell_back``). Never train on
+    estimates seen not to hold, at the price of exact passes once they fail (and, once, of the
+    discarded M-step and E-step). None: never. Needs anchors and estimation_check > 0.
 
     Left out of the version: ``score_batch_size``, ``device``, ``chunk_size`` (how fast, not what).
     The base model is the one the cache was built from (its version pins the model's content).

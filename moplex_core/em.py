@@ -415,8 +415,10 @@ def _m_and_e_step(scorer: Scorer, inputs: Any, rankings: Rankings, weights: torc
     last attempt is kept). Each attempt costs one M-step and one E-step more.
 
     With a scorer that falls back to exact scores (``exact_fallback``, ``fell_back``: the LoRA
-    scorer's `train.exact_fallback`), an E-step whose estimates failed is preceded by an M-step that
-    trained on them: that M-step is redone from the same state with every response exact.
+    scorer's `train.exact_fallback`), an E-step whose estimates failed is redone exactly, and so is
+    the M-step before it (its estimated objective led there), from the same state at the same step
+    size. That iteration backtracks no further: its exact log-likelihood and the estimated one
+    before it are not comparable.
     """
     scale_steps = getattr(scorer, "scale_steps", None)
     backtracks = config.backtracks if scale_steps is not None and previous is not None and not config.hard else 0
@@ -428,12 +430,13 @@ def _m_and_e_step(scorer: Scorer, inputs: Any, rankings: Rankings, weights: torc
         scorer.fit(inputs, rankings, weights, iteration)
         gamma, ll = posteriors(scorer, inputs, rankings, alpha, iteration)
         if fallback and scorer.fell_back is not None:
-            log.info("EM iteration %d: redoing the M-step with every response exact (the estimates it trained on "
-                     "failed the check)", iteration)
-            fallback, before = False, {**before, "fell_back": scorer.fell_back}  # a later redo stays exact too
-            scorer.load_state_dict(before)
+            log.info("EM iteration %d: redoing the M-step and E-step with every response exact", iteration)
+            scorer.load_state_dict({**before, "fell_back": scorer.fell_back})
+            if backtracks:
+                scale_steps(0.5 ** halved)  # the restored optimizer state holds the full step
             scorer.fit(inputs, rankings, weights, iteration)
             gamma, ll = posteriors(scorer, inputs, rankings, alpha, iteration)
+            break
         if halved == backtracks or not likelihood_falls([previous, ll.mean().item()]):
             break
         log.info("EM iteration %d: the log-likelihood per ranking fell from %.6f to %.6f; redoing the M-step "

@@ -173,9 +173,9 @@ def _cluster_accuracy_plot(clusters: pd.DataFrame, split: str) -> bytes:
 
 def _estimation_section(check: dict[str, Any] | None, fell_back: dict[str, Any] | None) -> list[str]:
     fallback = [] if fell_back is None else [
-        f"At iteration {fell_back['iteration']} the estimates were off by {fell_back['relative_error']:.2f} times the "
-        "spread of the exact scores, so that E-step and every later step computed every response exactly "
-        "(`train.exact_fallback`): the final partition rests on exact scores.", ""]
+        f"At E-step {fell_back['iteration']} the estimates were off by {fell_back['relative_error']:.2f} times the "
+        "spread of the exact scores, so EM redid that iteration's M-step and E-step, and computed every later "
+        "step, with every response exact (`train.exact_fallback`): the final partition rests on exact scores.", ""]
     if check is None:
         return ["## The anchors' estimates", "", *fallback] if fallback else []
     rows = pd.DataFrame({"value": [check[key] for key in ESTIMATION_ROWS]}, index=list(ESTIMATION_ROWS))
@@ -188,7 +188,8 @@ def _estimation_section(check: dict[str, Any] | None, fell_back: dict[str, Any] 
     else:
         verdict = "off by more than the spread of the exact scores, or change the most probable cluster of more " \
                   "than one ranking in ten"
-    return ["## The anchors' estimates at the end of training", "",
+    heading = "at the end of training" if fell_back is None else "until EM fell back to exact scores"
+    return [f"## The anchors' estimates {heading}", "",
             f"The last E-step with estimates (iteration {check['iteration']}) against exact scores under the same "
             "adapters, on "
             f"{check['examples']} training examples (`train.estimation_check`): mean |r_hat - r| over the estimated "
@@ -204,6 +205,7 @@ def _estimation_by_iteration(by_iteration: list[dict[str, Any]] | None) -> list[
     if not by_iteration:
         return []
     table = pd.DataFrame(by_iteration).set_index("iteration")[["relative_error", "same_cluster", "holds"]]
+    table[["relative_error", "same_cluster"]] = table[["relative_error", "same_cluster"]].astype(float)
     return ["Each EM iteration's E-step, on the same examples:", "", markdown_table(table.round(4)), ""]
 
 

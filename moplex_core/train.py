@@ -174,7 +174,7 @@ def run_train(config: TrainConfig, cache_dir: str | Path, store: ArtifactStore, 
         writer.write_file("result.json", json.dumps(summary, indent=2))
         writer.summary.update({k: summary[k] for k in ("restart", "iterations", "converged", "log_likelihood",
                                                        "alpha", "train_examples", "reference_gap",
-                                                       "estimation_check")})
+                                                       "estimation_check", "fell_back")})
     return TrainResult(plan.ref, plan.path, True, best.log_likelihood, best.iteration + 1)
 
 
@@ -198,14 +198,14 @@ def measure_estimates(scorer: LoRAPolicyScorer, inputs: PolicyInputs, config: Tr
         return None
     checked = inputs.subset(check_sample(len(inputs), config.estimation_check, config.seed))
     table = pq.read_table(it_dir / SCORES, filters=[("example_id", "in", list(checked.example_ids))]).to_pydict()
+    if not any(table["estimated"]):  # every response exact (e.g. after train.exact_fallback): nothing to check
+        return None
     exact = scorer.exact_scores(checked)  # [n', k, M]
     row = {example_id: i for i, example_id in enumerate(checked.example_ids)}
     at = (torch.tensor([row[e] for e in table["example_id"]]), torch.tensor(table["cluster"]),
           torch.tensor(table["response_idx"]))  # 3 x [rows]
     estimated = exact.index_put(at, torch.tensor(table["score"], dtype=exact.dtype))
     is_estimated = torch.zeros(exact.shape, dtype=torch.bool).index_put(at, torch.tensor(table["estimated"]))
-    if not is_estimated.any():
-        return None
     check = {"examples": len(checked), "iteration": state.iteration,
              **estimation_error(estimated, exact, is_estimated, checked.tiers != PAD,
                                 checked.rankings(config.likelihood).log_likelihood, state.alpha)}
@@ -220,13 +220,20 @@ def check_estimates(best: EMState, em_dir: Path, fell_back: dict[str, Any] | Non
     iteration, relative_error, same_cluster and holds: when the estimates stopped holding), logged
     with a warning when EM ended on estimates that do not hold. None when nothing was measured.
     After an exact fallback (``fell_back``, `train.exact_fallback`) the last measured iteration is
-    the one before it: every later score was exact."""
+    the one before it (every later score was exact), and ``by_iteration`` ends with the failed
+    E-step's relative error (same_cluster None)."""
     restart_dir = em_dir / f"restart-{best.restart:02d}"
     measured = [json.loads((restart_dir / f"iter-{t:04d}" / ESTIMATES).read_text())
                 for t in range(best.iteration + 1) if (restart_dir / f"iter-{t:04d}" / ESTIMATES).is_file()]
+    if fell_back is not None:
+        log.info("the anchors' estimates at E-step %d were off by %.2f times the spread of the exact scores: EM redid "
+                 "that iteration and computed every later step exactly (train.exact_fallback)",
+                 fell_back["iteration"], fell_back["relative_error"])
     if not measured:
         return None
-    check = {**measured[-1], "by_iteration": [{key: m[key] for key in BY_ITERATION} for m in measured]}
+    failed = [] if fell_back is None else [{"iteration": fell_back["iteration"], "relative_error":
+                                            fell_back["relative_error"], "same_cluster": None, "holds": False}]
+    check = {**measured[-1], "by_iteration": [{key: m[key] for key in BY_ITERATION} for m in measured] + failed}
     relative = check["relative_error"]
     message = (f"anchors' estimates after EM iteration {check['iteration']}, on {check['examples']} training "
                f"examples: mean |r_hat - r| = {check['mean_abs_error']:.4g} against a spread of "
@@ -235,9 +242,7 @@ def check_estimates(best: EMState, em_dir: Path, fell_back: dict[str, Any] | Non
                f"probable cluster under exact scores; LL per ranking {check['log_likelihood_estimated']:.4f} "
                f"estimated, {check['log_likelihood_exact']:.4f} exact")
     if fell_back is not None:
-        log.info("%s. At iteration %d they were off by %.2f times the spread and EM computed every response "
-                 "exactly from there (train.exact_fallback).", message, fell_back["iteration"],
-                 fell_back["relative_error"])
+        log.info("%s", message)
     elif not check["holds"]:
         held = [m["iteration"] for m in measured if m["holds"]]
         since = f"; they held until iteration {held[-1]}" if held else "; they held at no iteration"

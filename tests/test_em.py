@@ -330,36 +330,42 @@ def test_a_start_from_labels_is_soft_one_hot_and_all_ones_for_one_cluster():
     torch.testing.assert_close(soft_one_hot(np.array([0, 0]), 1), torch.ones(2, 1, dtype=torch.float64))
 
 
-class FallingBack(LinearScorer):
-    """A scorer whose E-step "estimates" fail at iteration 1 (the LoRA scorer's exact_fallback): it
-    records each M-step's starting theta and whether it ran in exact mode."""
+class FallingBack(Overshooting):
+    """A scorer whose E-step "estimates" fail at iteration 1 (the LoRA scorer's exact_fallback) once
+    its step is below ``fail_below``; its step size is part of its state, as AdamW's learning rate is.
+    It records each M-step's iteration, whether it ran exact, its step and its starting theta."""
 
     exact_fallback = 1
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, fail_below=2.0, **kwargs):
         super().__init__(*args, **kwargs)
-        self.fell_back, self.fits = None, []
+        self.fell_back, self.fits, self.fail_below = None, [], fail_below
 
     def fit(self, inputs, rankings, weights, iteration=0):
-        self.fits.append((iteration, self.fell_back is not None, self.theta.clone()))
+        self.fits.append((iteration, self.fell_back is not None, self.step, self.theta.clone()))
         super().fit(inputs, rankings, weights, iteration)
 
     def score(self, inputs, iteration=0):
-        if iteration == 1 and self.fell_back is None:
+        if iteration == 1 and self.fell_back is None and self.step < self.fail_below:
             self.fell_back = {"iteration": 1, "relative_error": 2.0}
         return super().score(inputs, iteration)
 
     def state_dict(self):
-        return {**super().state_dict(), "fell_back": self.fell_back}
+        return {**super().state_dict(), "fell_back": self.fell_back, "step": self.step}
 
     def load_state_dict(self, state):
         super().load_state_dict(state)
-        self.fell_back = state["fell_back"]
+        self.fell_back, self.step = state["fell_back"], state["step"]
 
 
 def test_an_m_step_whose_estimates_then_failed_is_redone_exact_from_the_same_state():
-    _, rankings, x = synthetic(k=2, m=4, n=60)
+    _, rankings, x = synthetic(k=2, m=4, n=200)
     result, scorer = fit_mixture(lambda: FallingBack(2, 2), x, rankings, EMConfig(k=2, max_iter=3, tol=0))
-    assert [(t, exact) for t, exact, _ in scorer.fits] == [(0, False), (1, False), (1, True), (2, True)]
-    torch.testing.assert_close(scorer.fits[1][2], scorer.fits[2][2], rtol=0, atol=0)  # the redo starts where it did
+    assert [fit[:3] for fit in scorer.fits] == [(0, False, 1.0), (1, False, 1.0), (1, True, 1.0), (2, True, 1.0)]
+    torch.testing.assert_close(scorer.fits[1][3], scorer.fits[2][3], rtol=0, atol=0)  # the redo starts where it did
     assert len(result.best.history) == 3 and scorer.fell_back == {"iteration": 1, "relative_error": 2.0}
+    # with backtracking: the LL falls after M-step 1 at step 1, the halved attempt's estimates fail, and the
+    # exact redo keeps that attempt's half step (restoring the state restores the full one), then stops
+    _, scorer = fit_mixture(lambda: FallingBack(2, 2, fail_below=1.0), x, rankings,
+                            EMConfig(k=2, max_iter=2, tol=0, backtracks=2))
+    assert [fit[:3] for fit in scorer.fits] == [(0, False, 1.0), (1, False, 1.0), (1, False, 0.5), (1, True, 0.5)]

@@ -104,8 +104,15 @@ def test_a_single_policy_with_anchors_has_an_estimation_check_and_no_em_start_se
         write_report(writer, metrics[metrics.split != "train_em"], pd.DataFrame(),
                      {"history": [-1.2, -1.1], "estimation_check": None, "fell_back": fallback}, {}, {"train": "train/x"})
     section = (writer.path / "report.md").read_text().split("## The anchors' estimates")[1]
-    assert "At iteration 0 the estimates were off by 1.78 times the spread" in section
+    assert "At E-step 0 the estimates were off by 1.78 times the spread" in section and "redid" in section
     assert "the final partition rests on exact scores" in section
+    measured = check | {"by_iteration": [{"iteration": 0, "relative_error": 0.4, "same_cluster": 1.0, "holds": True},
+                                         {"iteration": 1, "relative_error": 1.78, "same_cluster": None, "holds": False}]}
+    with ArtifactStore(tmp_path).writer("evaluate", "cba987654321", config={}) as writer:
+        write_report(writer, metrics, pd.DataFrame(), {"history": [-1.2, -1.1], "estimation_check": measured,
+                                                       "fell_back": fallback | {"iteration": 1}}, {}, {"train": "x"})
+    section = (writer.path / "report.md").read_text().split("## The anchors' estimates until EM fell back")[1]
+    assert "| 1 | 1.7800 | - | False |" in section and "At E-step 1 the estimates" in section
 
 
 def test_the_same_evaluation_is_a_version_that_is_skipped(trained):

@@ -324,9 +324,12 @@ def test_the_exact_fallback_is_part_of_the_state_a_redo_or_a_resume_restores(tin
     policy = scorer(tiny_model_dir, anchors=2, exact_fallback=4, fallback_above=0.0)  # any error falls back
     policy.fit(inputs, inputs.rankings(), torch.ones(len(inputs), 2, dtype=torch.float64), 0)
     before = policy.state_dict()
-    scores = policy.score(inputs, 0)
+    estimated = policy.score(inputs, 0)
     assert policy.anchors is None and policy.fell_back["iteration"] == 0 and policy.fell_back["relative_error"] > 0
-    torch.testing.assert_close(scores, policy.exact_scores(inputs))  # that E-step was redone exactly
+    assert not bool(policy.last_scores.is_anchor.all())  # it returns the failed estimates: EM redoes the step
+    exact = policy.exact_scores(inputs)
+    assert not torch.allclose(estimated, exact)
+    torch.testing.assert_close(policy.score(inputs, 0), exact)  # from then on every response is exact
     assert bool(policy.last_scores.is_anchor.all())
     after = policy.state_dict()
     policy.load_state_dict(before)  # a backtracking redo of that iteration starts with the anchors again
@@ -337,3 +340,12 @@ def test_the_exact_fallback_is_part_of_the_state_a_redo_or_a_resume_restores(tin
     exact = scorer(tiny_model_dir, anchors=None)
     exact.load_state_dict(before)  # a state without a fallback keeps the loading scorer's own anchors
     assert exact.anchors is None
+
+
+def test_estimates_within_the_fallback_threshold_change_nothing(tiny_model_dir, inputs):  # noqa: F811
+    plain, guarded = scorer(tiny_model_dir, anchors=2), scorer(tiny_model_dir, anchors=2, exact_fallback=4,
+                                                                fallback_above=1e6)
+    for policy in (plain, guarded):
+        policy.fit(inputs, inputs.rankings(), torch.ones(len(inputs), 2, dtype=torch.float64), 0)
+    torch.testing.assert_close(guarded.score(inputs, 0), plain.score(inputs, 0), rtol=0, atol=0)
+    assert guarded.anchors == 2 and guarded.fell_back is None

@@ -136,16 +136,23 @@ def test_estimates_that_fail_the_check_make_em_exact_from_that_e_step_on(cache_d
         scores = pq.read_table(it_dir / "scores.parquet").to_pandas()
         assert scores.estimated.any() == (t < fell_back["iteration"])  # exact from that E-step on
         assert (it_dir / ESTIMATES).is_file() == (t < fell_back["iteration"])
-    # the tiny model's estimates fail at once; before the fallback the run is the plain one
-    plain = json.loads((run_train(CONFIG, cache_dir, ArtifactStore(tmp_path), progress=False).path
-                        / "result.json").read_text())
-    assert plain["fell_back"] is None and plain["history"][:fell_back["iteration"]] == \
-        summary["history"][:fell_back["iteration"]]
+    assert summary["estimation_check"] is None and fell_back["iteration"] == 0  # the tiny model's fail at once
+    assert read_manifest(result.path)["summary"]["fell_back"] == fell_back
+
+    def trained(config):
+        return json.loads((run_train(config, cache_dir, ArtifactStore(tmp_path), progress=False).path
+                           / "result.json").read_text())
+
+    # falling back at E-step 0 redoes M-step 0 too: the run is the exact one
+    assert trained(CONFIG.model_copy(update={"anchors": None}))["history"] == summary["history"]
+    plain, guarded = trained(CONFIG), trained(CONFIG.model_copy(update={"exact_fallback": 1e6}))
+    assert guarded["fell_back"] is None and guarded["history"] == plain["history"]  # a check that never fails
     # the fallback measured what the plain run's check measured at that E-step (same examples, adapters)
-    assert plain["estimation_check"]["by_iteration"][fell_back["iteration"]]["relative_error"] == \
+    assert plain["estimation_check"]["by_iteration"][0]["relative_error"] == \
         pytest.approx(fell_back["relative_error"], rel=1e-9)
-    with pytest.raises(ValueError, match="exact_fallback .* needs train.anchors"):
-        TrainConfig(anchors=None, exact_fallback=0.5)
+    for wrong in ({"anchors": None}, {"estimation_check": 0}):
+        with pytest.raises(ValueError, match="exact_fallback .* needs train.anchors"):
+            TrainConfig(exact_fallback=0.5, **wrong)
 
 
 def test_a_training_dtype_unlike_the_caches_is_measured_and_warned_about(cache_dir, caplog):

@@ -112,10 +112,11 @@ def table3(metrics: pd.DataFrame, metric: str = "ranking_accuracy_posterior", sp
 
 
 def em_start_table(metrics: pd.DataFrame) -> str:
-    """Per mixture method, on the training rankings (evaluate's ``train_em`` rows): clustering accuracy
+    """Per method with ``train_em`` rows (evaluate's, on the training rankings): clustering accuracy
     of the partition EM started from and of the one it ended with (each under its own matching), the
-    ARI between the two, and, for runs with anchors, the train stage's check of their estimates
-    (`train.check_estimates`); mean ± std over seeds. Empty when no run kept its start."""
+    ARI between the two (mixtures only), and, for runs with anchors, the train stage's check of their
+    estimates (`train.check_estimates`); mean ± std over seeds, "-" where a method has no such row.
+    Empty when no run has train_em rows."""
     rows = metrics[metrics.split == EM_START_SPLIT]
     if rows.empty:
         return ""

@@ -166,9 +166,10 @@ class LoRAPolicyScorer:
     seed:              adapter initialisation (LoRA A), M-step shuffling and anchor draws.
     exact_fallback:    examples (a seeded draw, `estimate.check_sample`) whose estimated E-step scores
                        are compared with exact ones after every estimated E-step; 0 = never. When the
-                       mean error exceeds ``fallback_above`` times the spread of the exact scores, that
-                       E-step is redone with every response exact, and so is every later step
-                       (``anchors`` becomes None; ``fell_back`` records where and how far off).
+                       mean error exceeds ``fallback_above`` times the spread of the exact scores (or is
+                       not finite), ``fell_back`` records where and how far off and ``anchors`` becomes
+                       None: the scores returned are still those estimates, and EM
+                       (`em._m_and_e_step`) redoes that iteration's M-step and E-step exactly.
     """
 
     def __init__(
@@ -228,12 +229,12 @@ class LoRAPolicyScorer:
         anchors of round ``iteration + 1``, whose offsets the next M-step reuses."""
         scores, is_anchor, offsets = self._score_all(inputs, iteration + 1, self.anchors, f"E-step {iteration}")
         relative = self._estimates_off_by(inputs, scores, is_anchor) if self.exact_fallback else None
-        if relative is not None and relative > self.fallback_above:
+        if relative is not None and not relative <= self.fallback_above:  # NaN falls back too
             log.warning("E-step %d: the anchors' estimates are off by %.2f times the spread of the exact scores on "
-                        "%d training examples; redoing it, and every later step, with every response exact",
-                        iteration, relative, min(self.exact_fallback, len(inputs)))
+                        "%d training examples (train.exact_fallback = %g); this iteration and every later one "
+                        "compute every response exactly", iteration, relative,
+                        min(self.exact_fallback, len(inputs)), self.fallback_above)
             self.anchors, self.fell_back = None, {"iteration": iteration, "relative_error": relative}
-            scores, is_anchor, offsets = self._score_all(inputs, iteration + 1, None, f"E-step {iteration} (exact)")
         self._estep = _EStepOffsets(iteration + 1, _inputs_key(inputs), offsets)
         self.last_scores = ScoreRecord(iteration, inputs.example_ids, scores, is_anchor, inputs.tiers != PAD)
         return scores
