@@ -181,13 +181,10 @@ def _estimation_section(check: dict[str, Any] | None, fell_back: dict[str, Any] 
     rows = pd.DataFrame({"value": [check[key] for key in ESTIMATION_ROWS]}, index=list(ESTIMATION_ROWS))
     if check["holds"]:
         verdict = "within the spread of the exact scores, and keep nine in ten rankings' most probable cluster"
-    elif fell_back is None:
-        verdict = ("off by more than the spread of the exact scores, or change the most probable cluster of more "
-                   "than one ranking in ten: EM's clusters rest on estimates that do not hold here (raise "
-                   "`train.anchors`, `null` for exact scores, or `train.exact_fallback`)")
     else:
         verdict = "off by more than the spread of the exact scores, or change the most probable cluster of more " \
-                  "than one ranking in ten"
+                  "than one ranking in ten" + ("" if fell_back else ": EM's clusters rest on estimates that do not " \
+                  "hold here (raise `train.anchors`, `null` for exact scores, or `train.exact_fallback`)")
     heading = "at the end of training" if fell_back is None else "until EM fell back to exact scores"
     return [f"## The anchors' estimates {heading}", "",
             f"The last E-step with estimates (iteration {check['iteration']}) against exact scores under the same "
