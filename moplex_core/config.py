@@ -797,6 +797,9 @@ METHODS: dict[str, Method] = {m.name: m for m in (
     Method("no_aug", "w/o generated responses", ("augment=null",), "MoPLEx on the original rankings"),
     Method("k1", "w/o mixture models", ("train.k=1",), "MoPLEx with a single cluster"),
     Method("full", "w/o gradient estimation", ("train.anchors=null",), "MoPLEx with every response exact (a = m')"),
+    Method("guarded", "MoPLEx + exact fallback (not in the paper)", ("train.exact_fallback=0.5",),
+           "MoPLEx that computes every response exactly once an E-step's estimates are off by more than half "
+           "the spread of the exact scores (train.exact_fallback)"),
 )}
 
 

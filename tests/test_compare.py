@@ -32,6 +32,7 @@ def test_every_method_is_the_base_config_with_its_documented_differences():
         "no_aug": (3, "pl", False, False, 1),
         "k1": (1, "pl", False, True, 1),
         "full": (3, "pl", False, True, None),
+        "guarded": (3, "pl", False, True, 1),
     }
     assert set(expected) == set(METHODS)
     for method, (k, likelihood, hard, augmented, anchors) in expected.items():
@@ -43,6 +44,7 @@ def test_every_method_is_the_base_config_with_its_documented_differences():
         # nothing else moves: the shared stages keep their versions
         assert (config.ingest, config.cache, config.tiny_model) == (TINY_BASE.ingest, TINY_BASE.cache, TINY_BASE.tiny_model)
         assert train.lr == TINY_BASE.train.lr and train.em_iterations == TINY_BASE.train.em_iterations
+        assert train.exact_fallback == (0.5 if method == "guarded" else None)
 
 
 def test_a_base_that_is_not_moplex_and_unknown_methods_are_refused():
