@@ -121,7 +121,7 @@ def test_compare_flow_runs_methods_and_seeds_sharing_stages_and_reuses_them(pref
     from flows.compare import compare_flow
 
     base = with_overrides(TINY_BASE, [f"root={tmp_path}"])
-    methods = ["moplex", "mixture_bt"]
+    methods = ["moplex", "mixture_bt", "k1"]  # k1: one cluster, no EM start, but an estimation check
     folder = compare_flow(methods, seeds=2, config=base, preset="tiny")
     verify(folder)
     comparison = pd.read_parquet(f"{folder}/comparison.parquet")
@@ -130,8 +130,9 @@ def test_compare_flow_runs_methods_and_seeds_sharing_stages_and_reuses_them(pref
     assert "## Paper Table 2 shape" in report and "MaxMin" not in report and "EM-DPO (`mixture_bt`) |" in report
     kept = report.split("## What EM kept of its start")[1].split("\n## ")[0]
     assert "| MoPLEx (Alg. 2) (`moplex`) | " in kept and "| EM-DPO (`mixture_bt`) | " in kept
+    assert "| w/o mixture models (`k1`) | - | - | - | " in kept
     # ingest, model and augment once; a cache with and one without generated responses; a train per run
     count = {stage: len([p for p in (tmp_path / stage).iterdir() if not p.name.startswith(".")])
              for stage in ("ingest", "model", "augment", "cache", "train", "evaluate")}
-    assert count == {"ingest": 1, "model": 1, "augment": 1, "cache": 2, "train": 4, "evaluate": 4}
+    assert count == {"ingest": 1, "model": 1, "augment": 1, "cache": 2, "train": 6, "evaluate": 6}
     assert compare_flow(methods, seeds=2, config=base, preset="tiny") == folder
