@@ -200,7 +200,9 @@ def measure_estimates(scorer: LoRAPolicyScorer, inputs: PolicyInputs, config: Tr
     table = pq.read_table(it_dir / SCORES, filters=[("example_id", "in", list(checked.example_ids))]).to_pydict()
     if not any(table["estimated"]):  # every response exact (e.g. after train.exact_fallback): nothing to check
         return None
-    exact = scorer.exact_scores(checked)  # [n', k, M]
+    record = scorer.last_scores  # the exact fallback scored the same examples under the same adapters
+    reuse = record is not None and record.iteration == state.iteration and record.check_exact is not None
+    exact = record.check_exact if reuse else scorer.exact_scores(checked)  # [n', k, M]
     row = {example_id: i for i, example_id in enumerate(checked.example_ids)}
     at = (torch.tensor([row[e] for e in table["example_id"]]), torch.tensor(table["cluster"]),
           torch.tensor(table["response_idx"]))  # 3 x [rows]
@@ -241,9 +243,7 @@ def check_estimates(best: EMState, em_dir: Path, fell_back: dict[str, Any] | Non
                f"{'-' if relative is None else f'{relative:.2f}'}); {check['same_cluster']:.0%} keep their most "
                f"probable cluster under exact scores; LL per ranking {check['log_likelihood_estimated']:.4f} "
                f"estimated, {check['log_likelihood_exact']:.4f} exact")
-    if fell_back is not None:
-        log.info("%s", message)
-    elif not check["holds"]:
+    if fell_back is None and not check["holds"]:
         held = [m["iteration"] for m in measured if m["holds"]]
         since = f"; they held until iteration {held[-1]}" if held else "; they held at no iteration"
         log.warning("%s%s. EM's clusters rest on these estimates, and they do not hold here (train.ESTIMATES_HOLD): "

@@ -134,6 +134,7 @@ class ScoreRecord:
     scores: torch.Tensor  # float64 [n, k, M]
     is_anchor: torch.Tensor  # bool [n, M] (the same anchors for every cluster)
     in_slate: torch.Tensor  # bool [n, M]
+    check_exact: torch.Tensor | None = None  # exact scores [n', k, M'] of the fallback's check examples
 
 
 @dataclass(frozen=True)
@@ -202,8 +203,7 @@ class LoRAPolicyScorer:
             raise ValueError(f"need k >= 1, beta > 0, epochs, batch sizes >= 1; got k={k}, beta={beta}, "
                              f"epochs={epochs}, first_epochs={first_epochs}, batch_size={batch_size}, "
                              f"score_batch_size={score_batch_size}")
-        self.k, self.beta, self.anchors, self.estimation = k, beta, anchors, estimation
-        self._configured_anchors = anchors  # `anchors` becomes None after an exact fallback
+        self.k, self.beta, self._anchors, self.estimation = k, beta, anchors, estimation
         self.epochs, self.batch_size, self.score_batch_size = epochs, batch_size, score_batch_size
         self.first_epochs = first_epochs
         self.chunk_size, self.share_prompts, self.seed, self.progress = chunk_size, share_prompts, seed, progress
@@ -228,29 +228,39 @@ class LoRAPolicyScorer:
         """E-step scores float64 [n, k, M] (estimated for non-anchors when anchors < m'), with the
         anchors of round ``iteration + 1``, whose offsets the next M-step reuses."""
         scores, is_anchor, offsets = self._score_all(inputs, iteration + 1, self.anchors, f"E-step {iteration}")
-        relative = self._estimates_off_by(inputs, scores, is_anchor) if self.exact_fallback else None
+        relative, check_exact = (self._estimates_off_by(inputs, scores, is_anchor) if self.exact_fallback
+                                 else (None, None))
         if relative is not None and not relative <= self.fallback_above:  # NaN falls back too
             log.warning("E-step %d: the anchors' estimates are off by %.2f times the spread of the exact scores on "
                         "%d training examples (train.exact_fallback = %g); this iteration and every later one "
                         "compute every response exactly", iteration, relative,
                         min(self.exact_fallback, len(inputs)), self.fallback_above)
-            self.anchors, self.fell_back = None, {"iteration": iteration, "relative_error": relative}
+            self.fell_back = {"iteration": iteration, "relative_error": relative}
         self._estep = _EStepOffsets(iteration + 1, _inputs_key(inputs), offsets)
-        self.last_scores = ScoreRecord(iteration, inputs.example_ids, scores, is_anchor, inputs.tiers != PAD)
+        self.last_scores = ScoreRecord(iteration, inputs.example_ids, scores, is_anchor, inputs.tiers != PAD,
+                                       check_exact)
         return scores
 
-    def _estimates_off_by(self, inputs: PolicyInputs, scores: torch.Tensor, is_anchor: torch.Tensor) -> float | None:
-        """mean |r_hat - r| / the spread of the exact scores (`estimate.estimation_gap`) on the
-        fallback's examples; None when none of their scores is estimated or their spread is 0."""
+    @property
+    def anchors(self) -> int | None:
+        """a per example, None = every response exact: as configured, until an exact fallback."""
+        return None if self.fell_back is not None else self._anchors
+
+    def _estimates_off_by(self, inputs: PolicyInputs, scores: torch.Tensor, is_anchor: torch.Tensor
+                          ) -> tuple[float | None, torch.Tensor | None]:
+        """(mean |r_hat - r| / the spread of the exact scores (`estimate.estimation_gap`), their exact
+        scores float64 [n', k, M']) on the fallback's examples; (None, None) when none of their scores
+        is estimated, None for the ratio when their spread is 0."""
         picked = torch.as_tensor(check_sample(len(inputs), self.exact_fallback, self.seed))
         checked = inputs.subset(picked)
         in_slate = checked.tiers != PAD  # [n', M]
         width = in_slate.shape[1]
         estimated = (~is_anchor[picked, :width] & in_slate).unsqueeze(1).expand(-1, self.k, -1)  # [n', k, M]
         if not estimated.any():
-            return None
-        error, spread = estimation_gap(scores[picked, :, :width], self.exact_scores(checked), estimated, in_slate)
-        return error / spread if spread > 0 else None
+            return None, None
+        exact = self.exact_scores(checked)
+        error, spread = estimation_gap(scores[picked, :, :width], exact, estimated, in_slate)
+        return (error / spread if spread > 0 else None), exact
 
     def exact_scores(self, inputs: PolicyInputs) -> torch.Tensor:
         """Every response exact, float64 [n, k, M] (evaluation, DESIGN 5.4)."""
@@ -403,7 +413,6 @@ class LoRAPolicyScorer:
                                                                estep["offsets"].clone())
         fell_back = state.get("fell_back")  # absent from states saved before the exact fallback existed
         self.fell_back = None if fell_back is None else dict(fell_back)
-        self.anchors = None if fell_back is not None else self._configured_anchors
 
     # -- adapters in PEFT's format -------------------------------------------------------------
 
