@@ -165,7 +165,7 @@ def _name(c: int, label_names: list[str] | None) -> str:
 # the evaluate stage: a train artifact and its cache in, `evaluation` out (DESIGN 3, 7)
 
 STAGE = "evaluate"
-CODE_VERSION = "evaluate-5"  # bump when a change to this stage changes what it writes (5: where the LL fell)
+CODE_VERSION = "evaluate-6"  # bump when a change to this stage changes what it writes (6: exact fallback row)
 METRICS_FILE = "metrics.parquet"
 METRICS_COLUMNS = ("method", "split", "metric", "cluster", "value", "seed")
 
@@ -259,7 +259,8 @@ def run_evaluate(config: EvaluateConfig, train_dir: str | Path, cache_dir: str |
     seed = read_manifest(train_dir)["config"]["seed"]
     em_result = json.loads((train_dir / "result.json").read_text())
     metrics = pd.concat([metrics, _diagnostic_metrics(diagnostics), em_start_rows(train_dir, cache_dir, label_names),
-                         estimation_rows(em_result.get("estimation_check"))],  # absent before train-8
+                         estimation_rows(em_result.get("estimation_check"),  # absent before train-8
+                                         em_result.get("fell_back"))],  # absent before train-9
                         ignore_index=True)
     metrics.insert(0, "method", config.method)
     metrics["seed"] = seed
@@ -294,14 +295,20 @@ def em_start_rows(train_dir: str | Path, cache_dir: str | Path, label_names: lis
     return em_start_metrics(start, final, labels, len(label_names) if label_names else None)
 
 
-def estimation_rows(check: dict[str, Any] | None) -> pd.DataFrame:
+def estimation_rows(check: dict[str, Any] | None, fell_back: dict[str, Any] | None = None) -> pd.DataFrame:
     """The train stage's check of the anchors' estimates (`train.check_estimates`) as rows of split
-    ``train_em``: estimates_relative_error (NaN for a zero spread) and estimates_same_cluster."""
-    if check is None:
-        return pd.DataFrame(columns=["split", "metric", "cluster", "value"])
-    relative = float("nan") if check["relative_error"] is None else check["relative_error"]
-    return pd.DataFrame({"split": EM_START_SPLIT, "metric": ["estimates_relative_error", "estimates_same_cluster"],
-                         "cluster": "all", "value": [relative, check["same_cluster"]]})
+    ``train_em``: estimates_relative_error (NaN for a zero spread) and estimates_same_cluster, and
+    exact_fallback_iteration, the E-step at which EM switched to exact scores (`train.exact_fallback`),
+    when it did."""
+    rows = []
+    if check is not None:
+        relative = float("nan") if check["relative_error"] is None else check["relative_error"]
+        rows += [("estimates_relative_error", relative), ("estimates_same_cluster", check["same_cluster"])]
+    if fell_back is not None:
+        rows.append(("exact_fallback_iteration", float(fell_back["iteration"])))
+    metric, value = zip(*rows) if rows else ((), ())
+    return pd.DataFrame({"split": EM_START_SPLIT, "metric": list(metric), "cluster": "all", "value": list(value)},
+                        columns=["split", "metric", "cluster", "value"])
 
 
 def cache_label_names(cache_dir: str | Path) -> list[str] | None:

@@ -107,13 +107,18 @@ def test_the_em_start_table_shows_start_end_and_their_agreement_per_method():
                  ("moplex", "test", "clustering_accuracy", "all", 0.0, seed)]
     table = em_start_table(_metrics(rows))
     assert table.splitlines()[2] == ("| MoPLEx (Alg. 2) (`moplex`) | 85.0 ± 7.1 | 60.0 ± 14.1 | 0.30 ± 0.14 | "
-                                     "1.50 ± 0.71 | 50.0 ± 0.0 |")
+                                     "1.50 ± 0.71 | 50.0 ± 0.0 | - |")
     unlabelled = em_start_table(_metrics([("no_aug", "train_em", "start_final_ari", "all", 1.0, 0)]))
-    assert unlabelled.splitlines()[2] == "| w/o generated responses (`no_aug`) | - | - | 1.00 | - | - |"
+    assert unlabelled.splitlines()[2] == "| w/o generated responses (`no_aug`) | - | - | 1.00 | - | - | - |"
     assert em_start_table(_metrics(rows[5:6])) == ""
     single = em_start_table(_metrics([("k1", "train_em", "estimates_relative_error", "all", 1.2, 0),
                                       ("k1", "train_em", "estimates_same_cluster", "all", 1.0, 0)]))
-    assert single.splitlines()[2] == "| w/o mixture models (`k1`) | - | - | - | 1.20 | 100.0 |"
+    assert single.splitlines()[2] == "| w/o mixture models (`k1`) | - | - | - | 1.20 | 100.0 | - |"
+    guarded = [("guarded", "train_em", "clustering_accuracy_final", "all", 0.5, seed) for seed in range(3)]
+    guarded += [("guarded", "train_em", "exact_fallback_iteration", "all", step, seed) for seed, step in [(2, 3), (0, 0)]]
+    assert em_start_table(_metrics(guarded)).splitlines()[2] == ("| MoPLEx + exact fallback (not in the paper) "
+                                                                 "(`guarded`) | - | 50.0 ± 0.0 | - | - | - | "
+                                                                 "2 of 3 seeds, at E-step 0, 3 |")
 
 
 @pytest.mark.slow

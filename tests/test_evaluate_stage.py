@@ -136,3 +136,6 @@ def test_the_estimation_check_becomes_train_em_rows_for_the_comparison():
     rows = estimation_rows({"relative_error": None, "same_cluster": 0.75}).set_index("metric")
     assert set(rows.split) == {"train_em"} and set(rows.cluster) == {"all"}
     assert np.isnan(rows.value["estimates_relative_error"]) and rows.value["estimates_same_cluster"] == 0.75
+    assert "exact_fallback_iteration" not in rows.index
+    fell_back = estimation_rows(None, {"iteration": 0, "relative_error": 1.1})  # nothing measured before E-step 0
+    assert fell_back.metric.tolist() == ["exact_fallback_iteration"] and fell_back.value.tolist() == [0.0]

@@ -114,24 +114,35 @@ def table3(metrics: pd.DataFrame, metric: str = "ranking_accuracy_posterior", sp
 def em_start_table(metrics: pd.DataFrame) -> str:
     """Per method with ``train_em`` rows (evaluate's, on the training rankings): clustering accuracy
     of the partition EM started from and of the one it ended with (each under its own matching), the
-    ARI between the two (mixtures only), and, for runs with anchors, the train stage's check of their
-    estimates (`train.check_estimates`); mean ± std over seeds, "-" where a method has no such row.
+    ARI between the two (mixtures only), for runs with anchors the train stage's check of their
+    estimates (`train.check_estimates`), and in how many seeds and at which E-steps EM fell back to
+    exact scores (`train.exact_fallback`); mean ± std over seeds, "-" where a method has no such row.
     Empty when no run has train_em rows."""
     rows = metrics[metrics.split == EM_START_SPLIT]
     if rows.empty:
         return ""
     stats = rows.groupby(["method", "metric"], sort=False)["value"].agg(["mean", "std"])
     lines = ["| method | clustering accuracy % at the start | clustering accuracy % at the end | ARI start-end | "
-             "estimates' relative error | % keeping their cluster under exact scores |",
-             "|---|---|---|---|---|---|"]
+             "estimates' relative error | % keeping their cluster under exact scores | exact fallback |",
+             "|---|---|---|---|---|---|---|"]
     columns = [("clustering_accuracy_start", _cell), ("clustering_accuracy_final", _cell),
                ("start_final_ari", _plain_cell), ("estimates_relative_error", _plain_cell),
                ("estimates_same_cluster", _cell)]  # a k = 1 run (k1) has the estimates' check only
     for method in dict.fromkeys(rows.method):
         cells = [cell(*stats.loc[(method, metric)]) if (method, metric) in stats.index else "-"
                  for metric, cell in columns]
-        lines.append(f"| {_label(method)} | " + " | ".join(cells) + " |")
+        lines.append(f"| {_label(method)} | " + " | ".join(cells + [_fallback_cell(metrics, method)]) + " |")
     return "\n".join(lines)
+
+
+def _fallback_cell(metrics: pd.DataFrame, method: str) -> str:
+    """'n of N seeds, at E-step i, j, ...' for a method's exact_fallback_iteration rows; '-' without."""
+    runs = metrics[metrics.method == method]
+    steps = runs.value[(runs.split == EM_START_SPLIT) & (runs.metric == "exact_fallback_iteration")]
+    if steps.empty:
+        return "-"
+    at = ", ".join(str(int(step)) for step in sorted(steps))
+    return f"{len(steps)} of {runs.seed.nunique()} seeds, at E-step {at}"
 
 
 def _plain_cell(mean: float, std: float) -> str:
