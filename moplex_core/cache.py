@@ -3,7 +3,8 @@
 For every example and every response (the m originals, then the m' - m generated ones, if any):
 token ids of prompt + response (+ EOS), the response start, ref_logp = log pi_ref(y|x) (float64),
 and the m' x m' reference contraction s_ref (float32, row-major), computed once so that the train
-stage never runs pi_ref and can draw new anchors every EM iteration.
+stage never runs pi_ref and can draw new anchors every EM iteration (null with cache.contractions =
+false: forward passes only, for caches that are only scored exactly).
 
     plan_cache         the version (config, the input artifact, the model's content) and whether it exists
     run_cache          tokenise, run pi_ref shard by shard (a finished shard is never recomputed)
@@ -54,7 +55,7 @@ CACHE_SCHEMA = pa.schema([
     pa.field("input_ids", pa.list_(pa.list_(pa.int32()))),  # [m'][tokens]
     pa.field("response_start", pa.list_(pa.int32())),  # [m']
     pa.field("ref_logp", pa.list_(pa.float64())),  # [m']
-    pa.field("ref_contraction", pa.list_(pa.float32())),  # [m' * m'] row-major: s_ref[i][j] at i * m' + j
+    pa.field("ref_contraction", pa.list_(pa.float32())),  # [m' * m'] row-major: s_ref[i][j] at i * m' + j; or null
 ])
 
 
@@ -74,9 +75,13 @@ class CacheResult:
     rows: int
 
 
-def plan_cache(config: CacheConfig, rankings_dir: str | Path, store: ArtifactStore) -> CachePlan:
+def plan_cache(config: CacheConfig, rankings_dir: str | Path, store: ArtifactStore, *,
+               fingerprint: str | None = None) -> CachePlan:
+    """The cache version of ``rankings_dir`` under ``config``; ``fingerprint``: the model's
+    `model_fingerprint` when the caller has just computed it."""
     manifest = read_manifest(rankings_dir)
-    inputs = {"rankings": f"{manifest['stage']}/{manifest['version']}", "model": model_fingerprint(config.model)}
+    inputs = {"rankings": f"{manifest['stage']}/{manifest['version']}",
+              "model": fingerprint or model_fingerprint(config.model)}
     version = store.version(STAGE, identity_on_this_machine(config.identity(), config.device), inputs, CODE_VERSION)
     return CachePlan(ArtifactRef(STAGE, version), store.path(STAGE, version), inputs, store.is_complete(STAGE, version))
 
@@ -137,7 +142,7 @@ def cache_rows(
     terms = []
     for batch in _whole_examples(examples, config.score_batch_size):
         terms += reference_terms_batch(model, batch, tokenizer.pad_token_id, rows_per_pass=config.score_batch_size,
-                                       chunk_size=config.chunk_size)
+                                       chunk_size=config.chunk_size, contractions=config.contractions)
         advance(len(batch))
     return pa.Table.from_pylist([
         {
@@ -150,7 +155,7 @@ def cache_rows(
             "input_ids": [seq.input_ids for seq in seqs],
             "response_start": [seq.response_start for seq in seqs],
             "ref_logp": ref_logp.tolist(),
-            "ref_contraction": s_ref.flatten().tolist(),
+            "ref_contraction": None if s_ref is None else s_ref.flatten().tolist(),
         }
         for row, seqs, (ref_logp, s_ref) in zip(rows, examples, terms, strict=True)
     ], schema=CACHE_SCHEMA)
@@ -197,7 +202,8 @@ def load_policy_inputs(cache_dir: str | Path, split: str | None = "train"):
 
 
 def policy_inputs(table: pa.Table):
-    """CACHE_SCHEMA rows as PolicyInputs, in the table's order, and their cluster labels (list)."""
+    """CACHE_SCHEMA rows as PolicyInputs, in the table's order, and their cluster labels (list).
+    ref_contraction is None when the rows have none (cache.contractions = false)."""
     from moplex_core.scorers.lora_policy import PolicyInputs
 
     columns = table.to_pydict()
@@ -205,11 +211,16 @@ def policy_inputs(table: pa.Table):
     width = max(sizes)
     n = len(sizes)
     ref_logp = torch.zeros(n, width, dtype=torch.float64)
-    ref_contraction = torch.zeros(n, width, width, dtype=torch.float32)
+    missing = sum(s is None for s in columns["ref_contraction"])
+    if 0 < missing < n:
+        raise ValueError(f"{missing} of {n} cache rows have no ref_contraction: rows of caches built with and "
+                         "without cache.contractions are mixed; rebuild the cache")
+    ref_contraction = None if missing else torch.zeros(n, width, width, dtype=torch.float32)
     sequences = []
     for i, m in enumerate(sizes):
         ref_logp[i, :m] = torch.tensor(columns["ref_logp"][i], dtype=torch.float64)
-        ref_contraction[i, :m, :m] = torch.tensor(columns["ref_contraction"][i], dtype=torch.float32).reshape(m, m)
+        if ref_contraction is not None:
+            ref_contraction[i, :m, :m] = torch.tensor(columns["ref_contraction"][i], dtype=torch.float32).reshape(m, m)
         sequences.append(tuple(TokenizedResponse(list(ids), start) for ids, start in
                                zip(columns["input_ids"][i], columns["response_start"][i], strict=True)))
     tiers = encode_tiers_batch(columns["ranking"], sizes, width)

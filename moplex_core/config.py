@@ -497,9 +497,14 @@ class CacheConfig(StageConfig):
     device: str = "auto"
     chunk_size: int = Field(1024, ge=1)
     """Response positions projected to the vocabulary at a time."""
+    contractions: bool = True
+    """False: forward passes only, no s_ref (``ref_contraction`` null), for a cache that is only ever
+    scored exactly: `moplex assign`'s, or a train stage with ``train.anchors = null``. Train refuses
+    anchors on it."""
 
     def identity(self) -> dict[str, Any]:
-        return self.model_dump(mode="json", exclude={"model", "score_batch_size", "device", "chunk_size"})
+        exclude = {"model", "score_batch_size", "device", "chunk_size"} | ({"contractions"} if self.contractions else set())
+        return self.model_dump(mode="json", exclude=exclude)  # contractions = true keeps the versions before it
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -738,6 +743,10 @@ class PipelineConfig(Options):
                 f"({m_prime - generated} from {self.ingest.dataset} + {generated} generated). Set "
                 f"train.anchors to at most {m_prime}, or to null to compute every response exactly."
             )
+        if not self.cache.contractions and self.train.anchors is not None:
+            raise ValueError(f"train.anchors a = {self.train.anchors} estimates scores from the cache's reference "
+                             "contractions, and cache.contractions = false leaves them out. Set train.anchors to null "
+                             "(every response exact) or cache.contractions to true.")
         return self
 
 

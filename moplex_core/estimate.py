@@ -271,27 +271,31 @@ def reference_terms_batch(
     *,
     rows_per_pass: int = 32,
     chunk_size: int = 1024,
-) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    contractions: bool = True,
+) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
     """`reference_terms` of several examples, their responses in order in forward + input-gradient
-    passes of at most ``rows_per_pass`` rows (an example's rows in one pass share its prompt pass).
+    passes of at most ``rows_per_pass`` rows (an example's rows in one pass share its prompt pass);
+    forward passes only and s_ref None without ``contractions``.
 
     An example whose responses straddle passes gets its rows of s_ref from each pass: row i of s_ref
     needs only response i's input gradients and every response's embeddings.
     """
     rows = [(e, j) for e, sequences in enumerate(examples) for j in range(len(sequences))]
     ref_logp = [torch.empty(len(sequences), dtype=torch.float64) for sequences in examples]
-    s_ref = [torch.empty(len(sequences), len(sequences), dtype=torch.float32) for sequences in examples]
+    s_ref = [torch.empty(len(sequences), len(sequences), dtype=torch.float32) if contractions else None
+             for sequences in examples]
     for start in range(0, len(rows), rows_per_pass):
         part = rows[start : start + rows_per_pass]
-        ref = anchor_pass(model, [examples[e][j] for e, j in part], pad_token_id, input_grads=True,
+        ref = anchor_pass(model, [examples[e][j] for e, j in part], pad_token_id, input_grads=contractions,
                           chunk_size=chunk_size, groups=[e for e, _ in part])
         first = 0
         for e, members in groupby(part, key=lambda row: row[0]):  # an example's rows in a pass are contiguous
             idx = torch.tensor([j for _, j in members])  # [p]: which of its responses
             end = first + len(idx)
-            emb, lengths = response_embeddings(model, examples[e])
             ref_logp[e][idx] = ref.logp[first:end]
-            s_ref[e][idx] = contraction(ref.input_grads[first:end], idx.to(emb.device), emb, lengths).float().cpu()
+            if contractions:
+                emb, lengths = response_embeddings(model, examples[e])
+                s_ref[e][idx] = contraction(ref.input_grads[first:end], idx.to(emb.device), emb, lengths).float().cpu()
             first = end
     return list(zip(ref_logp, s_ref))
 

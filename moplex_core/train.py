@@ -296,6 +296,12 @@ def check_config_fits_data(config: TrainConfig, inputs: PolicyInputs, cache_dir:
             f"(m originals + m' - m generated). Set train.anchors to at most {largest}, or to null to compute "
             "every response exactly (the full ablation)."
         )
+    if config.anchors is not None and config.anchors < largest and inputs.ref_contraction is None:
+        raise ValueError(
+            f"train.anchors a = {config.anchors} estimates scores from reference contractions, and the cache at "
+            f"{cache_dir} was built without them (cache.contractions = false). Set train.anchors to null to compute "
+            "every response exactly, or rebuild the cache with cache.contractions = true."
+        )
     if config.anchors is not None and config.anchors > smallest:
         log.info("%d example(s) have fewer than a = %d responses; they are computed exactly",
                  int((responses < config.anchors).sum()), config.anchors)

@@ -87,6 +87,7 @@ def test_new_rankings_get_a_posterior_an_adapter_and_every_score(trained, capsys
     assert manifest["config"]["resolved_dtype"] == "float32" and manifest["config"]["rankings"] == str(new)
     assert {k: v for k, v in store.manifest("cache", plan.cache.ref.version)["config"].items()
             if k in CACHE_SETTINGS} == CACHE_SETTINGS  # cached as training's cache was
+    assert store.manifest("cache", plan.cache.ref.version)["config"]["contractions"] is False  # exact scores only
     rows = load_table(plan.path).to_pydict()
     source = load_table(new).to_pydict()
     assert sorted(rows["example_id"]) == sorted(source["example_id"])

@@ -167,14 +167,14 @@ def test_anchors_up_to_m_prime_and_generic_sources_pass_the_config_check():
 # train: what only the data can show, refused before anything is written
 
 
-def _policy_inputs(sizes: list[int]) -> PolicyInputs:
+def _policy_inputs(sizes: list[int], contractions: bool = True) -> PolicyInputs:
     n, width = len(sizes), max(sizes)
     tiers = torch.full((n, width), PAD, dtype=torch.int64)
     for i, m in enumerate(sizes):
         tiers[i, :m] = torch.arange(m)
     sequences = tuple(tuple(TokenizedResponse([1, 2, 3], 1) for _ in range(m)) for m in sizes)
     return PolicyInputs(tuple(f"e{i}" for i in range(n)), sequences, torch.zeros(n, width, dtype=torch.float64),
-                        torch.zeros(n, width, width), tiers)
+                        torch.zeros(n, width, width) if contractions else None, tiers)
 
 
 def test_k_larger_than_the_training_rankings_is_refused():
@@ -189,6 +189,17 @@ def test_anchors_above_m_prime_are_refused_and_ragged_slates_name_the_range():
     with pytest.raises(ValueError, match=r"a = 5 > m' = 2..4"):
         check_config_fits_data(TrainConfig(k=1, anchors=5), _policy_inputs([2, 4]), "C")
     check_config_fits_data(TrainConfig(k=1, anchors=3), _policy_inputs([2, 4]), "C")  # the 2-slate is exact
+
+
+def test_anchors_on_a_cache_without_contractions_are_refused_and_exact_scores_pass():
+    with pytest.raises(ValueError, match=r"the cache at C was built without them \(cache.contractions = false\)"):
+        check_config_fits_data(TrainConfig(k=1, anchors=2), _policy_inputs([2, 4], contractions=False), "C")
+    check_config_fits_data(TrainConfig(k=1, anchors=None), _policy_inputs([2, 4], contractions=False), "C")
+    check_config_fits_data(TrainConfig(k=1, anchors=4), _policy_inputs([2, 4], contractions=False), "C")  # a = m'
+    demo = pipeline_preset("synthetic-demo")
+    assert not with_overrides(demo, ["cache.contractions=false"]).cache.contractions  # the demo is exact
+    with pytest.raises(ValueError, match="cache.contractions = false leaves them out. Set train.anchors to null"):
+        with_overrides(demo, ["cache.contractions=false", "train.anchors=2"])
 
 
 def test_run_train_refuses_before_writing_anything(tmp_path, monkeypatch):

@@ -5,17 +5,19 @@ from __future__ import annotations
 import os
 
 import pyarrow.parquet as pq
+import pytest
 import torch
 from lm_fixtures import tiny_model_dir  # noqa: F401  (fixture)
 from stage_fixtures import write_synthetic
 
 from moplex_core.artifacts import ArtifactStore, load_table
 from moplex_core.cache import load_policy_inputs, plan_cache, run_cache
-from moplex_core.config import CacheConfig
+from moplex_core.config import CacheConfig, TrainConfig
 from moplex_core.estimate import reference_terms
 from moplex_core.lm.loading import identity_on_this_machine, load_model, load_tokenizer
 from moplex_core.lm.tokenize import tokenize_responses
 from moplex_core.pl import UNRANKED
+from moplex_core.train import make_scorer
 
 
 def test_augmented_input_caches_originals_then_generated_with_reference_terms(tiny_model_dir, tmp_path):  # noqa: F811
@@ -43,6 +45,24 @@ def test_rankings_input_caches_the_originals_only(tiny_model_dir, tmp_path):  # 
     result = run_cache(CacheConfig(model=str(tiny_model_dir)), rankings, store, progress=False)
     assert {len(r) for r in load_table(result.path).column("ref_logp").to_pylist()} == {3}
     assert run_cache(CacheConfig(model=str(tiny_model_dir)), rankings, store, progress=False).built is False
+
+
+def test_a_cache_without_contractions_runs_forwards_only_with_the_same_log_probs(tiny_model_dir, tmp_path):  # noqa: F811
+    store = ArtifactStore(tmp_path)
+    augmented = write_synthetic(store, n=4, m=3, n_generated=2)
+    config = CacheConfig(model=str(tiny_model_dir), score_batch_size=4)  # examples straddle passes
+    forwards = config.model_copy(update={"contractions": False})
+    assert forwards.identity() != config.identity() == CacheConfig(model=str(tiny_model_dir)).identity()
+    assert "contractions" not in config.identity()  # the default keeps the versions built before the option
+    full, lean = (run_cache(c, augmented, store, progress=False) for c in (config, forwards))
+    assert lean.path != full.path
+    lean_rows, full_rows = load_table(lean.path), load_table(full.path)
+    assert lean_rows.column("ref_contraction").null_count == lean_rows.num_rows
+    assert lean_rows.drop(["ref_contraction"]).equals(full_rows.drop(["ref_contraction"]))
+    inputs, _ = load_policy_inputs(lean.path, split=None)
+    assert inputs.ref_contraction is None and inputs.subset([1, 2]).ref_contraction is None
+    with pytest.raises(ValueError, match="these inputs have none"):
+        make_scorer(TrainConfig(k=2, anchors=2), str(tiny_model_dir)).score(inputs)
 
 
 def test_a_killed_cache_resumes_by_shard(tiny_model_dir, tmp_path):  # noqa: F811

@@ -124,6 +124,9 @@ def run_approximation(
     """Train k adapters briefly per seed, measure both modes, write errors.parquet + table.md to ``out``."""
     if not config.seeds:
         raise ValueError("the approximation experiment needs at least one seed")
+    if inputs.ref_contraction is None:
+        raise ValueError("the approximation experiment compares estimates from the cache's reference contractions, "
+                         "and this cache has none (cache.contractions = false); use a cache built with them")
     examples = inputs.subset(range(min(config.examples, len(inputs))))
     frames = []
     for seed in config.seeds:

@@ -76,24 +76,26 @@ class PolicyInputs:
     """n examples as the `cache` artifact holds them, plus their tiers (M = max m' over examples).
 
     sequences[i][j] is prompt + response j of example i (originals first, then generated ones).
-    Slots j >= m'_i are padding: tier PAD, ref_logp 0, ref_contraction 0.
+    Slots j >= m'_i are padding: tier PAD, ref_logp 0, ref_contraction 0. ref_contraction is None
+    for a cache without contractions (cache.contractions = false): exact scores only.
     """
 
     example_ids: tuple[str, ...]
     sequences: tuple[tuple[TokenizedResponse, ...], ...]
     ref_logp: torch.Tensor  # float64 [n, M]: log pi_ref(y_j|x), response tokens incl. EOS
-    ref_contraction: torch.Tensor  # float32 [n, M, M]: s_ref[i][j]
+    ref_contraction: torch.Tensor | None  # float32 [n, M, M]: s_ref[i][j]
     tiers: torch.Tensor  # int64 [n, M], codes of moplex_core.pl
     ranked_prefix: torch.Tensor | None = None  # int64 [n]
 
     def __post_init__(self) -> None:
         n, m = self.tiers.shape
         if not (len(self.example_ids) == len(self.sequences) == n and self.ref_logp.shape == (n, m)
-                and self.ref_contraction.shape == (n, m, m)):
+                and (self.ref_contraction is None or self.ref_contraction.shape == (n, m, m))):
             raise ValueError(
                 f"PolicyInputs parts disagree: {len(self.example_ids)} ids, {len(self.sequences)} "
                 f"sequence lists, ref_logp {tuple(self.ref_logp.shape)}, ref_contraction "
-                f"{tuple(self.ref_contraction.shape)}, tiers {tuple(self.tiers.shape)}"
+                f"{None if self.ref_contraction is None else tuple(self.ref_contraction.shape)}, tiers "
+                f"{tuple(self.tiers.shape)}"
             )
         sizes = [len(s) for s in self.sequences]
         if sizes != (self.tiers != PAD).sum(1).tolist():
@@ -119,7 +121,7 @@ class PolicyInputs:
             tuple(self.example_ids[i] for i in rows),
             tuple(self.sequences[i] for i in rows),
             self.ref_logp[idx, :width],
-            self.ref_contraction[idx, :width, :width],
+            None if self.ref_contraction is None else self.ref_contraction[idx, :width, :width],
             self.tiers[idx, :width],
             None if self.ranked_prefix is None else self.ranked_prefix[idx],
         )
@@ -442,8 +444,13 @@ class LoRAPolicyScorer:
 
     def _anchor_picks(self, inputs: PolicyInputs, round_: int, anchors: int | None) -> list[torch.Tensor]:
         """The anchors of round ``round_`` of every example: int64 [a_i] each (all responses when full)."""
-        return [torch.as_tensor(anchor_indices(eid, len(seqs), anchors, self.seed, round_))
-                for eid, seqs in zip(inputs.example_ids, inputs.sequences, strict=True)]
+        picks = [torch.as_tensor(anchor_indices(eid, len(seqs), anchors, self.seed, round_))
+                 for eid, seqs in zip(inputs.example_ids, inputs.sequences, strict=True)]
+        if inputs.ref_contraction is None and not _every_response_an_anchor(inputs, picks):
+            raise ValueError(f"a = {anchors} anchors estimate the other responses' scores from the cache's reference "
+                             "contractions, and these inputs have none (cache.contractions = false): score every "
+                             "response exactly (anchors = null) or rebuild the cache with contractions")
+        return picks
 
     def _row_groups(self, pairs: list[list[int]], picks: list[torch.Tensor]) -> Iterator[list[list[int]]]:
         """Consecutive runs of (example, cluster) pairs of at most ``score_batch_size`` rows (a pair's
