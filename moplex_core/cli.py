@@ -330,7 +330,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Score every response of a rankings artifact (from `moplex ingest`) under each adapter of a "
         "finished train artifact and write each ranking's posterior over the clusters and its most likely "
         "adapter (train/<version>/adapters/cN) to an `assign` artifact. The rankings are first cached with the "
-        "train artifact's own cache settings. A second run with the same inputs does nothing.",
+        "train artifact's own cache settings, forward passes only (exact scores need no reference contractions). "
+        "A second run with the same inputs does nothing.",
     )
     assign.add_argument("train", help="the train artifact: its folder, or train/<version> under --root")
     assign.add_argument("rankings", help="the rankings artifact: its folder, or ingest/<version> under --root")
