@@ -1,6 +1,6 @@
 """Cost of the cache stage with and without the reference contractions (`cache.contractions`).
 
-    python benchmarks/cache_passes.py [--n 300] [--m 8] [--threads 2] [--qwen3-0.6b]
+    python benchmarks/cache_passes.py [--n 300] [--m 8] [--threads 1] [--qwen3-0.6b]
 
 A cache for EM with anchors needs, per response, log pi_ref and the row of s_ref: a forward and an
 input-gradient backward. A cache that is only ever scored exactly (`moplex assign`'s, or a train

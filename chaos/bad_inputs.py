@@ -294,7 +294,7 @@ def catalogue() -> list[Case]:
         ("estimation check < 0", ("train.estimation_check=-5",),
          ("train.estimation_check", "greater than or equal to 0"), False),
         ("anchors on a cache without contractions", ("cache.contractions=false", "train.anchors=2"),
-         ("cache.contractions = false leaves them out", "Set train.anchors to null"), False),
+         ("the cache of this pipeline has none (cache.contractions = false", "Set train.anchors to null"), False),
     ]
     for name, sets, expect, short in configs:
         argv = run(*sets) if name != "unknown preset" else ("run", "no-such-preset", "--root", "{root}")

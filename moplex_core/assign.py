@@ -10,8 +10,7 @@ so ``argmax_c gamma_c`` names the adapter (``train/<version>/adapters/cN``, PEFT
 that user. The rankings first pass through the cache stage with the train artifact's own cache
 settings (same model, tokenization and truncation), so log pi_ref is computed as training saw it and
 the new cache is a versioned, resumable artifact like any other; exact scores need no reference
-contractions, so it is built without them (cache.contractions = false: forward passes only), unless
-the rankings already have a finished cache under training's settings (the training rankings do).
+contractions, so it is built without them (cache.contractions = false: forward passes only).
 Only the responses in the rankings are scored: nothing is generated.
 
     assign/<version>/part-*.parquet   one row per ranking (ASSIGN_SCHEMA); shard s holds the rankings
@@ -64,8 +63,8 @@ ASSIGN_SCHEMA = pa.schema([
 class AssignPlan:
     ref: ArtifactRef
     path: Path
-    cache: CachePlan  # the rankings' cache: a finished one under training's settings, else one without contractions
-    cache_config: CacheConfig  # the train artifact's cache settings on this run's device (contractions: see `cache`)
+    cache: CachePlan  # the rankings' cache (built by `run_assign` when missing)
+    cache_config: CacheConfig  # the train artifact's cache settings, on this run's device, without contractions
     inputs: dict[str, str]  # {"train": "train/<version>", "cache": "cache/<version>"}
     recorded: dict[str, Any]  # the manifest's config: where from, and how it was scored
     complete: bool
@@ -101,10 +100,6 @@ def plan_assign(train_dir: str | Path, rankings_dir: str | Path, store: Artifact
     trained_cache = read_manifest(train_dir.parents[1] / train["inputs"]["cache"])
     cache_config = _cache_config(trained_cache, device)
     cache = plan_cache(cache_config, rankings_dir, store)
-    with_contractions = cache_config.model_copy(update={"contractions": True})
-    found = plan_cache(with_contractions, rankings_dir, store, fingerprint=cache.inputs["model"])
-    if found.complete:
-        cache_config, cache = with_contractions, found
     if cache.inputs["model"] != trained_cache["inputs"]["model"]:
         raise ValueError(f"the base model at {trained_cache['config']['model']} is not the one {train_dir} was "
                          f"trained on: its files hash to {cache.inputs['model']}, not "

@@ -75,13 +75,9 @@ class CacheResult:
     rows: int
 
 
-def plan_cache(config: CacheConfig, rankings_dir: str | Path, store: ArtifactStore, *,
-               fingerprint: str | None = None) -> CachePlan:
-    """The cache version of ``rankings_dir`` under ``config``; ``fingerprint``: the model's
-    `model_fingerprint` when the caller has just computed it."""
+def plan_cache(config: CacheConfig, rankings_dir: str | Path, store: ArtifactStore) -> CachePlan:
     manifest = read_manifest(rankings_dir)
-    inputs = {"rankings": f"{manifest['stage']}/{manifest['version']}",
-              "model": fingerprint or model_fingerprint(config.model)}
+    inputs = {"rankings": f"{manifest['stage']}/{manifest['version']}", "model": model_fingerprint(config.model)}
     version = store.version(STAGE, identity_on_this_machine(config.identity(), config.device), inputs, CODE_VERSION)
     return CachePlan(ArtifactRef(STAGE, version), store.path(STAGE, version), inputs, store.is_complete(STAGE, version))
 

@@ -33,9 +33,13 @@ def _experiment_approximation(args: argparse.Namespace) -> int:
     from moplex_core.experiments.approximation import ApproximationConfig, run_approximation
 
     model = read_manifest(args.cache)["config"]["model"]
-    inputs, _ = load_policy_inputs(args.cache, args.split)
     config = ApproximationConfig(k=args.k, seeds=tuple(range(args.seed, args.seed + args.seeds)), examples=args.examples)
-    outputs = run_approximation(model, inputs, config, Path(args.out), progress=not args.quiet)
+    try:
+        inputs, _ = load_policy_inputs(args.cache, args.split)
+        outputs = run_approximation(model, inputs, config, Path(args.out), progress=not args.quiet)
+    except ValueError as err:
+        print(f"moplex experiment approximation: {err}", file=sys.stderr)
+        return 1
     print(outputs.markdown)
     print(f"\nerrors: {Path(args.out) / 'errors.parquet'}\ntable:  {Path(args.out) / 'table.md'}")
     return 0

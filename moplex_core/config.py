@@ -475,7 +475,8 @@ class CacheConfig(StageConfig):
     contraction s_ref. ``model`` is pi_ref, the base model the train stage puts adapters on.
 
     Left out of the version (`identity`): ``model`` (its directory's content is an input of the
-    version instead), ``score_batch_size``, ``device`` and ``chunk_size`` (how fast, not what).
+    version instead), ``score_batch_size``, ``device`` and ``chunk_size`` (how fast, not what), and
+    ``contractions`` while it is true (versions built before it existed stay valid).
     """
 
     model: str
@@ -504,7 +505,15 @@ class CacheConfig(StageConfig):
 
     def identity(self) -> dict[str, Any]:
         exclude = {"model", "score_batch_size", "device", "chunk_size"} | ({"contractions"} if self.contractions else set())
-        return self.model_dump(mode="json", exclude=exclude)  # contractions = true keeps the versions before it
+        return self.model_dump(mode="json", exclude=exclude)
+
+
+def no_contractions_message(anchors: int | None, where: str) -> str:
+    """Why a = ``anchors`` estimated scores cannot use ``where`` (a cache built with
+    ``cache.contractions = false``), and what to do: one wording for every place that refuses it."""
+    return (f"train.anchors a = {anchors} estimates scores from the reference contractions s_ref, and {where} has "
+            "none (cache.contractions = false: forward passes only). Set train.anchors to null to compute every "
+            "response exactly, or build the cache with cache.contractions = true.")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -743,10 +752,9 @@ class PipelineConfig(Options):
                 f"({m_prime - generated} from {self.ingest.dataset} + {generated} generated). Set "
                 f"train.anchors to at most {m_prime}, or to null to compute every response exactly."
             )
-        if not self.cache.contractions and self.train.anchors is not None:
-            raise ValueError(f"train.anchors a = {self.train.anchors} estimates scores from the cache's reference "
-                             "contractions, and cache.contractions = false leaves them out. Set train.anchors to null "
-                             "(every response exact) or cache.contractions to true.")
+        estimates = self.train.anchors is not None and (m_prime is None or self.train.anchors < m_prime)
+        if not self.cache.contractions and estimates:
+            raise ValueError(no_contractions_message(self.train.anchors, "the cache of this pipeline"))
         return self
 
 

@@ -11,7 +11,8 @@ the `validation` split and applied to `test`. Ranking accuracy is reported three
 
 Output rows: (split, metric, cluster, value); cluster is "all" for averages. The evaluate stage adds
 rows of split ``train_em``, from the train artifact's own posteriors of the training rankings (no
-scoring): how much of its start EM kept (`em_start_metrics`).
+scoring): how much of its start EM kept (`em_start_metrics`), and from its result.json the check of
+the anchors' estimates and where EM fell back to exact scores (`estimation_rows`).
 ``heldout_log_likelihood`` is per ranking under the trained model's own observation model (PL, or
 Bradley-Terry over pairs for the pairwise baselines) over the cache's slates (originals, plus generated
 responses when augmented): compare it only between methods with the same model and the same slates.

@@ -45,7 +45,7 @@ from tqdm.auto import tqdm
 
 from moplex_core.artifacts import ArtifactRef, ArtifactStore, atomic_path, read_manifest
 from moplex_core.cache import load_policy_inputs
-from moplex_core.config import TrainConfig
+from moplex_core.config import TrainConfig, no_contractions_message
 from moplex_core.em import (START_FILE, EMConfig, EMState, fit_mixture, posteriors_table, read_posteriors,
                             soft_one_hot)
 from moplex_core.estimate import check_sample, estimation_error
@@ -284,8 +284,9 @@ def label_start(labels: list[str | None], k: int, example_ids: Sequence[str], ca
 
 def check_config_fits_data(config: TrainConfig, inputs: PolicyInputs, cache_dir: str | Path) -> None:
     """Refuse, before EM writes anything, what only the data can show: more clusters than training
-    rankings, or more anchors than responses (a > m'). An example with fewer responses than ``a``
-    (ragged slates) is computed exactly, as ``a = m'`` would."""
+    rankings, more anchors than responses (a > m'), or anchors (a < m') on a cache without reference
+    contractions (cache.contractions = false). An example with fewer responses than ``a`` (ragged
+    slates) is computed exactly, as ``a = m'`` would."""
     check_clusters_fit(config.k, len(inputs), f"the cache at {cache_dir} has")
     responses = (inputs.tiers != PAD).sum(1)  # [n]: m' of every example
     largest, smallest = int(responses.max()), int(responses.min())
@@ -297,11 +298,7 @@ def check_config_fits_data(config: TrainConfig, inputs: PolicyInputs, cache_dir:
             "every response exactly (the full ablation)."
         )
     if config.anchors is not None and config.anchors < largest and inputs.ref_contraction is None:
-        raise ValueError(
-            f"train.anchors a = {config.anchors} estimates scores from reference contractions, and the cache at "
-            f"{cache_dir} was built without them (cache.contractions = false). Set train.anchors to null to compute "
-            "every response exactly, or rebuild the cache with cache.contractions = true."
-        )
+        raise ValueError(no_contractions_message(config.anchors, f"the cache at {cache_dir}"))
     if config.anchors is not None and config.anchors > smallest:
         log.info("%d example(s) have fewer than a = %d responses; they are computed exactly",
                  int((responses < config.anchors).sum()), config.anchors)

@@ -41,7 +41,8 @@ def test_the_training_rankings_get_the_posteriors_em_ended_with(trained):
     store, train, rankings, _ = trained
     result = run_assign(train, rankings, store, device="cpu", progress=False)
     assert result.built and result.rows == 36
-    assert len(store.list("cache")) == 1  # the training cache, found again: the same settings
+    caches = [info.manifest["config"]["contractions"] for info in store.list("cache")]
+    assert sorted(caches) == [False, True]  # training's cache, and assign's: the same settings, forward passes only
     table = load_table(result.path)
     assert table.schema.equals(ASSIGN_SCHEMA)
     rows = table.to_pydict()

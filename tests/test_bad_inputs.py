@@ -192,14 +192,15 @@ def test_anchors_above_m_prime_are_refused_and_ragged_slates_name_the_range():
 
 
 def test_anchors_on_a_cache_without_contractions_are_refused_and_exact_scores_pass():
-    with pytest.raises(ValueError, match=r"the cache at C was built without them \(cache.contractions = false\)"):
+    with pytest.raises(ValueError, match=r"the cache at C has none \(cache.contractions = false"):
         check_config_fits_data(TrainConfig(k=1, anchors=2), _policy_inputs([2, 4], contractions=False), "C")
     check_config_fits_data(TrainConfig(k=1, anchors=None), _policy_inputs([2, 4], contractions=False), "C")
     check_config_fits_data(TrainConfig(k=1, anchors=4), _policy_inputs([2, 4], contractions=False), "C")  # a = m'
     demo = pipeline_preset("synthetic-demo")
     assert not with_overrides(demo, ["cache.contractions=false"]).cache.contractions  # the demo is exact
-    with pytest.raises(ValueError, match="cache.contractions = false leaves them out. Set train.anchors to null"):
+    with pytest.raises(ValueError, match=r"the cache of this pipeline has none \(cache.contractions = false"):
         with_overrides(demo, ["cache.contractions=false", "train.anchors=2"])
+    assert with_overrides(demo, ["cache.contractions=false", "train.anchors=6"]).train.anchors == 6  # a = m': exact
 
 
 def test_run_train_refuses_before_writing_anything(tmp_path, monkeypatch):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
@@ -11,7 +12,7 @@ from lm_fixtures import tiny_model_dir  # noqa: F401  (fixture)
 from stage_fixtures import write_synthetic
 
 from moplex_core.artifacts import ArtifactStore, load_table
-from moplex_core.cache import load_policy_inputs, plan_cache, run_cache
+from moplex_core.cache import load_policy_inputs, plan_cache, policy_inputs, run_cache
 from moplex_core.config import CacheConfig, TrainConfig
 from moplex_core.estimate import reference_terms
 from moplex_core.lm.loading import identity_on_this_machine, load_model, load_tokenizer
@@ -63,6 +64,8 @@ def test_a_cache_without_contractions_runs_forwards_only_with_the_same_log_probs
     assert inputs.ref_contraction is None and inputs.subset([1, 2]).ref_contraction is None
     with pytest.raises(ValueError, match="these inputs have none"):
         make_scorer(TrainConfig(k=2, anchors=2), str(tiny_model_dir)).score(inputs)
+    with pytest.raises(ValueError, match="1 of 2 cache rows have no ref_contraction"):
+        policy_inputs(pa.concat_tables([lean_rows.slice(0, 1), full_rows.slice(1, 1)]))
 
 
 def test_a_killed_cache_resumes_by_shard(tiny_model_dir, tmp_path):  # noqa: F811

@@ -18,9 +18,10 @@ from stage_fixtures import write_synthetic
 
 from moplex_core.artifacts import ArtifactStore, read_manifest
 from moplex_core.cache import load_policy_inputs, run_cache
-from moplex_core.config import CacheConfig, TrainConfig
+from moplex_core.config import CacheConfig, EvaluateConfig, TrainConfig
 from moplex_core.em import (EMConfig, initial_responsibilities, likelihood_falls, posteriors_table,
                             read_posteriors)
+from moplex_core.evaluate import run_evaluate
 from moplex_core.ingest import check_labels_fit
 from moplex_core.train import (BY_ITERATION, ESTIMATES, REFERENCE_GAP_WARNING, check_reference_gap, load_posteriors,
                                load_trained, make_scorer, run_train)
@@ -138,6 +139,9 @@ def test_estimates_that_fail_the_check_make_em_exact_from_that_e_step_on(cache_d
         assert (it_dir / ESTIMATES).is_file() == (t < fell_back["iteration"])
     assert summary["estimation_check"] is None and fell_back["iteration"] == 0  # the tiny model's fail at once
     assert read_manifest(result.path)["summary"]["fell_back"] == fell_back
+    metrics = run_evaluate(EvaluateConfig(device="cpu"), result.path, cache_dir, ArtifactStore(tmp_path)).metrics
+    rows = metrics[metrics.split == "train_em"].set_index("metric").value
+    assert rows["exact_fallback_iteration"] == 0 and "estimates_relative_error" not in rows  # the comparison's marker
 
     def trained(config):
         return json.loads((run_train(config, cache_dir, ArtifactStore(tmp_path), progress=False).path

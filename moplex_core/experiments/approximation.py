@@ -125,8 +125,8 @@ def run_approximation(
     if not config.seeds:
         raise ValueError("the approximation experiment needs at least one seed")
     if inputs.ref_contraction is None:
-        raise ValueError("the approximation experiment compares estimates from the cache's reference contractions, "
-                         "and this cache has none (cache.contractions = false); use a cache built with them")
+        raise ValueError("the approximation experiment estimates scores from the reference contractions s_ref, and "
+                         "this cache has none (cache.contractions = false); give a cache built with them")
     examples = inputs.subset(range(min(config.examples, len(inputs))))
     frames = []
     for seed in config.seeds:

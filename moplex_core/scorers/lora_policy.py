@@ -447,9 +447,9 @@ class LoRAPolicyScorer:
         picks = [torch.as_tensor(anchor_indices(eid, len(seqs), anchors, self.seed, round_))
                  for eid, seqs in zip(inputs.example_ids, inputs.sequences, strict=True)]
         if inputs.ref_contraction is None and not _every_response_an_anchor(inputs, picks):
-            raise ValueError(f"a = {anchors} anchors estimate the other responses' scores from the cache's reference "
-                             "contractions, and these inputs have none (cache.contractions = false): score every "
-                             "response exactly (anchors = null) or rebuild the cache with contractions")
+            raise ValueError(f"a = {anchors} anchors estimate scores from the reference contractions s_ref, and these "
+                             "inputs have none (cache.contractions = false): score every response exactly "
+                             "(anchors = None)")  # the stages refuse it first (config.no_contractions_message)
         return picks
 
     def _row_groups(self, pairs: list[list[int]], picks: list[torch.Tensor]) -> Iterator[list[list[int]]]:
