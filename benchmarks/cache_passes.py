@@ -9,9 +9,9 @@ stage with train.anchors = null) needs log pi_ref alone: forward passes only
 same synthetic rankings both ways and prints one markdown table: seconds, responses/s and the
 speed-up. Both produce the same log pi_ref (checked).
 
-By default the model is the tiny offline Qwen3 of the demo (2 layers, hidden 64, pre-trained 40
-steps). ``--qwen3-0.6b`` builds one of Qwen3-0.6B's shape with random weights (no download; float32
-on the CPU). Responses are the synthetic rankings' short digit lists (about 10 tokens each).
+By default the model is a tiny offline Qwen3 (2 layers, hidden 64, pre-trained 40 steps);
+``--qwen3-0.6b`` builds one of Qwen3-0.6B's shape with random weights (no download; float32 on the
+CPU). Responses are the synthetic rankings' short digit lists (about 10 tokens each).
 """
 
 from __future__ import annotations
@@ -27,9 +27,9 @@ import torch
 from moplex_core.artifacts import ArtifactStore, load_table
 from moplex_core.cache import run_cache
 from moplex_core.config import CacheConfig, IngestConfig, SyntheticOptions
-from moplex_core.data.synthetic import render_response
 from moplex_core.ingest import run_ingest
-from moplex_core.lm.tiny import build_qwen3_0_6b_shape, build_tiny_model
+
+from bench_models import add_model_options, bench_model
 
 
 def main() -> None:
@@ -37,21 +37,10 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=300, help="rankings")
     parser.add_argument("--m", type=int, default=8, help="responses per ranking")
     parser.add_argument("--score-batch-size", type=int, default=32)
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
-    parser.add_argument("--qwen3-0.6b", dest="qwen", action="store_true",
-                        help="a Qwen3-0.6B-shaped model with random weights instead of the tiny model")
+    add_model_options(parser)
     args = parser.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    texts = [render_response([i % 10, (3 * i) % 10, (7 * i) % 10]) for i in range(200)]
     with tempfile.TemporaryDirectory() as tmp:
-        if args.qwen:
-            model_dir = build_qwen3_0_6b_shape(Path(tmp) / "qwen3-0.6b-shape", texts, torch.float32)
-            name = "Qwen3-0.6B shape, random weights, float32"
-        else:
-            pairs = [("Which list is best?", text) for text in texts]
-            model_dir = build_tiny_model(Path(tmp) / "tiny", pairs, pretrain_steps=40)
-            name = "tiny Qwen3 (2 layers, hidden 64), float32"
+        model_dir, name = bench_model(args, Path(tmp))
         store = ArtifactStore(Path(tmp) / "artifacts")
         rankings = run_ingest(IngestConfig(dataset="synthetic", synthetic=SyntheticOptions(n=args.n, m=args.m)),
                               store).path

@@ -28,18 +28,9 @@ from transformers import GenerationConfig
 from moplex_core.generate.base import SampleRequest, request_seed
 from moplex_core.generate.hf import HFGenerator
 from moplex_core.lm.loading import load_model, load_tokenizer, resolve_dtype
-from moplex_core.lm.tiny import build_qwen3_0_6b_shape, build_tiny_model
 from moplex_core.lm.tokenize import encode_prompt
 
-
-def tiny_pairs(n: int = 120) -> list[tuple[str, str]]:
-    """Prompts and digit-list answers like the tests' (tests/lm_fixtures.py)."""
-    generator = torch.Generator().manual_seed(0)
-    pairs = []
-    for i in range(n):
-        digits = torch.randint(0, 10, (int(torch.randint(2, 6, (1,), generator=generator)),), generator=generator)
-        pairs.append((f"Rank by criterion {i % 3}: which list is best?", " ".join(map(str, digits.tolist()))))
-    return pairs
+from bench_models import add_model_options, bench_model, tiny_pairs
 
 
 def plain_sampling_tokens_per_s(model_dir: Path, device: torch.device, dtype: str, prompts: list[str], n: int,
@@ -79,25 +70,14 @@ def main() -> None:
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
-    parser.add_argument("--qwen3-0.6b", dest="qwen", action="store_true",
-                        help="a Qwen3-0.6B-shaped model with random weights instead of the tiny model")
+    add_model_options(parser)
     args = parser.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
     prompts = [pair[0] + f" (item {i})" for i, pair in enumerate(tiny_pairs(args.prompts))]
     requests = [SampleRequest(f"p{i}", p, None, args.n, request_seed(0, f"p{i}", 0)) for i, p in enumerate(prompts)]
 
     with tempfile.TemporaryDirectory() as tmp:
         device = torch.device(args.device)
-        if args.qwen:
-            weights = torch.bfloat16 if device.type == "cuda" else torch.float32
-            texts = [text for pair in tiny_pairs() for text in pair]
-            model_dir = build_qwen3_0_6b_shape(Path(tmp) / "qwen3-0.6b-shape", texts, weights)
-            name = "Qwen3-0.6B shape, random weights"
-        else:
-            model_dir = build_tiny_model(Path(tmp) / "tiny", tiny_pairs(), pretrain_steps=40)
-            name = "tiny Qwen3 (2 layers, hidden 64), pre-trained 40 steps"
+        model_dir, name = bench_model(args, Path(tmp), torch.bfloat16 if device.type == "cuda" else torch.float32)
         rows = []
         for batch_size in args.batch_sizes:
             generator = HFGenerator(str(model_dir), temperature=args.temperature, max_new_tokens=args.max_new_tokens,
