@@ -28,7 +28,7 @@ import re
 import shutil
 import sys
 import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -96,6 +96,18 @@ def _storage_error(err: BaseException | None, path: Path) -> ArtifactStorageErro
         "complete, and files already finished stay for a resume. Free space or make the artifact root "
         "writable, or choose another root (moplex --root DIR, or root=DIR in the config)."
     )
+
+
+def _about(err: BaseException | None, root: Path) -> bool:
+    """Whether an OSError names a file under ``root``, or names none (pyarrow's write errors, where
+    only a full or read-only device says where: the one written to)."""
+    if not isinstance(err, OSError):
+        return False
+    named = [Path(f) for f in (err.filename, err.filename2) if f is not None and not isinstance(f, int)]
+    if not named:
+        return err.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS)
+    root = root.resolve()
+    return any(path.resolve().is_relative_to(root) for path in named)
 
 
 @contextmanager
@@ -213,6 +225,11 @@ def load_table(version_dir: str | Path, columns: list[str] | None = None) -> pa.
     names = sorted(name for name in manifest["files"] if _SHARD_RE.match(name))
     if not names:
         raise ArtifactError(f"{version_dir} holds no part-*.parquet shards; its stage writes other files only")
+    changed = [name for name in names if not (version_dir / name).is_file()
+               or (version_dir / name).stat().st_size != manifest["files"][name]["bytes"]]
+    if changed:
+        raise ArtifactCorruptError(f"{version_dir}: {', '.join(changed)} missing or not the size its manifest "
+                                   "records (an interrupted copy?). Delete the version directory and rerun its stage.")
     return pa.concat_tables(pq.read_table(version_dir / name, columns=columns) for name in names)
 
 
@@ -438,8 +455,9 @@ class ArtifactWriter:
         finally:
             self._lock.release()
         # A full or read-only root met by code writing its own files in the block (e.g. PEFT's
-        # save_pretrained) gets the same sentence as the store's own writes.
-        storage = _storage_error(exc, self.path)
+        # save_pretrained) gets the same sentence as the store's own writes; an error about another
+        # place (an unreadable model file, a full /tmp) stays as it is.
+        storage = _storage_error(exc, self.path) if _about(exc, self.path.parents[1]) else None
         if storage is not None:
             raise storage from exc
 
@@ -527,6 +545,7 @@ class ArtifactWriter:
             name: {"sha256": sha256_file(self.path / name), "bytes": (self.path / name).stat().st_size}
             for name in _visible_files(self.path)
         }
+        _sync_tree(self.path, files)  # what other code wrote into the block (PEFT, EM) reaches the disk first
         started = self.path / _STARTED
         manifest = {
             "stage": self.ref.stage,
@@ -598,6 +617,18 @@ def _check_relative(name: str) -> str:
     if rel.as_posix() == MANIFEST:
         raise ValueError(f"{MANIFEST} is written by the store itself")
     return rel.as_posix()
+
+
+def _sync_tree(version_dir: Path, names: Iterable[str]) -> None:
+    """fsync the files ``names`` below ``version_dir``, their folders deepest first, the version folder
+    and its stage folder, so that a power loss after the manifest cannot leave it naming lost bytes."""
+    folders = {version_dir, version_dir.parent}
+    for name in names:
+        with open(version_dir / name, "rb") as f:
+            os.fsync(f.fileno())
+        folders.update((version_dir / name).parents[: len(PurePosixPath(name).parts) - 1])
+    for folder in sorted(folders, key=lambda p: len(p.parts), reverse=True):
+        _fsync_dir(folder)
 
 
 def _fsync_dir(directory: Path) -> None:

@@ -86,7 +86,7 @@ def plan_assign(train_dir: str | Path, rankings_dir: str | Path, store: Artifact
     """Where the assignment of ``rankings_dir`` (a rankings or augmented artifact) to the mixture of
     ``train_dir`` (a finished train artifact) lives, and the cache it needs. Refuses a base model
     whose files changed since the adapters were trained on it."""
-    from moplex_core.cache import plan_cache
+    from moplex_core.cache import check_cache_model, plan_cache
     from moplex_core.lm.loading import dtype_name, identity_on_this_machine, resolve_dtype
 
     train_dir, rankings_dir = Path(train_dir).resolve(), Path(rankings_dir).resolve()
@@ -100,10 +100,7 @@ def plan_assign(train_dir: str | Path, rankings_dir: str | Path, store: Artifact
     trained_cache = read_manifest(train_dir.parents[1] / train["inputs"]["cache"])
     cache_config = _cache_config(trained_cache, device)
     cache = plan_cache(cache_config, rankings_dir, store)
-    if cache.inputs["model"] != trained_cache["inputs"]["model"]:
-        raise ValueError(f"the base model at {trained_cache['config']['model']} is not the one {train_dir} was "
-                         f"trained on: its files hash to {cache.inputs['model']}, not "
-                         f"{trained_cache['inputs']['model']}; restore that model")
+    check_cache_model(train_dir.parents[1] / train["inputs"]["cache"], cache.inputs["model"])
     inputs = {"train": f"train/{train['version']}", "cache": str(cache.ref)}
     scored_in = identity_on_this_machine({"dtype": train["config"]["dtype"]}, device)
     version = store.version(STAGE, scored_in, inputs, CODE_VERSION)

@@ -44,7 +44,7 @@ import torch
 from tqdm.auto import tqdm
 
 from moplex_core.artifacts import ArtifactRef, ArtifactStore, atomic_path, read_manifest
-from moplex_core.cache import load_policy_inputs
+from moplex_core.cache import check_cache_model, load_policy_inputs
 from moplex_core.config import TrainConfig, no_contractions_message
 from moplex_core.em import (START_FILE, EMConfig, EMState, fit_mixture, posteriors_table, read_posteriors,
                             soft_one_hot)
@@ -122,6 +122,7 @@ def run_train(config: TrainConfig, cache_dir: str | Path, store: ArtifactStore, 
     plan = plan or plan_train(config, cache_dir, store)
     if plan.complete:
         return _finished(plan)
+    check_cache_model(cache_dir)
     inputs, labels = load_policy_inputs(cache_dir, TRAIN_SPLIT)
     check_config_fits_data(config, inputs, cache_dir)
     warm_start = label_start(labels, config.k, inputs.example_ids, cache_dir) if config.init == "labels" else None

@@ -122,9 +122,33 @@ def test_unfinished_or_tampered_artifacts_are_refused_with_a_way_out(tmp_path):
     (path / "stray.txt").write_text("x")
     with pytest.raises(ArtifactCorruptError, match="part-00001.parquet changed.*stray.txt is not in the manifest"):
         store.verify("demo", "v1")
+    with pytest.raises(ArtifactCorruptError, match="part-00001.parquet missing or not the size its manifest"):
+        store.load("demo", "v1")  # an interrupted copy of a root: refused, never half read
     (path / MANIFEST).unlink()
     with pytest.raises(ArtifactIncompleteError, match="did not finish. Rerun the stage"):
         store.load("demo", "v1")
+
+
+def test_everything_written_in_the_block_is_on_disk_before_the_manifest(tmp_path, monkeypatch):
+    synced, real_fsync = [], os.fsync
+
+    def recording_fsync(fd):
+        synced.append(Path(os.readlink(f"/proc/self/fd/{fd}")))
+        return real_fsync(fd)
+
+    monkeypatch.setattr("moplex_core.artifacts.os.fsync", recording_fsync)
+    store = ArtifactStore(tmp_path)
+    with store.writer("train", "v1", config={}) as writer:
+        with writer.directory("adapters/c0") as folder:  # as PEFT's save_pretrained fills it
+            (folder / "adapter_model.safetensors").write_bytes(b"weights")
+        (writer.path / "em" / "iter-0000").mkdir(parents=True)
+        (writer.path / "em" / "iter-0000" / "state.json").write_text("{}")  # written by EM, not the store
+    path = store.path("train", "v1")
+    before_manifest = synced[: max(i for i, p in enumerate(synced) if p.name.startswith(".manifest.json.tmp-"))]
+    for needed in (path / "adapters" / "c0" / "adapter_model.safetensors", path / "adapters" / "c0",
+                   path / "em" / "iter-0000" / "state.json", path / "em" / "iter-0000", path / "em", path,
+                   path.parent):
+        assert needed in before_manifest, needed
 
 
 def test_a_failed_writer_commits_nothing_and_the_next_one_reuses_finished_shards(tmp_path):

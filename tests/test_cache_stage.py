@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -12,13 +13,13 @@ from lm_fixtures import tiny_model_dir  # noqa: F401  (fixture)
 from stage_fixtures import write_synthetic
 
 from moplex_core.artifacts import ArtifactStore, load_table
-from moplex_core.cache import load_policy_inputs, plan_cache, policy_inputs, run_cache
+from moplex_core.cache import check_cache_model, load_policy_inputs, plan_cache, policy_inputs, run_cache
 from moplex_core.config import CacheConfig, TrainConfig
 from moplex_core.estimate import reference_terms
 from moplex_core.lm.loading import identity_on_this_machine, load_model, load_tokenizer
 from moplex_core.lm.tokenize import tokenize_responses
 from moplex_core.pl import UNRANKED
-from moplex_core.train import make_scorer
+from moplex_core.train import make_scorer, run_train
 
 
 def test_augmented_input_caches_originals_then_generated_with_reference_terms(tiny_model_dir, tmp_path):  # noqa: F811
@@ -66,6 +67,21 @@ def test_a_cache_without_contractions_runs_forwards_only_with_the_same_log_probs
         make_scorer(TrainConfig(k=2, anchors=2), str(tiny_model_dir)).score(inputs)
     with pytest.raises(ValueError, match="1 of 2 cache rows have no ref_contraction"):
         policy_inputs(pa.concat_tables([lean_rows.slice(0, 1), full_rows.slice(1, 1)]))
+
+
+def test_train_refuses_a_base_model_changed_since_the_cache_was_built(tiny_model_dir, tmp_path):  # noqa: F811
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model)
+    store = ArtifactStore(tmp_path / "artifacts")
+    cache = run_cache(CacheConfig(model=str(model)), write_synthetic(store, n=6, m=3), store, progress=False).path
+    check_cache_model(cache)
+    with open(model / "config.json", "a") as f:
+        f.write("\n")  # retrained or replaced at the same path: other files
+    with pytest.raises(ValueError, match=f"the base model at {model} is not the one the cache at"):
+        check_cache_model(cache)
+    with pytest.raises(ValueError, match="restore that model"):
+        run_train(TrainConfig(k=2, anchors=None), cache, store, progress=False)
+    assert not (store.root / "train").exists()
 
 
 def test_a_killed_cache_resumes_by_shard(tiny_model_dir, tmp_path):  # noqa: F811

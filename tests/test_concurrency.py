@@ -200,6 +200,21 @@ def test_a_full_disk_mid_stage_marks_nothing_complete_and_the_rerun_resumes(tmp_
     verify(version)
 
 
+def test_only_errors_about_the_root_are_blamed_on_it(tmp_path):
+    store = ArtifactStore(tmp_path / "root")
+    model = tmp_path / "models" / "base" / "model.safetensors"
+    with pytest.raises(PermissionError) as err:  # e.g. an unreadable base model, loaded in the block
+        with store.writer("train", "v1", config={}):
+            raise PermissionError(errno.EACCES, "Permission denied", str(model))
+    assert not isinstance(err.value, ArtifactStorageError) and err.value.filename == str(model)
+    with pytest.raises(ArtifactStorageError, match="permission is denied"):  # PEFT writing into the version
+        with store.writer("train", "v2", config={}) as writer:
+            raise PermissionError(errno.EACCES, "Permission denied", str(writer.path / "adapters" / "c0"))
+    with pytest.raises(ArtifactStorageError, match="no space is left"):  # pyarrow names no file
+        with store.writer("train", "v3", config={}):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+
 def test_a_full_disk_at_the_manifest_leaves_the_version_incomplete(tmp_path, monkeypatch):
     """Injected: writing the manifest's temporary file raises ENOSPC."""
     real_write_text = pathlib.Path.write_text
