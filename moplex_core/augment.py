@@ -281,6 +281,7 @@ def run_augment(
         bar = _progress_bar(config, sum(_n_groups(table.take(shards[s]), config.backend) for s in todo),
                             progress and bool(todo))
         shortfalls = []
+        failed = True
         try:
             for s, rows in enumerate(shards):
                 if s in todo:
@@ -291,9 +292,15 @@ def run_augment(
                     shortfall = pa.concat_tables(shortfalls)
                     writer.write_table(SHORTFALL_FILE, shortfall)
                     raise ShortfallError(shortfall, config, plan.path)
+            failed = False
         finally:
             bar.close()
-            if generator is not None:
+            if generator is not None and failed:
+                try:  # the error on its way out is the one to report
+                    generator.close()
+                except Exception:
+                    log.exception("closing the %s generator failed too (the error it followed is raised next)", config.backend)
+            elif generator is not None:
                 generator.close()
         shortfall = pa.concat_tables(shortfalls)
         writer.write_table(SHORTFALL_FILE, shortfall)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 import os
@@ -17,10 +18,11 @@ import pytest
 from chaos.kills import finished_work
 from lm_fixtures import tiny_model_dir  # noqa: F401 - fixture
 from moplex_core.artifacts import ArtifactStore, shard_paths
-from moplex_core.augment import AUGMENTED_SCHEMA, SHORTFALL_FILE, STAGE, ShortfallError, run_augment
+from moplex_core.augment import AUGMENTED_SCHEMA, SHORTFALL_FILE, STAGE, ShortfallError, plan_augment, run_augment
 from moplex_core.cli import main
 from moplex_core.config import AugmentConfig, IngestConfig
 from moplex_core.generate.base import normalise
+from moplex_core.generate.vllm_backend import VLLMWorkerError
 from moplex_core.ingest import run_ingest
 from moplex_core.schema import RANKINGS_SCHEMA
 
@@ -100,6 +102,18 @@ def test_shortfall_fails_or_keeps_fewer_and_is_never_silent(tmp_path, tiny_model
     assert store.manifest(STAGE, result.ref.version)["resumed"]
     with pytest.raises(ShortfallError):  # a complete version with a shortfall still fails in fail mode
         run_augment(greedy, rankings, store, progress=False)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vllm is installed here")
+def test_a_failing_vllm_worker_reaches_the_user_with_its_own_error(tmp_path, tiny_model_dir, monkeypatch):
+    store = ArtifactStore(tmp_path / "artifacts")
+    rankings = rankings_dir(tmp_path, store.root)
+    monkeypatch.chdir(Path(sys.executable).parents[2])  # a relative interpreter path, as a user types it
+    python = os.path.relpath(sys.executable)
+    config = AugmentConfig(model=str(tiny_model_dir), backend="vllm", vllm_python=python, max_new_tokens=4)
+    with pytest.raises(VLLMWorkerError, match="has no vllm: set vllm_python"):  # not the shutdown's own error
+        run_augment(config, rankings, store, progress=False)
+    assert not store.is_complete(STAGE, plan_augment(config, rankings, store).ref.version)
 
 
 def test_borrow_fills_each_ranking_from_the_other_rankings_of_its_prompt(tmp_path):

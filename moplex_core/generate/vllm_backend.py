@@ -13,7 +13,9 @@ exactly the prompt tokens the hf backend and the cache stage use.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import shutil
 import subprocess
 import tempfile
@@ -78,7 +80,8 @@ class VLLMGenerator:
         worker: str | Path = WORKER,
     ):
         self.model = model
-        self.python = python
+        # the worker starts in its exchange folder: a relative interpreter path must not be read from there
+        self.python = os.path.abspath(python) if os.sep in python else python
         self.worker = Path(worker)
         self.use_chat_template = use_chat_template
         self.max_prompt_tokens = max_prompt_tokens
@@ -92,7 +95,7 @@ class VLLMGenerator:
         self._log = open(self.exchange / "worker.log", "wb")  # noqa: SIM115 - open for the worker's lifetime
         try:
             self._process = subprocess.Popen(
-                [python, "-c", _LAUNCH, str(self.worker), "--settings", "settings.json"],
+                [self.python, "-c", _LAUNCH, str(self.worker), "--settings", "settings.json"],
                 cwd=self.exchange, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True,
             )
         except OSError as err:
@@ -102,6 +105,7 @@ class VLLMGenerator:
                 "the python of an environment with vllm and pyarrow installed"
             ) from err
         self._ready = False
+        self._failed = False  # a VLLMWorkerError was raised: close() must not raise it again
         self._calls = 0
 
     def sample(self, requests: Sequence[SampleRequest]) -> list[list[Sample]]:
@@ -129,17 +133,24 @@ class VLLMGenerator:
         ]
 
     def close(self) -> None:
-        """End the worker (end of its input) and check that it exited cleanly."""
+        """End the worker (end of its input) and check that it exited cleanly; after a failure already
+        reported, only make sure it is gone (its exchange folder and log stay for reading)."""
         if self._process.stdin and not self._process.stdin.closed:
-            self._process.stdin.close()
+            with contextlib.suppress(BrokenPipeError):
+                self._process.stdin.close()
         try:
-            status = self._process.wait(timeout=120)
+            status = self._process.wait(timeout=5 if self._failed else 120)
         except subprocess.TimeoutExpired:
             self._process.kill()
             status = self._process.wait()
-        self._log.close()
+        if self._failed:
+            self._log.close()
+            return
         if status != 0:
-            raise self._died(status, "while shutting down")
+            error = self._died(status, "while shutting down")
+            self._log.close()
+            raise error
+        self._log.close()
         shutil.rmtree(self.exchange, ignore_errors=True)
 
     def _send(self, message: dict[str, Any]) -> None:
@@ -165,6 +176,7 @@ class VLLMGenerator:
         return message
 
     def _died(self, status: int, when: str) -> VLLMWorkerError:
+        self._failed = True
         self._log.flush()
         log_path = self.exchange / "worker.log"
         tail = log_path.read_text(errors="replace")[-_LOG_TAIL:] if log_path.exists() else ""
