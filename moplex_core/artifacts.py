@@ -193,6 +193,14 @@ def read_manifest(version_dir: str | Path) -> dict[str, Any]:
     return json.loads((version_dir / MANIFEST).read_text())
 
 
+def _readable_manifest(version_dir: Path) -> dict[str, Any] | None:
+    """The manifest of a finished version, or None when there is none or it cannot be read."""
+    try:
+        return read_manifest(version_dir)
+    except (ArtifactError, OSError, ValueError):
+        return None
+
+
 def is_version_folder(path: str | Path) -> bool:
     """Whether ``path`` is a version folder written by moplex, finished or under way (a data folder
     of the user's may hold a ``manifest.json`` of its own: only moplex's names a stage)."""
@@ -207,9 +215,9 @@ def is_version_folder(path: str | Path) -> bool:
 
 
 def is_stage_folder(path: str | Path) -> bool:
-    """Whether ``path`` is a stage's folder: it holds a version, finished or with finished shards."""
+    """Whether ``path`` is a stage's folder: it holds a version folder, finished or under way."""
     path = Path(path)
-    return path.is_dir() and any(is_complete(p) or shard_paths(p) for p in path.iterdir() if p.is_dir())
+    return path.is_dir() and any(is_version_folder(p) for p in path.iterdir() if p.is_dir())
 
 
 def shard_paths(version_dir: str | Path) -> list[Path]:
@@ -310,19 +318,19 @@ class ArtifactStore:
         return short_hash(canonical_json(self.manifest(stage, version)["files"]))
 
     def list(self, stage: str | None = None) -> list[ArtifactInfo]:
-        """Every version directory under the root (or one stage), finished or not, sorted by name."""
+        """Every version folder under the root (or one stage), finished or not, sorted by name; other
+        folders (an experiment's output, a user's data) are not versions. A finished version whose
+        manifest cannot be read is listed unfinished, with manifest None."""
         stage_dirs = [self.root / stage] if stage else sorted(self.root.iterdir()) if self.root.is_dir() else []
         infos = []
         for stage_dir in stage_dirs:
             if not stage_dir.is_dir() or stage_dir.name.startswith("."):
                 continue
             for version_dir in sorted(stage_dir.iterdir()):
-                if version_dir.is_dir() and not version_dir.name.startswith("."):
-                    complete = is_complete(version_dir)
-                    infos.append(ArtifactInfo(
-                        ArtifactRef(stage_dir.name, version_dir.name), version_dir, complete,
-                        read_manifest(version_dir) if complete else None,
-                    ))
+                if version_dir.is_dir() and not version_dir.name.startswith(".") and is_version_folder(version_dir):
+                    manifest = _readable_manifest(version_dir)
+                    infos.append(ArtifactInfo(ArtifactRef(stage_dir.name, version_dir.name), version_dir,
+                                              manifest is not None, manifest))
         return infos
 
     def resolve(self, text: str) -> Path:

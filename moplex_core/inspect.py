@@ -19,7 +19,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from moplex_core.artifacts import MANIFEST, ArtifactStore, is_complete, is_stage_folder, shard_paths
+from moplex_core.artifacts import MANIFEST, ArtifactStore, is_complete, is_stage_folder, is_version_folder, shard_paths
 
 StageSection = Callable[[Path, list[Path]], list[str]]
 _STAGE_SECTIONS: dict[str, StageSection] = {}
@@ -38,11 +38,11 @@ def stage_section(stage: str) -> Callable[[StageSection], StageSection]:
 
 def inspect_path(path: str | Path, rows: int = 3) -> str:
     path = Path(path)
-    if path.is_file() and path.name == MANIFEST:
+    if path.is_file() and path.name == MANIFEST and is_version_folder(path.parent):
         return _version_report(path.parent, rows)
     if path.is_file() and path.suffix == ".parquet":
         return "\n".join(_table_report(path.name, [path], rows))
-    if path.is_dir() and (is_complete(path) or shard_paths(path)):
+    if path.is_dir() and is_version_folder(path):
         return _version_report(path, rows)
     if path.is_dir():
         return _listing(path)
@@ -55,8 +55,11 @@ def inspect_path(path: str | Path, rows: int = 3) -> str:
 
 
 def _version_report(version_dir: Path, rows: int) -> str:
-    complete = is_complete(version_dir)
-    manifest: dict[str, Any] = json.loads((version_dir / MANIFEST).read_text()) if complete else {}
+    try:
+        manifest: dict[str, Any] = json.loads((version_dir / MANIFEST).read_text()) if is_complete(version_dir) else {}
+    except ValueError:  # cut short: not written by the store's atomic rename
+        manifest = {}
+    complete = bool(manifest)
     stage = manifest.get("stage", version_dir.parent.name)
     title = f"artifact {stage}/{manifest.get('version', version_dir.name)}"
     lines = [title, "=" * len(title), f"path:     {version_dir}"]
@@ -96,6 +99,13 @@ def _version_report(version_dir: Path, rows: int) -> str:
 
 
 def _table_report(title: str, files: list[Path], rows: int) -> list[str]:
+    try:
+        return _readable_table_report(title, files, rows)
+    except (pa.ArrowException, OSError) as err:  # a shard cut short by a kill, or tables that do not agree
+        return [f"-- {title}: unreadable: {err} --"]
+
+
+def _readable_table_report(title: str, files: list[Path], rows: int) -> list[str]:
     schema = pq.read_schema(files[0])
     n = sum(pq.read_metadata(f).num_rows for f in files)
     lines = [f"-- {title}: {n} rows --", "schema:", _indent(schema.to_string(show_schema_metadata=False))]

@@ -83,11 +83,17 @@ def test_list_locate_and_fingerprint(tmp_path):
     store = ArtifactStore(tmp_path)
     write_demo(store, "aaa111")
     write_demo(store, "aab222")
-    (tmp_path / "demo" / "abc333").mkdir()  # an unfinished version
+    (tmp_path / "demo" / "abc333").mkdir()  # an unfinished version: its writer left the start marker
+    (tmp_path / "demo" / "abc333" / ".started").write_text("2026-11-24T00:00:00+00:00")
+    (tmp_path / "demo" / "notes").mkdir()  # not a version: no marker, no manifest of moplex's
+    (tmp_path / "experiments" / "identifiability").mkdir(parents=True)  # an experiment's --out under the root
     infos = store.list()
     assert [(str(i.ref), i.complete) for i in infos] == [
         ("demo/aaa111", True), ("demo/aab222", True), ("demo/abc333", False)
     ]
+    (tmp_path / "demo" / "abc333" / MANIFEST).write_text("")  # a manifest cut short: listed, not a crash
+    assert [(str(i.ref), i.complete, i.manifest) for i in store.list("demo")][-1] == ("demo/abc333", False, None)
+    (tmp_path / "demo" / "abc333" / MANIFEST).unlink()
     assert store.locate("demo/aab").path == tmp_path / "demo" / "aab222"
     with pytest.raises(ArtifactError, match="ambiguous"):
         store.locate("demo/aa")

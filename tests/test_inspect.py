@@ -39,11 +39,33 @@ def test_a_parquet_file_an_incomplete_version_and_listings(rankings, tmp_path):
     assert inspect_path(tmp_path / "ingest").splitlines()[1:] == listing.splitlines()[1:]
 
     (rankings.path / "manifest.json").unlink()
+    (rankings.path / ".started").write_text("2026-11-24T00:00:00+00:00")  # what a killed writer leaves
     unfinished = inspect_path(rankings.path)
     assert "INCOMPLETE (no manifest.json): 1 finished shard(s)" in unfinished and "row 0:" in unfinished
     assert "INCOMPLETE" in inspect_path(tmp_path)
     with pytest.raises(FileNotFoundError, match="nothing exists there"):
         inspect_path(tmp_path / "nope")
+
+
+def test_odd_folders_are_reported_not_crashed_on(tmp_path):
+    store = ArtifactStore(tmp_path)
+    running = store.path("train", "bbb222")
+    (running / "em" / "restart-00").mkdir(parents=True)  # a train run under way: no shards, no manifest yet
+    (running / ".started").write_text("2026-11-24T00:00:00+00:00")
+    assert inspect_path(tmp_path / "train").splitlines()[1].split()[:2] == ["train/bbb222", "INCOMPLETE"]
+    assert "INCOMPLETE (no manifest.json): 0 finished shard(s)" in inspect_path(running)
+    user = tmp_path / "mine"
+    user.mkdir()
+    (user / "manifest.json").write_text('{"name": "my dataset"}')  # a user's own manifest, not moplex's
+    assert inspect_path(user) == f"{user}: no artifacts"
+    with pytest.raises(FileNotFoundError, match="not an artifact folder"):
+        inspect_path(user / "manifest.json")
+    with store.writer("demo", "v1", config={}) as w:
+        w.write_shard(0, pa.table({"split": ["train"], "score": [0.5]}))
+    (w.path / "manifest.json").unlink()
+    (w.path / ".started").write_text("2026-11-24T00:00:00+00:00")
+    (w.path / "part-00000.parquet").write_bytes(b"PAR1 cut short by a kill")
+    assert "-- rows (part-*.parquet): unreadable:" in inspect_path(w.path)
 
 
 def test_other_stages_plug_in_their_own_section(tmp_path):
