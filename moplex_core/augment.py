@@ -3,7 +3,9 @@
 Every ranking gets m' - m extra responses that the likelihood places below all its originals,
 unordered among themselves (paper eq. 5; DESIGN.md 3, 5.2). A model backend generates once per
 prompt, and every ranking of that prompt shares the texts; ``borrow`` fills each ranking from the
-other rankings of its prompt.
+other rankings of its prompt. A prompt is a ``prompt_id`` (ingest: a hash of the prompt text), so
+rankings whose chat messages differ around one text (another system prompt) share texts generated
+from the first such ranking's messages; each is still scored under its own messages by the cache.
 
     plan_augment    the version (config, the rankings' version, the model's content) and whether it exists
     make_generator  the configured backend (moplex_core.generate)

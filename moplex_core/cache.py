@@ -242,9 +242,12 @@ def policy_inputs(table: pa.Table):
 def _tokenize(row: dict, tokenizer: PreTrainedTokenizerBase, config: CacheConfig) -> list[TokenizedResponse]:
     responses = list(row["responses"]) + list(row.get("generated") or [])
     prompt = json.loads(row["prompt_messages"]) if row.get("prompt_messages") else row["prompt"]
-    return tokenize_responses(tokenizer, prompt, responses, use_chat_template=config.use_chat_template,
-                              max_prompt_tokens=config.max_prompt_tokens,
-                              max_response_tokens=config.max_response_tokens)
+    try:
+        return tokenize_responses(tokenizer, prompt, responses, use_chat_template=config.use_chat_template,
+                                  max_prompt_tokens=config.max_prompt_tokens,
+                                  max_response_tokens=config.max_response_tokens)
+    except ValueError as err:
+        raise ValueError(f"example_id {row['example_id']!r}: {err}") from err
 
 
 def _distribution(table: pa.Table) -> dict[str, int]:

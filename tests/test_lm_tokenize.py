@@ -90,3 +90,23 @@ def test_pad_batch_pads_on_the_right_and_masks_the_response_and_its_eos() -> Non
 def test_pad_batch_refuses_a_response_without_a_prompt_token_before_it() -> None:
     with pytest.raises(ValueError, match="sequence 1 has response_start=0"):
         pad_batch([TokenizedResponse([1, 2], 1), TokenizedResponse([3, 4], 0)], pad_token_id=0)
+
+
+def test_a_prompt_the_chat_template_refuses_is_a_value_error_naming_its_row(tiny_tokenizer) -> None:  # noqa: F811
+    import copy
+
+    from moplex_core.generate.base import SampleRequest, request_prompt_ids
+
+    tokenizer = copy.deepcopy(tiny_tokenizer)
+    tokenizer.chat_template = ("{% for m in messages %}{% if m['role'] == 'system' %}"
+                               "{{ raise_exception('System role not supported') }}{% endif %}{{ m['content'] }}"
+                               "{% endfor %}")  # as Gemma's template does
+    system = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Which list?"}]
+    with pytest.raises(ValueError, match="chat template cannot render these prompt messages.*System role not"):
+        encode_prompt(tokenizer, system)
+    request = SampleRequest("p7", "Which list?", '[{"role": "system", "content": "Be brief."}, '
+                            '{"role": "user", "content": "Which list?"}]', 1, 0)
+    with pytest.raises(ValueError, match="^prompt_id 'p7': the tokenizer's chat template"):
+        request_prompt_ids(tokenizer, request, use_chat_template=True, max_prompt_tokens=None)
+    with pytest.raises(ValueError, match="chat template cannot render"):
+        encode_prompt(tiny_tokenizer, [])  # an empty conversation

@@ -14,7 +14,10 @@ import json
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 _SEED_BITS = 63  # non-negative int64: what torch.Generator.manual_seed and vLLM accept everywhere
 _SPACES = re.compile(r"\s+")
@@ -67,9 +70,17 @@ def normalise(text: str) -> str:
     return _SPACES.sub(" ", text).strip().casefold()
 
 
-def prompt_input(request: SampleRequest) -> str | list[dict[str, str]]:
-    """What moplex_core.lm.tokenize.encode_prompt takes: the chat messages if any, else the text."""
-    return json.loads(request.prompt_messages) if request.prompt_messages else request.prompt
+def request_prompt_ids(tokenizer: PreTrainedTokenizerBase, request: SampleRequest, *, use_chat_template: bool,
+                       max_prompt_tokens: int | None) -> list[int]:
+    """`encode_prompt` of a request's chat messages if any, else its text; a prompt that cannot be
+    rendered is a ValueError naming the request's key (the prompt_id of its rankings)."""
+    from moplex_core.lm.tokenize import encode_prompt  # transformers: only backends that render prompts need it
+
+    prompt = json.loads(request.prompt_messages) if request.prompt_messages else request.prompt
+    try:
+        return encode_prompt(tokenizer, prompt, use_chat_template=use_chat_template, max_prompt_tokens=max_prompt_tokens)
+    except ValueError as err:
+        raise ValueError(f"prompt_id {request.key!r}: {err}") from err
 
 
 def _hash_int(text: str) -> int:

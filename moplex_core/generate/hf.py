@@ -24,9 +24,8 @@ from transformers import (
     TopPLogitsWarper,
 )
 
-from moplex_core.generate.base import Sample, SampleRequest, prompt_input, sample_seed
+from moplex_core.generate.base import Sample, SampleRequest, request_prompt_ids, sample_seed
 from moplex_core.lm.loading import load_model, load_tokenizer, resolve_device, resolve_dtype
-from moplex_core.lm.tokenize import encode_prompt
 
 
 class GumbelNoise(LogitsProcessor):
@@ -105,8 +104,8 @@ class HFGenerator:
 
     def sample(self, requests: Sequence[SampleRequest]) -> list[list[Sample]]:
         prompt_ids = [
-            encode_prompt(self._tokenizer, prompt_input(r), use_chat_template=self.use_chat_template,
-                          max_prompt_tokens=self.max_prompt_tokens)
+            request_prompt_ids(self._tokenizer, r, use_chat_template=self.use_chat_template,
+                               max_prompt_tokens=self.max_prompt_tokens)
             for r in requests
         ]
         rows = [(r, j) for r, request in enumerate(requests) for j in range(request.n)]

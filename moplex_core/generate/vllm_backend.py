@@ -26,9 +26,8 @@ from typing import IO, Any
 from transformers import PreTrainedTokenizerBase
 
 from moplex_core.generate import vllm_worker
-from moplex_core.generate.base import Sample, SampleRequest, prompt_input
+from moplex_core.generate.base import Sample, SampleRequest, request_prompt_ids
 from moplex_core.lm.loading import load_tokenizer
-from moplex_core.lm.tokenize import encode_prompt
 
 WORKER = Path(vllm_worker.__file__)
 # Run the worker by path with the exchange folder as the working directory: as a script, its own
@@ -48,8 +47,8 @@ def request_rows(
         {
             "key": r.key,
             "prompt": r.prompt,
-            "prompt_token_ids": encode_prompt(tokenizer, prompt_input(r), use_chat_template=use_chat_template,
-                                              max_prompt_tokens=max_prompt_tokens),
+            "prompt_token_ids": request_prompt_ids(tokenizer, r, use_chat_template=use_chat_template,
+                                                   max_prompt_tokens=max_prompt_tokens),
             "n": r.n,
             "seed": r.seed,
         }

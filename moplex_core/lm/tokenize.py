@@ -24,6 +24,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
+from jinja2 import TemplateError
 from transformers import PreTrainedTokenizerBase
 
 ChatMessages = Sequence[Mapping[str, str]]
@@ -69,7 +70,11 @@ def encode_prompt(
         raise ValueError(f"max_prompt_tokens must be at least 1, got {max_prompt_tokens}")
     if use_chat_template and tokenizer.chat_template is not None:
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        try:
+            text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        except (TemplateError, ValueError, TypeError) as err:  # e.g. a system role it does not support
+            raise ValueError(f"the tokenizer's chat template cannot render these prompt messages ({type(err).__name__}: "
+                             f"{err}); change them, or set use_chat_template = false") from err
         # The rendered template already holds every special token the model expects.
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     elif isinstance(prompt, str):
