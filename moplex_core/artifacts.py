@@ -356,6 +356,7 @@ class ArtifactStore:
         ref = ArtifactRef.parse(ref) if isinstance(ref, str) else ref
         candidates = self.list(ref.stage)
         matches = [info for info in candidates if info.ref.version.startswith(ref.version)]
+        matches = [info for info in matches if info.ref.version == ref.version] or matches  # exact beats prefix
         if len(matches) == 1:
             return matches[0]
         if not matches:
@@ -476,7 +477,7 @@ class ArtifactWriter:
             return False
         try:
             pq.read_metadata(path)
-        except (pa.ArrowException, OSError) as err:
+        except pa.ArrowInvalid as err:  # a footer cut short; an OSError (EIO, EMFILE) is raised, never a deletion
             log.warning("%s has an unreadable footer (%s); it will be rewritten", path, err)
             path.unlink()
             return False

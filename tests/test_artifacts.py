@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -95,6 +96,9 @@ def test_list_locate_and_fingerprint(tmp_path):
     assert [(str(i.ref), i.complete, i.manifest) for i in store.list("demo")][-1] == ("demo/abc333", False, None)
     (tmp_path / "demo" / "abc333" / MANIFEST).unlink()
     assert store.locate("demo/aab").path == tmp_path / "demo" / "aab222"
+    write_demo(store, "aab222x")  # a version named with another's whole name as its prefix
+    assert store.locate("demo/aab222").path == tmp_path / "demo" / "aab222"
+    shutil.rmtree(tmp_path / "demo" / "aab222x")
     with pytest.raises(ArtifactError, match="ambiguous"):
         store.locate("demo/aa")
     with pytest.raises(ArtifactNotFoundError, match="versions of demo: demo/aaa111"):
