@@ -7,8 +7,9 @@ logits go through the temperature and top-p warpers, each row adds Gumbel noise 
 generator, and `generate` picks the argmax (greedy mode). argmax(l + G), G ~ Gumbel(0, 1) i.i.d.,
 is an exact draw from softmax(l), so this is ordinary temperature / nucleus sampling; only the
 source of randomness differs. A rerun on the same hardware, dtype and batch size gives the same
-text; on the CPU in float32 the batch size does not matter either (on a GPU in bfloat16 the logits
-of a row can shift slightly with its batch, and a near-tie can then go the other way).
+text. Another batch size pads a prompt on the left to another length, which moves its logits by
+float rounding (about 1e-6 in float32 on the CPU; more in bfloat16 on a GPU), so a near-tie can go
+the other way: rare in float32 (the tests' batch sizes 1 and 8 give the same texts), not excluded.
 """
 
 from __future__ import annotations
