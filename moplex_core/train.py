@@ -122,9 +122,9 @@ def run_train(config: TrainConfig, cache_dir: str | Path, store: ArtifactStore, 
     plan = plan or plan_train(config, cache_dir, store)
     if plan.complete:
         return _finished(plan)
-    check_cache_model(cache_dir)
     inputs, labels = load_policy_inputs(cache_dir, TRAIN_SPLIT)
     check_config_fits_data(config, inputs, cache_dir)
+    check_cache_model(cache_dir)
     warm_start = label_start(labels, config.k, inputs.example_ids, cache_dir) if config.init == "labels" else None
     rankings = inputs.rankings(config.likelihood)
     em_config = EMConfig(k=config.k, max_iter=config.em_iterations, tol=config.tol, gamma_min=config.gamma_min,
