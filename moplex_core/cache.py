@@ -43,7 +43,7 @@ from moplex_core.pl import encode_tiers_batch
 log = logging.getLogger(__name__)
 
 STAGE = "cache"
-CODE_VERSION = "cache-2"  # bump when a change to this stage changes what it writes
+CODE_VERSION = "cache-3"  # bump when a change to this stage changes what it writes (3: non-thinking prompts)
 
 CACHE_SCHEMA = pa.schema([
     pa.field("example_id", pa.string()),

@@ -110,3 +110,14 @@ def test_a_prompt_the_chat_template_refuses_is_a_value_error_naming_its_row(tiny
         request_prompt_ids(tokenizer, request, use_chat_template=True, max_prompt_tokens=None)
     with pytest.raises(ValueError, match="chat template cannot render"):
         encode_prompt(tiny_tokenizer, [])  # an empty conversation
+
+
+def test_a_template_with_a_thinking_switch_renders_without_thinking(tiny_tokenizer) -> None:  # noqa: F811
+    import copy
+
+    tokenizer = copy.deepcopy(tiny_tokenizer)
+    tokenizer.chat_template = ("{% for m in messages %}{{ m['content'] }}{% endfor %}{% if add_generation_prompt %}"
+                               "A:{% if enable_thinking is defined and enable_thinking is false %}<think></think>"
+                               "{% endif %}{% endif %}")  # the shape of Qwen3's switch
+    rendered = tokenizer.decode(encode_prompt(tokenizer, "Which list?"))
+    assert rendered.replace(" ", "").endswith("A:<think></think>")

@@ -64,14 +64,18 @@ def encode_prompt(
     """Token ids that precede every response of ``prompt``.
 
     ``prompt`` is the user's text, or a list of chat messages (``{"role", "content"}`` dicts, the
-    `prompt_messages` column) that ends before the assistant's answer.
+    `prompt_messages` column) that ends before the assistant's answer. A chat template with a
+    thinking switch (Qwen3's ``enable_thinking``) renders in non-thinking mode: the responses of
+    preference data are answers, scored and generated right after the prompt, not after a reasoning
+    trace (Qwen3 then ends the prompt with an empty ``<think></think>`` block).
     """
     if max_prompt_tokens is not None and max_prompt_tokens < 1:
         raise ValueError(f"max_prompt_tokens must be at least 1, got {max_prompt_tokens}")
     if use_chat_template and tokenizer.chat_template is not None:
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
         try:
-            text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                                 enable_thinking=False)
         except (TemplateError, ValueError, TypeError) as err:  # e.g. a system role it does not support
             raise ValueError(f"the tokenizer's chat template cannot render these prompt messages ({type(err).__name__}: "
                              f"{err}); change them, or set use_chat_template = false") from err
