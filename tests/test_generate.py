@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -44,6 +46,17 @@ def test_hf_text_depends_on_the_seed_only_not_on_batching_or_order(tiny_model_di
     assert HFGenerator(str(tiny_model_dir), max_new_tokens=20, batch_size=7).sample(requests()[2:3]) == first[2:3]
     assert texts(one_by_one.sample(requests(seed=1))) != texts(first)
     assert len({s.text for row in first for s in row}) > 10  # temperature 2 on a tiny model: varied text
+
+
+def test_the_models_own_generation_settings_never_shape_the_draw(tiny_model_dir, tmp_path):
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model)
+    settings = json.loads((model / "generation_config.json").read_text())
+    settings.update(do_sample=True, top_k=1, temperature=0.05, min_new_tokens=40, repetition_penalty=3.0)
+    (model / "generation_config.json").write_text(json.dumps(settings))  # sampling settings, and two that act greedily
+    plain = HFGenerator(str(tiny_model_dir), max_new_tokens=40, temperature=0.3, batch_size=4).sample(requests())
+    assert min(sample.tokens for row in plain for sample in row) < 40  # min_new_tokens = 40 would change these
+    assert HFGenerator(str(model), max_new_tokens=40, temperature=0.3, batch_size=4).sample(requests()) == plain
 
 
 def test_gumbel_max_draws_follow_the_temperature_and_top_p_distribution():

@@ -90,9 +90,12 @@ class HFGenerator:
         if eos is None:
             eos = self._tokenizer.eos_token_id
         self._eos_ids = {eos} if isinstance(eos, int) else set(eos)
-        # Greedy mode keeps the model's own sampling settings (Qwen3 ships do_sample=True, top_k=20,
-        # ...) out of the draw, as they act only when sampling; processors that act in any mode are
-        # set neutral. The draw is then exactly the one in the module docstring.
+        # transformers fills what a generate() call leaves unset from the model's generation_config: a
+        # bare one leaves nothing of the model's (Qwen3's do_sample=True, top_k=20, ..., or a
+        # min_new_tokens, bad_words_ids, forced_eos_token_id that would act even in greedy mode), so the
+        # draw is exactly the one in the module docstring.
+        self._model.generation_config = GenerationConfig(eos_token_id=sorted(self._eos_ids),
+                                                         pad_token_id=self._tokenizer.pad_token_id)
         self._generation_config = GenerationConfig(
             do_sample=False,
             num_beams=1,
