@@ -98,16 +98,19 @@ def _storage_error(err: BaseException | None, path: Path) -> ArtifactStorageErro
     )
 
 
-def _about(err: BaseException | None, root: Path) -> bool:
-    """Whether an OSError names a file under ``root``, or names none (pyarrow's write errors, where
-    only a full or read-only device says where: the one written to)."""
+def _about(err: BaseException | None, folder: Path) -> bool:
+    """Whether an OSError names a file under ``folder``, or names none and is a full or read-only
+    device (a write error of pyarrow's, which names no file, is taken to be about the folder)."""
     if not isinstance(err, OSError):
         return False
-    named = [Path(f) for f in (err.filename, err.filename2) if f is not None and not isinstance(f, int)]
+    named = [f for f in (err.filename, err.filename2) if f is not None and not isinstance(f, int)]
     if not named:
         return err.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS)
-    root = root.resolve()
-    return any(path.resolve().is_relative_to(root) for path in named)
+    try:
+        folder = folder.resolve()
+        return any(Path(os.fsdecode(f)).resolve().is_relative_to(folder) for f in named)
+    except (OSError, RuntimeError, ValueError):  # a symlink loop, a NUL: never hide the error itself
+        return False
 
 
 @contextmanager
@@ -196,21 +199,25 @@ def read_manifest(version_dir: str | Path) -> dict[str, Any]:
 def _readable_manifest(version_dir: Path) -> dict[str, Any] | None:
     """The manifest of a finished version, or None when there is none or it cannot be read."""
     try:
-        return read_manifest(version_dir)
+        manifest = read_manifest(version_dir)
     except (ArtifactError, OSError, ValueError):
         return None
+    return manifest if isinstance(manifest, dict) and "files" in manifest else None
 
 
 def is_version_folder(path: str | Path) -> bool:
     """Whether ``path`` is a version folder written by moplex, finished or under way (a data folder
-    of the user's may hold a ``manifest.json`` of its own: only moplex's names a stage)."""
+    of the user's may hold a ``manifest.json`` of its own: only moplex's names a stage). A
+    ``manifest.json`` that cannot be read or parsed counts as moplex's, damaged: never as data."""
     path = Path(path)
     if (path / _STARTED).is_file():
         return True
+    if not (path / MANIFEST).is_file():
+        return False
     try:
         manifest = json.loads((path / MANIFEST).read_text())
     except (OSError, ValueError):
-        return False
+        return True
     return isinstance(manifest, dict) and {"stage", "version", "code_version"} <= manifest.keys()
 
 
@@ -464,9 +471,10 @@ class ArtifactWriter:
         finally:
             self._lock.release()
         # A full or read-only root met by code writing its own files in the block (e.g. PEFT's
-        # save_pretrained) gets the same sentence as the store's own writes; an error about another
-        # place (an unreadable model file, a full /tmp) stays as it is.
-        storage = _storage_error(exc, self.path) if _about(exc, self.path.parents[1]) else None
+        # save_pretrained) gets the same sentence as the store's own writes; an error naming another
+        # place (an unreadable model file or input artifact) stays as it is. A full device that names
+        # no file is taken to be the root's.
+        storage = _storage_error(exc, self.path) if _about(exc, self.path) else None
         if storage is not None:
             raise storage from exc
 
@@ -477,7 +485,9 @@ class ArtifactWriter:
             return False
         try:
             pq.read_metadata(path)
-        except pa.ArrowInvalid as err:  # a footer cut short; an OSError (EIO, EMFILE) is raised, never a deletion
+        except (pa.ArrowInvalid, OSError) as err:
+            if isinstance(err, OSError) and err.errno is not None:  # EIO, EMFILE: raised, never a deletion
+                raise
             log.warning("%s has an unreadable footer (%s); it will be rewritten", path, err)
             path.unlink()
             return False

@@ -48,7 +48,8 @@ from moplex_core.schema import RANKINGS_SCHEMA, check_rankings
 log = logging.getLogger(__name__)
 
 STAGE = "augment"
-CODE_VERSION = "augment-2"  # bump when a change to this stage changes what it writes (2: non-thinking prompts)
+CODE_VERSION = "augment-2"  # bump when a change to this stage changes what it writes
+# (2: non-thinking prompts; the model's generation_config no longer shapes the hf draw)
 SHORTFALL_FILE = "shortfall.parquet"
 
 GENERATION_TYPE = pa.struct([

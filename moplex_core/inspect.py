@@ -90,7 +90,10 @@ def _version_report(version_dir: Path, rows: int) -> str:
         lines += [""] + _table_report("rows (part-*.parquet)", shards, rows)
         section = _STAGE_SECTIONS.get(stage)
         if section is not None:
-            lines += [""] + section(version_dir, shards)
+            try:
+                lines += [""] + section(version_dir, shards)
+            except (pa.ArrowException, OSError) as err:
+                lines += ["", f"-- {stage} section: unreadable: {err} --"]
     others = sorted(p for p in version_dir.rglob("*.parquet") if p not in shards
                     and not any(part.startswith(".") for part in p.relative_to(version_dir).parts))
     for other in others:

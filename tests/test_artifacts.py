@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pandas as pd
 import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
 from moplex_core.artifacts import (
@@ -28,6 +29,7 @@ from moplex_core.artifacts import (
     artifact_version,
 )
 from moplex_core.hashing import sha256_file
+from moplex_core.inspect import inspect_path
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -92,9 +94,11 @@ def test_list_locate_and_fingerprint(tmp_path):
     assert [(str(i.ref), i.complete) for i in infos] == [
         ("demo/aaa111", True), ("demo/aab222", True), ("demo/abc333", False)
     ]
-    (tmp_path / "demo" / "abc333" / MANIFEST).write_text("")  # a manifest cut short: listed, not a crash
-    assert [(str(i.ref), i.complete, i.manifest) for i in store.list("demo")][-1] == ("demo/abc333", False, None)
-    (tmp_path / "demo" / "abc333" / MANIFEST).unlink()
+    damaged = write_demo(store, "abd444")
+    (damaged / MANIFEST).write_text('{"stage": "demo", "vers')  # a finished version's manifest, cut short
+    assert ("demo/abd444", False, None) in [(str(i.ref), i.complete, i.manifest) for i in store.list("demo")]
+    assert "INCOMPLETE" in inspect_path(damaged)  # reported as a version, not read as data
+    shutil.rmtree(damaged)
     assert store.locate("demo/aab").path == tmp_path / "demo" / "aab222"
     write_demo(store, "aab222x")  # a version named with another's whole name as its prefix
     assert store.locate("demo/aab222").path == tmp_path / "demo" / "aab222"
@@ -184,10 +188,16 @@ def test_an_unreadable_shard_is_rewritten_not_trusted(tmp_path):
     path = tmp_path / "demo" / "v1"
     path.mkdir(parents=True)
     (path / "part-00000.parquet").write_bytes(b"PAR1 truncated")
+    sink = pa.BufferOutputStream()
+    pq.write_table(table(1), sink)
+    garbled = bytearray(sink.getvalue().to_pybytes())
+    garbled[-40:-8] = b"\xff" * 32  # a garbled footer: pyarrow says OSError without an errno
+    (path / "part-00001.parquet").write_bytes(bytes(garbled))
     with store.writer("demo", "v1", config={}) as w:
-        assert not w.has_shard(0)
+        assert not w.has_shard(0) and not w.has_shard(1)
         w.write_shard(0, table(0))
-    assert store.load("demo", "v1")["row"].tolist() == list(range(10))
+        w.write_shard(1, table(1))
+    assert store.load("demo", "v1")["row"].tolist() == list(range(20))
 
 
 SLOW_WRITER = textwrap.dedent(

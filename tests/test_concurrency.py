@@ -207,6 +207,9 @@ def test_only_errors_about_the_root_are_blamed_on_it(tmp_path):
         with store.writer("train", "v1", config={}):
             raise PermissionError(errno.EACCES, "Permission denied", str(model))
     assert not isinstance(err.value, ArtifactStorageError) and err.value.filename == str(model)
+    with pytest.raises(PermissionError):  # a file name in bytes: still the error itself, not a TypeError
+        with store.writer("train", "v4", config={}):
+            raise PermissionError(errno.EACCES, "Permission denied", os.fsencode(model))
     with pytest.raises(ArtifactStorageError, match="permission is denied"):  # PEFT writing into the version
         with store.writer("train", "v2", config={}) as writer:
             raise PermissionError(errno.EACCES, "Permission denied", str(writer.path / "adapters" / "c0"))
