@@ -196,7 +196,7 @@ def read_manifest(version_dir: str | Path) -> dict[str, Any]:
     return json.loads((version_dir / MANIFEST).read_text())
 
 
-def _readable_manifest(version_dir: Path) -> dict[str, Any] | None:
+def readable_manifest(version_dir: Path) -> dict[str, Any] | None:
     """The manifest of a finished version, or None when there is none or it cannot be read."""
     try:
         manifest = read_manifest(version_dir)
@@ -335,7 +335,7 @@ class ArtifactStore:
                 continue
             for version_dir in sorted(stage_dir.iterdir()):
                 if version_dir.is_dir() and not version_dir.name.startswith(".") and is_version_folder(version_dir):
-                    manifest = _readable_manifest(version_dir)
+                    manifest = readable_manifest(version_dir)
                     infos.append(ArtifactInfo(ArtifactRef(stage_dir.name, version_dir.name), version_dir,
                                               manifest is not None, manifest))
         return infos

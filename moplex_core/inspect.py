@@ -19,7 +19,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from moplex_core.artifacts import MANIFEST, ArtifactStore, is_complete, is_stage_folder, is_version_folder, shard_paths
+from moplex_core.artifacts import (MANIFEST, ArtifactStore, is_stage_folder, is_version_folder, readable_manifest,
+                                   shard_paths)
 
 StageSection = Callable[[Path, list[Path]], list[str]]
 _STAGE_SECTIONS: dict[str, StageSection] = {}
@@ -55,10 +56,7 @@ def inspect_path(path: str | Path, rows: int = 3) -> str:
 
 
 def _version_report(version_dir: Path, rows: int) -> str:
-    try:
-        manifest: dict[str, Any] = json.loads((version_dir / MANIFEST).read_text()) if is_complete(version_dir) else {}
-    except ValueError:  # cut short: not written by the store's atomic rename
-        manifest = {}
+    manifest: dict[str, Any] = readable_manifest(version_dir) or {}  # {} unfinished, or damaged after the fact
     complete = bool(manifest)
     stage = manifest.get("stage", version_dir.parent.name)
     title = f"artifact {stage}/{manifest.get('version', version_dir.name)}"
@@ -81,6 +79,9 @@ def _version_report(version_dir: Path, rows: int) -> str:
         ]
         libs = manifest.get("library_versions", {})
         lines.append("libraries: " + ", ".join(f"{k} {v}" for k, v in sorted(libs.items())))
+    elif (version_dir / MANIFEST).is_file():
+        lines.append(f"status:   INCOMPLETE ({MANIFEST} cannot be read): damaged after it was written; delete the "
+                     "version folder and rerun the stage")
     else:
         lines.append(
             f"status:   INCOMPLETE (no {MANIFEST}): {len(shards)} finished shard(s); rerun the stage with "

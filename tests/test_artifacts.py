@@ -97,7 +97,7 @@ def test_list_locate_and_fingerprint(tmp_path):
     damaged = write_demo(store, "abd444")
     (damaged / MANIFEST).write_text('{"stage": "demo", "vers')  # a finished version's manifest, cut short
     assert ("demo/abd444", False, None) in [(str(i.ref), i.complete, i.manifest) for i in store.list("demo")]
-    assert "INCOMPLETE" in inspect_path(damaged)  # reported as a version, not read as data
+    assert "INCOMPLETE (manifest.json cannot be read)" in inspect_path(damaged)  # a version, not data
     shutil.rmtree(damaged)
     assert store.locate("demo/aab").path == tmp_path / "demo" / "aab222"
     write_demo(store, "aab222x")  # a version named with another's whole name as its prefix
