@@ -298,13 +298,14 @@ def run_augment(
             failed = False
         finally:
             bar.close()
-            if generator is not None and failed:
-                try:  # the error on its way out is the one to report
+            if generator is not None:
+                try:
                     generator.close()
                 except Exception:
-                    log.exception("closing the %s generator failed too (the error it followed is raised next)", config.backend)
-            elif generator is not None:
-                generator.close()
+                    if not failed:
+                        raise
+                    log.exception("closing the %s generator failed too; the error before it is raised next",
+                                  config.backend)  # the error on its way out is the one to report
         shortfall = pa.concat_tables(shortfalls)
         writer.write_table(SHORTFALL_FILE, shortfall)
         writer.summary.update(_summary(writer.path, len(shards), shortfall, config, bar))
