@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 _CHUNK = 1 << 20
+_MODEL_HASHES: dict[tuple, str] = {}  # (folder, every file's name, size, mtime_ns, inode) -> fingerprint
 
 
 def canonical_json(value: Any) -> str:
@@ -35,11 +36,17 @@ def sha256_file(path: str | Path) -> str:
 def model_fingerprint(model: str) -> str:
     """``sha256:<hash>`` of a local model directory's files (relative names and bytes), so that a
     retrained model gets a new version and a moved one keeps it; ``hub:<name>`` for a hub name.
-    Hidden files (temporaries) do not count."""
+    Hidden files (temporaries) do not count. Within one process a folder whose files have kept their
+    names, sizes, modification times and inodes is not read again (a comparison's many train and
+    evaluate stages check one multi-GB model)."""
     path = Path(model).expanduser()
     if not path.is_dir():
         return f"hub:{model}"
     files = sorted(p for p in path.rglob("*") if p.is_file()
                    and not any(part.startswith(".") for part in p.relative_to(path).parts))
-    listing = [[f.relative_to(path).as_posix(), sha256_file(f)] for f in files]
-    return "sha256:" + short_hash(canonical_json(listing), length=64)
+    stats = [(f.relative_to(path).as_posix(), f.stat()) for f in files]
+    key = (str(path.resolve()), tuple((name, s.st_size, s.st_mtime_ns, s.st_ino) for name, s in stats))
+    if key not in _MODEL_HASHES:
+        listing = [[name, sha256_file(path / name)] for name, _ in stats]
+        _MODEL_HASHES[key] = "sha256:" + short_hash(canonical_json(listing), length=64)
+    return _MODEL_HASHES[key]

@@ -333,3 +333,20 @@ def test_misuse_is_refused_with_a_reason(tmp_path):
             w.write_shard(0, table(0))
             w.write_shard(2, table(2))
     assert not store.is_complete("demo", "v2")
+
+
+def test_a_model_folder_is_read_once_per_process_until_a_file_changes(tmp_path, monkeypatch):
+    from moplex_core import hashing
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "model.safetensors").write_bytes(b"weights")
+    (model / "config.json").write_text("{}")
+    reads = []
+    real = hashing.sha256_file
+    monkeypatch.setattr(hashing, "sha256_file", lambda path: reads.append(path) or real(path))
+    first = hashing.model_fingerprint(str(model))
+    assert hashing.model_fingerprint(str(model)) == first and len(reads) == 2  # the second call read nothing
+    time.sleep(0.01)
+    (model / "model.safetensors").write_bytes(b"weightz")  # the same size, other bytes
+    assert hashing.model_fingerprint(str(model)) != first and len(reads) == 4
