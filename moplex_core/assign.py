@@ -97,10 +97,10 @@ def plan_assign(train_dir: str | Path, rankings_dir: str | Path, store: Artifact
         raise ValueError(f"{rankings_dir} is not a rankings artifact (its stage is {rankings['stage']}); give "
                          f"{' or '.join(RANKING_STAGES)}/<version> (`moplex ingest --dataset generic --path FILE`)")
     resolved = _checked_device(device)
-    trained_cache = read_manifest(train_dir.parents[1] / train["inputs"]["cache"])
-    cache_config = _cache_config(trained_cache, device)
+    trained_cache_dir = train_dir.parents[1] / train["inputs"]["cache"]
+    cache_config = _cache_config(read_manifest(trained_cache_dir), device)
     cache = plan_cache(cache_config, rankings_dir, store)
-    check_cache_model(train_dir.parents[1] / train["inputs"]["cache"], cache.inputs["model"])
+    check_cache_model(trained_cache_dir)
     inputs = {"train": f"train/{train['version']}", "cache": str(cache.ref)}
     scored_in = identity_on_this_machine({"dtype": train["config"]["dtype"]}, device)
     version = store.version(STAGE, scored_in, inputs, CODE_VERSION)

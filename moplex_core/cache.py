@@ -186,14 +186,13 @@ def truncated_responses(rows: pa.Table, max_response_tokens: int | None, eos_tok
     return int(((lengths - starts == max_response_tokens) & (last != eos_token_id)).sum())
 
 
-def check_cache_model(cache_dir: str | Path, fingerprint: str | None = None) -> None:
+def check_cache_model(cache_dir: str | Path) -> None:
     """Refuse when the base model the cache recorded (config ``model``) is no longer the one it was
     built with: its files hash otherwise now (adapters trained or scored on it would sit on another
-    model, and every log pi_ref in the cache would be another model's). ``fingerprint``: the model's
-    `model_fingerprint` when the caller has it."""
+    model, and every log pi_ref in the cache would be another model's)."""
     manifest = read_manifest(cache_dir)
     model, built_with = manifest["config"]["model"], manifest["inputs"]["model"]
-    now = fingerprint or model_fingerprint(model)
+    now = model_fingerprint(model)  # memoised per process: the plan of a cache has just computed it
     if now != built_with:
         raise ValueError(f"the base model at {model} is not the one the cache at {cache_dir} was built with: its "
                          f"files hash to {now}, not {built_with}; restore that model (or rebuild the cache and "
