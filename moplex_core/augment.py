@@ -300,7 +300,7 @@ def run_augment(
             bar.close()
             if generator is not None:
                 try:
-                    generator.close()
+                    generator.close(failed=failed)
                 except Exception:
                     if not failed:
                         raise

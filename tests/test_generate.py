@@ -6,8 +6,10 @@ import importlib.util
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -166,6 +168,80 @@ def test_a_failing_worker_is_reported_with_its_status_and_log(tmp_path, tiny_mod
         _vllm(tiny_model_dir, worker=silent).sample(requests(n=1))
     with pytest.raises(VLLMWorkerError, match="could not start the vLLM worker"):
         _vllm(tiny_model_dir, python=str(tmp_path / "no-such-python"))
+
+
+# A stand-in for vllm_worker.py that speaks its protocol and, like vLLM, starts a process of its own
+# (here `sleep`) that inherits the protocol pipe; it writes that process's pid to engine.pid.
+ENGINE_WORKER = """
+import json, subprocess, sys
+from moplex_core.generate import vllm_worker
+engine = subprocess.Popen(["sleep", "600"], stdout=sys.stdout)
+open("engine.pid", "w").write(str(engine.pid))
+MODE = {mode!r}
+if MODE == "dies":
+    sys.exit(4)
+print(json.dumps({{"ready": True}}), flush=True)
+for line in sys.stdin:
+    command = json.loads(line)
+    if MODE == "hangs":
+        engine.wait()
+    rows = [{{"key": r["key"], "texts": [f"{{r['key']}}-{{j}}" for j in range(r["n"])], "token_counts": [1] * r["n"],
+             "finish_reasons": ["stop"] * r["n"]}} for r in vllm_worker.read_requests(command["requests"])]
+    vllm_worker.write_responses(command["responses"], rows)
+    print(json.dumps({{"responses": command["responses"]}}), flush=True)
+"""
+
+
+def _engine_worker(tmp_path: Path, tiny_model_dir: Path, mode: str) -> VLLMGenerator:
+    worker = tmp_path / f"{mode}_worker.py"
+    worker.write_text(ENGINE_WORKER.format(mode=mode))
+    return _vllm(tiny_model_dir, worker=worker)
+
+
+def _engine_pid(generator: VLLMGenerator) -> int:
+    return int((generator.exchange / "engine.pid").read_text())
+
+
+def _gone(pid: int) -> bool:
+    """Whether a process has ended (gone, or a zombie awaiting its new parent), within 5 s."""
+    stat = Path(f"/proc/{pid}/stat")
+    for _ in range(100):
+        if not stat.exists() or stat.read_text().rsplit(")", 1)[1].split()[0] == "Z":
+            return True
+        time.sleep(0.05)
+    return False
+
+
+@pytest.mark.timeout(60)
+def test_a_worker_that_dies_is_noticed_though_its_engine_holds_the_pipe_and_the_engine_is_ended(
+        tmp_path, tiny_model_dir):
+    generator = _engine_worker(tmp_path, tiny_model_dir, "dies")
+    with pytest.raises(VLLMWorkerError, match="status 4 before it sent 'ready'"):
+        generator.sample(requests(n=1))
+    assert _gone(_engine_pid(generator))
+    generator.close()  # after a reported failure: nothing more to raise, and the log stays
+    assert (generator.exchange / "worker.log").is_file()
+
+
+@pytest.mark.timeout(60)
+def test_a_clean_close_ends_the_workers_whole_process_group(tmp_path, tiny_model_dir):
+    generator = _engine_worker(tmp_path, tiny_model_dir, "serves")
+    samples = generator.sample(requests(n=2))
+    assert texts(samples) == [[f"p{i}-0", f"p{i}-1"] for i in range(len(PROMPTS))]
+    engine = _engine_pid(generator)
+    generator.close()  # the stand-in exits at the end of its input and leaves its engine running
+    assert generator._process.returncode == 0 and _gone(engine)
+    assert not generator.exchange.exists()
+
+
+@pytest.mark.timeout(60)
+def test_a_failing_stage_ends_a_busy_worker_at_once_and_keeps_its_log(tmp_path, tiny_model_dir):
+    generator = _engine_worker(tmp_path, tiny_model_dir, "hangs")
+    generator._expect("ready")
+    generator._send({"requests": "none.parquet", "responses": "none-out.parquet"})  # never answered
+    generator.close(failed=True)  # a clean close would wait for that answer (600 s)
+    assert generator._process.returncode == -signal.SIGTERM and _gone(_engine_pid(generator))
+    assert (generator.exchange / "worker.log").is_file()
 
 
 def _vllm_python() -> str | None:

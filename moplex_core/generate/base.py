@@ -52,8 +52,9 @@ class Generator(Protocol):
         more to give for that request (asking again would not help)."""
         ...
 
-    def close(self) -> None:
-        """Release what the generator holds (a worker process, GPU memory)."""
+    def close(self, failed: bool = False) -> None:
+        """Release what the generator holds (a worker process, GPU memory). ``failed``: the stage is
+        ending on an error or an interrupt, so release at once rather than finish work in hand."""
         ...
 
 

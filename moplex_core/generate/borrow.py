@@ -55,5 +55,5 @@ class BorrowGenerator:
             out.append([Sample(candidates[i], 0) for i in order])
         return out
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
         return None

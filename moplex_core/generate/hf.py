@@ -123,7 +123,7 @@ class HFGenerator:
                 samples[r][j] = sample
         return [[s for s in row if s is not None] for row in samples]
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
         del self._model
         if self.device.type == "cuda":
             torch.cuda.empty_cache()

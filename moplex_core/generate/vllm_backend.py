@@ -7,6 +7,13 @@ worker's stdin and waits for the worker to name the response shard (the protocol
 vllm_worker's docstring). The worker's stderr goes to ``worker.log`` in that folder; when the
 worker dies, the error gives its exit status and the end of that log, and the folder is kept.
 
+The worker leads its own process group, and every way out of it ends that whole group: vLLM starts
+an engine process (``VLLM::EngineCore``) that holds the GPU memory and, forked, a copy of the
+protocol pipe, so ending the worker alone could leave the memory taken and the parent waiting on a
+pipe that never closes. The parent therefore watches the worker itself while it waits for a line,
+not only the pipe. If moplex is killed outright (no ``finally`` runs), the worker ends when it next
+reads a request or writes an answer.
+
 Prompts are rendered here with moplex_core.lm.tokenize.encode_prompt, so the worker generates from
 exactly the prompt tokens the hf backend and the cache stage use.
 """
@@ -16,9 +23,12 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import select
 import shutil
+import signal
 import subprocess
 import tempfile
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import IO, Any
@@ -34,6 +44,9 @@ WORKER = Path(vllm_worker.__file__)
 # folder would come first on sys.path, and a module there could shadow an installed package.
 _LAUNCH = "import runpy, sys; sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"
 _LOG_TAIL = 3000
+_POLL_S = 0.5  # how often a wait for a protocol line checks that the worker is still running
+_CLOSE_S = 120.0  # how long a clean close waits for the worker to finish and exit
+_TERM_S = 10.0  # how long an aborting close waits after SIGTERM before SIGKILL
 
 
 def request_rows(
@@ -95,7 +108,8 @@ class VLLMGenerator:
         try:
             self._process = subprocess.Popen(
                 [self.python, "-c", _LAUNCH, str(self.worker), "--settings", "settings.json"],
-                cwd=self.exchange, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True,
+                cwd=self.exchange, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log,
+                process_group=0,  # its own group: see the module docstring
             )
         except OSError as err:
             self._log.close()
@@ -103,6 +117,7 @@ class VLLMGenerator:
                 f"could not start the vLLM worker with vllm_python={python!r} ({err}); set vllm_python to "
                 "the python of an environment with vllm and pyarrow installed"
             ) from err
+        self._pending = b""  # bytes read from the worker's stdout after the last whole line
         self._ready = False
         self._failed = False  # a VLLMWorkerError was raised: close() must not raise it again
         self._calls = 0
@@ -131,20 +146,18 @@ class VLLMGenerator:
             for r in requests
         ]
 
-    def close(self) -> None:
-        """End the worker (end of its input) and check that it exited cleanly; after a failure already
-        reported, only make sure it is gone (its exchange folder and log stay for reading)."""
-        if self._process.stdin and not self._process.stdin.closed:
-            with contextlib.suppress(BrokenPipeError):
-                self._process.stdin.close()
-        try:
-            status = self._process.wait(timeout=5 if self._failed else 120)
-        except subprocess.TimeoutExpired:
-            self._process.kill()
-            status = self._process.wait()
-        if self._failed:
+    def close(self, failed: bool = False) -> None:
+        """End the worker and check that it exited cleanly: at the end of its input it finishes the
+        shard in hand and exits. When the stage is failing (``failed``, Ctrl-C included) or a worker
+        failure was already reported, end its process group at once instead (SIGTERM, then SIGKILL)
+        and keep the exchange folder and log for reading."""
+        if failed or self._failed:
+            self._stop(signal.SIGTERM, _TERM_S)
             self._log.close()
             return
+        with contextlib.suppress(BrokenPipeError):
+            self._stdin().close()
+        status = self._stop(None, _CLOSE_S)
         if status != 0:
             error = self._died(status, "while shutting down")
             self._log.close()
@@ -152,27 +165,69 @@ class VLLMGenerator:
         self._log.close()
         shutil.rmtree(self.exchange, ignore_errors=True)
 
+    def _stdin(self) -> IO[bytes]:
+        return self._process.stdin  # type: ignore[return-value]
+
     def _send(self, message: dict[str, Any]) -> None:
-        stdin: IO[str] = self._process.stdin  # type: ignore[assignment]
         try:
-            stdin.write(json.dumps(message) + "\n")
-            stdin.flush()
+            self._stdin().write((json.dumps(message) + "\n").encode())
+            self._stdin().flush()
         except BrokenPipeError:
-            raise self._died(self._process.wait(), "before it read a request") from None
+            raise self._died(self._stop(None, _TERM_S), "before it read a request") from None
 
     def _expect(self, field: str) -> dict[str, Any]:
-        stdout: IO[str] = self._process.stdout  # type: ignore[assignment]
-        line = stdout.readline()
-        if not line:
-            raise self._died(self._process.wait(), f"before it sent {field!r}")
+        line = self._read_line()
+        if line is None:
+            raise self._died(self._stop(None, _TERM_S), f"before it sent {field!r}")
         try:
             message = json.loads(line)
         except json.JSONDecodeError:
             message = {}
         if field not in message:
-            self._process.kill()
-            raise self._died(self._process.wait(), f"after an unexpected line {line.strip()[:200]!r} (wanted {field!r})")
+            text = line.decode(errors="replace").strip()[:200]
+            raise self._died(self._stop(signal.SIGKILL, 0), f"after an unexpected line {text!r} (wanted {field!r})")
         return message
+
+    def _read_line(self) -> bytes | None:
+        """The worker's next protocol line, or None once it has exited (or closed its stdout) without
+        one. The worker's exit is noticed even while a process it started still holds the pipe."""
+        fd = self._process.stdout.fileno()  # type: ignore[union-attr]
+        while b"\n" not in self._pending:
+            exited = self._exited()  # before the select: what it wrote before exiting is then readable
+            readable, _, _ = select.select([fd], [], [], 0 if exited else _POLL_S)
+            if readable:
+                chunk = os.read(fd, 1 << 16)
+                if chunk:
+                    self._pending += chunk
+                    continue
+            if exited or readable:  # the worker is gone, or the pipe is closed
+                return None
+        line, _, self._pending = self._pending.partition(b"\n")
+        return line
+
+    def _exited(self) -> bool:
+        """Whether the worker has exited, without reaping it: until it is reaped its pid stays its
+        process group's id, so `_stop` cannot signal a group that reused the number."""
+        if self._process.returncode is not None:
+            return True
+        return os.waitid(os.P_PID, self._process.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+
+    def _stop(self, first: signal.Signals | None, grace_s: float) -> int:
+        """Send ``first`` (if any) to the worker's process group, give the worker ``grace_s`` seconds
+        to exit, SIGKILL whatever is left of the group (the worker, vLLM's engine processes) and
+        return the worker's exit status."""
+        if first is not None and not self._exited():
+            self._signal_group(first)
+        deadline = time.monotonic() + grace_s
+        while not self._exited() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        self._signal_group(signal.SIGKILL)
+        return self._process.wait()
+
+    def _signal_group(self, sig: signal.Signals) -> None:
+        if self._process.returncode is None:  # not reaped yet: the group id is still the worker's
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self._process.pid, sig)
 
     def _died(self, status: int, when: str) -> VLLMWorkerError:
         self._failed = True
