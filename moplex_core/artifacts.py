@@ -393,7 +393,9 @@ class ArtifactWriter:
       temporaries are deleted; ``has_shard``/``has_file`` tell the body what it may skip.
 
     On a clean exit the manifest is written: config, inputs, rows (sum over shards), the sha256 of
-    every file, start and finish times, library versions and ``w.summary`` (stage-specific numbers).
+    every file, start and finish times, library versions, ``w.summary`` (stage-specific numbers),
+    and ``runs``: the start time, config and library versions of every run that worked on the
+    version, failed attempts included (the top-level config is the last run's).
     On an exception nothing is committed and finished files stay for the next run.
     Code that writes its own files under ``w.path`` must write them under a hidden temporary name
     and rename them into place, as this class does.
@@ -456,9 +458,10 @@ class ArtifactWriter:
             self.reused = _visible_files(self.path)
             if self.reused:
                 log.info("%s resumes an interrupted run; reusing %d finished file(s)", self.ref, len(self.reused))
-            started = self.path / _STARTED
-            if not started.exists():
-                started.write_text(_now())
+            with open(self.path / _STARTED, "a") as started:  # one line per run of this version
+                started.write(json.dumps({"started": _now(), "config": self._config,
+                                          "library_versions": _library_versions()},
+                                         sort_keys=True, default=str) + "\n")
 
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
@@ -566,6 +569,7 @@ class ArtifactWriter:
         }
         _sync_tree(self.path, files)  # what other code wrote into the block (PEFT, EM) reaches the disk first
         started = self.path / _STARTED
+        runs = _runs(started) or [{"started": _now()}]
         manifest = {
             "stage": self.ref.stage,
             "version": self.ref.version,
@@ -576,9 +580,10 @@ class ArtifactWriter:
             "shards": len(shards),
             "files": files,
             "summary": self.summary,
-            "started": started.read_text() if started.exists() else _now(),
+            "started": runs[0]["started"],
             "finished": _now(),
             "resumed": bool(self.reused),
+            "runs": runs,
             "library_versions": _library_versions(),
         }
         with atomic_path(self.path / MANIFEST) as tmp:
@@ -656,6 +661,21 @@ def _fsync_dir(directory: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _runs(started: Path) -> list[dict[str, Any]]:
+    """The runs that wrote a version, first first, from its start marker: each run's start time,
+    config and library versions (a marker of an older moplex holds a bare start time)."""
+    if not started.exists():
+        return []
+    runs = []
+    for line in started.read_text().splitlines():
+        try:
+            run = json.loads(line)
+        except ValueError:
+            run = None
+        runs.append(run if isinstance(run, dict) and "started" in run else {"started": line.strip()})
+    return [run for run in runs if run["started"]]
 
 
 def _now() -> str:

@@ -68,6 +68,7 @@ def _version_report(version_dir: Path, rows: int) -> str:
             f"rows:     {_size(manifest)}",
             f"code:     {manifest.get('code_version') or '-'}",
             f"started:  {manifest.get('started')}   finished: {manifest.get('finished')}",
+            *_earlier_runs(manifest),
             "inputs:   " + (", ".join(f"{k} = {v}" for k, v in manifest["inputs"].items()) or "none"),
             "config:", *_key_lines(manifest["config"]),
         ]
@@ -152,6 +153,22 @@ def _head(files: list[Path], rows: int) -> list[dict[str, Any]]:
 def _cell(value: Any) -> str:
     text = f"{len(value)} items: {value!r}" if isinstance(value, list) else repr(value)
     return text if len(text) <= _CELL else text[: _CELL - 3] + "..."
+
+
+def _earlier_runs(manifest: dict[str, Any]) -> list[str]:
+    """For a version written over several runs: each earlier run's start, and what it ran with that
+    the finishing run did not (config values, library versions)."""
+    runs = manifest.get("runs") or []
+    if len(runs) < 2:
+        return []
+    lines = [f"runs:     {len(runs)} (this version was worked on by {len(runs) - 1} earlier run(s))"]
+    final = {"config": manifest.get("config", {}), "library_versions": manifest.get("library_versions", {})}
+    for i, run in enumerate(runs[:-1], 1):
+        changes = [f"{key} {json.dumps(value)} (last: {json.dumps(final[field].get(key))})"
+                   for field in final for key, value in sorted((run.get(field) or {}).items())
+                   if value != final[field].get(key)]
+        lines.append(f"  run {i} started {run['started']}: " + ("; ".join(changes) if changes else "same config and libraries"))
+    return lines
 
 
 def _key_lines(mapping: dict[str, Any]) -> list[str]:

@@ -183,6 +183,32 @@ def test_a_failed_writer_commits_nothing_and_the_next_one_reuses_finished_shards
     assert store.load("demo", "v1")["row"].tolist() == list(range(30))
 
 
+def test_the_manifest_of_a_resumed_version_records_every_run_with_its_config_and_libraries(tmp_path):
+    store = ArtifactStore(tmp_path)
+    with pytest.raises(RuntimeError, match="boom"):
+        with store.writer("demo", "v1", config={"threads": 2}) as w:
+            w.write_shard(0, table(0))
+            raise RuntimeError("boom")
+    marker = tmp_path / "demo" / "v1" / ".started"
+    first = json.loads(marker.read_text())
+    first["library_versions"]["torch"] = "0.0.1"  # as if the first run had another torch
+    marker.write_text(json.dumps(first) + "\n")
+    with store.writer("demo", "v1", config={"threads": 1}) as w:
+        w.write_shard(1, table(1))
+    manifest = store.manifest("demo", "v1")
+    assert [run["config"] for run in manifest["runs"]] == [{"threads": 2}, {"threads": 1}]
+    assert manifest["started"] == manifest["runs"][0]["started"] and manifest["config"] == {"threads": 1}
+    assert manifest["runs"][1]["library_versions"] == manifest["library_versions"]
+    report = inspect_path(tmp_path / "demo" / "v1")
+    assert "runs:     2 (this version was worked on by 1 earlier run(s))" in report
+    assert 'threads 2 (last: 1)' in report and f'torch "0.0.1" (last: "{manifest["library_versions"]["torch"]}")' in report
+
+    with store.writer("demo", "v2", config={}) as w:
+        w.write_shard(0, table(0))
+        (w.path / ".started").write_text("2026-11-24T00:00:00+00:00\n")  # the marker of an older moplex
+    assert store.manifest("demo", "v2")["runs"] == [{"started": "2026-11-24T00:00:00+00:00"}]
+
+
 def test_an_unreadable_shard_is_rewritten_not_trusted(tmp_path):
     store = ArtifactStore(tmp_path)
     path = tmp_path / "demo" / "v1"
