@@ -7,7 +7,8 @@ the `validation` split and applied to `test`. Ranking accuracy is reported three
                (the paper's number; optimistic, the ranking chooses its own scorer)
     oracle     routed by the true label through the matching (needs labels; a label left without a
                partner, as with k = 1, goes to the cluster holding most of its validation members)
-    marginal   the alpha-weighted mixture of the k scorers, no label and no ranking used
+    marginal   the alpha-weighted sum of the k scorers' scores (a log-linear pool, not the mixture of
+               their Plackett-Luce probabilities), no label and no ranking used
 
 Output rows: (split, metric, cluster, value); cluster is "all" for averages. The evaluate stage adds
 rows of split ``train_em``, from the train artifact's own posteriors of the training rankings (no

@@ -80,7 +80,9 @@ class RankingIndex:
 
 
 def prepare_rankings(tiers: torch.Tensor, ranked_prefix: torch.Tensor | int | None = None) -> RankingIndex:
-    """Sort every slate by tier once. tiers: int64 [..., M]; ranked_prefix: broadcastable to [...]."""
+    """Sort every slate by tier once. tiers: int64 [..., M]; ranked_prefix: broadcastable to [...]
+    under numpy's rules, trailing dimensions first: with tiers [n, k, M], a prefix per ranking is [n, 1]
+    (an [n] prefix would be read as one per cluster)."""
     valid = tiers != PAD
     if ranked_prefix is not None:
         prefix = torch.as_tensor(ranked_prefix, device=tiers.device).unsqueeze(-1)

@@ -72,7 +72,7 @@ def write_report(writer, metrics: pd.DataFrame, diagnostics: pd.DataFrame, em_re
         "correctly ordered pairs of original responses (ties in the ground truth excluded), with each "
         "ranking scored by: `posterior` its own argmax-gamma cluster (gamma computed from that ranking, "
         "the paper's number, optimistic), `oracle` the cluster matched to its true label, `marginal` "
-        "the alpha-weighted mixture (no label, no ranking).",
+        "the alpha-weighted sum of the k clusters' scores (no label, no ranking).",
         "",
         "## Overall",
         "",

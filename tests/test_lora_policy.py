@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 
@@ -16,12 +17,13 @@ from moplex_core.artifacts import ArtifactStore
 from moplex_core.cache import load_policy_inputs, run_cache
 from moplex_core.config import CacheConfig
 from moplex_core.em import EMConfig, initial_responsibilities
-from moplex_core.lm.loading import load_model
-from moplex_core.lm.logprobs import output_score_features, sequence_logprobs
-from moplex_core.lm.tokenize import TokenizedResponse, pad_batch
+from moplex_core.estimate import reference_terms, response_embeddings
+from moplex_core.lm.loading import load_model, load_tokenizer
+from moplex_core.lm.logprobs import embed, output_score_features, sequence_logprobs
+from moplex_core.lm.tokenize import TokenizedResponse, pad_batch, tokenize_responses
 from moplex_core.lm.multi_lora import LoRASettings
-from moplex_core.pl import PAD
-from moplex_core.scorers.lora_policy import LoRAPolicyScorer
+from moplex_core.pl import PAD, encode_tiers_batch
+from moplex_core.scorers.lora_policy import LoRAPolicyScorer, PolicyInputs
 
 SMALL = LoRASettings(r=4, alpha=8.0, target_modules=("q_proj", "v_proj", "down_proj"))
 
@@ -349,3 +351,55 @@ def test_estimates_within_the_fallback_threshold_change_nothing(tiny_model_dir, 
         policy.fit(inputs, inputs.rankings(), torch.ones(len(inputs), 2, dtype=torch.float64), 0)
     torch.testing.assert_close(guarded.score(inputs, 0), plain.score(inputs, 0), rtol=0, atol=0)
     assert guarded.anchors == 2 and guarded.fell_back is None
+
+
+@pytest.mark.parametrize("estimation", ["delta", "logpi"])
+def test_estimates_under_moved_adapters_are_algorithm_1_by_finite_differences(tiny_model_dir, float64_rmsnorm,  # noqa: F811
+                                                                               estimation):
+    """With the adapters away from the reference, each non-anchor estimate is Algorithm 1 computed
+    independently: the anchors' mean of their exact value plus the directional derivative, by central
+    finite differences in float64, along the aligned embedding difference e_j - e_i (delta mode: of
+    log pi_c - log pi_ref; logpi mode: of log pi_c, with log pi_ref(y_i) - log pi_ref(y_j) added)."""
+    sc = LoRAPolicyScorer(tiny_model_dir, 2, anchors=2, estimation=estimation, dtype=torch.float64, lora=SMALL,
+                          score_batch_size=3, seed=1)
+    seqs = tuple(tokenize_responses(load_tokenizer(tiny_model_dir), "Rank by criterion 1: which list is best?",
+                                    ["3 1 2", "5 0 2 7", "1 1", "4 2 9 9 1"]))
+    ref_logp, s_ref = reference_terms(sc.model, seqs, sc.pad_token_id)  # float64 [4], float32 [4, 4]
+    generator = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for p in sc.lora.named_parameters().values():
+            p.add_(0.05 * torch.randn(p.shape, generator=generator, dtype=p.dtype))
+    one = PolicyInputs(("ex",), (seqs,), ref_logp[None], s_ref[None], encode_tiers_batch([[[0], [1], [2], [3]]], [4]))
+    estimated = sc.score(one, iteration=4)[0] / sc.beta  # [k, M]: delta estimates (exact at anchors)
+    anchors = sc.last_scores.is_anchor[0].nonzero().flatten().tolist()
+    exact = sc.exact_scores(one)[0] / sc.beta  # [k, M]
+    emb, lengths = response_embeddings(sc.model, seqs)  # [M, T, d], [M]
+
+    def logp(i: int, embeds: torch.Tensor, cluster: int | None) -> float:
+        batch = pad_batch([seqs[i]], sc.pad_token_id)
+        with sc.lora.route([cluster]) if cluster is not None else contextlib.nullcontext(), torch.no_grad():
+            return sequence_logprobs(sc.model, batch.input_ids, batch.attention_mask, batch.response_mask,
+                                     inputs_embeds=embeds).item()
+
+    def derivative(i: int, j: int, cluster: int | None) -> float:
+        """d log pi(y_i) along e_j - e_i over the aligned response positions (Richardson-extrapolated)."""
+        batch = pad_batch([seqs[i]], sc.pad_token_id)
+        h = embed(sc.model, batch.input_ids).detach()  # [1, L, d]
+        direction = torch.zeros_like(h)
+        cut, start = int(min(lengths[i], lengths[j])), seqs[i].response_start
+        direction[0, start:start + cut] = (emb[j, :cut] - emb[i, :cut]).to(h.dtype)
+
+        def central(eps: float) -> float:
+            return (logp(i, h + eps * direction, cluster) - logp(i, h - eps * direction, cluster)) / (2 * eps)
+
+        return (4 * central(0.01) - central(0.02)) / 3
+
+    assert len(anchors) == 2
+    for c in range(2):
+        for j in set(range(4)) - set(anchors):
+            if estimation == "delta":
+                by_hand = sum(exact[c, i] + derivative(i, j, c) - derivative(i, j, None) for i in anchors) / 2
+            else:
+                by_hand = sum(exact[c, i] + ref_logp[i] + derivative(i, j, c) for i in anchors) / 2 - ref_logp[j]
+            assert float(estimated[c, j]) == pytest.approx(float(by_hand), abs=1e-5), (c, j)
+            assert abs(float(estimated[c, j] - exact[c, j])) > 1e-3  # moved adapters: a real estimate, not the exact value
