@@ -23,6 +23,15 @@ def one_torch_thread() -> Iterator[None]:
     torch.set_num_threads(threads)
 
 
+@pytest.fixture(autouse=True)
+def temporary_files_in_the_tests_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What the code under test puts in the system's temporary folder (a failed vLLM worker's
+    exchange folder, kept for its log) goes to the test's own folder, which pytest cleans up."""
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+
+
 @pytest.fixture(scope="session")
 def fixtures_dir() -> Path:
     """Small hand-written files in each dataset's raw schema."""
