@@ -95,7 +95,7 @@ class AugmentPlan:
     ref: ArtifactRef
     path: Path
     rankings: Path  # the input rankings version folder
-    inputs: dict[str, str]  # {"rankings": "ingest/<version>", "model": "sha256:..." | "hub:<name>"}
+    inputs: dict[str, str]  # {"rankings": "ingest/<version>", "model": "sha256:..." | "hub:<name>@<commit>"}
     complete: bool
 
 

@@ -193,10 +193,16 @@ def check_cache_model(cache_dir: str | Path) -> None:
     manifest = read_manifest(cache_dir)
     model, built_with = manifest["config"]["model"], manifest["inputs"]["model"]
     now = model_fingerprint(model)  # memoised per process: the plan of a cache has just computed it
+    if built_with == f"hub:{model}" and now != built_with:
+        log.warning("the cache at %s was planned before hub model %s was in the local Hugging Face cache, so "
+                    "which commit it was built with is not recorded and cannot be checked against the one cached "
+                    "now (%s); download a hub model before its first stage (`hf download %s`) to pin it",
+                    cache_dir, model, now.partition("@")[2], model)
+        return
     if now != built_with:
         raise ValueError(f"the base model at {model} is not the one the cache at {cache_dir} was built with: its "
-                         f"files hash to {now}, not {built_with}; restore that model (or rebuild the cache and "
-                         "retrain on the new one)")
+                         f"identity is {now} now, not {built_with}; restore that model (a hub name loads the commit that "
+                         "refs/main names in the local Hugging Face cache), or rebuild the cache and retrain on the new one")
 
 
 def load_policy_inputs(cache_dir: str | Path, split: str | None = "train"):

@@ -35,13 +35,20 @@ def sha256_file(path: str | Path) -> str:
 
 def model_fingerprint(model: str) -> str:
     """``sha256:<hash>`` of a local model directory's files (relative names and bytes), so that a
-    retrained model gets a new version and a moved one keeps it; ``hub:<name>`` for a hub name.
-    Hidden files (temporaries) do not count. Within one process a folder whose files have kept their
-    names, sizes, modification times and inodes is not read again (a comparison's many train and
-    evaluate stages check one multi-GB model)."""
+    retrained model gets a new version and a moved one keeps it. Hidden files (temporaries) do not
+    count. Within one process a folder whose files have kept their names, sizes, modification times
+    and inodes is not read again (a comparison's many train and evaluate stages check one multi-GB
+    model).
+
+    A hub name is ``hub:<name>@<commit>``, the commit of the local Hugging Face cache's snapshot it
+    loads from, so a model updated on the hub and downloaded again is another model; a hub name that
+    is not in the local cache yet is ``hub:<name>``, unpinned (it is downloaded as it loads)."""
     path = Path(model).expanduser()
     if not path.is_dir():
-        return f"hub:{model}"
+        from moplex_core.lm.loading import hub_snapshot  # torch and transformers: only for hub names
+
+        snapshot = hub_snapshot(model)
+        return f"hub:{model}@{snapshot.name}" if snapshot is not None else f"hub:{model}"
     files = sorted(p for p in path.rglob("*") if p.is_file()
                    and not any(part.startswith(".") for part in p.relative_to(path).parts))
     stats = [(f.relative_to(path).as_posix(), f.stat()) for f in files]

@@ -9,16 +9,31 @@ from __future__ import annotations
 
 import functools
 import random
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
+from huggingface_hub import constants as hf_constants
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from transformers.models.qwen3 import modeling_qwen3
 
 from moplex_core.lm.tiny import build_tiny_model, build_tiny_tokenizer
 
 PRETRAIN_STEPS = 40
+HUB_NAME = "moplex-tests/tiny-qwen3"
+
+
+def as_cached_hub_model(model_dir: Path, hub_cache: Path, commit: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Put ``model_dir`` into a Hugging Face cache at ``hub_cache`` as HUB_NAME at ``commit`` (the layout
+    huggingface_hub writes: models--owner--name/{refs/main, snapshots/<commit>/...}), make ``commit``
+    the one HUB_NAME loads at, and point huggingface_hub at that cache, offline."""
+    repo = hub_cache / f"models--{HUB_NAME.replace('/', '--')}"
+    shutil.copytree(model_dir, repo / "snapshots" / commit)
+    (repo / "refs").mkdir(exist_ok=True)
+    (repo / "refs" / "main").write_text(commit)
+    monkeypatch.setattr(hf_constants, "HF_HUB_CACHE", str(hub_cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
 
 
 def tiny_pairs(n: int = 120, seed: int = 0) -> list[tuple[str, str]]:

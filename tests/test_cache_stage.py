@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 
@@ -9,7 +10,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-from lm_fixtures import tiny_model_dir  # noqa: F401  (fixture)
+from lm_fixtures import HUB_NAME, as_cached_hub_model, tiny_model_dir  # noqa: F401  (fixture)
 from stage_fixtures import write_synthetic
 
 from moplex_core.artifacts import ArtifactStore, load_table
@@ -82,6 +83,25 @@ def test_train_refuses_a_base_model_changed_since_the_cache_was_built(tiny_model
     with pytest.raises(ValueError, match="restore that model"):
         run_train(TrainConfig(k=2, anchors=None), cache, store, progress=False)
     assert not (store.root / "train").exists()
+
+
+def test_a_hub_models_cache_records_its_commit_and_refuses_another(tiny_model_dir, tmp_path, monkeypatch,  # noqa: F811
+                                                                    caplog):
+    as_cached_hub_model(tiny_model_dir, tmp_path / "hub", "a" * 40, monkeypatch)
+    store = ArtifactStore(tmp_path / "artifacts")
+    cache = run_cache(CacheConfig(model=HUB_NAME), write_synthetic(store, n=6, m=3), store, progress=False).path
+    assert store.manifest("cache", cache.name)["inputs"]["model"] == f"hub:{HUB_NAME}@{'a' * 40}"
+    check_cache_model(cache)
+    as_cached_hub_model(tiny_model_dir, tmp_path / "hub", "b" * 40, monkeypatch)  # the hub's main moved on
+    with pytest.raises(ValueError, match=f"its identity is hub:{HUB_NAME}@b+ now, not hub:{HUB_NAME}@a+"):
+        check_cache_model(cache)
+
+    manifest = json.loads((cache / "manifest.json").read_text())
+    manifest["inputs"]["model"] = f"hub:{HUB_NAME}"  # what a cache planned before the model was downloaded records
+    (cache / "manifest.json").write_text(json.dumps(manifest))
+    check_cache_model(cache)
+    assert f"which commit it was built with is not recorded and cannot be checked against the one cached now " \
+           f"({'b' * 40})" in caplog.text
 
 
 def test_a_killed_cache_resumes_by_shard(tiny_model_dir, tmp_path):  # noqa: F811

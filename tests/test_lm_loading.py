@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from huggingface_hub import constants as hf_constants
-from lm_fixtures import tiny_model_dir  # noqa: F401 (session fixture)
+from lm_fixtures import HUB_NAME, as_cached_hub_model, tiny_model_dir  # noqa: F401 (session fixture)
 from transformers import Qwen3ForCausalLM
 
+from moplex_core.hashing import model_fingerprint
 from moplex_core.lm.loading import load_model, load_tokenizer
 
 
@@ -60,19 +60,21 @@ def test_an_uncached_hub_model_while_offline_asks_for_a_local_path(monkeypatch, 
 def test_a_hub_name_loads_offline_from_its_snapshot_in_the_local_cache(
     tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # The layout huggingface_hub writes: models--owner--name/{refs/main, snapshots/<commit>/...}.
-    repo = tmp_path / "hub" / "models--moplex-tests--tiny-qwen3"
-    commit = "0" * 40
-    shutil.copytree(tiny_model_dir, repo / "snapshots" / commit)
-    (repo / "refs").mkdir()
-    (repo / "refs" / "main").write_text(commit)
-    monkeypatch.setattr(hf_constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    as_cached_hub_model(tiny_model_dir, tmp_path / "hub", "0" * 40, monkeypatch)
     monkeypatch.chdir(tmp_path)
 
-    model = load_model("moplex-tests/tiny-qwen3")
-    tokenizer = load_tokenizer("moplex-tests/tiny-qwen3")
+    model = load_model(HUB_NAME)
+    tokenizer = load_tokenizer(HUB_NAME)
     assert isinstance(model, Qwen3ForCausalLM) and tokenizer.eos_token == "<|im_end|>"
+
+
+def test_a_hub_name_is_pinned_to_the_commit_it_loads_at(tiny_model_dir: Path, tmp_path: Path,  # noqa: F811
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    as_cached_hub_model(tiny_model_dir, tmp_path / "hub", "a" * 40, monkeypatch)
+    assert model_fingerprint(HUB_NAME) == f"hub:{HUB_NAME}@{'a' * 40}"
+    as_cached_hub_model(tiny_model_dir, tmp_path / "hub", "b" * 40, monkeypatch)  # updated on the hub, downloaded
+    assert model_fingerprint(HUB_NAME) == f"hub:{HUB_NAME}@{'b' * 40}"
+    assert model_fingerprint("moplex-tests/not-cached") == "hub:moplex-tests/not-cached"  # downloaded as it loads
 
 
 def test_an_unknown_dtype_name_is_refused(tiny_model_dir: Path) -> None:

@@ -114,17 +114,27 @@ def _from_pretrained(auto_class: type, name_or_path: str | Path, **kwargs: Any) 
             f"model path {name!r} does not exist (resolved to {str(path.resolve())!r}); pass an "
             "existing directory written by save_pretrained, or a hub name such as 'Qwen/Qwen3-0.6B'"
         )
-    # A pure file-system lookup: from_pretrained(local_files_only=True) would still reach for the
-    # network (huggingface_hub's user-agent telemetry), which hangs for seconds on these machines.
-    cached = try_to_load_from_cache(name, marker)
-    if isinstance(cached, str):
-        return auto_class.from_pretrained(str(Path(cached).parent), **kwargs)
+    snapshot = hub_snapshot(name, marker)
+    if snapshot is not None:
+        return auto_class.from_pretrained(str(snapshot), **kwargs)
     if _hub_offline():
         raise ModelUnavailableError(_not_found_message(name, path, "HF_HUB_OFFLINE is set"))
     try:
         return auto_class.from_pretrained(name, **kwargs)
     except OSError as hub_error:
         raise OSError(_not_found_message(name, path, f"downloading it failed ({hub_error})")) from hub_error
+
+
+def hub_snapshot(name: str, file: str = "config.json") -> Path | None:
+    """The snapshot folder of the local Hugging Face cache that hub name ``name`` loads from: the
+    commit its ``refs/main`` names, which is also the folder's name. None when ``name`` is no hub
+    name or its ``file`` is not cached. A pure file-system lookup: from_pretrained(local_files_only=
+    True) would still reach for the network (huggingface_hub's user-agent telemetry), which hangs for
+    seconds on machines without it."""
+    if not _HUB_NAME.match(name):
+        return None
+    cached = try_to_load_from_cache(name, file)
+    return Path(cached).parent if isinstance(cached, str) else None
 
 
 def _hub_offline() -> bool:
