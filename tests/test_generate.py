@@ -17,7 +17,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from lm_fixtures import tiny_model_dir, tiny_tokenizer  # noqa: F401 - fixtures
+from lm_fixtures import HUB_NAME, as_cached_hub_model, tiny_model_dir, tiny_tokenizer  # noqa: F401 - fixtures
 from moplex_core.augment import Group, fill_groups
 from moplex_core.generate import vllm_worker
 from moplex_core.generate.base import SampleRequest, normalise, request_seed, sample_seed
@@ -144,7 +144,7 @@ def test_vllm_request_shards_round_trip_and_build_vllm_arguments(tmp_path, tiny_
         vllm_worker.read_settings(tmp_path / "settings.json")
 
 
-def _vllm(tiny_model_dir: Path, python: str = sys.executable, **kwargs) -> VLLMGenerator:
+def _vllm(tiny_model_dir: Path | str, python: str = sys.executable, **kwargs) -> VLLMGenerator:
     return VLLMGenerator(str(tiny_model_dir), python=python, max_new_tokens=8, **kwargs)
 
 
@@ -210,6 +210,15 @@ def _gone(pid: int) -> bool:
             return True
         time.sleep(0.05)
     return False
+
+
+def test_the_worker_loads_a_cached_hub_model_from_the_snapshot_its_fingerprint_names(tmp_path, tiny_model_dir,
+                                                                                    monkeypatch):
+    as_cached_hub_model(tiny_model_dir, tmp_path / "hub", "c" * 40, monkeypatch)
+    generator = _vllm(HUB_NAME, worker=tmp_path / "no_worker.py")
+    generator.close(failed=True)
+    settings = json.loads((generator.exchange / "settings.json").read_text())
+    assert Path(settings["model"]) == tmp_path / "hub" / "models--moplex-tests--tiny-qwen3" / "snapshots" / ("c" * 40)
 
 
 @pytest.mark.timeout(60)

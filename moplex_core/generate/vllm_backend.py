@@ -37,7 +37,7 @@ from transformers import PreTrainedTokenizerBase
 
 from moplex_core.generate import vllm_worker
 from moplex_core.generate.base import Sample, SampleRequest, request_prompt_ids
-from moplex_core.lm.loading import load_tokenizer
+from moplex_core.lm.loading import hub_snapshot, load_tokenizer
 
 WORKER = Path(vllm_worker.__file__)
 # Run the worker by path with the exchange folder as the working directory: as a script, its own
@@ -99,8 +99,9 @@ class VLLMGenerator:
         self.max_prompt_tokens = max_prompt_tokens
         self._tokenizer = load_tokenizer(model)
         self.exchange = Path(tempfile.mkdtemp(prefix="moplex-vllm-"))
+        snapshot = hub_snapshot(model)  # the worker loads the very snapshot the model's fingerprint names
         self.settings = {
-            "model": model, "dtype": dtype, "seed": seed, "gpu_memory_utilization": gpu_memory_utilization,
+            "model": str(snapshot) if snapshot is not None else model, "dtype": dtype, "seed": seed, "gpu_memory_utilization": gpu_memory_utilization,
             "temperature": temperature, "top_p": top_p, "max_tokens": max_new_tokens,
         }
         (self.exchange / "settings.json").write_text(json.dumps(self.settings, indent=2))
