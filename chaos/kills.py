@@ -293,12 +293,13 @@ def _kill_rerun_compare(point: KillPoint, job: StageJob, root: Path, reference: 
 
 def finished_work(version_dir: Path, stage: str) -> dict[str, tuple[int, int]]:
     """(inode, mtime_ns) of every finished unit's files, by relative name: the visible shards, or for
-    train every file of an EM iteration whose state.json (written last) exists."""
+    train every file of an EM iteration whose state.json (written last) exists, but its state.pt
+    (deleted by design once a later iteration is whole: em.save_checkpoint)."""
     if stage != "train":
         files = shard_paths(version_dir)
     else:
         done = [p.parent for p in version_dir.glob("em/restart-*/iter-*/state.json")]
-        files = [f for it_dir in done for f in it_dir.rglob("*") if f.is_file()]
+        files = [f for it_dir in done for f in it_dir.rglob("*") if f.is_file() and f.name != "state.pt"]
     return {f.relative_to(version_dir).as_posix(): _stamp(f) for f in files}
 
 

@@ -25,7 +25,7 @@ import json
 import logging
 import warnings
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from functools import cached_property
 from pathlib import Path
 from typing import Any, Literal, Protocol
@@ -151,6 +151,9 @@ class EMConfig:
             raise ValueError("max_iter and restarts must be >= 1")
         if not 0 <= self.gamma_min < 1:
             raise ValueError(f"gamma_min must be in [0, 1), got {self.gamma_min}")
+        if not self.hard and self.gamma_min > 1 / self.k:
+            raise ValueError(f"gamma_min = {self.gamma_min} is above 1/k = {1 / self.k:.4g}: a ranking's largest "
+                             "responsibility can be as low as 1/k, and such a ranking would train no cluster at all")
         if self.backtracks < 0:
             raise ValueError(f"backtracks must be >= 0, got {self.backtracks}")
 
@@ -210,9 +213,12 @@ def mixture_posteriors(
 
 
 def initial_responsibilities(
-    config: EMConfig, scorer: Scorer, inputs: Any, rankings: Rankings, seed: int
+    config: EMConfig, scorer: Scorer, inputs: Any, rankings: Rankings, seed: int, restart: int = 0
 ) -> torch.Tensor:
-    """Symmetry-breaking start, float64 [n, k]."""
+    """Symmetry-breaking start, float64 [n, k], of restart ``restart`` (whose seed is ``seed``,
+    config.seed + 1000 restart). The linearized start runs an EM of its own with 3 restarts 1000 seeds
+    apart, so it draws from seed + 2000 restart (config.seed + 3000 restart): no two restarts share a
+    start's draw."""
     n, k = len(rankings), config.k
     if k == 1:
         return torch.ones(n, 1, dtype=torch.float64)
@@ -225,7 +231,7 @@ def initial_responsibilities(
         g = rng.gamma(config.dirichlet_concentration, size=(n, k))
         return torch.as_tensor(g / g.sum(1, keepdims=True), dtype=torch.float64)
     if config.init == "linearized":
-        return _linearized_start(config, scorer, inputs, rankings, seed)
+        return _linearized_start(config, scorer, inputs, rankings, seed + 2000 * restart)
     from sklearn.cluster import KMeans
 
     features = scorer.ranking_features(inputs, rankings).numpy()
@@ -283,6 +289,19 @@ def _linearized_start(config: EMConfig, scorer: Scorer, inputs: Any, rankings: R
     return result.best.gamma
 
 
+def _warn_on_a_repeated_start(gamma: torch.Tensor, earlier: list[torch.Tensor], restart: int) -> None:
+    """Warn when a restart starts from the partition an earlier one started from (up to relabelling):
+    with a deterministic scorer it repeats that run, with the LM scorer it differs only by its seed."""
+    labels = gamma.argmax(1).tolist()
+    for previous, start in enumerate(earlier):
+        pairs = set(zip(start.argmax(1).tolist(), labels, strict=True))
+        if len(pairs) == len({a for a, _ in pairs}) == len({b for _, b in pairs}):
+            log.warning("restart %d starts from the partition restart %d started from (up to relabelling): the "
+                        "start finds one optimum however it is seeded, so restarts add little here; use "
+                        "init='dirichlet' or 'kmeans' for different starts", restart, previous)
+            return
+
+
 def _one_hot(gamma: torch.Tensor) -> torch.Tensor:
     """Hard assignments: float64 [n, k] one-hot at argmax_c gamma_ic."""
     return torch.nn.functional.one_hot(gamma.argmax(1), gamma.shape[1]).to(torch.float64)
@@ -299,6 +318,8 @@ def fit_mixture(
     checkpoint_files: Callable[[Path, EMState, Scorer], None] | None = None,
 ) -> tuple[EMResult, Scorer]:
     """Fit the mixture with ``config.restarts`` restarts; return the result and the best scorer.
+    ``make_scorer`` is called once per restart, in restart order (a caller may seed each restart's
+    scorer differently by counting the calls).
 
     With ``checkpoint_dir`` every iteration is saved and a rerun resumes from the last finished one.
     ``warm_start`` (float64 [n, k], e.g. a previous run's posteriors) replaces ``config.init``. Each
@@ -313,14 +334,16 @@ def fit_mixture(
     if checkpoint_dir is not None:
         _claim_checkpoint_dir(Path(checkpoint_dir), config, rankings, warm_start)
     finished: list[EMState] = []
+    starts: list[torch.Tensor] = []
     best: tuple[EMState, Scorer] | None = None
     for restart in range(config.restarts):
         scorer = make_scorer()
         state = _run_restart(scorer, inputs, rankings, config, restart, checkpoint_dir, on_iteration, warm_start,
-                             checkpoint_files)
-        finished.append(state)
+                             checkpoint_files, starts)
         if best is None or state.log_likelihood > best[0].log_likelihood:
             best = (state, scorer)
+        # Only the best restart's scorer state is used: the others' (adapters, AdamW moments) free their memory.
+        finished = [s if s is best[0] else replace(s, scorer_state={}) for s in [*finished, state]]
         del scorer  # a restart that is not the best frees its model before the next one loads its own
     return EMResult(best[0], finished), best[1]
 
@@ -360,7 +383,10 @@ def _run_restart(
     on_iteration: Callable[[EMState], None] | None,
     warm_start: torch.Tensor | None,
     checkpoint_files: Callable[[Path, EMState, Scorer], None] | None = None,
+    starts: list[torch.Tensor] | None = None,
 ) -> EMState:
+    """One restart; ``starts`` collects the responsibilities each restart started from (a restart
+    resumed after an iteration is not compared again)."""
     seed = config.seed + 1000 * restart
     restart_dir = None if checkpoint_dir is None else Path(checkpoint_dir) / f"restart-{restart:02d}"
     state = load_last_checkpoint(restart_dir) if restart_dir is not None else None
@@ -375,9 +401,12 @@ def _run_restart(
         gamma = load_start(restart_dir, rankings.example_ids) if restart_dir is not None else None
         if gamma is None:
             gamma = warm_start.to(torch.float64) if warm_start is not None else \
-                initial_responsibilities(config, scorer, inputs, rankings, seed)
+                initial_responsibilities(config, scorer, inputs, rankings, seed, restart)
             if restart_dir is not None:
                 save_start(restart_dir, gamma, rankings.example_ids)
+        if starts is not None:
+            _warn_on_a_repeated_start(gamma, starts, restart)
+            starts.append(gamma)
         gamma, history, start, halvings = (_one_hot(gamma) if config.hard else gamma), [], 0, []
 
     n = len(rankings)
@@ -548,7 +577,8 @@ def save_checkpoint(
     extra_files: Callable[[Path], None] | None = None,
 ) -> Path:
     """Write ``iter-NNNN/`` (posteriors.parquet, state.pt, ``extra_files(iter_dir)``, then state.json
-    last) atomically."""
+    last) atomically, then delete the earlier iterations' state.pt: only the last whole iteration's is
+    needed to resume, and with a large model each is gigabytes (adapters and both AdamW moments)."""
     it_dir = restart_dir / f"iter-{state.iteration:04d}"
     it_dir.mkdir(parents=True, exist_ok=True)
     with atomic_path(it_dir / "posteriors.parquet") as tmp:
@@ -569,6 +599,9 @@ def save_checkpoint(
     }
     with atomic_path(it_dir / "state.json") as tmp:
         tmp.write_text(json.dumps(summary, indent=2))
+    for older in restart_dir.glob("iter-*/state.pt"):  # a resume needs the last whole iteration's only
+        if older.parent != it_dir:
+            older.unlink()
     return it_dir
 
 
@@ -576,7 +609,7 @@ def load_last_checkpoint(restart_dir: Path) -> EMState | None:
     """The last iteration whose state.json exists (written last, so the iteration is whole)."""
     if not restart_dir.is_dir():
         return None
-    done = sorted(p.parent for p in restart_dir.glob("iter-*/state.json"))
+    done = sorted((p.parent for p in restart_dir.glob("iter-*/state.json")), key=lambda d: int(d.name[5:]))
     if not done:
         return None
     summary = json.loads((done[-1] / "state.json").read_text())

@@ -7,7 +7,8 @@ the cache's train split. Layout of the artifact (DESIGN 3)::
         em/restart-RR/start.parquet  the responsibilities that restart started from
         em/restart-RR/iter-NNNN/   posteriors.parquet, scores.parquet, adapters/cN/ (PEFT),
                                    estimation.json (that E-step's estimates against exact scores),
-                                   state.pt (gamma, alpha, adapters, optimizer, shuffling RNG),
+                                   state.pt (gamma, alpha, adapters, optimizer, shuffling RNG; the
+                                   last whole iteration's only: earlier ones are deleted),
                                    state.json (alpha, log-likelihood, history, step halvings; written last)
         adapters/cN/               the best restart's final adapters (PEFT save_pretrained format)
         posteriors.parquet         its final posteriors (example_id, gamma, assigned)
@@ -27,6 +28,7 @@ scorer's state restores adapters, AdamW moments and the shuffling generator; anc
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import os
@@ -96,19 +98,24 @@ class TrainResult:
 def plan_train(config: TrainConfig, cache_dir: str | Path, store: ArtifactStore) -> TrainPlan:
     manifest = read_manifest(cache_dir)
     inputs = {"cache": f"{manifest['stage']}/{manifest['version']}"}
-    version = store.version(STAGE, identity_on_this_machine(config.identity(), config.device), inputs, CODE_VERSION)
+    identity = identity_on_this_machine(config.identity(), config.device)
+    if config.lora_dropout:  # dropout masks come from the device's generator (see TrainConfig.identity)
+        identity["device_type"] = torch.device(resolve_device(config.device)).type
+    version = store.version(STAGE, identity, inputs, CODE_VERSION)
     return TrainPlan(ArtifactRef(STAGE, version), store.path(STAGE, version), inputs, manifest["config"]["model"],
                      store.is_complete(STAGE, version))
 
 
-def make_scorer(config: TrainConfig, model: str, *, progress: bool = False) -> LoRAPolicyScorer:
+def make_scorer(config: TrainConfig, model: str, *, progress: bool = False, restart: int = 0) -> LoRAPolicyScorer:
+    """The LoRA scorer ``config`` describes; restart r's is seeded config.seed + 1000 r (its adapters'
+    initialisation, minibatch order, anchors and dropout), as EM seeds that restart's start."""
     device = resolve_device(config.device)
     return LoRAPolicyScorer(
         model, config.k, beta=config.beta, anchors=config.anchors, estimation=config.estimation,
         lora=LoRASettings(config.lora_r, config.lora_alpha, config.lora_dropout, config.lora_targets),
         lr=config.lr, epochs=config.epochs, first_epochs=config.first_epochs, batch_size=config.batch_size,
         score_batch_size=config.score_batch_size,
-        chunk_size=config.chunk_size, share_prompts=config.share_prompts, seed=config.seed,
+        chunk_size=config.chunk_size, share_prompts=config.share_prompts, seed=config.seed + 1000 * restart,
         exact_fallback=0 if config.exact_fallback is None else config.estimation_check,
         fallback_above=config.exact_fallback or 0.0,
         dtype=resolve_dtype(config.dtype, device), device=device,
@@ -145,9 +152,10 @@ def run_train(config: TrainConfig, cache_dir: str | Path, store: ArtifactStore, 
                      state.log_likelihood, [round(a, 4) for a in state.alpha.tolist()])
 
         gap: list[float] = []
+        restarts = itertools.count()  # fit_mixture makes one scorer per restart, in order
 
         def new_scorer() -> LoRAPolicyScorer:
-            scorer = make_scorer(config, plan.model, progress=progress)
+            scorer = make_scorer(config, plan.model, progress=progress, restart=next(restarts))
             if not gap:
                 gap.append(check_reference_gap(scorer, inputs, cache_dir))
             return scorer

@@ -1,5 +1,6 @@
 """The mixture-EM engine on synthetic data with the CPU scorers."""
 
+import dataclasses
 import gc
 import shutil
 import signal
@@ -15,7 +16,7 @@ import torch
 
 from moplex_core.data.synthetic import SyntheticConfig, generate_synthetic
 from moplex_core.em import (EMConfig, Rankings, fit_mixture, initial_responsibilities, likelihood_falls,
-                            load_last_checkpoint, posteriors, read_posteriors, soft_one_hot)
+                            load_last_checkpoint, posteriors, read_posteriors, save_checkpoint, soft_one_hot)
 from moplex_core.metrics import clustering_accuracy, fit_matching
 from moplex_core.scorers.item import ItemScorer
 from moplex_core.scorers.linear import LinearScorer
@@ -114,6 +115,31 @@ def test_a_new_restarts_scorer_is_made_with_at_most_the_best_one_alive():
     result, best = fit_mixture(make_scorer, x, rankings, EMConfig(k=3, init="dirichlet", restarts=4, max_iter=3))
     assert alive_at_make == [0, 1, 1, 1]
     assert best is next(ref() for ref in made if ref() is not None)
+
+
+def test_only_the_best_restarts_scorer_state_is_kept_and_a_repeated_start_is_warned_about(caplog):
+    _, rankings, x = synthetic(k=2, m=3, n=200, seed=4)
+    start = soft_one_hot(np.arange(200) % 2, 2)
+    result, _ = fit_mixture(lambda: LinearScorer(2, 2), x, rankings, EMConfig(k=2, restarts=3, max_iter=2),
+                            warm_start=start)
+    assert [bool(s.scorer_state) for s in result.restarts] == [s is result.best for s in result.restarts]
+    assert "restart 1 starts from the partition restart 0 started from" in caplog.text
+
+
+def test_gamma_min_above_one_over_k_is_refused_for_soft_em():
+    with pytest.raises(ValueError, match=r"gamma_min = 0.5 is above 1/k = 0.3333"):
+        EMConfig(k=3, gamma_min=0.5)
+    EMConfig(k=3, gamma_min=0.5, hard=True)  # one-hot responsibilities: every ranking keeps its cluster
+    EMConfig(k=3, gamma_min=1 / 3)
+
+
+def test_the_last_checkpoint_is_found_by_iteration_number_past_9999(tmp_path):
+    _, rankings, x = synthetic(k=2, m=3, n=50)
+    result, scorer = fit_mixture(lambda: LinearScorer(2, 2), x, rankings, EMConfig(k=2, max_iter=1))
+    for iteration in (9999, 10000):
+        save_checkpoint(tmp_path, dataclasses.replace(result.best, iteration=iteration), rankings.example_ids)
+    assert load_last_checkpoint(tmp_path).iteration == 10000
+    assert [p.parent.name for p in tmp_path.glob("iter-*/state.pt")] == ["iter-10000"]  # only the last is kept
 
 
 def test_m_step_skips_pairs_below_gamma_min():
@@ -304,16 +330,20 @@ def test_backtracking_redoes_an_m_step_that_lowered_the_likelihood_and_resumes_a
     assert likelihood_falls(plain.best.history) == [1, 3] and plain.best.halvings == [0, 0, 0, 0]
 
     config = EMConfig(k=2, max_iter=4, tol=0, backtracks=2)
+
+    def copy_after_iteration_1(state):  # the checkpoints a kill after iteration 1 would leave
+        if state.iteration == 1:
+            shutil.copytree(tmp_path / "run", tmp_path / "killed")
+
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no fall left to warn about
-        result, scorer = fit_mixture(lambda: Overshooting(2, 2), x, rankings, config, checkpoint_dir=tmp_path)
+        result, scorer = fit_mixture(lambda: Overshooting(2, 2), x, rankings, config, checkpoint_dir=tmp_path / "run",
+                                     on_iteration=copy_after_iteration_1)
     assert likelihood_falls(result.best.history) == [] and result.best.halvings == [0, 2, 1, 1]
     assert result.best.history[-1] > plain.best.history[0] and scorer.step == 1.0  # the next M-step starts at 1
-    assert load_last_checkpoint(tmp_path / "restart-00").halvings == [0, 2, 1, 1]
+    assert load_last_checkpoint(tmp_path / "run" / "restart-00").halvings == [0, 2, 1, 1]
 
-    for later in ("iter-0002", "iter-0003"):  # killed after iteration 1: the rerun repeats the rest alike
-        shutil.rmtree(tmp_path / "restart-00" / later)
-    again, _ = fit_mixture(lambda: Overshooting(2, 2), x, rankings, config, checkpoint_dir=tmp_path)
+    again, _ = fit_mixture(lambda: Overshooting(2, 2), x, rankings, config, checkpoint_dir=tmp_path / "killed")
     assert again.best.history == result.best.history and again.best.halvings == [0, 2, 1, 1]
     torch.testing.assert_close(again.best.gamma, result.best.gamma, rtol=0, atol=0)
 

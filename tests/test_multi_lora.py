@@ -263,6 +263,8 @@ def test_bad_routes_and_targets_are_refused(tiny_model_dir):  # noqa: F811
         model(ids, attention_mask=mask)
     with pytest.raises(ValueError, match="match no linear layer"):
         MultiLoRA(load_model(tiny_model_dir), K, LoRASettings(target_modules=("nothing",)))
+    with pytest.raises(ValueError, match=r"target_modules \['v_porj'\] match no linear layer .*a typo"):
+        MultiLoRA(load_model(tiny_model_dir), K, LoRASettings(target_modules=("q_proj", "v_porj")))
     with pytest.raises(ValueError, match=r"names the output layer \(lm_head\).*cannot be routed per row"):
         MultiLoRA(load_model(tiny_model_dir), K, LoRASettings(target_modules=("q_proj", "lm_head")))
     special = load_model(tiny_model_dir)

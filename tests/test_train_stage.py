@@ -24,7 +24,7 @@ from moplex_core.em import (EMConfig, initial_responsibilities, likelihood_falls
 from moplex_core.evaluate import run_evaluate
 from moplex_core.ingest import check_labels_fit
 from moplex_core.train import (BY_ITERATION, ESTIMATES, REFERENCE_GAP_WARNING, check_reference_gap, load_posteriors,
-                               load_trained, make_scorer, run_train)
+                               load_trained, make_scorer, plan_train, run_train)
 
 CONFIG = TrainConfig(k=2, anchors=2, lora_r=4, lora_alpha=8.0, lora_targets=("q_proj", "v_proj"), lr=1e-2,
                      batch_size=4, em_iterations=3, tol=0.0, init="dirichlet", dtype="float32", device="cpu")
@@ -66,6 +66,7 @@ def test_train_writes_every_iteration_and_the_final_adapters(cache_dir, tmp_path
     for t in range(3):
         it_dir = result.path / "em" / "restart-00" / f"iter-{t:04d}"
         assert json.loads((it_dir / "state.json").read_text())["iteration"] == t
+        assert (it_dir / "state.pt").is_file() == (t == 2)  # a resume needs the last iteration's only
         assert sorted(p.name for p in (it_dir / "adapters").iterdir() if p.is_dir()) == ["c0", "c1"]
         scores = pq.read_table(it_dir / "scores.parquet").to_pandas()
         n = scores.example_id.nunique()
@@ -181,6 +182,31 @@ def test_the_start_kept_is_the_best_restarts(cache_dir, tmp_path):
     assert not torch.equal(starts[0], starts[1]) and torch.equal(start, starts[best])
 
 
+def test_restarts_of_the_default_start_are_different_runs(cache_dir, tmp_path):
+    config = CONFIG.model_copy(update={"restarts": 2, "em_iterations": 1, "init": "linearized"})
+    result = run_train(config, cache_dir, ArtifactStore(tmp_path), progress=False)
+    ids = load_posteriors(result.path)[0]
+    finals = [read_posteriors(result.path / "em" / f"restart-{r:02d}" / "iter-0000" / "posteriors.parquet", ids)
+              for r in (0, 1)]
+    assert not torch.equal(finals[0], finals[1])  # each restart's scorer has its own seed
+
+
+def test_configs_that_would_waste_restarts_or_train_nothing_are_refused():
+    with pytest.raises(ValidationError, match="train.k = 1 starts every restart from the same responsibilities"):
+        TrainConfig(k=1, restarts=2)
+    with pytest.raises(ValidationError, match=r"train.gamma_min = 0.5 is above 1/k = 0.3333"):
+        TrainConfig(k=3, gamma_min=0.5)
+    TrainConfig(k=3, gamma_min=0.5, hard=True)
+
+
+def test_score_batch_size_and_the_device_enter_the_version_only_with_lora_dropout(cache_dir, tmp_path):
+    store = ArtifactStore(tmp_path)
+    version = lambda **update: plan_train(CONFIG.model_copy(update=update), cache_dir, store).ref.version  # noqa: E731
+    assert version(score_batch_size=8) == version(score_batch_size=16)
+    assert version(lora_dropout=0.1, score_batch_size=8) != version(lora_dropout=0.1, score_batch_size=16)
+    assert version(lora_dropout=0.1, device="cpu") != version(lora_dropout=0.1, device="meta")
+
+
 def test_em_can_start_from_the_rankings_own_labels(cache_dir, tmp_path):
     _, labels = load_policy_inputs(cache_dir, "train")
     names = sorted(set(labels))
@@ -199,7 +225,7 @@ def test_em_can_start_from_the_rankings_own_labels(cache_dir, tmp_path):
     assert not (tmp_path / "other" / "train").exists()
     with pytest.raises(ValueError, match="2 of the 3 in the cache at X have none"):
         check_labels_fit(["c0", None, None], ["a", "b", "c"], 1, "the cache at X")
-    with pytest.raises(ValidationError, match="restarts = 2 would repeat one run"):
+    with pytest.raises(ValidationError, match="restarts = 2 would differ only by their adapters' random"):
         TrainConfig(init="labels", restarts=2)
     with pytest.raises(ValueError, match="give them to fit_mixture as warm_start"):
         initial_responsibilities(EMConfig(k=k, init="labels"), None, inputs, inputs.rankings(), seed=0)

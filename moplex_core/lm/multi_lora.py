@@ -219,6 +219,10 @@ class MultiLoRA:
         if not self.layers:
             raise ValueError(f"no LoRA parameters were created: target_modules {settings.target_modules} match no "
                              f"linear layer of {type(model).__name__}; name its linear layers, e.g. q_proj, v_proj")
+        unmatched = sorted(targets - {name.rsplit(".", 1)[-1] for name in self.layers})
+        if unmatched:
+            raise ValueError(f"target_modules {unmatched} match no linear layer of {type(model).__name__} (a typo?); "
+                             f"the others matched: {sorted(targets - set(unmatched))}")
         self._device = next(iter(self.layers.values())).lora_A[0].device
 
     def named_parameters(self) -> dict[str, nn.Parameter]:
