@@ -26,6 +26,7 @@ from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 
+import torch
 from prefect import flow, get_run_logger
 from prefect.runtime import flow_run
 from prefect.settings import PREFECT_API_URL, PREFECT_FLOWS_HEARTBEAT_FREQUENCY, PREFECT_UI_URL, temporary_settings
@@ -51,9 +52,13 @@ _STAGE_NOTE = "moplex pipeline stage: "
 # Errors a rerun of the stage repeats: bad rows, files or settings (ValueError: SchemaError,
 # RawSchemaError, pydantic's ValidationError), a bug's TypeError / LookupError, an artifact that is
 # corrupt or cannot be written, a dataset or model that is not here, an augmentation shortfall
-# (seeded). Anything else (a lost GPU, a killed vLLM worker, a network file system's hiccup) is retried.
+# (seeded), EM's non-finite scores (FloatingPointError: the same seeds diverge again), and a CUDA
+# fault (torch.AcceleratorError: the process's CUDA context is lost, so a rerun in this process cannot
+# succeed; a new flow run, e.g. Retry in the UI, starts a new process). Anything else (a killed vLLM
+# worker, a network file system's hiccup) is retried.
 NOT_RETRIED: tuple[type[BaseException], ...] = (ValueError, TypeError, LookupError, ArtifactError,
-                                                DatasetUnavailableError, ModelUnavailableError, ShortfallError)
+                                                DatasetUnavailableError, ModelUnavailableError, ShortfallError,
+                                                FloatingPointError, torch.AcceleratorError)
 
 
 def run_stage(name: str, call: Callable[[], str], retries: int, delay_seconds: float,

@@ -106,7 +106,7 @@ def _ingest(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
     from moplex_core.config import IngestConfig, describe_validation_error, ingest_preset, with_overrides
-    from moplex_core.data.sources import DatasetUnavailableError
+    from moplex_core.data.sources import DatasetUnavailableError, HubUnreachableError
     from moplex_core.ingest import run_ingest
 
     if args.dataset is None and args.preset is None:
@@ -120,7 +120,7 @@ def _ingest(args: argparse.Namespace) -> int:
     except ValidationError as err:  # the flags themselves; a bad --set is a ValueError of its own
         print(f"moplex ingest: invalid settings:\n{describe_validation_error(err)}", file=sys.stderr)
         return 1
-    except (ValueError, DatasetUnavailableError, ArtifactError) as err:
+    except (ValueError, DatasetUnavailableError, HubUnreachableError, ArtifactError) as err:
         print(f"moplex ingest: {err}", file=sys.stderr)
         return 1
     _say_done(result, "rankings", f"; {result.rejected} source row(s) rejected, listed in rejected.parquet"
@@ -397,6 +397,8 @@ def main(argv: list[str] | None = None) -> int:
     # Prefect's 20 s for its temporary server to start is too short on a busy 2-core machine,
     # above all for the first start in a new PREFECT_HOME (it creates the database then).
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
+    # The temporary server `moplex run` starts would send Prefect's usage telemetry: off unless asked for.
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     args = build_parser().parse_args(argv)
     try:
         status = args.func(args)

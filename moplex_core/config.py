@@ -8,6 +8,7 @@ its short hash. Sections below are ordered as the pipeline: ingest, then later s
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,6 +17,19 @@ from typing import Any, Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from moplex_core.hashing import canonical_json, short_hash
+
+
+def absolute_path(path: str) -> str:
+    """``path`` made absolute against the working directory it is read in (``~`` expanded): the
+    manifests record it and later stages, CLI commands and retried flow runs read it from anywhere."""
+    return os.path.abspath(os.path.expanduser(path))
+
+
+def _local_model_absolute(model: str | None) -> str | None:
+    """A model naming an existing local directory, made absolute; a hub name or "tiny" as given."""
+    if model is None or model == TINY_MODEL or not Path(model).expanduser().is_dir():
+        return model
+    return absolute_path(model)
 
 C = TypeVar("C", bound=BaseModel)
 
@@ -293,11 +307,17 @@ class IngestConfig(StageConfig):
 
     dataset: DatasetName
     path: str | None = None
+    """Made absolute (`absolute_path`), as every local path of these configs."""
     hub_name: str | None = None
     revision: str | None = None
     seed: int = 0
     split: SplitConfig = SplitConfig()
     validation: Literal["strict", "drop"] = "strict"
+
+    @field_validator("path")
+    @classmethod
+    def _absolute_path(cls, v: str | None) -> str | None:
+        return None if v is None else absolute_path(v)
     labels: tuple[str, ...] | None = None
     shard_rows: int = Field(100_000, ge=1)
     ultrafeedback: UltraFeedbackOptions = UltraFeedbackOptions()
@@ -415,7 +435,12 @@ class AugmentConfig(StageConfig):
 
     backend: GeneratorBackend = "hf"
     model: str | None = None
-    """A local model directory (save_pretrained output) or a hub name; none for ``borrow``."""
+    """A local model directory (save_pretrained output; made absolute) or a hub name; none for ``borrow``."""
+
+    @field_validator("model")
+    @classmethod
+    def _absolute_model(cls, v: str | None) -> str | None:
+        return _local_model_absolute(v)
     n_generated: int = Field(3, ge=1)
     """m' - m: responses added to every ranking."""
     temperature: float = Field(2.0, gt=0.0)
@@ -480,7 +505,12 @@ class CacheConfig(StageConfig):
     """
 
     model: str
-    """A local model directory (save_pretrained output) or a cached hub name."""
+    """A local model directory (save_pretrained output; made absolute) or a cached hub name."""
+
+    @field_validator("model")
+    @classmethod
+    def _absolute_model(cls, v: str) -> str:
+        return _local_model_absolute(v)
     use_chat_template: bool = True
     max_prompt_tokens: int | None = Field(512, ge=1)
     """Longer prompts lose their start."""
@@ -625,15 +655,34 @@ class TrainConfig(StageConfig):
         return self
 
     @model_validator(mode="after")
+    def _restarts_can_differ(self) -> TrainConfig:
+        if self.k == 1 and self.restarts > 1:
+            raise ValueError(f"train.k = 1 starts every restart from the same responsibilities (all ones), so "
+                             f"restarts = {self.restarts} would repeat one fit: set train.restarts = 1")
+        return self
+
+    @model_validator(mode="after")
+    def _every_ranking_trains_a_cluster(self) -> TrainConfig:
+        if not self.hard and self.gamma_min > 1 / self.k:
+            raise ValueError(f"train.gamma_min = {self.gamma_min} is above 1/k = {1 / self.k:.4g}: a ranking's "
+                             "largest responsibility can be as low as 1/k, and such a ranking would train no "
+                             f"adapter at all; set train.gamma_min <= {1 / self.k:.4g}")
+        return self
+
+    @model_validator(mode="after")
     def _one_start_from_labels(self) -> TrainConfig:
         if self.init == "labels" and self.restarts > 1:
-            raise ValueError(f"train.init = labels starts every restart from the same responsibilities (and "
-                             f"the same seed), so restarts = {self.restarts} would repeat one run: set "
-                             "train.restarts = 1")
+            raise ValueError(f"train.init = labels starts every restart from the same responsibilities, so "
+                             f"restarts = {self.restarts} would differ only by their adapters' random "
+                             "initialisation: set train.restarts = 1")
         return self
 
     def identity(self) -> dict[str, Any]:
-        return self.model_dump(mode="json", exclude={"score_batch_size", "device", "chunk_size"})
+        """What enters the train version. ``score_batch_size`` and ``device`` do not, unless LoRA
+        dropout is on: its masks are drawn pass by pass (so by how rows are grouped into passes) and
+        by the device's generator (train.plan_train adds the device type)."""
+        volatile = {"score_batch_size", "device", "chunk_size"} - ({"score_batch_size"} if self.lora_dropout else set())
+        return self.model_dump(mode="json", exclude=volatile)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -718,7 +767,8 @@ class PipelineConfig(Options):
     an error a rerun would repeat (bad input or settings, flows.pipeline.NOT_RETRIED) is not retried.
     """
 
-    root: str = "data/artifacts"
+    root: str = Field("data/artifacts", validate_default=True)
+    """The artifact root, made absolute against the working directory the config is read in."""
     tiny_model: TinyModelConfig = TinyModelConfig()
     ingest: IngestConfig
     augment: AugmentConfig | None = None
@@ -728,6 +778,11 @@ class PipelineConfig(Options):
     fault: FaultConfig = FaultConfig()
     stage_retries: int = Field(1, ge=0)
     retry_delay_seconds: float = Field(5.0, ge=0.0)
+
+    @field_validator("root")
+    @classmethod
+    def _absolute_root(cls, v: str) -> str:
+        return absolute_path(v)
 
     def uses_tiny_model(self) -> bool:
         models = [self.cache.model] + ([self.augment.model] if self.augment is not None else [])

@@ -22,7 +22,8 @@ from lm_fixtures import tiny_model_dir  # noqa: F401  (fixture)
 from moplex_core.artifacts import ArtifactStore, read_manifest
 from moplex_core.cache import run_cache, truncated_responses
 from moplex_core.config import CacheConfig, IngestConfig, TrainConfig, pipeline_preset, with_overrides
-from moplex_core.data.sources import DatasetUnavailableError, RawSchemaError, iter_hub_records, iter_local_records
+from moplex_core.data.sources import (DatasetUnavailableError, HubUnreachableError, RawSchemaError, iter_hub_records,
+                                      iter_local_records)
 from moplex_core.ingest import build_rankings, run_ingest
 from moplex_core.lm.tokenize import TokenizedResponse
 from moplex_core.pl import PAD
@@ -129,6 +130,19 @@ def test_a_hub_dataset_while_offline_says_how_to_pass_a_local_path(monkeypatch):
     message = str(err.value)
     assert "moplex ingest --dataset ultrafeedback --path DIR" in message
     assert "moplex run ... --set ingest.path=DIR" in message
+
+
+def test_a_hub_that_does_not_answer_is_an_error_worth_retrying_and_an_unknown_dataset_is_not(monkeypatch):
+    answers = iter([TimeoutError("read timed out"), FileNotFoundError("Dataset 'nobody/nothing' doesn't exist")])
+
+    def load_dataset(*args, **kwargs):
+        raise next(answers)
+
+    monkeypatch.setitem(sys.modules, "datasets", types.SimpleNamespace(load_dataset=load_dataset))
+    with pytest.raises(HubUnreachableError, match="read timed out(.|\n)*--path DIR"):
+        next(iter_hub_records("nobody/nothing", None, "generic"))
+    with pytest.raises(DatasetUnavailableError, match="doesn't exist"):
+        next(iter_hub_records("nobody/nothing", None, "generic"))
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -5,13 +5,16 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
+from huggingface_hub import constants as hf_constants
+from huggingface_hub.errors import RepositoryNotFoundError
 from lm_fixtures import HUB_NAME, as_cached_hub_model, tiny_model_dir  # noqa: F401 (session fixture)
-from transformers import Qwen3ForCausalLM
+from transformers import AutoModelForCausalLM, Qwen3ForCausalLM
 
 from moplex_core.hashing import model_fingerprint
-from moplex_core.lm.loading import load_model, load_tokenizer
+from moplex_core.lm.loading import ModelUnavailableError, load_model, load_tokenizer
 
 
 def test_a_local_directory_loads_in_the_requested_dtype_ready_for_scoring(tiny_model_dir: Path) -> None:
@@ -55,6 +58,26 @@ def test_an_uncached_hub_model_while_offline_asks_for_a_local_path(monkeypatch, 
         with pytest.raises(OSError, match="'moplex-tests/not-a-model' was not found locally") as error:
             load("moplex-tests/not-a-model")
         assert "HF_HUB_OFFLINE is set" in str(error.value) and "Pass a local path" in str(error.value)
+
+
+def test_a_download_the_hub_refuses_is_not_worth_retrying_and_one_that_times_out_is(monkeypatch, tmp_path: Path) -> None:
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(hf_constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(hf_constants, "HF_HUB_CACHE", str(tmp_path / "empty-cache"))
+    refused = RepositoryNotFoundError("404: nobody/nothing",
+                                      response=httpx.Response(404, request=httpx.Request("GET", "https://hub/x")))
+    answers = iter([refused, TimeoutError("read timed out")])
+
+    def from_pretrained(*args, **kwargs):
+        error = next(answers)
+        raise OSError(f"nobody/nothing is not a valid model identifier ({error})") from error  # as transformers does
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", from_pretrained)
+    with pytest.raises(ModelUnavailableError, match="downloading it failed"):
+        load_model("nobody/nothing")
+    with pytest.raises(OSError, match="read timed out") as error:
+        load_model("nobody/nothing")
+    assert not isinstance(error.value, ModelUnavailableError)  # the pipeline retries it
 
 
 def test_a_hub_name_loads_offline_from_its_snapshot_in_the_local_cache(

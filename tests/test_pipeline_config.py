@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from pydantic import ValidationError
 
@@ -141,3 +143,16 @@ def test_a_temporary_server_that_does_not_start_in_time_ends_in_one_line(tmp_pat
     assert "moplex run: the run could not start: Timed out while attempting to connect to ephemeral" in done.stderr
     assert "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS=1 s" in done.stderr
     assert not (tmp_path / "artifacts").exists()  # nothing ran
+
+
+def test_local_paths_are_made_absolute_where_the_config_is_read(tmp_path, monkeypatch):
+    (tmp_path / "my-model").mkdir()
+    monkeypatch.chdir(tmp_path)
+    config = with_overrides(pipeline_preset("synthetic-demo"),
+                            ["root=runs", "cache.model=my-model", "augment.model=Qwen/Qwen3-0.6B"])
+    assert config.root == str(tmp_path / "runs")  # the manifests record paths derived from it
+    assert config.cache.model == str(tmp_path / "my-model")
+    assert config.augment.model == "Qwen/Qwen3-0.6B"  # a hub name: no such local folder
+    assert pipeline_preset("synthetic-demo").cache.model == TINY_MODEL
+    generic = with_overrides(pipeline_preset("synthetic-demo"), ["ingest.dataset=generic", "ingest.path=~/data.jsonl"])
+    assert generic.ingest.path == str(Path.home() / "data.jsonl")

@@ -12,9 +12,11 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from prefect.settings import PREFECT_API_URL, PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
 
 from flows.pipeline import local_run_settings, run_stage
+from moplex_core.data.sources import HubUnreachableError
 from moplex_core.lm.loading import ModelUnavailableError
 from moplex_core.schema import RowIssue, SchemaError
 
@@ -35,16 +37,17 @@ class Flaky:
 
 
 def test_a_transient_failure_is_retried_and_logged(caplog):
-    stage = Flaky(OSError("NFS server not responding"))
+    stage = Flaky(OSError("NFS server not responding"), HubUnreachableError("could not load 'x': read timed out"))
     with caplog.at_level(logging.WARNING, logger=LOGGER.name):
         result = run_stage("cache", stage, retries=2, delay_seconds=0, logger=LOGGER)
     assert result == "done"
-    assert stage.calls == 2
+    assert stage.calls == 3
     assert "the cache stage failed (OSError: NFS server not responding); retry 1 of 2" in caplog.text
+    assert "the cache stage failed (HubUnreachableError: could not load 'x': read timed out); retry 2 of 2" in caplog.text
 
 
 def test_retries_run_out_and_the_last_error_names_the_stage():
-    stage = Flaky(RuntimeError("CUDA error: an illegal memory access"), RuntimeError("again"))
+    stage = Flaky(RuntimeError("vLLM worker exited with status -9"), RuntimeError("again"))
     with pytest.raises(RuntimeError, match="again") as error:
         run_stage("train", stage, retries=1, delay_seconds=0, logger=LOGGER)
     assert stage.calls == 2
@@ -55,6 +58,8 @@ def test_retries_run_out_and_the_last_error_names_the_stage():
     SchemaError([RowIssue(1, "bad-1", "ranking", "index 7 is out of range", "rankings.jsonl line 2")]),
     ValueError("train.k = 40 clusters, but the cache has only 12 training ranking(s)"),
     ModelUnavailableError("model path 'no-such-model' does not exist"),
+    FloatingPointError("EM iteration 3: non-finite scores"),
+    torch.AcceleratorError("CUDA error: an illegal memory access was encountered"),
 ])
 def test_an_error_a_rerun_repeats_is_not_retried(error, caplog):
     stage = Flaky(error)

@@ -33,7 +33,13 @@ log = logging.getLogger(__name__)
 
 
 class DatasetUnavailableError(RuntimeError):
-    """The dataset could not be read (hub unreachable, gated, or no local data where pointed)."""
+    """The dataset cannot be read, and trying again would not help: offline, gated, unknown, or no
+    local data where pointed."""
+
+
+class HubUnreachableError(OSError):
+    """The hub did not answer (a connection error, a timeout, a server error): trying again may help,
+    and the pipeline retries it."""
 
 
 class RawSchemaError(ValueError):
@@ -177,7 +183,8 @@ def iter_hub_records(name: str, revision: str | None, dataset: str,
         try:
             loaded = datasets.load_dataset(name, revision=revision, **part)
         except OSError as err:  # ConnectionError, offline mode, DatasetNotFoundError (gated/unknown)
-            raise DatasetUnavailableError(
+            permanent = isinstance(err, FileNotFoundError) or _offline(datasets, err)  # DatasetNotFoundError is one
+            raise (DatasetUnavailableError if permanent else HubUnreachableError)(
                 f"could not load {name!r} ({f'{shown}, ' if shown else ''}revision {revision or 'latest'}) "
                 f"from the Hugging Face hub: {err}\n"
                 f"Without hub access, download it where the hub is reachable, e.g. `hf download "
@@ -192,6 +199,12 @@ def iter_hub_records(name: str, revision: str | None, dataset: str,
         for split in order:
             for row, data in enumerate(loaded[split]):
                 yield Record(f"{name} ({f'{shown}, ' if shown else ''}{split}) row {row}", data)
+
+
+def _offline(datasets: Any, err: OSError) -> bool:
+    """Whether the hub was not asked at all: offline mode (its setting, or the error it raises)."""
+    setting = getattr(getattr(datasets, "config", None), "HF_HUB_OFFLINE", False)
+    return bool(setting) or "OfflineModeIsEnabled" in f"{type(err).__name__} {err}"
 
 
 def _as_object(data: Any, where: str) -> dict[str, Any]:

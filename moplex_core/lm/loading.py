@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from huggingface_hub import constants as hf_constants
 from huggingface_hub import try_to_load_from_cache
+from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError, RevisionNotFoundError
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 # owner/name as the hub spells it; anything else that does not exist locally is a missing path.
@@ -122,7 +123,20 @@ def _from_pretrained(auto_class: type, name_or_path: str | Path, **kwargs: Any) 
     try:
         return auto_class.from_pretrained(name, **kwargs)
     except OSError as hub_error:
-        raise OSError(_not_found_message(name, path, f"downloading it failed ({hub_error})")) from hub_error
+        message = _not_found_message(name, path, f"downloading it failed ({hub_error})")
+        if _refused_by_the_hub(hub_error):  # asking again gets the same answer
+            raise ModelUnavailableError(message) from hub_error
+        raise OSError(message) from hub_error  # a connection error or a timeout: the pipeline retries it
+
+
+def _refused_by_the_hub(error: BaseException | None) -> bool:
+    """An unknown or gated repository or revision, anywhere in the error's chain of causes
+    (transformers wraps huggingface_hub's errors in its own OSError)."""
+    while error is not None:
+        if isinstance(error, (RepositoryNotFoundError, GatedRepoError, RevisionNotFoundError)):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
 
 
 def hub_snapshot(name: str, file: str = "config.json") -> Path | None:
