@@ -319,7 +319,8 @@ def fit_mixture(
 ) -> tuple[EMResult, Scorer]:
     """Fit the mixture with ``config.restarts`` restarts; return the result and the best scorer.
     ``make_scorer`` is called once per restart, in restart order (a caller may seed each restart's
-    scorer differently by counting the calls).
+    scorer differently by counting the calls), and no two scorers are alive at once: the scorer
+    returned is the last restart's, holding the best restart's state.
 
     With ``checkpoint_dir`` every iteration is saved and a rerun resumes from the last finished one.
     ``warm_start`` (float64 [n, k], e.g. a previous run's posteriors) replaces ``config.init``. Each
@@ -335,17 +336,20 @@ def fit_mixture(
         _claim_checkpoint_dir(Path(checkpoint_dir), config, rankings, warm_start)
     finished: list[EMState] = []
     starts: list[torch.Tensor] = []
-    best: tuple[EMState, Scorer] | None = None
+    best: EMState | None = None
     for restart in range(config.restarts):
-        scorer = make_scorer()
+        scorer = make_scorer()  # the only scorer alive: on a GPU each holds a model
         state = _run_restart(scorer, inputs, rankings, config, restart, checkpoint_dir, on_iteration, warm_start,
                              checkpoint_files, starts)
-        if best is None or state.log_likelihood > best[0].log_likelihood:
-            best = (state, scorer)
+        if best is None or state.log_likelihood > best.log_likelihood:
+            best = state
         # Only the best restart's scorer state is used: the others' (adapters, AdamW moments) free their memory.
-        finished = [s if s is best[0] else replace(s, scorer_state={}) for s in [*finished, state]]
-        del scorer  # a restart that is not the best frees its model before the next one loads its own
-    return EMResult(best[0], finished), best[1]
+        finished = [s if s is best else replace(s, scorer_state={}) for s in [*finished, state]]
+        if restart < config.restarts - 1:
+            del scorer
+    if best is not state:
+        scorer.load_state_dict(best.scorer_state)  # the last restart's scorer takes the best one's state
+    return EMResult(best, finished), scorer
 
 
 def _claim_checkpoint_dir(checkpoint_dir: Path, config: EMConfig, rankings: Rankings,
