@@ -38,6 +38,7 @@ from moplex_core.config import TINY_MODEL, PipelineConfig, pipeline_preset, with
 from moplex_core.data.sources import DatasetUnavailableError
 from moplex_core.ingest import check_rankings_fit
 from moplex_core.lm.loading import ModelUnavailableError
+from moplex_core.processes import popen_ending_with_this_thread
 from moplex_core.tiny_model import MODEL_DIR
 from flows.augment import augment_flow
 from flows.cache import cache_flow
@@ -186,29 +187,12 @@ def temporary_server_in_its_own_session() -> Iterator[None]:
         server.subprocess = previous
 
 
-# Run before the server's own command, in its process: ask Linux for SIGTERM when the parent thread
-# ends (prctl PR_SET_PDEATHSIG, kept across exec), give up if the parent already ended, then become
-# the server (exec: same pid, so Prefect stops it as before). No preexec_fn, which runs Python in the
-# forked child of a threaded process.
-_STOP_WITH_PARENT = f"""
-import ctypes, os, sys
-try:
-    ctypes.CDLL(None).prctl(1, {int(signal.SIGTERM)})
-except (OSError, AttributeError):
-    pass
-if os.getppid() != int(sys.argv[1]):
-    os._exit(1)
-os.execv(sys.argv[2], sys.argv[2:])
-"""
-
-
 def _stopped_with_this_thread(args, **kwargs) -> subprocess.Popen:
     """`subprocess.Popen` of ``args`` in a session of its own, which on Linux also gets SIGTERM when the
     calling thread ends, however it ends, SIGKILL included: the server is started from the main
     thread, which ends only with the process."""
-    if sys.platform.startswith("linux") and isinstance(args, list) and \
-            threading.current_thread() is threading.main_thread():
-        args = [sys.executable, "-c", _STOP_WITH_PARENT, str(os.getpid()), *map(str, args)]
+    if isinstance(args, list) and threading.current_thread() is threading.main_thread():
+        return popen_ending_with_this_thread(args, start_new_session=True, **kwargs)
     return subprocess.Popen(args, start_new_session=True, **kwargs)
 
 

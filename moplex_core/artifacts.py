@@ -458,10 +458,12 @@ class ArtifactWriter:
             self.reused = _visible_files(self.path)
             if self.reused:
                 log.info("%s resumes an interrupted run; reusing %d finished file(s)", self.ref, len(self.reused))
-            with open(self.path / _STARTED, "a") as started:  # one line per run of this version
-                started.write(json.dumps({"started": _now(), "config": self._config,
-                                          "library_versions": _library_versions()},
-                                         sort_keys=True, default=str) + "\n")
+            marker = self.path / _STARTED
+            ended = not marker.exists() or marker.read_bytes().endswith(b"\n")  # an older moplex's has no newline
+            with open(marker, "a") as started:  # one line per run of this version
+                started.write(("" if ended else "\n") + json.dumps(
+                    {"started": _now(), "config": self._config, "library_versions": _library_versions()},
+                    sort_keys=True, default=str) + "\n")
 
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None

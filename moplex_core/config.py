@@ -313,11 +313,6 @@ class IngestConfig(StageConfig):
     seed: int = 0
     split: SplitConfig = SplitConfig()
     validation: Literal["strict", "drop"] = "strict"
-
-    @field_validator("path")
-    @classmethod
-    def _absolute_path(cls, v: str | None) -> str | None:
-        return None if v is None else absolute_path(v)
     labels: tuple[str, ...] | None = None
     shard_rows: int = Field(100_000, ge=1)
     ultrafeedback: UltraFeedbackOptions = UltraFeedbackOptions()
@@ -325,6 +320,11 @@ class IngestConfig(StageConfig):
     helpsteer2: HelpSteer2Options = HelpSteer2Options()
     prism: PrismOptions = PrismOptions()
     synthetic: SyntheticOptions = SyntheticOptions()
+
+    @field_validator("path")
+    @classmethod
+    def _absolute_path(cls, v: str | None) -> str | None:
+        return None if v is None else absolute_path(v)
 
     @model_validator(mode="after")
     def _source_is_consistent(self) -> IngestConfig:
@@ -597,7 +597,8 @@ class TrainConfig(StageConfig):
     estimates seen not to hold, at the price of exact passes once they fail (and, once, of the
     discarded M-step and E-step). None: never. Needs anchors and estimation_check > 0.
 
-    Left out of the version: ``score_batch_size``, ``device``, ``chunk_size`` (how fast, not what).
+    Left out of the version: ``score_batch_size``, ``device``, ``chunk_size`` (how fast, not what),
+    except that with LoRA dropout ``score_batch_size`` and the device type are in (`identity`).
     The base model is the one the cache was built from (its version pins the model's content).
     """
 
@@ -853,9 +854,9 @@ class Method:
 
 
 METHODS: dict[str, Method] = {m.name: m for m in (
-    Method("dpo", "DPO", ("train.k=1", "train.likelihood=bt_pairs", *_ORIGINALS_EXACT),
+    Method("dpo", "DPO", ("train.k=1", "train.restarts=1", "train.likelihood=bt_pairs", *_ORIGINALS_EXACT),
            "one policy, Bradley-Terry over every pair of the original ranking"),
-    Method("single_pl", "LiPO (list MLE)", ("train.k=1", *_ORIGINALS_EXACT),
+    Method("single_pl", "LiPO (list MLE)", ("train.k=1", "train.restarts=1", *_ORIGINALS_EXACT),
            "one Plackett-Luce policy on the original rankings"),
     Method("mixture_bt", "EM-DPO", ("train.likelihood=bt_pairs", *_ORIGINALS_EXACT),
            "soft EM over k Bradley-Terry models on the pairs of the original rankings"),
@@ -867,7 +868,7 @@ METHODS: dict[str, Method] = {m.name: m for m in (
     Method("no_pl", "w/o Plackett-Luce models", ("train.likelihood=bt_pairs",),
            "MoPLEx with Bradley-Terry over pairs of the augmented rankings"),
     Method("no_aug", "w/o generated responses", ("augment=null",), "MoPLEx on the original rankings"),
-    Method("k1", "w/o mixture models", ("train.k=1",), "MoPLEx with a single cluster"),
+    Method("k1", "w/o mixture models", ("train.k=1", "train.restarts=1"), "MoPLEx with a single cluster"),
     Method("full", "w/o gradient estimation", ("train.anchors=null",), "MoPLEx with every response exact (a = m')"),
     Method("guarded", "MoPLEx + exact fallback (not in the paper)", ("train.exact_fallback=0.5",),
            "MoPLEx that computes every response exactly once an E-step's estimates are off by more than half "

@@ -395,6 +395,7 @@ def _run_restart(
     restart_dir = None if checkpoint_dir is None else Path(checkpoint_dir) / f"restart-{restart:02d}"
     state = load_last_checkpoint(restart_dir) if restart_dir is not None else None
     if state is not None:
+        _keep_only_the_last_state(restart_dir, restart_dir / f"iter-{state.iteration:04d}")  # a kill may have left one
         scorer.load_state_dict(state.scorer_state)
         log.info("restart %d: resuming after iteration %d (LL %.6f)", restart, state.iteration, state.log_likelihood)
         if state.converged or state.iteration + 1 >= config.max_iter:
@@ -603,10 +604,15 @@ def save_checkpoint(
     }
     with atomic_path(it_dir / "state.json") as tmp:
         tmp.write_text(json.dumps(summary, indent=2))
-    for older in restart_dir.glob("iter-*/state.pt"):  # a resume needs the last whole iteration's only
-        if older.parent != it_dir:
-            older.unlink()
+    _keep_only_the_last_state(restart_dir, it_dir)
     return it_dir
+
+
+def _keep_only_the_last_state(restart_dir: Path, last: Path) -> None:
+    """Delete every iteration's state.pt but ``last``'s: a resume needs the last whole iteration's only."""
+    for older in restart_dir.glob("iter-*/state.pt"):
+        if older.parent != last:
+            older.unlink()
 
 
 def load_last_checkpoint(restart_dir: Path) -> EMState | None:

@@ -60,7 +60,7 @@ from moplex_core.scorers.lora_policy import LoRAPolicyScorer, PolicyInputs, Scor
 log = logging.getLogger(__name__)
 
 STAGE = "train"
-CODE_VERSION = "train-9"  # bump when a change to this stage changes what it writes
+CODE_VERSION = "train-10"  # bump when a change to this stage changes what it writes
 POSTERIORS = "posteriors.parquet"
 SCORES = "scores.parquet"  # of one EM iteration, under em/restart-RR/iter-NNNN/ (SCORES_SCHEMA)
 ESTIMATES = "estimation.json"  # of one EM iteration, beside it: `measure_estimates`
@@ -205,7 +205,7 @@ def measure_estimates(scorer: LoRAPolicyScorer, inputs: PolicyInputs, config: Tr
     adapter, and changes nothing EM does."""
     if config.anchors is None or config.estimation_check == 0:
         return None
-    checked = inputs.subset(check_sample(len(inputs), config.estimation_check, config.seed))
+    checked = inputs.subset(check_sample(len(inputs), config.estimation_check, scorer.seed))  # the fallback's draw
     table = pq.read_table(it_dir / SCORES, filters=[("example_id", "in", list(checked.example_ids))]).to_pydict()
     if not any(table["estimated"]):  # every response exact (e.g. after train.exact_fallback): nothing to check
         return None

@@ -205,8 +205,14 @@ def test_the_manifest_of_a_resumed_version_records_every_run_with_its_config_and
 
     with store.writer("demo", "v2", config={}) as w:
         w.write_shard(0, table(0))
-        (w.path / ".started").write_text("2026-11-24T00:00:00+00:00\n")  # the marker of an older moplex
+        (w.path / ".started").write_text("2026-11-24T00:00:00+00:00")  # the marker of an older moplex
     assert store.manifest("demo", "v2")["runs"] == [{"started": "2026-11-24T00:00:00+00:00"}]
+    (tmp_path / "demo" / "v3").mkdir()
+    (tmp_path / "demo" / "v3" / ".started").write_text("2026-11-24T00:00:00+00:00")  # an older moplex's, killed
+    with store.writer("demo", "v3", config={"threads": 1}) as w:
+        w.write_shard(0, table(0))
+    runs = store.manifest("demo", "v3")["runs"]
+    assert runs[0] == {"started": "2026-11-24T00:00:00+00:00"} and runs[1]["config"] == {"threads": 1}
 
 
 def test_an_unreadable_shard_is_rewritten_not_trusted(tmp_path):

@@ -143,6 +143,16 @@ def test_the_last_checkpoint_is_found_by_iteration_number_past_9999(tmp_path):
     assert [p.parent.name for p in tmp_path.glob("iter-*/state.pt")] == ["iter-10000"]  # only the last is kept
 
 
+def test_a_resume_deletes_a_state_a_kill_left_before_it_was_pruned(tmp_path):
+    _, rankings, x = synthetic(k=2, m=3, n=50)
+    config = EMConfig(k=2, max_iter=2, tol=0)
+    fit_mixture(lambda: LinearScorer(2, 2), x, rankings, config, checkpoint_dir=tmp_path)
+    restart = tmp_path / "restart-00"
+    shutil.copy(restart / "iter-0001" / "state.pt", restart / "iter-0000" / "state.pt")  # killed before the unlink
+    fit_mixture(lambda: LinearScorer(2, 2), x, rankings, config, checkpoint_dir=tmp_path)  # finished: nothing to redo
+    assert [p.parent.name for p in restart.glob("iter-*/state.pt")] == ["iter-0001"]
+
+
 def test_m_step_skips_pairs_below_gamma_min():
     seen = []
 

@@ -212,13 +212,43 @@ def _gone(pid: int) -> bool:
     return False
 
 
-def test_the_worker_loads_a_cached_hub_model_from_the_snapshot_its_fingerprint_names(tmp_path, tiny_model_dir,
-                                                                                    monkeypatch):
+def test_the_worker_loads_a_cached_hub_model_at_the_commit_its_fingerprint_names(tmp_path, tiny_model_dir,
+                                                                                 monkeypatch):
     as_cached_hub_model(tiny_model_dir, tmp_path / "hub", "c" * 40, monkeypatch)
     generator = _vllm(HUB_NAME, worker=tmp_path / "no_worker.py")
     generator.close(failed=True)
+    generator.close()  # a second close does nothing
     settings = json.loads((generator.exchange / "settings.json").read_text())
-    assert Path(settings["model"]) == tmp_path / "hub" / "models--moplex-tests--tiny-qwen3" / "snapshots" / ("c" * 40)
+    assert vllm_worker.llm_kwargs(settings) == {"model": HUB_NAME, "revision": "c" * 40, "tokenizer_revision": "c" * 40,
+                                                "dtype": "auto", "seed": 0, "gpu_memory_utilization": 0.9}
+
+
+BUSY_WORKER = """
+import json, time
+print(json.dumps({"ready": True}), flush=True)
+time.sleep(600)  # generating: it reads no request and writes no answer for a long while
+"""
+
+STARTS_A_WORKER = """
+import sys, time
+from moplex_core.generate.vllm_backend import VLLMGenerator
+generator = VLLMGenerator(sys.argv[1], python=sys.executable, worker=sys.argv[2])
+generator._expect("ready")
+print(generator._process.pid, flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_worker_ends_with_the_process_that_started_it_however_that_ends(tmp_path, tiny_model_dir):
+    worker = tmp_path / "busy_worker.py"
+    worker.write_text(BUSY_WORKER)
+    parent = subprocess.Popen([sys.executable, "-c", STARTS_A_WORKER, str(tiny_model_dir), str(worker)],
+                              stdout=subprocess.PIPE, text=True, env={**os.environ, "TMPDIR": str(tmp_path)})
+    worker_pid = int(parent.stdout.readline())
+    parent.kill()  # SIGKILL: no finally, no close()
+    parent.wait()
+    assert _gone(worker_pid)  # Prefect's cancellation signals the flow run's group, which the worker is not in
 
 
 @pytest.mark.timeout(60)

@@ -91,6 +91,17 @@ def test_a_hub_name_loads_offline_from_its_snapshot_in_the_local_cache(
     assert isinstance(model, Qwen3ForCausalLM) and tokenizer.eos_token == "<|im_end|>"
 
 
+def test_a_cached_snapshot_without_weights_is_not_taken_for_the_model(tiny_model_dir: Path, tmp_path: Path,  # noqa: F811
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    as_cached_hub_model(tiny_model_dir, tmp_path / "hub", "d" * 40, monkeypatch)
+    snapshot = tmp_path / "hub" / "models--moplex-tests--tiny-qwen3" / "snapshots" / ("d" * 40)
+    for weights in snapshot.glob("*.safetensors"):
+        weights.unlink()  # what loading the tokenizer first leaves: config and tokenizer files only
+    assert load_tokenizer(HUB_NAME).eos_token == "<|im_end|>"
+    with pytest.raises(ModelUnavailableError, match="HF_HUB_OFFLINE is set"):  # online: downloaded at that commit
+        load_model(HUB_NAME)
+
+
 def test_a_hub_name_is_pinned_to_the_commit_it_loads_at(tiny_model_dir: Path, tmp_path: Path,  # noqa: F811
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     as_cached_hub_model(tiny_model_dir, tmp_path / "hub", "a" * 40, monkeypatch)

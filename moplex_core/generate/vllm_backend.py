@@ -11,8 +11,9 @@ The worker leads its own process group, and every way out of it ends that whole 
 an engine process (``VLLM::EngineCore``) that holds the GPU memory and, forked, a copy of the
 protocol pipe, so ending the worker alone could leave the memory taken and the parent waiting on a
 pipe that never closes. The parent therefore watches the worker itself while it waits for a line,
-not only the pipe. If moplex is killed outright (no ``finally`` runs), the worker ends when it next
-reads a request or writes an answer.
+not only the pipe. On Linux the worker also gets SIGTERM when the thread that started it ends, however
+it ends (`moplex_core.processes`): moplex killed outright, or its Prefect flow run cancelled (Prefect
+signals the flow run's process group, which the worker has left).
 
 Prompts are rendered here with moplex_core.lm.tokenize.encode_prompt, so the worker generates from
 exactly the prompt tokens the hf backend and the cache stage use.
@@ -38,6 +39,7 @@ from transformers import PreTrainedTokenizerBase
 from moplex_core.generate import vllm_worker
 from moplex_core.generate.base import Sample, SampleRequest, request_prompt_ids
 from moplex_core.lm.loading import hub_snapshot, load_tokenizer
+from moplex_core.processes import popen_ending_with_this_thread
 
 WORKER = Path(vllm_worker.__file__)
 # Run the worker by path with the exchange folder as the working directory: as a script, its own
@@ -97,30 +99,30 @@ class VLLMGenerator:
         self.worker = Path(worker)
         self.use_chat_template = use_chat_template
         self.max_prompt_tokens = max_prompt_tokens
+        if shutil.which(self.python) is None:
+            raise VLLMWorkerError(
+                f"could not start the vLLM worker with vllm_python={python!r} (no such executable); set vllm_python "
+                "to the python of an environment with vllm and pyarrow installed"
+            )
         self._tokenizer = load_tokenizer(model)
         self.exchange = Path(tempfile.mkdtemp(prefix="moplex-vllm-"))
-        snapshot = hub_snapshot(model)  # the worker loads the very snapshot the model's fingerprint names
+        snapshot = hub_snapshot(model)  # a cached hub model: the commit its fingerprint names
         self.settings = {
-            "model": str(snapshot) if snapshot is not None else model, "dtype": dtype, "seed": seed, "gpu_memory_utilization": gpu_memory_utilization,
-            "temperature": temperature, "top_p": top_p, "max_tokens": max_new_tokens,
+            "model": model, "revision": snapshot.name if snapshot is not None else None, "dtype": dtype, "seed": seed,
+            "gpu_memory_utilization": gpu_memory_utilization, "temperature": temperature, "top_p": top_p,
+            "max_tokens": max_new_tokens,
         }
         (self.exchange / "settings.json").write_text(json.dumps(self.settings, indent=2))
         self._log = open(self.exchange / "worker.log", "wb")  # noqa: SIM115 - open for the worker's lifetime
-        try:
-            self._process = subprocess.Popen(
-                [self.python, "-c", _LAUNCH, str(self.worker), "--settings", "settings.json"],
-                cwd=self.exchange, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log,
-                process_group=0,  # its own group: see the module docstring
-            )
-        except OSError as err:
-            self._log.close()
-            raise VLLMWorkerError(
-                f"could not start the vLLM worker with vllm_python={python!r} ({err}); set vllm_python to "
-                "the python of an environment with vllm and pyarrow installed"
-            ) from err
+        self._process = popen_ending_with_this_thread(  # ends with moplex, however moplex ends
+            [self.python, "-c", _LAUNCH, str(self.worker), "--settings", "settings.json"],
+            cwd=self.exchange, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log,
+            process_group=0,  # its own group: see the module docstring
+        )
         self._pending = b""  # bytes read from the worker's stdout after the last whole line
         self._ready = False
         self._failed = False  # a VLLMWorkerError was raised: close() must not raise it again
+        self._closed = False
         self._calls = 0
 
     def sample(self, requests: Sequence[SampleRequest]) -> list[list[Sample]]:
@@ -152,6 +154,9 @@ class VLLMGenerator:
         shard in hand and exits. When the stage is failing (``failed``, Ctrl-C included) or a worker
         failure was already reported, end its process group at once instead (SIGTERM, then SIGKILL)
         and keep the exchange folder and log for reading."""
+        if self._closed:
+            return
+        self._closed = True
         if failed or self._failed:
             self._stop(signal.SIGTERM, _TERM_S)
             self._log.close()
@@ -193,9 +198,11 @@ class VLLMGenerator:
         """The worker's next protocol line, or None once it has exited (or closed its stdout) without
         one. The worker's exit is noticed even while a process it started still holds the pipe."""
         fd = self._process.stdout.fileno()  # type: ignore[union-attr]
+        poller = select.poll()
+        poller.register(fd, select.POLLIN)
         while b"\n" not in self._pending:
-            exited = self._exited()  # before the select: what it wrote before exiting is then readable
-            readable, _, _ = select.select([fd], [], [], 0 if exited else _POLL_S)
+            exited = self._exited()  # before the poll: what it wrote before exiting is then readable
+            readable = poller.poll(0 if exited else _POLL_S * 1000)  # POLLIN, or POLLHUP once the pipe is closed
             if readable:
                 chunk = os.read(fd, 1 << 16)
                 if chunk:
@@ -222,7 +229,8 @@ class VLLMGenerator:
         deadline = time.monotonic() + grace_s
         while not self._exited() and time.monotonic() < deadline:
             time.sleep(0.05)
-        self._signal_group(signal.SIGKILL)
+        if first is not signal.SIGKILL:
+            self._signal_group(signal.SIGKILL)
         return self._process.wait()
 
     def _signal_group(self, sig: signal.Signals) -> None:

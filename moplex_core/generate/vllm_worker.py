@@ -7,7 +7,7 @@ The parent imports the shard functions below too: one implementation of the prot
 
 Protocol (one worker serves many request shards; the model loads once):
     argv    --settings SETTINGS.json   {"model", "dtype", "seed", "gpu_memory_utilization",
-                                        "temperature", "top_p", "max_tokens"}
+                                        "temperature", "top_p", "max_tokens"; optional "revision"}
     stdin   one JSON line per request shard, {"requests": PATH, "responses": PATH}; end of input
             ends the worker with status 0
     stdout  protocol lines only (library output is sent to stderr): {"ready": true} once the model
@@ -64,13 +64,17 @@ def read_responses(path: str | Path) -> list[dict[str, Any]]:
 
 
 def llm_kwargs(settings: dict[str, Any]) -> dict[str, Any]:
-    """Arguments of `vllm.LLM`."""
-    return {
+    """Arguments of `vllm.LLM`; a hub model's ``revision`` (a commit), when the settings pin one, for
+    the weights and the tokenizer alike."""
+    kwargs = {
         "model": settings["model"],
         "dtype": settings["dtype"],
         "seed": settings["seed"],
         "gpu_memory_utilization": settings["gpu_memory_utilization"],
     }
+    if settings.get("revision"):
+        kwargs.update(revision=settings["revision"], tokenizer_revision=settings["revision"])
+    return kwargs
 
 
 def sampling_kwargs(request: dict[str, Any], settings: dict[str, Any]) -> dict[str, Any]:

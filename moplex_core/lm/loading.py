@@ -116,12 +116,12 @@ def _from_pretrained(auto_class: type, name_or_path: str | Path, **kwargs: Any) 
             "existing directory written by save_pretrained, or a hub name such as 'Qwen/Qwen3-0.6B'"
         )
     snapshot = hub_snapshot(name, marker)
-    if snapshot is not None:
+    if snapshot is not None and (auto_class is not AutoModelForCausalLM or _has_weights(snapshot)):
         return auto_class.from_pretrained(str(snapshot), **kwargs)
     if _hub_offline():
         raise ModelUnavailableError(_not_found_message(name, path, "HF_HUB_OFFLINE is set"))
-    try:
-        return auto_class.from_pretrained(name, **kwargs)
+    try:  # a snapshot without weights (a tokenizer loaded first) gets them at its own commit
+        return auto_class.from_pretrained(name, revision=snapshot.name if snapshot else None, **kwargs)
     except OSError as hub_error:
         message = _not_found_message(name, path, f"downloading it failed ({hub_error})")
         if _refused_by_the_hub(hub_error):  # asking again gets the same answer
@@ -145,10 +145,15 @@ def hub_snapshot(name: str, file: str = "config.json") -> Path | None:
     name or its ``file`` is not cached. A pure file-system lookup: from_pretrained(local_files_only=
     True) would still reach for the network (huggingface_hub's user-agent telemetry), which hangs for
     seconds on machines without it."""
-    if not _HUB_NAME.match(name):
+    if not _HUB_NAME.match(name) or Path(name).expanduser().is_dir():  # a local folder is never a hub name
         return None
     cached = try_to_load_from_cache(name, file)
     return Path(cached).parent if isinstance(cached, str) else None
+
+
+def _has_weights(snapshot: Path) -> bool:
+    return any((snapshot / name).is_file() for name in ("model.safetensors", "model.safetensors.index.json",
+                                                         "pytorch_model.bin", "pytorch_model.bin.index.json"))
 
 
 def _hub_offline() -> bool:
