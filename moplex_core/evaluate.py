@@ -10,7 +10,9 @@ the `validation` split and applied to `test`. Ranking accuracy is reported three
     marginal   the alpha-weighted sum of the k scorers' scores (a log-linear pool, not the mixture of
                their Plackett-Luce probabilities), no label and no ranking used
 
-Output rows: (split, metric, cluster, value); cluster is "all" for averages. The evaluate stage adds
+Output rows: (split, metric, cluster, value); cluster is "all" for averages. ``matched_adapter`` rows
+(split: the one the matching was fitted on; cluster: a true label) give the EM cluster, the adapter
+``c<value>``, that serves that label (oracle routing; the matching's partner). The evaluate stage adds
 rows of split ``train_em``, from the train artifact's own posteriors of the training rankings (no
 scoring): how much of its start EM kept (`em_start_metrics`), and from its result.json the check of
 the anchors' estimates and where EM fell back to exact scores (`estimation_rows`).
@@ -62,6 +64,9 @@ class EvalSplit:
     labels: np.ndarray | None = None  # int64 [n] true cluster ids, or None when unknown
 
 
+MATCHED_ADAPTER = "matched_adapter"
+
+
 def evaluate_mixture(
     scorer: Scorer,
     alpha: torch.Tensor,
@@ -90,6 +95,8 @@ def evaluate_mixture(
             rows.append((name, "clustering_accuracy", "all", clustering_accuracy(out["assigned"], split.labels, matching)))
             recall = per_cluster_accuracy(out["assigned"], split.labels, matching, k_true)
             rows += [(name, "clustering_accuracy", _name(c, label_names), float(v)) for c, v in enumerate(recall)]
+    if matching is not None:
+        rows += [(fit_split, MATCHED_ADAPTER, _name(c, label_names), float(matching.routing[c])) for c in range(k_true)]
     return pd.DataFrame(rows, columns=["split", "metric", "cluster", "value"])
 
 
@@ -108,7 +115,7 @@ def _ranking_rows(
     k_true: int,
     label_names: list[str] | None,
 ) -> list[tuple[str, str, str, float]]:
-    scores, tiers = out["scores"], split.rankings.observed_tiers
+    scores, rankings = out["scores"], split.rankings
     n = scores.shape[0]
     routed = {
         "posterior": scores[torch.arange(n), torch.as_tensor(out["assigned"])],
@@ -118,7 +125,7 @@ def _ranking_rows(
         routed["oracle"] = scores[torch.arange(n), torch.as_tensor(matching.routing[split.labels])]
     rows = []
     for variant, routed_scores in routed.items():
-        acc = pairwise_ranking_accuracy(routed_scores, tiers).numpy()
+        acc = pairwise_ranking_accuracy(routed_scores, rankings.tiers, rankings.ranked_prefix).numpy()
         metric = f"ranking_accuracy_{variant}"
         rows.append((split_name, metric, "all", float(np.nanmean(acc))))
         if split.labels is not None:
@@ -167,7 +174,7 @@ def _name(c: int, label_names: list[str] | None) -> str:
 # the evaluate stage: a train artifact and its cache in, `evaluation` out (DESIGN 3, 7)
 
 STAGE = "evaluate"
-CODE_VERSION = "evaluate-6"  # bump when a change to this stage changes what it writes (6: exact fallback row)
+CODE_VERSION = "evaluate-7"  # bump when a change to this stage changes what it writes (7: top-l pairs, matched_adapter)
 METRICS_FILE = "metrics.parquet"
 METRICS_COLUMNS = ("method", "split", "metric", "cluster", "value", "seed")
 
@@ -261,10 +268,11 @@ def run_evaluate(config: EvaluateConfig, train_dir: str | Path, cache_dir: str |
     diagnostics = _generated_diagnostics(outputs, splits, alpha, scorer.k)
     seed = read_manifest(train_dir)["config"]["seed"]
     em_result = json.loads((train_dir / "result.json").read_text())
-    metrics = pd.concat([metrics, _diagnostic_metrics(diagnostics), em_start_rows(train_dir, cache_dir, label_names),
-                         estimation_rows(em_result.get("estimation_check"),  # absent before train-8
-                                         em_result.get("fell_back"))],  # absent before train-9
-                        ignore_index=True)
+    parts = [metrics, _diagnostic_metrics(diagnostics), em_start_rows(train_dir, cache_dir, label_names),
+             estimation_rows(em_result.get("estimation_check"),  # absent before train-8
+                             em_result.get("fell_back"))]  # absent before train-9
+    # An empty part would turn the string columns into objects: the result would not equal metrics.parquet read back.
+    metrics = pd.concat([part for part in parts if not part.empty], ignore_index=True)
     metrics.insert(0, "method", config.method)
     metrics["seed"] = seed
     metrics = metrics[list(METRICS_COLUMNS)]

@@ -24,8 +24,9 @@ class ClusterMatching:
     mapping: predicted cluster id -> true label id, one-to-one (Hungarian); ids with no partner map
              to -1. Every clustering accuracy uses this.
     routing: true label id -> the predicted cluster that serves it: its partner, or, for a label
-             left without one (fewer clusters than labels, e.g. k = 1), the cluster that holds most
-             of its members on the fitted split. Oracle routing of rankings uses this.
+             left without one (fewer clusters than labels, e.g. k = 1) or whose partner holds none of
+             its members, the cluster that holds most of its members on the fitted split. Oracle
+             routing of rankings uses this.
     """
 
     mapping: np.ndarray  # int64 [k_pred]
@@ -44,7 +45,8 @@ def fit_matching(predicted: np.ndarray, true: np.ndarray, k_pred: int, k_true: i
     mapping[rows] = cols
     # A label with no members on this split goes to the largest cluster (argmax of a zero column is 0).
     routing = np.where(counts.sum(0) > 0, counts.argmax(0), counts.sum(1).argmax())
-    routing[cols] = rows
+    partnered = counts[rows, cols] > 0  # a partner with none of the label's members (an empty cluster) serves none
+    routing[cols[partnered]] = rows[partnered]
     return ClusterMatching(mapping, routing.astype(np.int64))
 
 
@@ -73,16 +75,19 @@ def normalized_mutual_information(predicted: np.ndarray, true: np.ndarray) -> fl
     return float(normalized_mutual_info_score(true, predicted))
 
 
-def pairwise_ranking_accuracy(scores: torch.Tensor, tiers: torch.Tensor) -> torch.Tensor:
-    """Per ranking, the fraction of correctly ordered pairs of observed items; float64 [n].
+def pairwise_ranking_accuracy(scores: torch.Tensor, tiers: torch.Tensor,
+                              ranked_prefix: torch.Tensor | None = None) -> torch.Tensor:
+    """Per ranking, the fraction of its known pairs that the scores order correctly; float64 [n].
 
-    scores: float [n, M]; tiers: int64 [n, M] (moplex_core.pl codes). Pairs tied in the ground truth,
-    and unranked or padding slots, are excluded; a tie in the scores counts half. Rankings with no
-    comparable pair give NaN.
+    scores: float [n, M]; tiers: int64 [n, M] (moplex_core.pl codes); ranked_prefix: int64 [n] or
+    None. A pair is known when both items are ranked and in different tiers; with a top-l prefix,
+    also a ranked item of the top l against one below it (its order among those below is unknown).
+    Unranked slots (generated responses) and padding never count; a tie in the scores counts half.
+    Rankings with no known pair give NaN.
     """
-    observed = (tiers != PAD) & (tiers != UNRANKED)
-    better = tiers.unsqueeze(2) < tiers.unsqueeze(1)  # [n, M, M]: i ranked above j
-    pairs = better & observed.unsqueeze(2) & observed.unsqueeze(1)
+    ranked = (tiers != PAD) & (tiers != UNRANKED)  # [n, M]
+    shown = ranked if ranked_prefix is None else ranked & (tiers < ranked_prefix.unsqueeze(1))  # in the top l
+    pairs = (tiers.unsqueeze(2) < tiers.unsqueeze(1)) & shown.unsqueeze(2) & ranked.unsqueeze(1)  # [n, M, M]: i above j
     diff = scores.unsqueeze(2) - scores.unsqueeze(1)
     credit = torch.where(diff > 0, 1.0, torch.where(diff == 0, 0.5, 0.0)).to(torch.float64)
     n_pairs = pairs.sum((1, 2)).to(torch.float64)

@@ -19,7 +19,7 @@ import pandas as pd
 from matplotlib.figure import Figure
 
 from moplex_core.em import likelihood_falls
-from moplex_core.evaluate import EM_START_SPLIT
+from moplex_core.evaluate import EM_START_SPLIT, MATCHED_ADAPTER
 
 HEADLINE = ("clustering_accuracy", "ari", "nmi", "ranking_accuracy_posterior", "ranking_accuracy_oracle",
             "ranking_accuracy_marginal", "heldout_log_likelihood")
@@ -51,8 +51,12 @@ def write_report(writer, metrics: pd.DataFrame, diagnostics: pd.DataFrame, em_re
     history, halvings = em_result["history"], em_result.get("step_halvings", [])  # absent before train-8
     start_rows = metrics[metrics.split == EM_START_SPLIT]
     metrics = metrics[metrics.split != EM_START_SPLIT]
+    matched = metrics[metrics.metric == MATCHED_ADAPTER]
+    metrics = metrics[metrics.metric != MATCHED_ADAPTER]
     splits = list(dict.fromkeys(metrics.split))
-    last = splits[-1]
+    fit = matched.split.iloc[0] if not matched.empty else None
+    outside = [name for name in splits if name != fit]  # the per-cluster view: a split that did not fit the matching
+    last = outside[-1] if outside else splits[-1]
     method = metrics["method"].iloc[0]
     plots = {"em_log_likelihood.png": _log_likelihood_plot(history)}
     clusters = per_cluster_table(metrics, last)
@@ -67,13 +71,20 @@ def write_report(writer, metrics: pd.DataFrame, diagnostics: pd.DataFrame, em_re
         "",
         "Inputs: " + ", ".join(f"{k} `{v}`" for k, v in inputs.items()) + f"; seed {int(metrics['seed'].iloc[0])}.",
         "",
-        "Exact scores of every response. Cluster ids are matched to the true labels (Hungarian) on "
-        f"`{splits[0]}` and the matching is applied to every split. Ranking accuracy is the fraction of "
-        "correctly ordered pairs of original responses (ties in the ground truth excluded), with each "
-        "ranking scored by: `posterior` its own argmax-gamma cluster (gamma computed from that ranking, "
-        "the paper's number, optimistic), `oracle` the cluster matched to its true label, `marginal` "
-        "the alpha-weighted sum of the k clusters' scores (no label, no ranking).",
+        "Exact scores of every response. "
+        + (f"Cluster ids are matched to the true labels (Hungarian) on `{fit}` and the matching is applied to every "
+           f"split (so `{fit}`'s own clustering accuracy is in-sample). " if fit is not None else
+           "The rankings carry no cluster labels: no clustering accuracy and no oracle routing. ")
+        + "Ranking accuracy is, averaged over rankings, the fraction of a ranking's known pairs of original "
+        "responses (different tiers; with a top-l ranking also a top item against one below it) that the scores "
+        "order correctly, with each ranking scored by: `posterior` its own argmax-gamma cluster (gamma computed "
+        "from that ranking, the paper's number, optimistic), `oracle` the cluster matched to its true label, "
+        "`marginal` the alpha-weighted sum of the k clusters' scores (no label, no ranking).",
         "",
+        *([f"Which adapter serves which true label (the matching fitted on `{fit}`):", "",
+           markdown_table(pd.DataFrame({"adapter": [f"c{int(v)}" for v in matched.value]},
+                                       index=pd.Index(matched.cluster, name="true label"))), ""]
+          if fit is not None else []),
         "## Overall",
         "",
         markdown_table(headline_table(metrics)),
@@ -156,7 +167,7 @@ def png_bytes(figure: Figure) -> bytes:
 def _cluster_accuracy_plot(clusters: pd.DataFrame, split: str) -> bytes:
     series = [c for c in ["clustering_accuracy", *(f"ranking_accuracy_{v}" for v in RANKING_VARIANTS)]
               if c in clusters.columns]
-    figure = Figure(figsize=(1.6 + 1.2 * len(clusters), 3.6))
+    figure = Figure(figsize=(3.2 + 1.2 * len(clusters), 3.6))
     ax = figure.subplots()
     width = 0.8 / len(series)
     x = np.arange(len(clusters))
@@ -164,10 +175,12 @@ def _cluster_accuracy_plot(clusters: pd.DataFrame, split: str) -> bytes:
         ax.bar(x + (i - (len(series) - 1) / 2) * width, clusters[name].to_numpy(), width,
                label=name.replace("ranking_accuracy_", "ranking "))
     ax.set_xticks(x, clusters.index.astype(str))
+    ax.set_xlabel("true label")
     ax.set_ylim(0, 1)
     ax.set_ylabel("accuracy")
     ax.set_title(f"per-cluster accuracy ({split})")
-    ax.legend(fontsize=7, loc="lower right")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # beside the bars, never over them
+    figure.tight_layout()
     return png_bytes(figure)
 
 

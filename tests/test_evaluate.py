@@ -61,7 +61,7 @@ def test_without_labels_only_label_free_metrics_are_reported(noise_free):
     assert values["ranking_accuracy_marginal"] == pytest.approx(0.5)
 
 
-def test_pairs_beyond_the_ranked_prefix_are_not_scored():
+def test_a_top_l_ranking_scores_its_top_items_against_each_other_and_against_those_below():
     from moplex_core.pl import UNRANKED
 
     tiers = torch.tensor([[0, 1, 2, 3]])
@@ -69,10 +69,17 @@ def test_pairs_beyond_the_ranked_prefix_are_not_scored():
     assert top2.observed_tiers.tolist() == [[0, 1, UNRANKED, UNRANKED]]
     scorer = LinearScorer(1, 1)
     scorer.theta = torch.tensor([[1.0]], dtype=torch.float64)
-    # scores order 0 > 1 right, but 2 < 3 wrong: only pairs involving the observed top 2 count
-    x = torch.tensor([[[4.0], [3.0], [1.0], [2.0]]], dtype=torch.float64)
-    metrics = evaluate_mixture(scorer, torch.ones(1, dtype=torch.float64), {"test": EvalSplit(x, top2)})
-    assert metrics.set_index("metric").value["ranking_accuracy_marginal"] == 1.0
+
+    def accuracy(x, rankings):
+        x = torch.tensor([[[v] for v in x]], dtype=torch.float64)
+        metrics = evaluate_mixture(scorer, torch.ones(1, dtype=torch.float64), {"test": EvalSplit(x, rankings)})
+        return metrics.set_index("metric").value["ranking_accuracy_marginal"]
+
+    # known pairs: 0>1, 0>2, 0>3, 1>2, 1>3; not 2 against 3 (their order below the top 2 is unknown)
+    assert accuracy([4.0, 3.0, 1.0, 2.0], top2) == 1.0
+    assert accuracy([4.0, 3.0, 5.0, 6.0], top2) == pytest.approx(1 / 5)
+    top1 = Rankings(torch.tensor([[1, 0, 2, 3]]), torch.tensor([1]))  # item 1 best, the rest unordered
+    assert accuracy([1.0, 2.0, 0.0, 3.0], top1) == pytest.approx(2 / 3)
 
 
 def test_heldout_log_likelihood_is_the_hand_computed_mean_under_the_rankings_model():

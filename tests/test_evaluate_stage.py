@@ -50,8 +50,14 @@ def test_evaluation_writes_labelled_metrics_a_report_and_plots(trained):
                                    "clustering_accuracy_final"}
     per_cluster = metrics[(metrics.metric == "clustering_accuracy") & (metrics.cluster != "all")]
     assert set(per_cluster.cluster) <= {"c0", "c1", "c2"}
+    matched = metrics[metrics.metric == "matched_adapter"]
+    assert set(matched.split) == {"validation"} and sorted(matched.cluster) == ["c0", "c1", "c2"]
     report = (result.path / "report.md").read_text()
     assert "posterior" in report and "oracle" in report and "marginal" in report
+    assert "matched to the true labels (Hungarian) on `validation`" in report and "## Per cluster (test)" in report
+    table = report.split("Which adapter serves which true label (the matching fitted on `validation`):")[1]
+    assert "| true label | adapter |" in table
+    assert all(f"| {row.cluster} | c{int(row.value)} |" in table for row in matched.itertuples())
     section = report.split("## EM's start and end (training rankings)")[1].split("\n## ")[0]
     assert "|  | start | final |" in section and "| clustering_accuracy |" in section
     for png in ("em_log_likelihood.png", "cluster_accuracy.png", "confusion_test.png"):

@@ -37,6 +37,9 @@ def test_labels_without_a_partner_are_routed_to_the_cluster_holding_most_of_them
     assert fit_matching(np.zeros(4, dtype=int), np.array([0, 1, 2, 2]), 1, 3).routing.tolist() == [0, 0, 0]
     # a label absent from the fitted split goes to the largest cluster
     assert fit_matching(np.array([1, 1, 0]), np.array([0, 0, 1]), 2, 3).routing.tolist() == [1, 0, 1]
+    # a label whose partner is an empty cluster goes where its members are
+    empty = fit_matching(np.array([0] * 50 + [1] * 50), np.array([0] * 50 + [1] * 30 + [2] * 20), 3, 3)
+    assert empty.mapping.tolist() == [0, 1, 2] and empty.routing.tolist() == [0, 1, 1]
 
 
 def test_matching_is_not_refitted_on_the_test_split():
