@@ -157,19 +157,20 @@ class VLLMGenerator:
         if self._closed:
             return
         self._closed = True
-        if failed or self._failed:
-            self._stop(signal.SIGTERM, _TERM_S)
-            self._log.close()
-            return
-        with contextlib.suppress(BrokenPipeError):
-            self._stdin().close()
-        status = self._stop(None, _CLOSE_S)
-        if status != 0:
-            error = self._died(status, "while shutting down")
-            self._log.close()
-            raise error
+        aborting = failed or self._failed
+        if not aborting:
+            with contextlib.suppress(BrokenPipeError):
+                self._stdin().close()
+        status = self._stop(signal.SIGTERM, _TERM_S) if aborting else self._stop(None, _CLOSE_S)
+        error = None if aborting or status == 0 else self._died(status, "while shutting down")
         self._log.close()
-        shutil.rmtree(self.exchange, ignore_errors=True)
+        for pipe in (self._process.stdin, self._process.stdout):
+            with contextlib.suppress(OSError):
+                pipe.close()  # type: ignore[union-attr]
+        if error is not None:
+            raise error
+        if not aborting:
+            shutil.rmtree(self.exchange, ignore_errors=True)
 
     def _stdin(self) -> IO[bytes]:
         return self._process.stdin  # type: ignore[return-value]
@@ -224,7 +225,7 @@ class VLLMGenerator:
         """Send ``first`` (if any) to the worker's process group, give the worker ``grace_s`` seconds
         to exit, SIGKILL whatever is left of the group (the worker, vLLM's engine processes) and
         return the worker's exit status."""
-        if first is not None and not self._exited():
+        if first is not None:  # the group, even after the worker's exit: what it started may outlive it
             self._signal_group(first)
         deadline = time.monotonic() + grace_s
         while not self._exited() and time.monotonic() < deadline:
