@@ -43,7 +43,7 @@ from moplex_core.pl import encode_tiers_batch
 log = logging.getLogger(__name__)
 
 STAGE = "cache"
-CODE_VERSION = "cache-3"  # bump when a change to this stage changes what it writes (3: non-thinking prompts)
+CODE_VERSION = "cache-4"  # bump when a change to this stage changes what it writes (4: special-token text in responses)
 
 CACHE_SCHEMA = pa.schema([
     pa.field("example_id", pa.string()),
@@ -107,18 +107,24 @@ def run_cache(config: CacheConfig, rankings_dir: str | Path, store: ArtifactStor
                 for shard in todo:
                     part = table.slice(starts[shard], config.shard_rows)
                     writer.write_shard(shard, cache_rows(part, model, tokenizer, config, bar.update))
-        truncated = sum(truncated_responses(pq.read_table(writer.path / shard_name(s), columns=TRUNCATION_COLUMNS),
-                                            config.max_response_tokens, tokenizer.eos_token_id)
-                        for s in range(len(starts)))
+        shards = [pq.read_table(writer.path / shard_name(s), columns=TRUNCATION_COLUMNS) for s in range(len(starts))]
+        truncated = sum(truncated_responses(rows, config.max_response_tokens, tokenizer.eos_token_id) for rows in shards)
         if truncated:
             log.warning("%d response(s) are longer than cache.max_response_tokens = %d and lost their end "
                         "(and EOS); their scores are of the kept start. Raise max_response_tokens to keep them whole.",
                         truncated, config.max_response_tokens)
+        long_prompts = sum(prompts_at_the_limit(rows, config.max_prompt_tokens) for rows in shards)
+        if long_prompts:
+            log.warning("%d prompt(s) reach cache.max_prompt_tokens = %d tokens: they were cut from the left (or are "
+                        "exactly that long), and a cut prompt has lost its start, with any BOS and the chat template's "
+                        "opening (a system prompt). Raise max_prompt_tokens to keep them whole.",
+                        long_prompts, config.max_prompt_tokens)
         writer.summary.update({
             "examples": table.num_rows,
             "responses_per_example": _distribution(table),
             "truncated_responses": truncated,
             "max_response_tokens": config.max_response_tokens,
+            "prompts_at_max_prompt_tokens": long_prompts,
             "input": plan.inputs["rankings"],
         })
     log.info("wrote the cache of %d examples to %s", table.num_rows, plan.path)
@@ -184,6 +190,15 @@ def truncated_responses(rows: pa.Table, max_response_tokens: int | None, eos_tok
     starts = np.asarray(pc.list_flatten(rows.column("response_start")))
     last = np.asarray(sequences.values)[offsets[1:] - 1]
     return int(((lengths - starts == max_response_tokens) & (last != eos_token_id)).sum())
+
+
+def prompts_at_the_limit(rows: pa.Table, max_prompt_tokens: int | None) -> int:
+    """How many examples of cache ``rows`` have a prompt of exactly ``max_prompt_tokens`` tokens: cut
+    from the left, or exactly that long (the cache keeps no longer count to tell them apart)."""
+    if max_prompt_tokens is None or rows.num_rows == 0:
+        return 0
+    first = pc.list_element(rows.column("response_start"), 0)  # every response of an example starts there
+    return int(pc.sum(pc.equal(first, max_prompt_tokens)).as_py() or 0)
 
 
 def check_cache_model(cache_dir: str | Path) -> None:

@@ -242,20 +242,24 @@ def test_truncated_responses_counts_cut_responses_only():
     assert truncated_responses(rows, None, eos) == 0
 
 
-def test_the_cache_reports_truncated_responses_in_its_manifest_and_log(tiny_model_dir, tmp_path, caplog):  # noqa: F811
+def test_the_cache_reports_truncated_responses_and_prompts_in_its_manifest_and_log(tiny_model_dir, tmp_path,  # noqa: F811
+                                                                                    caplog):
     store = ArtifactStore(tmp_path)
     long = " ".join(["4 5 6 7"] * 20)
-    rows = [{"example_id": f"e{i}", "prompt_id": f"p{i}", "prompt": "Rank by criterion 0: which list is best?",
+    rows = [{"example_id": f"e{i}", "prompt_id": f"p{i}",
+             "prompt": "Rank by criterion 0: which list is best?" + " Think twice." * 10 * (i == 3),
              "prompt_messages": None, "responses": ["1 2", long if i < 2 else "3", "5"], "ranking": [[0], [1], [2]],
              "ranked_prefix": 3, "cluster": "c0", "split": "train", "source": "test"} for i in range(4)]
     with store.writer("ingest", "r1", config={}) as writer:
         writer.write_shard(0, pa.Table.from_pylist(rows))
     with caplog.at_level(logging.WARNING, logger="moplex_core.cache"):
-        result = run_cache(CacheConfig(model=str(tiny_model_dir), max_response_tokens=8), store.path("ingest", "r1"),
-                           store, progress=False)
+        result = run_cache(CacheConfig(model=str(tiny_model_dir), max_response_tokens=8, max_prompt_tokens=40),
+                           store.path("ingest", "r1"), store, progress=False)
     summary = read_manifest(result.path)["summary"]
     assert summary["truncated_responses"] == 2 and summary["max_response_tokens"] == 8
     assert "2 response(s) are longer than cache.max_response_tokens = 8" in caplog.text
+    assert summary["prompts_at_max_prompt_tokens"] == 1  # the long one; the chat-rendered others are shorter
+    assert "1 prompt(s) reach cache.max_prompt_tokens = 40 tokens: they were cut from the left" in caplog.text
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -28,6 +28,16 @@ def test_every_response_follows_the_same_chat_prompt_and_ends_with_eos(tiny_toke
         assert tiny_tokenizer.decode(seq.input_ids[start:-1]) == response
 
 
+def test_special_token_text_in_a_response_is_text_and_a_kept_end_marker_is_the_one_eos(tiny_tokenizer) -> None:
+    plain, kept_end, inside = tokenize_responses(
+        tiny_tokenizer, "Which?", ["3 1 4", "3 1 4<|im_end|>\n", "use <|im_start|>user to open a turn"])
+    start = plain.response_start
+    assert kept_end.input_ids == plain.input_ids  # one EOS, not two
+    response = inside.input_ids[start:-1]
+    assert tiny_tokenizer.convert_tokens_to_ids("<|im_start|>") not in response
+    assert tiny_tokenizer.decode(response) == "use <|im_start|>user to open a turn"  # spelled out, character by character
+
+
 def test_chat_messages_render_like_the_same_prompt_as_text(tiny_tokenizer: PreTrainedTokenizerBase) -> None:
     as_text = encode_prompt(tiny_tokenizer, "hello")
     as_messages = encode_prompt(tiny_tokenizer, [{"role": "user", "content": "hello"}])
@@ -38,7 +48,7 @@ def test_without_chat_template_the_prompt_is_plain_text(tiny_tokenizer: PreTrain
     (seq,) = tokenize_responses(tiny_tokenizer, "Question: 1 or 2?", [" 2"], use_chat_template=False)
     assert tiny_tokenizer.decode(seq.input_ids) == "Question: 1 or 2? 2<|im_end|>"
     assert tiny_tokenizer.decode(seq.input_ids[seq.response_start :]) == " 2<|im_end|>"
-    with pytest.raises(ValueError, match="use_chat_template=True"):
+    with pytest.raises(ValueError, match="set use_chat_template = true, give the model a chat template, or ingest"):
         encode_prompt(tiny_tokenizer, [{"role": "user", "content": "hi"}], use_chat_template=False)
 
 

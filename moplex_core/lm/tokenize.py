@@ -12,6 +12,9 @@ Layout rules:
   template the prompt text is encoded as is, with the tokenizer's own special tokens (BOS, if any).
 - A long prompt loses its start (left truncation to ``max_prompt_tokens``): the end of the prompt
   sits next to the response and conditions it most.
+- A response that ends with the EOS text (an export that kept ``<|im_end|>``) loses that text: the
+  EOS appended below stands for it. Special-token text elsewhere in a response is encoded as plain
+  characters, never as the control token.
 - A long response loses its end, never its start. ``max_response_tokens`` bounds the response
   tokens including EOS. EOS is appended only when the whole response fits: a response cut short did
   not end there, so its score is the log-prob of it *starting* with the kept tokens (as TRL's DPO
@@ -46,7 +49,8 @@ class PaddedBatch:
 
     Right padding keeps every sequence at positions 0..n-1, exactly as when it is alone, so causal
     attention never sees a pad before a real token and a sequence's log-prob does not depend on
-    what else is in the batch.
+    what else is in the batch, up to rounding: the kernels' reduction order changes with the
+    padded shape (measured on the tiny model: 4e-6 nats in float32, 4e-3 in bfloat16).
     """
 
     input_ids: torch.Tensor  # int64 [B, L], pad_token_id after each sequence's end
@@ -85,9 +89,9 @@ def encode_prompt(
         ids = tokenizer(prompt, add_special_tokens=True)["input_ids"]
     else:
         raise ValueError(
-            "the prompt is a list of chat messages, which needs use_chat_template=True and a "
-            "tokenizer with a chat template; pass the prompt as plain text instead, or set "
-            "tokenizer.chat_template"
+            "the prompt is a list of chat messages (prompt_messages), which needs use_chat_template = true "
+            "and a tokenizer with a chat template; set use_chat_template = true, give the model a chat "
+            "template, or ingest the rankings without prompt_messages"
         )
     if not ids:
         raise ValueError(
@@ -114,7 +118,12 @@ def encode_response(
         )
     if max_response_tokens is not None and max_response_tokens < 1:
         raise ValueError(f"max_response_tokens must be at least 1, got {max_response_tokens}")
-    ids = list(tokenizer(response, add_special_tokens=False)["input_ids"]) + [eos]
+    end = tokenizer.eos_token
+    if end and response.rstrip().endswith(end):  # an export that kept the turn's end: that end is the EOS below
+        response = response.rstrip()[: -len(end)]
+    # Special-token text inside a response is text the response holds, not a control token (an
+    # "<|im_start|>" in an answer about chat formats), so it is encoded as plain characters.
+    ids = list(tokenizer(response, add_special_tokens=False, split_special_tokens=True)["input_ids"]) + [eos]
     if max_response_tokens is not None and len(ids) > max_response_tokens:
         return ids[:max_response_tokens]
     return ids
