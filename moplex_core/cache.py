@@ -100,6 +100,7 @@ def run_cache(config: CacheConfig, rankings_dir: str | Path, store: ArtifactStor
         tokenizer = load_tokenizer(config.model)
         if todo:
             model = load_model(config.model, dtype=dtype, device=device)
+            _warn_on_another_end_of_turn(model, tokenizer)
             done = (len(starts) - len(todo)) * config.shard_rows
             bar = tqdm(total=table.num_rows, initial=min(done, table.num_rows), desc="cache: pi_ref terms",
                        unit="example", disable=not progress)
@@ -190,6 +191,18 @@ def truncated_responses(rows: pa.Table, max_response_tokens: int | None, eos_tok
     starts = np.asarray(pc.list_flatten(rows.column("response_start")))
     last = np.asarray(sequences.values)[offsets[1:] - 1]
     return int(((lengths - starts == max_response_tokens) & (last != eos_token_id)).sum())
+
+
+def _warn_on_another_end_of_turn(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> None:
+    """Warn when the EOS the cache closes every response with is not a token the model stops generating
+    at (its generation_config's eos_token_id): the scores would include an end its turns do not have."""
+    stops = model.generation_config.eos_token_id
+    stops = set() if stops is None else {stops} if isinstance(stops, int) else set(stops)
+    if stops and tokenizer.eos_token_id not in stops:
+        log.warning("the cache closes every response with the tokenizer's eos_token %r (id %d), but the model stops "
+                    "generating at token id(s) %s (generation_config.json): every score includes an end token its "
+                    "turns do not end with. Set the tokenizer's eos_token (tokenizer_config.json) to the end-of-turn "
+                    "token.", tokenizer.eos_token, tokenizer.eos_token_id, sorted(stops))
 
 
 def prompts_at_the_limit(rows: pa.Table, max_prompt_tokens: int | None) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 
@@ -102,6 +103,25 @@ def test_a_hub_models_cache_records_its_commit_and_refuses_another(tiny_model_di
     check_cache_model(cache)
     assert f"which commit it was built with is not recorded and cannot be checked against the one cached now " \
            f"({'b' * 40})" in caplog.text
+
+
+def test_a_model_that_ends_its_turns_with_another_token_than_the_tokenizers_eos_is_warned_about(
+        tiny_model_dir, tmp_path, caplog):  # noqa: F811
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model)
+    settings = json.loads((model / "generation_config.json").read_text())
+    settings["eos_token_id"] = [7]  # as a model whose generation stops at another end-of-turn token
+    (model / "generation_config.json").write_text(json.dumps(settings))
+    store = ArtifactStore(tmp_path / "artifacts")
+    with caplog.at_level(logging.WARNING, logger="moplex_core.cache"):
+        run_cache(CacheConfig(model=str(model)), write_synthetic(store, n=4, m=3), store, progress=False)
+    assert "the cache closes every response with the tokenizer's eos_token '<|im_end|>'" in caplog.text
+    assert "stops generating at token id(s) [7]" in caplog.text
+    caplog.clear()
+    other = ArtifactStore(tmp_path / "other")
+    with caplog.at_level(logging.WARNING, logger="moplex_core.cache"):
+        run_cache(CacheConfig(model=str(tiny_model_dir)), write_synthetic(other, n=4, m=3), other, progress=False)
+    assert "closes every response" not in caplog.text
 
 
 def test_a_killed_cache_resumes_by_shard(tiny_model_dir, tmp_path):  # noqa: F811
