@@ -31,7 +31,7 @@ import logging
 import time
 from collections import Counter, defaultdict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pyarrow as pa
@@ -48,7 +48,7 @@ from moplex_core.schema import RANKINGS_SCHEMA, check_rankings
 log = logging.getLogger(__name__)
 
 STAGE = "augment"
-CODE_VERSION = "augment-2"  # bump when a change to this stage changes what it writes
+CODE_VERSION = "augment-3"  # bump when a change to this stage changes what it writes (3: generated_finished)
 # (2: non-thinking prompts; the model's generation_config no longer shapes the hf draw)
 SHORTFALL_FILE = "shortfall.parquet"
 
@@ -63,7 +63,7 @@ GENERATION_TYPE = pa.struct([
 ])
 AUGMENTED_SCHEMA = RANKINGS_SCHEMA.append(pa.field("generated", pa.list_(pa.string()), nullable=False)).append(
     pa.field("generation", GENERATION_TYPE, nullable=False)
-)
+).append(pa.field("generated_finished", pa.list_(pa.bool_()), nullable=False))  # per text: False if max_new_tokens cut it
 SHORTFALL_SCHEMA = pa.schema([
     pa.field("prompt_id", pa.string()),
     pa.field("rankings", pa.int64()),  # rankings of this prompt with this many generated responses
@@ -123,6 +123,7 @@ class Filled:
     texts: list[str]
     tokens: int
     attempts: int
+    finished: list[bool] = field(default_factory=list)  # per text: ended by the model, not cut at max_new_tokens
 
 
 def plan_augment(config: AugmentConfig, rankings: str | Path, store: ArtifactStore) -> AugmentPlan:
@@ -213,6 +214,7 @@ def fill_groups(
                 if text_key and text_key not in seen[group.key]:
                     seen[group.key].add(text_key)
                     state.texts.append(sample.text)
+                    state.finished.append(sample.finished)
         if on_progress is not None:
             last = attempt + 1 == max_attempts
             done = sum(1 for g in todo if last or g.key in exhausted or len(filled[g.key].texts) >= n)
@@ -239,7 +241,9 @@ def augment_rows(rankings: pa.Table, config: AugmentConfig, generator: Generator
         for key in keys
     ]
     table = rankings.append_column("generated", pa.array([filled[k].texts for k in keys], pa.list_(pa.string())))
-    return table.append_column("generation", pa.array(generation, GENERATION_TYPE)).cast(AUGMENTED_SCHEMA)
+    table = table.append_column("generation", pa.array(generation, GENERATION_TYPE))
+    finished = pa.array([filled[k].finished for k in keys], pa.list_(pa.bool_()))
+    return table.append_column("generated_finished", finished).cast(AUGMENTED_SCHEMA)
 
 
 def shortfall_of(augmented: pa.Table, n_generated: int) -> pa.Table:

@@ -273,12 +273,16 @@ def policy_inputs(table: pa.Table):
 
 
 def _tokenize(row: dict, tokenizer: PreTrainedTokenizerBase, config: CacheConfig) -> list[TokenizedResponse]:
-    responses = list(row["responses"]) + list(row.get("generated") or [])
+    generated = list(row.get("generated") or [])
+    responses = list(row["responses"]) + generated
+    # A generated text that max_new_tokens cut short did not end there: no EOS (augment-2 and older record
+    # nothing, so their texts count as finished).
+    ended = [True] * len(row["responses"]) + list(row.get("generated_finished") or [True] * len(generated))
     prompt = json.loads(row["prompt_messages"]) if row.get("prompt_messages") else row["prompt"]
     try:
         return tokenize_responses(tokenizer, prompt, responses, use_chat_template=config.use_chat_template,
                                   max_prompt_tokens=config.max_prompt_tokens,
-                                  max_response_tokens=config.max_response_tokens)
+                                  max_response_tokens=config.max_response_tokens, ended=ended)
     except ValueError as err:
         raise ValueError(f"example_id {row['example_id']!r}: {err}") from err
 

@@ -223,13 +223,15 @@ def _distribution(values: pd.Series) -> str:
 
 @stage_section("augment")
 def _augmented_section(version_dir: Path, shards: list[Path]) -> list[str]:
-    table = _counting_columns(shards, ("generated", "generation"))
+    table = _counting_columns(shards, ("generated", "generation", "generated_finished"))
     got = pc.list_value_length(table.column("generated")).to_pandas()
     generation = table.column("generation")
     attempts = pc.struct_field(generation, "attempts").to_pandas()
     settings = pa.table({name: pc.struct_field(generation, name)
                          for name in ("backend", "model", "temperature", "top_p", "max_new_tokens", "seed")})
     chars = pc.utf8_length(pc.list_flatten(table.column("generated"))).to_pandas()
+    ended = pc.list_flatten(table.column("generated_finished")) if "generated_finished" in table.column_names else None
+    cut = None if ended is None else int(pc.sum(pc.invert(ended)).as_py() or 0)
     shortfall = version_dir / "shortfall.parquet"
     short = pq.read_metadata(shortfall).num_rows if shortfall.is_file() else None
     lines = [
@@ -237,6 +239,8 @@ def _augmented_section(version_dir: Path, shards: list[Path]) -> list[str]:
         "generated per ranking:     " + _distribution(got),
         "attempts per ranking:      " + _distribution(attempts),
         "generated text length:     " + (f"median {chars.median():.0f} chars, max {chars.max()}" if len(chars) else "-"),
+        "cut at max_new_tokens:     " + ("not recorded (augment-2 or older)" if cut is None
+                                         else f"{cut} of {len(chars)} texts (the cache scores them without EOS)"),
         "shortfall.parquet rows:    " + ("missing (the stage did not finish)" if short is None else str(short)),
         "generation settings:",
     ]

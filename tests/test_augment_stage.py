@@ -19,11 +19,14 @@ from chaos.kills import finished_work
 from lm_fixtures import tiny_model_dir  # noqa: F401 - fixture
 from moplex_core.artifacts import ArtifactStore, shard_paths
 from moplex_core.augment import AUGMENTED_SCHEMA, SHORTFALL_FILE, STAGE, ShortfallError, plan_augment, run_augment
+from moplex_core.cache import run_cache
 from moplex_core.cli import main
-from moplex_core.config import AugmentConfig, IngestConfig
+from moplex_core.config import AugmentConfig, CacheConfig, IngestConfig
 from moplex_core.generate.base import normalise
 from moplex_core.generate.vllm_backend import VLLMWorkerError
 from moplex_core.ingest import run_ingest
+from moplex_core.inspect import inspect_path
+from moplex_core.lm.loading import load_tokenizer
 from moplex_core.schema import RANKINGS_SCHEMA
 
 ROWS = [  # two rankings share each of the first two prompts (as PERSONA's profiles share an instruction)
@@ -48,6 +51,24 @@ def rankings_dir(tmp_path: Path, root: Path, rows=ROWS) -> Path:
 def hf_config(model: Path, **overrides) -> AugmentConfig:
     settings = {"model": str(model), "max_new_tokens": 16, "shard_prompts": 2, "batch_size": 8}
     return AugmentConfig(**{**settings, **overrides})
+
+
+def test_a_generation_cut_at_max_new_tokens_is_recorded_and_cached_without_eos(tmp_path, tiny_model_dir):
+    store = ArtifactStore(tmp_path / "artifacts")
+    result = run_augment(hf_config(tiny_model_dir, max_new_tokens=3), rankings_dir(tmp_path, store.root), store,
+                         progress=False)
+    rows = store.load_table(STAGE, result.ref.version).to_pylist()
+    ended = [flag for row in rows for flag in row["generated_finished"]]
+    assert all(len(row["generated_finished"]) == len(row["generated"]) for row in rows)
+    assert not all(ended)  # temperature 2 on a tiny model: most texts run past 3 tokens
+    assert "cut at max_new_tokens:" in inspect_path(result.path)
+    cache = run_cache(CacheConfig(model=str(tiny_model_dir)), result.path, store, progress=False)
+    eos = load_tokenizer(tiny_model_dir).eos_token_id
+    by_id = {row["example_id"]: row for row in store.load_table("cache", cache.ref.version).to_pylist()}
+    for row in rows:
+        cached = by_id[row["example_id"]]["input_ids"]
+        assert all(ids[-1] == eos for ids in cached[:len(row["responses"])])  # originals end
+        assert [ids[-1] == eos for ids in cached[len(row["responses"]):]] == row["generated_finished"]
 
 
 def test_generated_once_per_prompt_shared_by_its_rankings_and_never_an_original(tmp_path, tiny_model_dir):

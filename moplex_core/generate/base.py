@@ -41,6 +41,8 @@ class Sample:
     text: str
     tokens: int
     """Generated tokens, EOS included when it was produced; 0 for a borrowed text."""
+    finished: bool = True
+    """The model ended the text itself (EOS, a stop); False when ``max_new_tokens`` cut it short."""
 
 
 class Generator(Protocol):

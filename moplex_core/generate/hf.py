@@ -148,5 +148,5 @@ class HFGenerator:
             end = next((i for i, token in enumerate(row) if token in self._eos_ids), None)
             kept = row if end is None else row[:end]
             text = self._tokenizer.decode(kept, skip_special_tokens=True)
-            samples.append(Sample(text, len(row) if end is None else end + 1))
+            samples.append(Sample(text, len(row) if end is None else end + 1, finished=end is not None))
         return samples

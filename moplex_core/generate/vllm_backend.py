@@ -145,7 +145,9 @@ class VLLMGenerator:
         requests_path.unlink()
         responses_path.unlink()
         return [
-            [Sample(text, count) for text, count in zip(rows[r.key]["texts"], rows[r.key]["token_counts"], strict=True)]
+            [Sample(text, count, finished=reason != "length")
+             for text, count, reason in zip(rows[r.key]["texts"], rows[r.key]["token_counts"],
+                                            rows[r.key]["finish_reasons"], strict=True)]
             for r in requests
         ]
 

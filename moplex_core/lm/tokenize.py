@@ -15,6 +15,8 @@ Layout rules:
 - A response that ends with the EOS text (an export that kept ``<|im_end|>``) loses that text: the
   EOS appended below stands for it. Special-token text elsewhere in a response is encoded as plain
   characters, never as the control token.
+- A generated response that ``max_new_tokens`` cut short (``ended`` false) gets no EOS either: it
+  did not end there.
 - A long response loses its end, never its start. ``max_response_tokens`` bounds the response
   tokens including EOS. EOS is appended only when the whole response fits: a response cut short did
   not end there, so its score is the log-prob of it *starting* with the kept tokens (as TRL's DPO
@@ -108,8 +110,10 @@ def encode_response(
     response: str,
     *,
     max_response_tokens: int | None = None,
+    ended: bool = True,
 ) -> list[int]:
-    """Response token ids, followed by EOS unless the response had to be cut (module docstring)."""
+    """Response token ids, followed by EOS unless the response had to be cut (module docstring) or did
+    not end (``ended`` false: a generation that max_new_tokens cut short)."""
     eos = tokenizer.eos_token_id
     if eos is None:
         raise ValueError(
@@ -123,7 +127,7 @@ def encode_response(
         response = response.rstrip()[: -len(end)]
     # Special-token text inside a response is text the response holds, not a control token (an
     # "<|im_start|>" in an answer about chat formats), so it is encoded as plain characters.
-    ids = list(tokenizer(response, add_special_tokens=False, split_special_tokens=True)["input_ids"]) + [eos]
+    ids = list(tokenizer(response, add_special_tokens=False, split_special_tokens=True)["input_ids"]) + [eos] * ended
     if max_response_tokens is not None and len(ids) > max_response_tokens:
         return ids[:max_response_tokens]
     return ids
@@ -137,12 +141,18 @@ def tokenize_responses(
     use_chat_template: bool = True,
     max_prompt_tokens: int | None = None,
     max_response_tokens: int | None = None,
+    ended: Sequence[bool] | None = None,
 ) -> list[TokenizedResponse]:
-    """Sequences ``prompt + response_j`` for every response of one prompt, sharing the prompt ids."""
+    """Sequences ``prompt + response_j`` for every response of one prompt, sharing the prompt ids;
+    ``ended[j]`` false leaves response j without EOS (`encode_response`; default: every one ended)."""
     prompt_ids = encode_prompt(
         tokenizer, prompt, use_chat_template=use_chat_template, max_prompt_tokens=max_prompt_tokens
     )
-    response_ids = [encode_response(tokenizer, r, max_response_tokens=max_response_tokens) for r in responses]
+    ended = [True] * len(responses) if ended is None else list(ended)
+    if len(ended) != len(responses):
+        raise ValueError(f"{len(responses)} responses but {len(ended)} ended flags")
+    response_ids = [encode_response(tokenizer, r, max_response_tokens=max_response_tokens, ended=e)
+                    for r, e in zip(responses, ended, strict=True)]
     return [TokenizedResponse(prompt_ids + ids, response_start=len(prompt_ids)) for ids in response_ids]
 
 
