@@ -14,7 +14,8 @@ from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
 from moplex_core.artifacts import ArtifactStore
-from moplex_core.config import METHODS, PipelineConfig, pipeline_preset, with_overrides
+from moplex_core.config import PipelineConfig, pipeline_preset, with_overrides
+from moplex_core.methods import METHODS
 from moplex_core.experiments.compare import plan_runs, write_comparison
 from flows.pipeline import flow_run_url, local_run_settings, moplex_pipeline
 

@@ -47,7 +47,8 @@ def _experiment_approximation(args: argparse.Namespace) -> int:
 
 def _experiment_compare(args: argparse.Namespace) -> int:
     # Runs the compare flow (several pipeline subflows) in this process, like `moplex run`.
-    from moplex_core.config import METHODS, pipeline_preset, with_overrides
+    from moplex_core.config import pipeline_preset, with_overrides
+    from moplex_core.methods import METHODS
     from moplex_core.experiments.compare import plan_runs
 
     methods = args.methods or list(METHODS)
@@ -267,7 +268,8 @@ def build_parser() -> argparse.ArgumentParser:
     approx.add_argument("--quiet", action="store_true", help="no progress bar")
     approx.set_defaults(func=_experiment_approximation)
 
-    from moplex_core.config import METHODS, DatasetName
+    from moplex_core.config import DatasetName
+    from moplex_core.methods import METHODS
 
     compare = exp_sub.add_parser(
         "compare",

@@ -6,7 +6,8 @@ import pandas as pd
 import pytest
 
 from moplex_core.artifacts import verify
-from moplex_core.config import METHODS, PipelineConfig, method_config, pipeline_preset, with_overrides
+from moplex_core.config import PipelineConfig, pipeline_preset, with_overrides
+from moplex_core.methods import METHODS, method_config
 from moplex_core.experiments.compare import chance_level, em_start_table, plan_runs, table2, table3
 
 TINY_BASE = PipelineConfig.model_validate({

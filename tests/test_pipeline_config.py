@@ -10,12 +10,12 @@ from pydantic import ValidationError
 from moplex_core.config import (
     TINY_MODEL,
     PipelineConfig,
-    method_config,
     pipeline_preset,
     preset_description,
     preset_names,
     with_overrides,
 )
+from moplex_core.methods import method_config
 
 
 def test_every_shipped_preset_loads_and_describes_itself():

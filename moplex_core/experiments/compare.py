@@ -1,6 +1,6 @@
 """Baselines and ablations as presets of one engine, and the comparison report (paper Tables 2, 3).
 
-A *method* (moplex_core.config.METHODS) is a list of ``key=value`` overrides applied to a base pipeline config (a `PipelineConfig`
+A *method* (moplex_core.methods.METHODS) is a list of ``key=value`` overrides applied to a base pipeline config (a `PipelineConfig`
 whose train/augment settings are MoPLEx itself: generated responses and a < m' anchors). Every
 method runs the same ingest, tiny model, augment and cache artifacts (the store reuses them); only
 train and evaluate differ. Seeds vary ``train.seed``: the LoRA initialisation, the EM start, the
@@ -33,7 +33,8 @@ import pandas as pd
 from matplotlib.figure import Figure
 
 from moplex_core.artifacts import ArtifactRef, ArtifactStore, read_manifest
-from moplex_core.config import METHODS, PipelineConfig, method_config
+from moplex_core.config import PipelineConfig
+from moplex_core.methods import METHODS, method_config
 from moplex_core.evaluate import EM_START_SPLIT, METRICS_FILE
 from moplex_core.report import markdown_table, png_bytes
 
