@@ -109,11 +109,18 @@ def run_cache(config: CacheConfig, rankings_dir: str | Path, store: ArtifactStor
                     part = table.slice(starts[shard], config.shard_rows)
                     writer.write_shard(shard, cache_rows(part, model, tokenizer, config, bar.update))
         shards = [pq.read_table(writer.path / shard_name(s), columns=TRUNCATION_COLUMNS) for s in range(len(starts))]
-        truncated = sum(truncated_responses(rows, config.max_response_tokens, tokenizer.eos_token_id) for rows in shards)
+        ended = [_ended(row) for row in table.select([c for c in _TEXT_COLUMNS if c in table.column_names]).to_pylist()]
+        truncated = sum(truncated_responses(rows, config.max_response_tokens, tokenizer.eos_token_id,
+                                            [e for row in ended[start:start + rows.num_rows] for e in row])
+                        for start, rows in zip(starts, shards, strict=True))
         if truncated:
             log.warning("%d response(s) are longer than cache.max_response_tokens = %d and lost their end "
                         "(and EOS); their scores are of the kept start. Raise max_response_tokens to keep them whole.",
                         truncated, config.max_response_tokens)
+        marked = _ending_with(table, tokenizer.eos_token)
+        if marked:
+            log.warning("%d response(s) end with the tokenizer's eos_token text %r: it is taken for the end of the turn "
+                        "(scored as the one EOS), not as text the response holds", marked, tokenizer.eos_token)
         long_prompts = sum(prompts_at_the_limit(rows, config.max_prompt_tokens) for rows in shards)
         if long_prompts:
             log.warning("%d prompt(s) reach cache.max_prompt_tokens = %d tokens: they were cut from the left (or are "
@@ -126,6 +133,7 @@ def run_cache(config: CacheConfig, rankings_dir: str | Path, store: ArtifactStor
             "truncated_responses": truncated,
             "max_response_tokens": config.max_response_tokens,
             "prompts_at_max_prompt_tokens": long_prompts,
+            "responses_ending_with_eos_text": marked,
             "input": plan.inputs["rankings"],
         })
     log.info("wrote the cache of %d examples to %s", table.num_rows, plan.path)
@@ -180,9 +188,12 @@ def _whole_examples(examples: list[list[TokenizedResponse]], rows: int) -> Itera
 TRUNCATION_COLUMNS = ["input_ids", "response_start"]
 
 
-def truncated_responses(rows: pa.Table, max_response_tokens: int | None, eos_token_id: int) -> int:
+def truncated_responses(rows: pa.Table, max_response_tokens: int | None, eos_token_id: int,
+                        ended: list[bool] | None = None) -> int:
     """How many responses of cache ``rows`` were cut at ``max_response_tokens``: exactly that many
-    response tokens and no EOS at the end (moplex_core.lm.tokenize appends EOS only to whole ones)."""
+    response tokens and no EOS at the end (moplex_core.lm.tokenize appends EOS to every whole response
+    that ended). ``ended``: per response, in order, whether it ended (a generation cut at
+    max_new_tokens did not: it has no EOS whatever the limit); default every one."""
     if max_response_tokens is None or rows.num_rows == 0:
         return 0
     sequences = pc.list_flatten(rows.column("input_ids")).combine_chunks()  # one list per response
@@ -190,7 +201,8 @@ def truncated_responses(rows: pa.Table, max_response_tokens: int | None, eos_tok
     lengths = np.diff(offsets)
     starts = np.asarray(pc.list_flatten(rows.column("response_start")))
     last = np.asarray(sequences.values)[offsets[1:] - 1]
-    return int(((lengths - starts == max_response_tokens) & (last != eos_token_id)).sum())
+    did_end = np.ones(len(lengths), dtype=bool) if ended is None else np.asarray(ended, dtype=bool)
+    return int(((lengths - starts == max_response_tokens) & (last != eos_token_id) & did_end).sum())
 
 
 def _warn_on_another_end_of_turn(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> None:
@@ -272,17 +284,33 @@ def policy_inputs(table: pa.Table):
     return inputs, columns["cluster"]
 
 
+_TEXT_COLUMNS = ("responses", "generated", "generated_finished")
+
+
+def _ended(row: dict) -> list[bool]:
+    """Per response of a rankings/augmented row (originals, then generated): whether it ended. A
+    generated text that max_new_tokens cut short did not end there, so it gets no EOS (augment-2 and
+    older record nothing: their texts count as ended)."""
+    generated = row.get("generated") or []
+    return [True] * len(row["responses"]) + list(row.get("generated_finished") or [True] * len(generated))
+
+
+def _ending_with(table: pa.Table, text: str | None) -> int:
+    """How many responses (originals and generated) of ``table`` end with ``text``, trailing space aside."""
+    if not text:
+        return 0
+    columns = [c for c in ("responses", "generated") if c in table.column_names]
+    texts = [t for c in columns for t in pc.list_flatten(table.column(c)).to_pylist()]
+    return sum(t.rstrip().endswith(text) for t in texts)
+
+
 def _tokenize(row: dict, tokenizer: PreTrainedTokenizerBase, config: CacheConfig) -> list[TokenizedResponse]:
-    generated = list(row.get("generated") or [])
-    responses = list(row["responses"]) + generated
-    # A generated text that max_new_tokens cut short did not end there: no EOS (augment-2 and older record
-    # nothing, so their texts count as finished).
-    ended = [True] * len(row["responses"]) + list(row.get("generated_finished") or [True] * len(generated))
+    responses = list(row["responses"]) + list(row.get("generated") or [])
     prompt = json.loads(row["prompt_messages"]) if row.get("prompt_messages") else row["prompt"]
     try:
         return tokenize_responses(tokenizer, prompt, responses, use_chat_template=config.use_chat_template,
                                   max_prompt_tokens=config.max_prompt_tokens,
-                                  max_response_tokens=config.max_response_tokens, ended=ended)
+                                  max_response_tokens=config.max_response_tokens, ended=_ended(row))
     except ValueError as err:
         raise ValueError(f"example_id {row['example_id']!r}: {err}") from err
 

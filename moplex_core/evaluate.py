@@ -6,13 +6,14 @@ the `validation` split and applied to `test`. Ranking accuracy is reported three
     posterior  each ranking routed to argmax_c gamma_ic, gamma computed from that same ranking
                (the paper's number; optimistic, the ranking chooses its own scorer)
     oracle     routed by the true label through the matching (needs labels; a label left without a
-               partner, as with k = 1, goes to the cluster holding most of its validation members)
+               partner, as with k = 1, or whose partner holds none of its members, goes to the
+               cluster holding most of its validation members)
     marginal   the alpha-weighted sum of the k scorers' scores (a log-linear pool, not the mixture of
                their Plackett-Luce probabilities), no label and no ranking used
 
 Output rows: (split, metric, cluster, value); cluster is "all" for averages. ``matched_adapter`` rows
 (split: the one the matching was fitted on; cluster: a true label) give the EM cluster, the adapter
-``c<value>``, that serves that label (oracle routing; the matching's partner). The evaluate stage adds
+``c<value>``, that serves that label (oracle routing, `ClusterMatching.routing`). The evaluate stage adds
 rows of split ``train_em``, from the train artifact's own posteriors of the training rankings (no
 scoring): how much of its start EM kept (`em_start_metrics`), and from its result.json the check of
 the anchors' estimates and where EM fell back to exact scores (`estimation_rows`).

@@ -2,6 +2,7 @@
 
     plots/cluster_accuracy.png   per true cluster: clustering accuracy and the three labelled
                                  ranking accuracies (posterior, oracle, marginal), on the last split
+                                 that did not fit the matching (the fit split when it is the only one)
     plots/em_log_likelihood.png  training log-likelihood per ranking at every EM iteration
     plots/confusion_<split>.png  mean posterior gamma per true label (rows) and EM cluster (columns)
 
@@ -91,7 +92,8 @@ def write_report(writer, metrics: pd.DataFrame, diagnostics: pd.DataFrame, em_re
         "",
     ]
     if not clusters.empty:
-        lines += [f"## Per cluster ({last})", "", markdown_table(clusters), "",
+        lines += [f"## Per cluster ({last}{', in-sample: the split the matching was fitted on' if last == fit else ''})",
+                  "", markdown_table(clusters), "",
                   "![per-cluster accuracy](plots/cluster_accuracy.png)", ""]
     lines += ["## EM training log-likelihood", "",
               f"{len(history)} iteration(s); log-likelihood per training ranking: "

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from lm_fixtures import tiny_tokenizer  # noqa: F401 (session fixture)
 from transformers import PreTrainedTokenizerBase
 
-from moplex_core.lm.tokenize import TokenizedResponse, encode_prompt, pad_batch, tokenize_responses
+from moplex_core.lm.tokenize import TokenizedResponse, encode_prompt, encode_response, pad_batch, tokenize_responses
 
 
 def test_every_response_follows_the_same_chat_prompt_and_ends_with_eos(tiny_tokenizer) -> None:
@@ -36,6 +36,18 @@ def test_special_token_text_in_a_response_is_text_and_a_kept_end_marker_is_the_o
     response = inside.input_ids[start:-1]
     assert tiny_tokenizer.convert_tokens_to_ids("<|im_start|>") not in response
     assert tiny_tokenizer.decode(response) == "use <|im_start|>user to open a turn"  # spelled out, character by character
+
+
+def test_a_tokenizer_that_cannot_split_special_tokens_encodes_the_text_as_it_does(tiny_tokenizer) -> None:
+    class NoSplitting:  # as mistral_common's MistralCommonBackend refuses split_special_tokens
+        eos_token, eos_token_id, name_or_path = tiny_tokenizer.eos_token, tiny_tokenizer.eos_token_id, "no-split"
+
+        def __call__(self, text, add_special_tokens=True, split_special_tokens=False):
+            if split_special_tokens:
+                raise ValueError("`MistralCommonBackend` does not support `split_special_tokens`.")
+            return tiny_tokenizer(text, add_special_tokens=add_special_tokens)
+
+    assert encode_response(NoSplitting(), "3 1 4") == encode_response(tiny_tokenizer, "3 1 4")
 
 
 def test_chat_messages_render_like_the_same_prompt_as_text(tiny_tokenizer: PreTrainedTokenizerBase) -> None:

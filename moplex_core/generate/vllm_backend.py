@@ -145,6 +145,8 @@ class VLLMGenerator:
         requests_path.unlink()
         responses_path.unlink()
         return [
+            # "length": max_tokens cut it (a vLLM that checks the cap before EOS also says so of an EOS
+            # drawn as the last allowed token, which the cache then scores without it: rare)
             [Sample(text, count, finished=reason != "length")
              for text, count, reason in zip(rows[r.key]["texts"], rows[r.key]["token_counts"],
                                             rows[r.key]["finish_reasons"], strict=True)]

@@ -125,12 +125,22 @@ def encode_response(
     end = tokenizer.eos_token
     if end and response.rstrip().endswith(end):  # an export that kept the turn's end: that end is the EOS below
         response = response.rstrip()[: -len(end)]
-    # Special-token text inside a response is text the response holds, not a control token (an
-    # "<|im_start|>" in an answer about chat formats), so it is encoded as plain characters.
-    ids = list(tokenizer(response, add_special_tokens=False, split_special_tokens=True)["input_ids"]) + [eos] * ended
+    ids = _text_ids(tokenizer, response) + [eos] * ended
     if max_response_tokens is not None and len(ids) > max_response_tokens:
         return ids[:max_response_tokens]
     return ids
+
+
+def _text_ids(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
+    """Token ids of ``text`` with special-token text in it encoded as plain characters: text a response
+    holds, not a control token (an "<|im_start|>" in an answer about chat formats). A tokenizer that
+    cannot split them (mistral_common's) encodes the text as it does."""
+    try:
+        return list(tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"])
+    except (TypeError, ValueError) as err:
+        if "split_special_tokens" not in str(err):
+            raise
+        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
 def tokenize_responses(
