@@ -109,7 +109,7 @@ def run_cache(config: CacheConfig, rankings_dir: str | Path, store: ArtifactStor
                     part = table.slice(starts[shard], config.shard_rows)
                     writer.write_shard(shard, cache_rows(part, model, tokenizer, config, bar.update))
         shards = [pq.read_table(writer.path / shard_name(s), columns=TRUNCATION_COLUMNS) for s in range(len(starts))]
-        ended = [_ended(row) for row in table.select([c for c in _TEXT_COLUMNS if c in table.column_names]).to_pylist()]
+        ended = _ended(table)
         truncated = sum(truncated_responses(rows, config.max_response_tokens, tokenizer.eos_token_id,
                                             [e for row in ended[start:start + rows.num_rows] for e in row])
                         for start, rows in zip(starts, shards, strict=True))
@@ -149,7 +149,7 @@ def cache_rows(
 ) -> pa.Table:
     """CACHE_SCHEMA rows of a slice of a rankings/augmented table; ``advance(n)`` after n examples."""
     rows = part.to_pylist()
-    examples = [_tokenize(row, tokenizer, config) for row in rows]
+    examples = [_tokenize(row, ended, tokenizer, config) for row, ended in zip(rows, _ended(part), strict=True)]
     terms = []
     for batch in _whole_examples(examples, config.score_batch_size):
         terms += reference_terms_batch(model, batch, tokenizer.pad_token_id, rows_per_pass=config.score_batch_size,
@@ -284,15 +284,18 @@ def policy_inputs(table: pa.Table):
     return inputs, columns["cluster"]
 
 
-_TEXT_COLUMNS = ("responses", "generated", "generated_finished")
-
-
-def _ended(row: dict) -> list[bool]:
-    """Per response of a rankings/augmented row (originals, then generated): whether it ended. A
-    generated text that max_new_tokens cut short did not end there, so it gets no EOS (augment-2 and
-    older record nothing: their texts count as ended)."""
-    generated = row.get("generated") or []
-    return [True] * len(row["responses"]) + list(row.get("generated_finished") or [True] * len(generated))
+def _ended(table: pa.Table) -> list[list[bool]]:
+    """Per row of a rankings/augmented table, per response (originals, then generated): whether it
+    ended. A generated text that max_new_tokens cut short did not end there, so it gets no EOS
+    (augment-2 and older record nothing: their texts count as ended). Reads no text."""
+    originals = pc.list_value_length(table.column("responses")).to_pylist()
+    names = table.column_names
+    generated = (pc.list_value_length(table.column("generated")).fill_null(0).to_pylist() if "generated" in names
+                 else [0] * table.num_rows)
+    finished = (table.column("generated_finished").to_pylist() if "generated_finished" in names
+                else [None] * table.num_rows)
+    return [[True] * o + (list(f) if f is not None else [True] * g)
+            for o, g, f in zip(originals, generated, finished, strict=True)]
 
 
 def _ending_with(table: pa.Table, text: str | None) -> int:
@@ -300,17 +303,18 @@ def _ending_with(table: pa.Table, text: str | None) -> int:
     if not text:
         return 0
     columns = [c for c in ("responses", "generated") if c in table.column_names]
-    texts = [t for c in columns for t in pc.list_flatten(table.column(c)).to_pylist()]
-    return sum(t.rstrip().endswith(text) for t in texts)
+    return sum(int(pc.sum(pc.ends_with(pc.utf8_rtrim_whitespace(pc.list_flatten(table.column(c))), text)).as_py() or 0)
+               for c in columns)
 
 
-def _tokenize(row: dict, tokenizer: PreTrainedTokenizerBase, config: CacheConfig) -> list[TokenizedResponse]:
+def _tokenize(row: dict, ended: list[bool], tokenizer: PreTrainedTokenizerBase, config: CacheConfig
+              ) -> list[TokenizedResponse]:
     responses = list(row["responses"]) + list(row.get("generated") or [])
     prompt = json.loads(row["prompt_messages"]) if row.get("prompt_messages") else row["prompt"]
     try:
         return tokenize_responses(tokenizer, prompt, responses, use_chat_template=config.use_chat_template,
                                   max_prompt_tokens=config.max_prompt_tokens,
-                                  max_response_tokens=config.max_response_tokens, ended=_ended(row))
+                                  max_response_tokens=config.max_response_tokens, ended=ended)
     except ValueError as err:
         raise ValueError(f"example_id {row['example_id']!r}: {err}") from err
 
