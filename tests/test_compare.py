@@ -55,6 +55,8 @@ def test_a_base_that_is_not_moplex_and_unknown_methods_are_refused():
         method_config(TINY_BASE, "ppo", 0)
     with pytest.raises(ValueError, match="distinct"):
         plan_runs(TINY_BASE, ["moplex", "moplex"], [0])
+    with pytest.raises(ValueError, match="fault.stage = 'train' would fail every retry"):
+        plan_runs(with_overrides(TINY_BASE, ["fault.stage=train"]), ["moplex"], [0])
     runs = plan_runs(TINY_BASE, ["dpo", "moplex"], [0, 1])
     assert [(m, s) for m, s, _ in runs] == [("dpo", 0), ("dpo", 1), ("moplex", 0), ("moplex", 1)]
 
@@ -128,11 +130,12 @@ def test_compare_flow_runs_methods_and_seeds_sharing_stages_and_reuses_them(pref
 
     base = with_overrides(TINY_BASE, [f"root={tmp_path}"])
     methods = ["moplex", "mixture_bt", "k1"]  # k1: one cluster, no EM start, but an estimation check
-    folder = compare_flow(methods, seeds=2, config=base, preset="tiny")
+    folder = compare_flow(methods, seeds=2, config=base)
     verify(folder)
     comparison = pd.read_parquet(f"{folder}/comparison.parquet")
     assert sorted(set(zip(comparison.method, comparison.seed))) == sorted((m, s) for m in methods for s in (0, 1))
     report = open(f"{folder}/report.md").read()
+    assert report.startswith(f"# moplex method comparison on `{base.ingest.dataset}`")
     assert "## Paper Table 2 shape" in report and "MaxMin" not in report and "EM-DPO (`mixture_bt`) |" in report
     kept = report.split("## What EM kept of its start")[1].split("\n## ")[0]
     assert "| MoPLEx (Alg. 2) (`moplex`) | " in kept and "| EM-DPO (`mixture_bt`) | " in kept
@@ -141,4 +144,4 @@ def test_compare_flow_runs_methods_and_seeds_sharing_stages_and_reuses_them(pref
     count = {stage: len([p for p in (tmp_path / stage).iterdir() if not p.name.startswith(".")])
              for stage in ("ingest", "model", "augment", "cache", "train", "evaluate")}
     assert count == {"ingest": 1, "model": 1, "augment": 1, "cache": 2, "train": 6, "evaluate": 6}
-    assert compare_flow(methods, seeds=2, config=base, preset="tiny") == folder
+    assert compare_flow(methods, seeds=2, config=base) == folder

@@ -47,6 +47,11 @@ def plan_runs(base: PipelineConfig, methods: list[str], seeds: list[int]) -> lis
     """(method, seed, config) of every run, methods in the given order, seeds inner."""
     if not methods or not seeds or len(set(methods)) != len(methods) or len(set(seeds)) != len(seeds):
         raise ValueError(f"need distinct methods and seeds, got methods {methods} and seeds {seeds}")
+    if base.fault.stage is not None:
+        # A retried compare run starts new pipeline subflow runs, each counting its runs from 1.
+        raise ValueError(f"fault.stage = {base.fault.stage!r} would fail every retry of a comparison (each retry "
+                         "starts new pipeline runs, whose first runs fail); try retries on one pipeline run "
+                         "(moplex run, or the moplex-pipeline deployment), or set fault.stage to null")
     return [(method, seed, method_config(base, method, seed)) for method in methods for seed in seeds]
 
 
