@@ -24,22 +24,26 @@ from moplex_core.config import IngestConfig
 from moplex_core.data import generic, helpsteer2, persona, prism, ultrafeedback
 from moplex_core.data.sources import (
     AdapterOutput,
+    RawRejects,
     Record,
     iter_hub_records,
     iter_local_records,
     source_fingerprint,
 )
-from moplex_core.data.splits import assign_splits
+from moplex_core.data.splits import assign_splits, split_groups
 from moplex_core.data.synthetic import SyntheticConfig, generate_synthetic
-from moplex_core.schema import RANKINGS_SCHEMA, check_rankings, split_rejected
+from moplex_core.schema import RANKINGS_SCHEMA, REJECTED_SCHEMA, check_rankings, split_rejected
 
 log = logging.getLogger(__name__)
 
 STAGE = "ingest"
 CODE_VERSION = "ingest-1"  # bump when a change to this stage changes what it writes
 # An adapter's own changes, added to its dataset's versions only (the others keep theirs). generic-2:
-# a split column that is not kept no longer rejects rows (validation=drop kept fewer before).
-ADAPTER_VERSIONS = {"generic": "generic-2"}
+# a split column that is not kept no longer rejects rows (validation=drop kept fewer before);
+# generic-3: rows that share a prompt text share a split whatever their prompt_ids. ultrafeedback-2:
+# ratings outside 1..5 (NaN, infinity) and annotations that are not objects are refused (they were
+# ranked). persona-2: a "key:" line with no value is a field, not part of the previous value.
+ADAPTER_VERSIONS = {"generic": "generic-3", "ultrafeedback": "ultrafeedback-2", "persona": "persona-2"}
 
 
 def code_version(dataset: str) -> str:
@@ -59,6 +63,7 @@ class IngestPlan:
 class BuiltRankings:
     table: pa.Table  # canonical rankings, split assigned
     rejected: pa.Table | None  # REJECTED_SCHEMA rows in drop mode, else None
+    # (a source record that could not be read, or a row that breaks the contract, one per reason)
     summary: dict[str, Any] = field(default_factory=dict)
 
 
@@ -68,7 +73,7 @@ class IngestResult:
     path: Path
     built: bool  # False: the version was already complete and nothing was done
     rows: int
-    rejected: int = 0  # source rows left out in validation="drop" mode (listed in rejected.parquet)
+    rejected: int = 0  # rows and unreadable records left out in validation="drop" mode (in rejected.parquet)
 
 
 def plan_ingest(config: IngestConfig, store: ArtifactStore) -> IngestPlan:
@@ -133,11 +138,13 @@ def build_rankings(config: IngestConfig, inputs: dict[str, str] | None = None) -
     Raises `moplex_core.schema.SchemaError` in strict mode if any row is bad, and ``ValueError`` if
     no ranking is left after the dataset's filters.
     """
-    adapted = _adapt(config, _source_label(config, _inputs(config) if inputs is None else inputs))
+    raw = RawRejects(drop=config.validation == "drop")
+    adapted = _adapt(config, _source_label(config, _inputs(config) if inputs is None else inputs), raw)
     if not adapted.rows:
         raise ValueError(
             f"the {config.dataset} source{f' at {config.path}' if config.path else ''} gave no rankings "
             f"({adapted.stats}); check the source and the dataset options"
+            + (f"; {len(raw.rows)} record(s) were set aside, the first: {raw.rows[0]['reason']}" if raw.rows else "")
         )
     labels = default_labels(config)
     if config.validation == "strict":
@@ -145,8 +152,12 @@ def build_rankings(config: IngestConfig, inputs: dict[str, str] | None = None) -
         rejected = None
     else:
         table, rejected = split_rejected(adapted.rows, labels, config.split.from_source, adapted.where)
+        unreadable = pa.Table.from_pylist([{"row": None, "example_id": None, "field": None, **r} for r in raw.rows],
+                                          schema=REJECTED_SCHEMA)
+        rejected = pa.concat_tables([unreadable, rejected])
     if not config.split.from_source:
-        splits = assign_splits(table.column("prompt_id").to_pylist(), config.split, config.seed)
+        groups = split_groups(table.column("prompt_id").to_pylist(), table.column("prompt").to_pylist())
+        splits = assign_splits(groups, config.split, config.seed)
         table = table.set_column(table.schema.get_field_index("split"), "split", pa.array(splits, pa.string()))
         table = table.filter(pa.array([s is not None for s in splits])).cast(RANKINGS_SCHEMA)
     if table.num_rows == 0:
@@ -159,7 +170,8 @@ def build_rankings(config: IngestConfig, inputs: dict[str, str] | None = None) -
         "rows_per_split": dict(sorted(Counter(table.column("split").to_pylist()).items())),
         "rows_per_cluster": dict(sorted(Counter(map(str, table.column("cluster").to_pylist())).items())),
         "labels": None if labels is None else list(labels),
-        "rejected_rows": 0 if rejected is None else len(set(rejected.column("row").to_pylist())),
+        "rejected_rows": 0 if rejected is None else len(set(rejected.column("row").drop_null().to_pylist())),
+        "unreadable_records": len(raw.rows),
     }
     return BuiltRankings(table, rejected, summary)
 
@@ -183,12 +195,16 @@ def run_ingest(config: IngestConfig, store: ArtifactStore, plan: IngestPlan | No
             writer.write_table("rejected.parquet", built.rejected)
         writer.summary.update(built.summary)
     log.info("wrote %d rankings to %s (%s)", table.num_rows, plan.path, built.summary["rows_per_split"])
-    return IngestResult(plan.ref, plan.path, True, table.num_rows, built.summary["rejected_rows"])
+    return IngestResult(plan.ref, plan.path, True, table.num_rows, _left_out(built.summary))
 
 
 def _existing(store: ArtifactStore, plan: IngestPlan) -> IngestResult:
     manifest = store.manifest(STAGE, plan.ref.version)
-    return IngestResult(plan.ref, plan.path, False, manifest["rows"], manifest["summary"].get("rejected_rows", 0))
+    return IngestResult(plan.ref, plan.path, False, manifest["rows"], _left_out(manifest["summary"]))
+
+
+def _left_out(summary: dict[str, Any]) -> int:
+    return summary.get("rejected_rows", 0) + summary.get("unreadable_records", 0)
 
 
 def default_labels(config: IngestConfig) -> tuple[str, ...] | None:
@@ -209,18 +225,18 @@ def _inputs(config: IngestConfig) -> dict[str, str]:
     return {"source": source_fingerprint(config.path)} if config.path else {}
 
 
-def _adapt(config: IngestConfig, source: str) -> AdapterOutput:
+def _adapt(config: IngestConfig, source: str, raw: RawRejects) -> AdapterOutput:
     if config.dataset == "synthetic":
         return _synthetic(config)
-    records = _records(config)
+    records = raw.readable(_records(config))
     if config.dataset == "ultrafeedback":
-        return ultrafeedback.to_rankings(records, config.ultrafeedback, source=source, seed=config.seed)
+        return ultrafeedback.to_rankings(records, config.ultrafeedback, source=source, seed=config.seed, rejects=raw)
     if config.dataset == "persona":
-        return persona.to_rankings(records, config.persona, source=source, seed=config.seed)
+        return persona.to_rankings(records, config.persona, source=source, seed=config.seed, rejects=raw)
     if config.dataset == "helpsteer2":
-        return helpsteer2.to_rankings(records, config.helpsteer2, source=source)
+        return helpsteer2.to_rankings(records, config.helpsteer2, source=source, rejects=raw)
     if config.dataset == "prism":
-        return prism.to_rankings(records, config.prism, source=source)
+        return prism.to_rankings(records, config.prism, source=source, rejects=raw)
     return generic.to_rankings(records, source=source, keep_split=config.split.from_source)
 
 

@@ -115,8 +115,10 @@ def _readable_table_report(title: str, files: list[Path], rows: int) -> list[str
     n = sum(pq.read_metadata(f).num_rows for f in files)
     lines = [f"-- {title}: {n} rows --", "schema:", _indent(schema.to_string(show_schema_metadata=False))]
     counts = _counting_columns(files, ("split", "cluster"))
-    if counts.num_columns:
-        frame = counts.to_pandas().fillna("<null>")
+    if counts.num_columns and counts.num_rows:
+        # as text: an integer column with nulls would turn float in pandas and not sort beside "<null>"
+        frame = pa.table([c.cast(pa.string()) for c in counts.columns], names=counts.column_names)
+        frame = frame.to_pandas().fillna("<null>")
         if counts.num_columns == 2:
             total = "(total)"  # a name no cluster or split has (evaluate's metrics use cluster "all")
             while total in set(frame["cluster"]) | set(frame["split"]):

@@ -44,7 +44,8 @@ OPTIONAL_COLUMNS = frozenset({"prompt_messages"})
 
 REJECTED_SCHEMA = pa.schema(
     [
-        pa.field("row", pa.int64()),
+        pa.field("row", pa.int64()),  # the adapter's row number; null for a source record that could not be read
+        pa.field("where", pa.string()),  # where the source record was read, e.g. "data.jsonl line 3", when known
         pa.field("example_id", pa.string()),
         pa.field("field", pa.string()),
         pa.field("reason", pa.string()),
@@ -132,7 +133,8 @@ def split_rejected(
     records = _records_as_json(data, sorted(bad_rows))
     rejected = pa.Table.from_pylist(
         [
-            {"row": i.row, "example_id": i.example_id, "field": i.field, "reason": i.reason, "record": records[i.row]}
+            {"row": i.row, "where": i.where, "example_id": i.example_id, "field": i.field, "reason": i.reason,
+             "record": records[i.row]}
             for i in issues
         ],
         schema=REJECTED_SCHEMA,

@@ -22,8 +22,8 @@ from lm_fixtures import tiny_model_dir  # noqa: F401  (fixture)
 from moplex_core.artifacts import ArtifactStore, read_manifest
 from moplex_core.cache import run_cache, truncated_responses
 from moplex_core.config import CacheConfig, IngestConfig, TrainConfig, pipeline_preset, with_overrides
-from moplex_core.data.sources import (DatasetUnavailableError, HubUnreachableError, RawSchemaError, iter_hub_records,
-                                      iter_local_records)
+from moplex_core.data.sources import (DatasetUnavailableError, HubUnreachableError, RawRejects, RawSchemaError,
+                                      iter_hub_records, iter_local_records)
 from moplex_core.ingest import build_rankings, run_ingest
 from moplex_core.lm.tokenize import TokenizedResponse
 from moplex_core.pl import PAD
@@ -59,7 +59,7 @@ def _write(path: Path, data: bytes) -> Path:
 
 def _error(path: Path) -> str:
     with pytest.raises(RawSchemaError) as err:
-        list(iter_local_records(path))
+        list(RawRejects().readable(iter_local_records(path)))  # strict validation
     return str(err.value)
 
 
@@ -79,6 +79,40 @@ def test_malformed_jsonl_names_the_line_and_where_in_it(tmp_path):
     assert _error(path).startswith(f"{path} line 3 is not valid JSON (at the end of the line: Expecting value)")
     path = _write(tmp_path / "y.jsonl", b'{"a": 1 "b": 2}\n')
     assert _error(path).startswith(f"{path} line 1 is not valid JSON (column 9: Expecting ',' delimiter)")
+
+
+def test_a_lone_surrogate_escape_names_the_line_and_field_and_drop_mode_sets_the_record_aside(tmp_path):
+    good = json.dumps(GOOD)
+    bad = json.dumps({**GOOD, "example_id": "e1", "responses": ["a", "b \\ud83d x", "c"]})  # half an emoji
+    pair = json.dumps({**GOOD, "example_id": "e2", "prompt": "Which is best? \\ud83d\\ude00"})  # a whole one
+    path = _write(tmp_path / "x.jsonl", f"{good}\n{bad}\n{pair}\n".replace("\\\\u", "\\u").encode())
+    assert _error(path).startswith(f"{path} line 2, field 'responses[1]': character 2 is a lone UTF-16 surrogate "
+                                   "(\\ud83d")
+    built = build_rankings(IngestConfig(dataset="generic", path=str(path), validation="drop"))
+    assert sorted(built.table.column("example_id").to_pylist()) == ["e0", "e2"]
+    assert built.summary["unreadable_records"] == 1 and built.summary["rejected_rows"] == 0
+    [rejected] = built.rejected.to_pylist()
+    assert rejected["row"] is None and rejected["where"] == f"{path} line 2" and "lone UTF-16 surrogate" in rejected["reason"]
+    assert json.loads(rejected["record"])["example_id"] == "e1"  # the line as it was, to fix and re-ingest
+    path = _write(tmp_path / "x.json", f"[{good}, {bad}]".replace("\\\\u", "\\u").encode())
+    assert _error(path).startswith(f"{path} record 1, field 'responses[1]': character 2 is a lone UTF-16 surrogate")
+
+
+def test_drop_mode_sets_aside_unreadable_lines_and_records_without_the_raw_schema(tmp_path, fixtures_dir):
+    lines = (fixtures_dir / "helpsteer2.jsonl").read_text().splitlines()
+    out_of_range = json.dumps({**json.loads(lines[1]), "verbosity": 7})
+    source = _write(tmp_path / "hs.jsonl", "\n".join([lines[0], out_of_range, '{"prompt": "p" "x"}', *lines[2:]]).encode())
+    with pytest.raises(RawSchemaError, match=f"{source} line 2, field 'verbosity': rating 7 is not an integer in 0..4"):
+        build_rankings(IngestConfig(dataset="helpsteer2", path=str(source)))
+    dropped = build_rankings(IngestConfig(dataset="helpsteer2", path=str(source), validation="drop"))
+    without = tmp_path / "without" / "hs.jsonl"
+    without.parent.mkdir()
+    _write(without, "\n".join([lines[0], *lines[2:]]).encode())
+    clean = build_rankings(IngestConfig(dataset="helpsteer2", path=str(without))).table
+    assert dropped.table.num_rows > 0 and dropped.table.drop(["source"]).equals(clean.drop(["source"]))
+    assert dropped.summary["unreadable_records"] == 2 and dropped.summary["rejected_rows"] == 0
+    assert [(r["row"], r["where"], r["record"]) for r in dropped.rejected.to_pylist()] == [
+        (None, f"{source} line 2", out_of_range), (None, f"{source} line 3", '{"prompt": "p" "x"}')]
 
 
 def test_unreadable_parquet_and_gzip_name_the_file(tmp_path):

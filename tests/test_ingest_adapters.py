@@ -23,7 +23,7 @@ from moplex_core.data.sources import (
     iter_local_records,
     source_fingerprint,
 )
-from moplex_core.data.splits import assign_splits
+from moplex_core.data.splits import assign_splits, split_groups
 from moplex_core.hashing import short_hash
 from moplex_core.ingest import build_rankings, code_version
 from moplex_core.schema import RANKINGS_SCHEMA, SPLITS, SchemaError
@@ -112,6 +112,25 @@ def test_ultrafeedback_bad_ratings_name_the_record_and_field(tmp_path, fixtures_
     path.write_text(json.dumps({"instruction": "hi"}) + "\n")
     with pytest.raises(RawSchemaError, match=r"uf.jsonl line 1: a UltraFeedback record needs field\(s\) \['completions'\]"):
         ultrafeedback.to_rankings(records(path), UltraFeedbackOptions(), source="uf", seed=0)
+    # NaN would land in no tier, infinity on top: only 1..5 and "N/A" are ratings
+    for rating in ("nan", "inf", "7", "0", 6):
+        record["completions"][2]["annotations"]["honesty"]["Rating"] = rating
+        path.write_text(json.dumps(record) + "\n")
+        with pytest.raises(RawSchemaError, match=f"completion 2, honesty: Rating {rating!r} is neither a rating in 1..5"):
+            ultrafeedback.to_rankings(records(path), UltraFeedbackOptions(), source="uf", seed=0)
+    record["completions"][2]["annotations"]["honesty"]["Rating"] = "4"
+    for field, value, error in [("annotations", "oops", r"completion 1's 'annotations' must be an object"),
+                                ("response", 3, r"completion 1's 'response' must be text, got int")]:
+        broken = json.loads(json.dumps(record))
+        broken["completions"][1][field] = value
+        path.write_text(json.dumps(broken) + "\n")
+        with pytest.raises(RawSchemaError, match=error):
+            ultrafeedback.to_rankings(records(path), UltraFeedbackOptions(), source="uf", seed=0)
+    broken = json.loads(json.dumps(record))
+    broken["completions"][1]["annotations"]["honesty"] = "5"
+    path.write_text(json.dumps(broken) + "\n")
+    with pytest.raises(RawSchemaError, match=r"completion 1, honesty: the annotation must be an object with a 'Rating'"):
+        ultrafeedback.to_rankings(records(path), UltraFeedbackOptions(), source="uf", seed=0)
 
 
 # --- PERSONA ---------------------------------------------------------------------------------------
@@ -127,6 +146,9 @@ def test_persona_text_splits_on_the_first_colon_space_only():
         "defining quirks": 'Says "Note: this"\nand more',
         "household language": "English only",
     }
+    # a field with no value is a field, not the end of the one before (which made a cluster of its own)
+    assert persona.parse_persona("age: 34\nsex: Female\nhousehold language:\nrace: White alone") == {
+        "age": "34", "sex": "Female", "household language": "", "race": "White alone"}
 
 
 def test_persona_profiles_follow_the_preset_and_skip_what_they_cannot_place():
@@ -381,9 +403,11 @@ def test_a_generic_split_column_that_is_not_kept_is_not_checked_either(tmp_path,
                                     split=SplitConfig(from_source=True)))
 
 
-def test_only_the_generic_adapter_changed_its_code_version():
-    assert code_version("generic") == "ingest-1+generic-2"
-    assert code_version("synthetic") == code_version("ultrafeedback") == "ingest-1"  # the demo's versions kept
+def test_adapter_changes_change_only_their_datasets_versions():
+    assert code_version("generic") == "ingest-1+generic-3"
+    assert code_version("ultrafeedback") == "ingest-1+ultrafeedback-2"
+    assert code_version("persona") == "ingest-1+persona-2"
+    assert code_version("synthetic") == code_version("helpsteer2") == code_version("prism") == "ingest-1"  # the demo's kept
 
 
 def test_a_json_array_file_reads_like_jsonl(tmp_path, fixtures_dir):
@@ -491,6 +515,20 @@ def test_splits_are_by_prompt_seeded_and_independent_of_row_order():
     assert Counter(per_prompt.values()) == {"train": 80, "validation": 10, "test": 10}
     assert assign_splits(prompt_ids[::-1], SplitConfig(), seed=0) == splits[::-1]
     assert assign_splits(prompt_ids, SplitConfig(), seed=1) != splits
+
+
+def test_one_prompt_text_under_several_ids_lands_in_one_split(tmp_path):
+    assert split_groups(["b", "a", "c", "d", "e"], ["x", "x", "y", "z", "y"]) == ["a", "a", "c", "d", "c"]
+    assert split_groups(["b", "a", "c"], ["t1", "t2", "t1"]) == ["b", "a", "b"]  # ids of their own texts: kept
+    rows = [{"prompt_id": f"conv{i}-{copy}", "prompt": f"prompt {i}", "responses": ["a", "b"], "ranking": [[0], [1]],
+             "example_id": f"e{i}-{copy}"} for i in range(30) for copy in "ab"]  # a generic source's own ids
+    (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    table = build_rankings(IngestConfig(dataset="generic", path=str(tmp_path / "rows.jsonl"))).table
+    splits_of_prompt: dict[str, set[str]] = {}
+    for prompt, split in zip(table.column("prompt").to_pylist(), table.column("split").to_pylist(), strict=True):
+        splits_of_prompt.setdefault(prompt, set()).add(split)
+    assert len(splits_of_prompt) == 30 and all(len(s) == 1 for s in splits_of_prompt.values())
+    assert len({next(iter(s)) for s in splits_of_prompt.values()}) == 3
 
 
 def test_split_sizes_deal_whole_prompts_to_exact_ranking_counts():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
 from moplex_core.artifacts import ArtifactStore
@@ -45,6 +46,18 @@ def test_a_parquet_file_an_incomplete_version_and_listings(rankings, tmp_path):
     assert "INCOMPLETE" in inspect_path(tmp_path)
     with pytest.raises(FileNotFoundError, match="nothing exists there"):
         inspect_path(tmp_path / "nope")
+
+
+def test_a_cluster_column_of_integers_with_nulls_and_an_empty_table_are_counted_as_text(tmp_path):
+    pq.write_table(pa.table({"cluster": pa.array([0, None, 1, 1], pa.int64()), "split": ["train"] * 4}),
+                   tmp_path / "ints.parquet")
+    report = inspect_path(tmp_path / "ints.parquet", rows=0)
+    table = report.split("rows per cluster x split:\n")[1].splitlines()
+    assert [line.split() for line in table] == [["split", "train", "(total)"], ["cluster"], ["0", "1", "1"],
+                                                ["1", "2", "2"], ["<null>", "1", "1"], ["(total)", "4", "4"]]
+    pq.write_table(pa.table({"cluster": pa.array([], pa.string())}), tmp_path / "empty.parquet")
+    assert inspect_path(tmp_path / "empty.parquet", rows=3).splitlines()[0] == "-- empty.parquet: 0 rows --"
+    assert "Empty" not in inspect_path(tmp_path / "empty.parquet", rows=3)
 
 
 def test_odd_folders_are_reported_not_crashed_on(tmp_path):

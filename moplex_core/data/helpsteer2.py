@@ -27,7 +27,7 @@ from collections.abc import Iterable, Iterator
 from itertools import combinations
 
 from moplex_core.config import HelpSteer2Options
-from moplex_core.data.sources import AdapterOutput, RawSchemaError, Record
+from moplex_core.data.sources import STRICT, AdapterOutput, RawRejects, RawSchemaError, Record
 from moplex_core.hashing import short_hash
 from moplex_core.schema import prompt_id, ranking_row
 
@@ -37,10 +37,11 @@ PREFERENCE_FIELDS = ("prompt", "response_1", "response_2", "preference_strength"
 MAX_STRENGTH = 3
 
 
-def to_rankings(records: Iterable[Record], options: HelpSteer2Options, *, source: str) -> AdapterOutput:
+def to_rankings(records: Iterable[Record], options: HelpSteer2Options, *, source: str,
+                rejects: RawRejects = STRICT) -> AdapterOutput:
     stats: Counter[str] = Counter()
-    rows = _preference_rankings(records, options, source, stats) if options.data == "preference" else \
-        _ratings_rankings(records, options, source, stats)
+    rows = _preference_rankings(records, options, source, stats, rejects) if options.data == "preference" else \
+        _ratings_rankings(records, options, source, stats, rejects)
     stats["rankings"] = len(rows)
     return AdapterOutput(rows, dict(stats))
 
@@ -62,23 +63,24 @@ def _of_kind(kind: str, records: Iterable[Record], options: HelpSteer2Options, s
 
 
 def _ratings_rankings(records: Iterable[Record], options: HelpSteer2Options, source: str,
-                      stats: Counter[str]) -> list[dict]:
+                      stats: Counter[str], rejects: RawRejects) -> list[dict]:
     by_prompt: dict[str, list[tuple[str, dict[str, int | None]]]] = {}
     for record in _of_kind("ratings", records, options, stats):
-        record.require(("prompt", "response", *options.attributes), NAME)
-        prompt, response = record.data["prompt"], record.data["response"]
-        if not isinstance(prompt, str) or not prompt.strip():
-            stats["skipped_empty_prompt"] += 1
-            continue
-        if not isinstance(response, str) or not response.strip():
-            stats["skipped_empty_response"] += 1
-            continue
-        ratings = {a: _rating(record.data[a], f"{record.where}, field {a!r}") for a in options.attributes}
-        answers = by_prompt.setdefault(prompt, [])
-        if any(response.strip() == text.strip() for text, _ in answers):
-            stats["skipped_duplicate_response"] += 1
-            continue
-        answers.append((response, ratings))
+        with rejects.reading(record):
+            record.require(("prompt", "response", *options.attributes), NAME)
+            prompt, response = record.data["prompt"], record.data["response"]
+            if not isinstance(prompt, str) or not prompt.strip():
+                stats["skipped_empty_prompt"] += 1
+                continue
+            if not isinstance(response, str) or not response.strip():
+                stats["skipped_empty_response"] += 1
+                continue
+            ratings = {a: _rating(record.data[a], f"{record.where}, field {a!r}") for a in options.attributes}
+            answers = by_prompt.setdefault(prompt, [])
+            if any(response.strip() == text.strip() for text, _ in answers):
+                stats["skipped_duplicate_response"] += 1
+                continue
+            answers.append((response, ratings))
 
     rows = []
     for prompt, answers in by_prompt.items():
@@ -96,29 +98,30 @@ def _ratings_rankings(records: Iterable[Record], options: HelpSteer2Options, sou
 
 
 def _preference_rankings(records: Iterable[Record], options: HelpSteer2Options, source: str,
-                         stats: Counter[str]) -> list[dict]:
+                         stats: Counter[str], rejects: RawRejects) -> list[dict]:
     rows, seen = [], set()
     for record in _of_kind("preference", records, options, stats):
-        record.require(PREFERENCE_FIELDS, NAME)
-        prompt, first, second = (record.data[f] for f in ("prompt", "response_1", "response_2"))
-        if not all(isinstance(text, str) and text.strip() for text in (prompt, first, second)):
-            stats["skipped_missing_text"] += 1
-            continue
-        strength = _rating(record.data["preference_strength"], f"{record.where}, field 'preference_strength'",
-                           low=-MAX_STRENGTH, high=MAX_STRENGTH, what="strength")
-        if first.strip() == second.strip():
-            stats["skipped_identical_responses"] += 1
-            continue
-        if strength is None or abs(strength) < options.min_strength:
-            stats["skipped_weak_or_no_preference"] += 1
-            continue
-        example_id = short_hash("helpsteer2-preference", prompt_id(prompt), short_hash(first), short_hash(second))
-        if example_id in seen:
-            stats["skipped_duplicate_record"] += 1
-            continue
-        seen.add(example_id)
-        ranking = [[0], [1]] if strength < 0 else [[1], [0]]
-        rows.append(ranking_row(example_id, prompt, [first, second], ranking, None, source))
+        with rejects.reading(record):
+            record.require(PREFERENCE_FIELDS, NAME)
+            prompt, first, second = (record.data[f] for f in ("prompt", "response_1", "response_2"))
+            if not all(isinstance(text, str) and text.strip() for text in (prompt, first, second)):
+                stats["skipped_missing_text"] += 1
+                continue
+            strength = _rating(record.data["preference_strength"], f"{record.where}, field 'preference_strength'",
+                               low=-MAX_STRENGTH, high=MAX_STRENGTH, what="strength")
+            if first.strip() == second.strip():
+                stats["skipped_identical_responses"] += 1
+                continue
+            if strength is None or abs(strength) < options.min_strength:
+                stats["skipped_weak_or_no_preference"] += 1
+                continue
+            example_id = short_hash("helpsteer2-preference", prompt_id(prompt), short_hash(first), short_hash(second))
+            if example_id in seen:
+                stats["skipped_duplicate_record"] += 1
+                continue
+            seen.add(example_id)
+            ranking = [[0], [1]] if strength < 0 else [[1], [0]]
+            rows.append(ranking_row(example_id, prompt, [first, second], ranking, None, source))
     return rows
 
 

@@ -14,7 +14,7 @@ from collections import Counter
 from collections.abc import Iterable
 
 from moplex_core.config import PersonaOptions
-from moplex_core.data.sources import AdapterOutput, Record, most_frequent_profiles
+from moplex_core.data.sources import STRICT, AdapterOutput, RawRejects, Record, most_frequent_profiles
 from moplex_core.hashing import short_hash
 from moplex_core.schema import prompt_id, ranking_row
 
@@ -24,12 +24,15 @@ NAME = "PERSONA"
 def parse_persona(text: str) -> dict[str, str]:
     """``key: value`` lines as a dict with lower-cased keys, split on the first ": " of each line.
 
-    A line without ": " continues the previous value (multi-line values); blank lines are skipped.
+    A line that ends in ":" with nothing after it is a field with an empty value; any other line
+    without ": " continues the previous value (multi-line values); blank lines are skipped.
     """
     fields: dict[str, str] = {}
     key = None
     for line in text.splitlines():
-        name, sep, value = line.partition(": ")
+        name, sep, value = line.strip().partition(": ")
+        if not sep and name.endswith(":") and ": " not in name:
+            name, sep, value = name[:-1], ":", ""
         if sep and name.strip():
             key = name.strip().lower()
             fields[key] = value.strip()
@@ -55,34 +58,36 @@ def profile_label(persona: dict[str, str], options: PersonaOptions) -> str | Non
     return "|".join(parts)
 
 
-def to_rankings(records: Iterable[Record], options: PersonaOptions, *, source: str, seed: int) -> AdapterOutput:
+def to_rankings(records: Iterable[Record], options: PersonaOptions, *, source: str, seed: int,
+                rejects: RawRejects = STRICT) -> AdapterOutput:
     rows = []
     stats: Counter[str] = Counter()
     seen: set[str] = set()
     for record in records:
-        record.require(("persona", "instruction", "original", "data"), NAME)
-        stats["records"] += 1
-        persona_text, prompt = record.data["persona"], record.data["instruction"]
-        revised, original = record.data["data"], record.data["original"]
-        if not all(isinstance(v, str) for v in (persona_text, prompt, revised, original)) or not prompt.strip():
-            stats["skipped_missing_text"] += 1
-            continue
-        if not revised.strip() or not original.strip() or revised.strip() == original.strip():
-            stats["skipped_empty_or_unrevised"] += 1
-            continue
-        label = profile_label(parse_persona(persona_text), options)
-        if label is None:
-            stats["skipped_no_profile"] += 1
-            continue
-        example_id = short_hash("persona", short_hash(persona_text), prompt_id(prompt), label)
-        if example_id in seen:
-            stats["skipped_duplicate_record"] += 1
-            continue
-        seen.add(example_id)
-        revised_first = int(short_hash(str(seed), example_id)[-1], 16) % 2 == 0
-        responses = [revised, original] if revised_first else [original, revised]
-        ranking = [[0], [1]] if revised_first else [[1], [0]]
-        rows.append(ranking_row(example_id, prompt, responses, ranking, label, source))
+        with rejects.reading(record):
+            record.require(("persona", "instruction", "original", "data"), NAME)
+            stats["records"] += 1
+            persona_text, prompt = record.data["persona"], record.data["instruction"]
+            revised, original = record.data["data"], record.data["original"]
+            if not all(isinstance(v, str) for v in (persona_text, prompt, revised, original)) or not prompt.strip():
+                stats["skipped_missing_text"] += 1
+                continue
+            if not revised.strip() or not original.strip() or revised.strip() == original.strip():
+                stats["skipped_empty_or_unrevised"] += 1
+                continue
+            label = profile_label(parse_persona(persona_text), options)
+            if label is None:
+                stats["skipped_no_profile"] += 1
+                continue
+            example_id = short_hash("persona", short_hash(persona_text), prompt_id(prompt), label)
+            if example_id in seen:
+                stats["skipped_duplicate_record"] += 1
+                continue
+            seen.add(example_id)
+            revised_first = int(short_hash(str(seed), example_id)[-1], 16) % 2 == 0
+            responses = [revised, original] if revised_first else [original, revised]
+            ranking = [[0], [1]] if revised_first else [[1], [0]]
+            rows.append(ranking_row(example_id, prompt, responses, ranking, label, source))
 
     if options.top_profiles is not None:
         rows = most_frequent_profiles(rows, options.top_profiles, stats)

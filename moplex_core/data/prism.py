@@ -24,7 +24,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from moplex_core.config import PRISM_OPENING_RESPONSES, PrismOptions
-from moplex_core.data.sources import AdapterOutput, RawSchemaError, Record, most_frequent_profiles
+from moplex_core.data.sources import STRICT, AdapterOutput, RawRejects, RawSchemaError, Record, most_frequent_profiles
 from moplex_core.hashing import short_hash
 from moplex_core.schema import ranking_from_scores, ranking_row
 
@@ -35,25 +35,28 @@ SCORE_RANGE = (1, 100)
 ROLES = ("user", "model")
 
 
-def to_rankings(records: Iterable[Record], options: PrismOptions, *, source: str) -> AdapterOutput:
+def to_rankings(records: Iterable[Record], options: PrismOptions, *, source: str,
+                rejects: RawRejects = STRICT) -> AdapterOutput:
     stats: Counter[str] = Counter()
     profiles: dict[str, tuple[str | None, str]] = {}  # user_id -> (profile label or None: left out, where)
     conversations: list[Record] = []
     for record in records:
-        stats["records"] += 1
-        if "conversation_history" in record.data:
-            record.require(CONVERSATION_FIELDS, NAME)
-            conversations.append(record)
-        elif SURVEY_MARK in record.data:
-            record.require(("user_id",), NAME)
-            user, label = _id(record, "user_id"), profile_label(record, options)
-            if user in profiles and profiles[user][0] != label:
-                raise RawSchemaError(f"{record.where}: user_id {user!r} is also the participant of "
-                                     f"{profiles[user][1]}, with another profile; a participant has one survey record")
-            stats["skipped_duplicate_record" if user in profiles else "participants"] += 1
-            profiles[user] = (label, record.where)
-        else:
-            stats["skipped_other_records"] += 1  # utterances, metadata
+        with rejects.reading(record):
+            stats["records"] += 1
+            if "conversation_history" in record.data:
+                record.require(CONVERSATION_FIELDS, NAME)
+                conversations.append(record)
+            elif SURVEY_MARK in record.data:
+                record.require(("user_id",), NAME)
+                user, label = _id(record, "user_id"), profile_label(record, options)
+                if user in profiles and profiles[user][0] != label:
+                    raise RawSchemaError(f"{record.where}: user_id {user!r} is also the participant of "
+                                         f"{profiles[user][1]}, with another profile; a participant has one survey "
+                                         "record")
+                stats["skipped_duplicate_record" if user in profiles else "participants"] += 1
+                profiles[user] = (label, record.where)
+            else:
+                stats["skipped_other_records"] += 1  # utterances, metadata
     if conversations and not profiles:
         raise RawSchemaError(
             f"{conversations[0].where}: PRISM conversations were found but no survey records (with "
@@ -63,32 +66,33 @@ def to_rankings(records: Iterable[Record], options: PrismOptions, *, source: str
 
     rows, seen = [], set()
     for record in conversations:
-        stats["conversations"] += 1
-        opening = _opening_turn(record)  # parsed first: a bad record fails whatever the profile options
-        example_id = short_hash("prism", _id(record, "conversation_id"))
-        if example_id in seen:
-            stats["skipped_duplicate_record"] += 1
-            continue
-        seen.add(example_id)
-        user = _id(record, "user_id")
-        if user not in profiles:
-            stats["skipped_user_not_in_survey"] += 1
-            continue
-        label = profiles[user][0]
-        if label is None:
-            stats["skipped_no_profile"] += 1
-            continue
-        if opening is None:
-            stats["skipped_no_opening_prompt"] += 1
-            continue
-        prompt, responses, scores = opening
-        if len(responses) < options.min_responses:
-            stats["skipped_short_slate"] += 1
-            continue
-        if len(set(scores)) == 1:
-            stats["skipped_all_tied"] += 1
-            continue
-        rows.append(ranking_row(example_id, prompt, responses, ranking_from_scores(scores), label, source))
+        with rejects.reading(record):
+            stats["conversations"] += 1
+            opening = _opening_turn(record)  # parsed first: a bad record fails whatever the profile options
+            example_id = short_hash("prism", _id(record, "conversation_id"))
+            if example_id in seen:
+                stats["skipped_duplicate_record"] += 1
+                continue
+            seen.add(example_id)
+            user = _id(record, "user_id")
+            if user not in profiles:
+                stats["skipped_user_not_in_survey"] += 1
+                continue
+            label = profiles[user][0]
+            if label is None:
+                stats["skipped_no_profile"] += 1
+                continue
+            if opening is None:
+                stats["skipped_no_opening_prompt"] += 1
+                continue
+            prompt, responses, scores = opening
+            if len(responses) < options.min_responses:
+                stats["skipped_short_slate"] += 1
+                continue
+            if len(set(scores)) == 1:
+                stats["skipped_all_tied"] += 1
+                continue
+            rows.append(ranking_row(example_id, prompt, responses, ranking_from_scores(scores), label, source))
 
     if options.top_profiles is not None:
         rows = most_frequent_profiles(rows, options.top_profiles, stats)

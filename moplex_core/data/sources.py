@@ -3,7 +3,10 @@
 A local source is a file or a folder of files in the dataset's raw schema (the schema the hub
 serves): ``.jsonl`` / ``.jsonl.gz`` (one JSON object per line), ``.json`` (one JSON array of
 objects) or ``.parquet``. Records are yielded one at a time, each with where it came from, so
-adapters can name the file and line of a bad record.
+adapters can name the file and line of a bad record. A record that cannot be read or does not have
+the dataset's raw schema goes to `RawRejects`: in strict validation it stops the ingest with a
+`RawSchemaError` naming it, in drop validation it is set aside (for rejected.parquet) and the others
+are read on.
 """
 
 from __future__ import annotations
@@ -12,10 +15,12 @@ import gzip
 import json
 import logging
 import os
+import re
 import zlib
 from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +55,9 @@ class RawSchemaError(ValueError):
 class Record:
     where: str  # e.g. "uf.jsonl line 3" or "openbmb/UltraFeedback (train) row 12"
     data: dict[str, Any]
+    unreadable: str | None = None
+    """Why the record could not be read (``data`` is then empty and ``raw`` holds its text)."""
+    raw: str | None = None
 
     def require(self, fields: Iterable[str], dataset: str) -> None:
         missing = [f for f in fields if f not in self.data]
@@ -58,6 +66,41 @@ class Record:
                 f"{self.where}: a {dataset} record needs field(s) {missing}; it has {sorted(self.data)}. "
                 f"Point the path at data in the {dataset} raw schema (DESIGN.md 6)."
             )
+
+
+@dataclass
+class RawRejects:
+    """The records an ingest could not read or that lack the dataset's raw schema. In strict
+    validation (``drop`` False) the first one raises `RawSchemaError`; in drop validation each is
+    kept in ``rows`` (where, reason, the record as JSON text) and the others are read on."""
+
+    drop: bool = False
+    rows: list[dict[str, str]] = field(default_factory=list)
+
+    def readable(self, records: Iterable[Record]) -> Iterator[Record]:
+        """The records that could be read (see ``Record.unreadable``)."""
+        for record in records:
+            if record.unreadable is None:
+                yield record
+            else:
+                self._reject(record, RawSchemaError(record.unreadable))
+
+    @contextmanager
+    def reading(self, record: Record) -> Iterator[None]:
+        """Around an adapter's work on one record: a `RawSchemaError` rejects that record."""
+        try:
+            yield
+        except RawSchemaError as err:
+            self._reject(record, err)
+
+    def _reject(self, record: Record, err: RawSchemaError) -> None:
+        if not self.drop:
+            raise err
+        text = record.raw if record.unreadable is not None else json.dumps(record.data, default=str, ensure_ascii=False)
+        self.rows.append({"where": record.where, "reason": str(err), "record": text})
+
+
+STRICT = RawRejects()  # for adapters called without an ingest's settings
 
 
 def local_files(path: str | Path) -> list[Path]:
@@ -101,28 +144,69 @@ def source_fingerprint(path: str | Path) -> str:
 
 def iter_local_records(path: str | Path) -> Iterator[Record]:
     """Every record of a local source, in file order. A file that cannot be read as its format says
-    (not UTF-8, not JSON, not Parquet) raises `RawSchemaError` naming the file and line."""
+    (a .json file that is not UTF-8 or not JSON, a damaged gzip or Parquet file) raises
+    `RawSchemaError` naming the file (and line); a line of a .jsonl file that cannot be read (not
+    UTF-8, not JSON, not an object, a lone UTF-16 surrogate escape) is yielded as an unreadable
+    record, for `RawRejects` to raise or set aside."""
     for file in local_files(path):
         if file.name.endswith(".parquet"):
             yield from _parquet_records(file)
         elif file.name.endswith(".json"):
-            rows = _parse_json(_utf8(file.read_bytes(), str(file), whole_file=True), str(file), whole_file=True)
+            text = _utf8(file.read_bytes(), str(file), whole_file=True)
+            rows = _parse_json(text, str(file), whole_file=True)
             if not isinstance(rows, list):
                 raise RawSchemaError(f"{file} must hold a JSON array of records (or use .jsonl, one per line)")
+            escapes = _SURROGATE_ESCAPE.search(text) is not None
             for row, data in enumerate(rows):
-                yield Record(f"{file} record {row}", _as_object(data, f"{file} record {row}"))
+                where = f"{file} record {row}"
+                try:
+                    if escapes:
+                        _no_lone_surrogates(data, where)
+                    record = Record(where, _as_object(data, where))
+                except RawSchemaError as err:
+                    record = Record(where, {}, str(err), json.dumps(data))
+                yield record
         else:
             opener = gzip.open if file.name.endswith(".gz") else open
             try:
                 with opener(file, "rb") as f:
                     for line_no, raw in enumerate(f, start=1):
                         where = f"{file} line {line_no}"
-                        line = _utf8(raw, where, whole_file=False)
-                        if line.strip():
-                            yield Record(where, _as_object(_parse_json(line, where, whole_file=False), where))
+                        try:
+                            line = _utf8(raw, where, whole_file=False)
+                            if not line.strip():
+                                continue
+                            data = _parse_json(line, where, whole_file=False)
+                            if _SURROGATE_ESCAPE.search(line):
+                                _no_lone_surrogates(data, where)
+                            record = Record(where, _as_object(data, where))
+                        except RawSchemaError as err:
+                            text = raw.decode("utf-8", errors="backslashreplace").rstrip("\r\n")
+                            record = Record(where, {}, str(err), text)
+                        yield record
             except (gzip.BadGzipFile, EOFError, zlib.error) as err:
                 raise RawSchemaError(f"{file} is not a readable gzip file ({err}); recompress it or pass the "
                                      ".jsonl uncompressed") from None
+
+
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")  # the JSON escape of a UTF-16 surrogate
+
+
+def _no_lone_surrogates(value: Any, where: str, path: str = "") -> None:
+    """Raise when a string in a parsed JSON value holds an unpaired surrogate (``"\\ud83d"`` without
+    its pair is valid JSON but no text: it cannot be written as UTF-8, so nothing could hash or store it)."""
+    if isinstance(value, str):
+        at = next((i for i, ch in enumerate(value) if "\ud800" <= ch <= "\udfff"), None)
+        if at is not None:
+            raise RawSchemaError(f"{where}, field {path or 'the record'!r}: character {at} is a lone UTF-16 surrogate "
+                                 f"(\\u{ord(value[at]):04x}, half of an emoji or other character whose other half is "
+                                 "missing), which is no text; fix or drop that character in the source")
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _no_lone_surrogates(item, where, f"{path}.{key}" if path else str(key))
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            _no_lone_surrogates(item, where, f"{path}[{i}]")
 
 
 def _parquet_records(file: Path) -> Iterator[Record]:

@@ -48,6 +48,27 @@ def assign_splits(prompt_ids: Sequence[str], config: SplitConfig, seed: int) -> 
     return [assignment.get(pid) for pid in prompt_ids]
 
 
+def split_groups(prompt_ids: Sequence[str], prompts: Sequence[str]) -> list[str]:
+    """Per row, the prompt_id its split goes by: the smallest of the ids joined by a shared prompt
+    text. A prompt_id is the hash of its prompt text unless a generic source brings its own ids; one
+    prompt text under two ids would otherwise be split twice and could be trained and tested on.
+    Where every id is its text's hash, each row keeps its own prompt_id."""
+    parent = {pid: pid for pid in prompt_ids}
+
+    def root(pid: str) -> str:
+        while parent[pid] != pid:
+            parent[pid] = parent[parent[pid]]
+            pid = parent[pid]
+        return pid
+
+    id_of_text: dict[str, str] = {}
+    for pid, text in zip(prompt_ids, prompts, strict=True):
+        a, b = root(pid), root(id_of_text.setdefault(text, pid))
+        if a != b:
+            parent[max(a, b)] = min(a, b)
+    return [root(pid) for pid in prompt_ids]
+
+
 def _largest_remainder(n: int, fractions: Sequence[float]) -> list[int]:
     exact = [f * n for f in fractions]
     counts = [int(x) for x in exact]

@@ -17,13 +17,14 @@ from dataclasses import dataclass
 import numpy as np
 
 from moplex_core.config import UltraFeedbackOptions
-from moplex_core.data.sources import AdapterOutput, RawSchemaError, Record
+from moplex_core.data.sources import STRICT, AdapterOutput, RawRejects, RawSchemaError, Record
 from moplex_core.hashing import short_hash
 from moplex_core.pl import encode_tiers
 from moplex_core.schema import ranking_from_scores, ranking_row
 
 NAME = "UltraFeedback"
 NOT_RATED = "N/A"
+RATINGS = (1, 5)  # the annotators' scale
 
 
 @dataclass(frozen=True)
@@ -33,47 +34,54 @@ class Completion:
 
 
 def to_rankings(
-    records: Iterable[Record], options: UltraFeedbackOptions, *, source: str, seed: int
+    records: Iterable[Record], options: UltraFeedbackOptions, *, source: str, seed: int,
+    rejects: RawRejects = STRICT,
 ) -> AdapterOutput:
     rows = []
     stats: Counter[str] = Counter()
     seen: set[str] = set()
     for record in records:
-        record.require(("instruction", "completions"), NAME)
-        stats["records"] += 1
-        prompt = record.data["instruction"]
-        if not isinstance(prompt, str) or not prompt.strip():
-            stats["skipped_empty_prompt"] += 1
-            continue
-        completions = _completions(record, options.criteria)
-        record_id = short_hash(prompt, *(c.response for c in completions))
-        if record_id in seen:
-            stats["skipped_duplicate_record"] += 1
-            continue
-        seen.add(record_id)
-
-        slate = _slate(completions, options, np.random.default_rng([seed, int(record_id[:15], 16)]))
-        if slate is None:
-            stats["skipped_short_slate"] += 1
-            continue
-        rankings = {}
-        for criterion in options.criteria:
-            ratings = [c.ratings[criterion] for c in slate]
-            if any(r is None for r in ratings):
-                stats["criterion_not_rated"] += 1
-                continue
-            rankings[criterion] = ranking_from_scores(ratings)
-        distinct = {tuple(encode_tiers(r, len(slate))) for r in rankings.values()}
-        if len(distinct) < options.min_distinct_rankings:
-            stats["skipped_too_few_distinct_rankings"] += 1
-            continue
-        stats["prompts"] += 1
-        responses = [c.response for c in slate]
-        for criterion, ranking in rankings.items():
-            example_id = short_hash("ultrafeedback", record_id, criterion)
-            rows.append(ranking_row(example_id, prompt, responses, ranking, criterion, source))
+        with rejects.reading(record):
+            rows += _record_rows(record, options, source, seed, seen, stats)
     stats["rankings"] = len(rows)
     return AdapterOutput(rows, dict(stats))
+
+
+def _record_rows(record: Record, options: UltraFeedbackOptions, source: str, seed: int, seen: set[str],
+                 stats: Counter[str]) -> list[dict]:
+    """The rankings of one record (one per rated criterion; none when the prompt is skipped)."""
+    record.require(("instruction", "completions"), NAME)
+    stats["records"] += 1
+    prompt = record.data["instruction"]
+    if not isinstance(prompt, str) or not prompt.strip():
+        stats["skipped_empty_prompt"] += 1
+        return []
+    completions = _completions(record, options.criteria)
+    record_id = short_hash(prompt, *(c.response for c in completions))
+    if record_id in seen:
+        stats["skipped_duplicate_record"] += 1
+        return []
+    seen.add(record_id)
+
+    slate = _slate(completions, options, np.random.default_rng([seed, int(record_id[:15], 16)]))
+    if slate is None:
+        stats["skipped_short_slate"] += 1
+        return []
+    rankings = {}
+    for criterion in options.criteria:
+        ratings = [c.ratings[criterion] for c in slate]
+        if any(r is None for r in ratings):
+            stats["criterion_not_rated"] += 1
+            continue
+        rankings[criterion] = ranking_from_scores(ratings)
+    distinct = {tuple(encode_tiers(r, len(slate))) for r in rankings.values()}
+    if len(distinct) < options.min_distinct_rankings:
+        stats["skipped_too_few_distinct_rankings"] += 1
+        return []
+    stats["prompts"] += 1
+    responses = [c.response for c in slate]
+    return [ranking_row(short_hash("ultrafeedback", record_id, criterion), prompt, responses, ranking, criterion, source)
+            for criterion, ranking in rankings.items()]
 
 
 def _completions(record: Record, criteria: tuple[str, ...]) -> list[Completion]:
@@ -84,28 +92,41 @@ def _completions(record: Record, criteria: tuple[str, ...]) -> list[Completion]:
     for j, completion in enumerate(completions):
         if not isinstance(completion, dict) or "response" not in completion:
             raise RawSchemaError(f"{record.where}: completion {j} has no 'response'")
-        response = completion["response"] if isinstance(completion["response"], str) else ""
+        response = "" if completion["response"] is None else completion["response"]
+        if not isinstance(response, str):
+            raise RawSchemaError(f"{record.where}: completion {j}'s 'response' must be text, got "
+                                 f"{type(response).__name__}")
         annotations = completion.get("annotations") or {}
+        if not isinstance(annotations, dict):
+            raise RawSchemaError(f"{record.where}: completion {j}'s 'annotations' must be an object (criterion -> "
+                                 f"{{'Rating': ...}}), got {type(annotations).__name__} {str(annotations)[:60]!r}")
         ratings = {c: _rating(annotations.get(c), f"{record.where}, completion {j}, {c}") for c in criteria}
         parsed.append(Completion(response, ratings))
     return parsed
 
 
 def _rating(annotation: object, where: str) -> float | None:
-    """The numeric rating, or None when absent or "N/A"."""
-    if not isinstance(annotation, dict) or annotation.get("Rating") is None:
+    """The numeric rating (1..5), or None when absent or "N/A"."""
+    if annotation is None:
         return None
-    value = annotation["Rating"]
+    if not isinstance(annotation, dict):
+        raise RawSchemaError(f"{where}: the annotation must be an object with a 'Rating', got "
+                             f"{type(annotation).__name__} {str(annotation)[:60]!r}")
+    value = annotation.get("Rating")
+    if value is None or (isinstance(value, str) and value.strip() == NOT_RATED):
+        return None
+    rating = None
     if isinstance(value, str):
-        if value.strip() == NOT_RATED:
-            return None
         try:
-            return float(value)
+            rating = float(value)
         except ValueError:
-            raise RawSchemaError(f"{where}: Rating {value!r} is neither a number nor {NOT_RATED!r}") from None
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        return float(value)
-    raise RawSchemaError(f"{where}: Rating {value!r} is neither a number nor {NOT_RATED!r}")
+            pass
+    elif isinstance(value, (int, float)) and not isinstance(value, bool):
+        rating = float(value)
+    if rating is None or not RATINGS[0] <= rating <= RATINGS[1]:  # NaN and infinity fail too
+        raise RawSchemaError(f"{where}: Rating {value!r} is neither a rating in {RATINGS[0]}..{RATINGS[1]} "
+                             f"nor {NOT_RATED!r}")
+    return rating
 
 
 def _slate(
