@@ -28,11 +28,13 @@ tokens, EOS last. A check and four measurements, in one process:
    M-step minibatch is one (example, cluster) pair: m' rows (full) or a rows (MoPLEx) per backward,
    the paper's memory-per-response comparison. The E-step runs `score_batch_size` rows (one response
    under one adapter) per forward. A configuration that runs out of GPU memory is reported as OOM.
-2. Anchor-pass throughput over B rows: the scorer's own anchor pass (moplex_core.estimate.anchor_pass:
-   forward with response-only chunked log-probs + gradient w.r.t. inputs_embeds at the response
-   positions) for the plain base model (a separate copy, no adapters); moplex_core.lm.multi_lora with the
-   rows routed to all k adapters in turn (LoRA B small and random); the same with the backward into
-   the LoRA weights instead (the M-step's pass); PEFT with k adapters, one active; PEFT's mixed-batch
+2. Anchor-pass throughput over B rows (B a multiple of k): the scorer's own anchor pass
+   (moplex_core.estimate.anchor_pass: forward with response-only chunked log-probs + gradient w.r.t.
+   inputs_embeds at the response positions) for the plain base model (a separate copy, no adapters);
+   moplex_core.lm.multi_lora with the rows routed to all k adapters in turn (LoRA B small and
+   random); the same with the backward into the LoRA weights instead (the M-step's pass); PEFT with
+   k adapters, one active, as PEFT makes them (float32 adapters on a bf16 model) and with
+   ``autocast_adapter_dtype=False`` (bf16 adapters, like ours in their matmuls); PEFT's mixed-batch
    ``adapter_names`` path over all k. Tokens/s = B * 1024 / median time of 5 passes after 2 warm-ups,
    and the ratio to the plain model; peak GPU memory over the timed passes.
 3. Where the anchor pass's time goes (``profile``): the plain pass and the mixed multi-LoRA E-step
@@ -41,12 +43,17 @@ tokens, EOS last. A check and four measurements, in one process:
    each aten op's self time with the difference the LoRA layer makes. The traces are written to OUT.
 4. The card's ceilings (``ceilings``): its bf16 matmul rate (an 8192^3 GEMM) and its
    device-to-device copy rate (a 2 GiB tensor: 4 GiB read and written), the two rates a pass's time
-   is read against.
+   is read against; each after a quarter second of warm-up (the clocks rise from idle), timed over
+   20 back-to-back operations per sample.
 
-A run too long for one time limit can be split: ``--m-primes`` runs the EM section at some m' only,
-and ``--resume`` starts from an earlier run's em_gpu.json (same size, n and device), keeping its
-sections and EM configurations and running only what it lacks (em_gpu.json is rewritten after
-every EM configuration, so a run cut off by a time limit is resumed where it stopped).
+The sections run in the order ceilings, check, throughput, profile, em (the EM section takes most
+of the time), and within the EM section the issue's targets first: m' = 26 (full, then a = 6, 4,
+2) and m' = 32, then the other m' from the smallest. A run too long for one time limit can be
+split: ``--deadline SECONDS`` starts nothing new after that many seconds and prints and plots what
+it has; ``--m-primes`` runs the EM section at some m' only; ``--resume`` starts from an earlier
+run's em_gpu.json (same size, n and device), keeping its sections and EM configurations and running
+only what it lacks (em_gpu.json is rewritten after every EM configuration, so a run cut off by a
+time limit is resumed where it stopped).
 
 Prints markdown tables under one heading (date, device, versions) and writes OUT/em_gpu.json (every
 number) and OUT/em_gpu.png (Figure 5's layout: time per example and peak memory vs m', one line per
@@ -54,10 +61,10 @@ method, OOM points left out).
 
 ``--cpu`` runs it on the CPU at a size where prompts cost something: a Qwen3 of 4 layers, hidden 256
 (random weights, float32, torch's default threads), k = 3, rows of 256 + 256 tokens, m' in {4, 8},
-a = 2, B = 8 (about 90 s on 2 cores).
+a = 2, B = 6 (about 90 s on 2 cores).
 
 ``--tiny`` runs the same code on the CPU in float32 on the tests' kind of tiny Qwen3 (2 layers,
-hidden 64; random weights): k = 3, rows of 12 + 16 tokens, m' in {4, 6}, a = 2, B = 4, a 256^3
+hidden 64; random weights): k = 3, rows of 12 + 16 tokens, m' in {4, 6}, a = 2, B = 6, a 256^3
 matmul, one thread, no CUDA call (peak memory "-"). tests/test_em_gpu_benchmark.py runs it.
 
 Only moplex_core modules that import neither pydantic nor prefect are used (the GPU machine has
@@ -107,9 +114,11 @@ PLAIN = "plain base model, fwd + grad w.r.t. inputs_embeds"
 MULTI_E = "multi-LoRA, k adapters mixed, fwd + grad w.r.t. inputs_embeds (E-step)"
 MULTI_M = "multi-LoRA, k adapters mixed, fwd + backward into LoRA weights (M-step)"
 PEFT_ONE = "PEFT, 1 active adapter of k, fwd + grad w.r.t. inputs_embeds"
+PEFT_ONE_MODEL_DTYPE = "PEFT, 1 active adapter of k, adapters in the model's dtype (autocast_adapter_dtype=False)"
 PEFT_MIXED = "PEFT mixed adapter_names, k adapters, fwd + grad w.r.t. inputs_embeds"
 PROFILE_TOP = 14  # aten ops the profile table lists by time; the rest are one row
 SECTIONS = ("check", "em", "throughput", "profile", "ceilings")
+TARGET_M_PRIMES = (26, 32)  # the issue's targets: a = 6 against full computation at m' = 26; full fits at 32
 
 
 @dataclass(frozen=True)
@@ -131,7 +140,7 @@ class Sizes:
     # activations for the input-gradient backward, so this, not the a-row M-step, can set MoPLEx's
     # peak memory: 8 rows of 1024 tokens is about 16 GiB on the plain model (DESIGN.md 8).
     score_batch_size: int
-    batch_rows: tuple[int, ...]  # B of the throughput section
+    batch_rows: tuple[int, ...]  # B of the throughput section: multiples of k, so a batch mixes all k adapters
     warmups: int
     repeats: int
     matmul_n: int
@@ -147,15 +156,15 @@ class Sizes:
 
 GPU = Sizes(model="qwen3-0.6b", description="Qwen3-0.6B shape, random weights, bf16", device="cuda",
             dtype=torch.bfloat16, threads=None, k=12, prompt_tokens=512, response_tokens=512, originals=4,
-            m_primes=(4, 8, 16, 26, 32), anchors=(2, 4, 6), score_batch_size=8, batch_rows=(8, 32),
+            m_primes=(4, 8, 16, 26, 32), anchors=(2, 4, 6), score_batch_size=8, batch_rows=(12, 36),
             warmups=2, repeats=5, matmul_n=8192)
 CPU = Sizes(model="small", description="small Qwen3 (4 layers, hidden 256), random weights, float32", device="cpu",
             dtype=torch.float32, threads=None, k=3, prompt_tokens=256, response_tokens=256, originals=4,
-            m_primes=(4, 8), anchors=(2,), score_batch_size=8, batch_rows=(8,), warmups=1, repeats=3,
+            m_primes=(4, 8), anchors=(2,), score_batch_size=8, batch_rows=(6,), warmups=1, repeats=3,
             matmul_n=1024)
 TINY = Sizes(model="tiny", description="tiny Qwen3 (2 layers, hidden 64), random weights, float32", device="cpu",
              dtype=torch.float32, threads=1, k=3, prompt_tokens=12, response_tokens=16, originals=4,
-             m_primes=(4, 6), anchors=(2,), score_batch_size=16, batch_rows=(4,), warmups=1, repeats=3,
+             m_primes=(4, 6), anchors=(2,), score_batch_size=16, batch_rows=(6,), warmups=1, repeats=3,
              matmul_n=256)
 
 
@@ -173,13 +182,22 @@ def _reset_peak(sizes: Sizes) -> None:
 
 
 def _peak_gib(sizes: Sizes) -> float | None:
-    """Peak GPU memory since the last reset, GiB; None on the CPU (not measured)."""
+    """Peak GPU memory the tensors held since the last reset, GiB; None on the CPU (not measured)."""
     return torch.cuda.max_memory_allocated() / 2**30 if sizes.cuda else None
 
 
+def _peak_reserved_gib(sizes: Sizes) -> float | None:
+    """Peak GPU memory the caching allocator held since the last reset (tensors, fragmentation and
+    cached blocks), GiB: what must fit on the card; None on the CPU."""
+    return torch.cuda.max_memory_reserved() / 2**30 if sizes.cuda else None
+
+
 def _out_of_memory(error: RuntimeError) -> bool:
-    """A CUDA allocation failure: torch's own, or one inside cuBLAS (a plain RuntimeError)."""
-    return isinstance(error, torch.cuda.OutOfMemoryError) or "CUBLAS_STATUS_ALLOC_FAILED" in str(error)
+    """A CUDA allocation failure: torch's own, or one inside cuBLAS or another library (a plain
+    RuntimeError that says so)."""
+    message = str(error)
+    return (isinstance(error, torch.cuda.OutOfMemoryError) or "CUBLAS_STATUS_ALLOC_FAILED" in message
+            or "out of memory" in message.lower())
 
 
 def _free(sizes: Sizes) -> None:
@@ -236,26 +254,33 @@ def _model_vocab(model_dir: Path) -> tuple[int, int]:
 # -- 1. EM iteration cost --------------------------------------------------------------------
 
 
-def em_iteration_costs(model_dir: Path, sizes: Sizes, examples: int, m_primes: tuple[int, ...],
-                       measured: list[dict[str, Any]], save: Callable[[list[dict[str, Any]]], None]
-                       ) -> list[dict[str, Any]]:
+def em_iteration_costs(model_dir: Callable[[], Path], sizes: Sizes, examples: int, m_primes: tuple[int, ...],
+                       measured: list[dict[str, Any]], save: Callable[[list[dict[str, Any]]], None],
+                       time_left: Callable[[], bool] = lambda: True) -> list[dict[str, Any]]:
     """One row per (m', method, prompts): methods "full" (anchors None) and "a=<a>" for each a < m',
     with shared prompts (the default); and "full" and the largest a < m' with the prompt run for every
     row, the cost before the shared-prompt pass. Speedups are against full with the same prompts.
 
-    Rows already in ``measured`` (an earlier run's) are kept, not run again; ``save`` gets every
-    row so far after each configuration, so a run stopped by a time limit keeps what it measured."""
-    vocab_size, eos_id = _model_vocab(model_dir)
+    The issue's target m' run first (TARGET_M_PRIMES: a = 6 against full at 26, full at 32), then
+    the others from the smallest. Rows already in ``measured`` (an earlier run's) are kept, not run
+    again; ``save`` gets every row so far after each configuration, so a run stopped by a time limit
+    keeps what it measured; no configuration starts once ``time_left()`` says no."""
     rows = {(row["m_prime"], row["method"], row["prompts"]): row for row in measured}
-    for m_prime in m_primes:
+    order = [m for m in TARGET_M_PRIMES if m in m_primes] + [m for m in m_primes if m not in TARGET_M_PRIMES]
+    for m_prime in order:
         inputs = None
-        for anchors, share in _em_configurations(sizes, m_prime):
+        configurations = _em_configurations(sizes, m_prime)  # run shared first, full then the largest a first
+        for anchors, share in sorted(configurations, key=lambda c: (not c[1], c[0] is not None, -(c[0] or 0))):
             row = {"m_prime": m_prime, "method": "full" if anchors is None else f"a={anchors}",
                    "anchors": m_prime if anchors is None else anchors, "prompts": "shared" if share else "per row"}
             if (m_prime, row["method"], row["prompts"]) in rows:
                 continue
-            inputs = inputs or synthetic_inputs(sizes, m_prime, examples, vocab_size, eos_id)
-            row.update(_em_iteration(model_dir, sizes, inputs, anchors, share))
+            if not time_left():
+                return _em_table(sizes, rows)
+            if inputs is None:
+                vocab_size, eos_id = _model_vocab(model_dir())
+                inputs = synthetic_inputs(sizes, m_prime, examples, vocab_size, eos_id)
+            row.update(_em_iteration(model_dir(), sizes, inputs, anchors, share))
             rows[m_prime, row["method"], row["prompts"]] = row
             print(f"em m'={m_prime} {row['method']} ({row['prompts']}): {row['total_s_per_example']} s/example, "
                   f"peak {row['peak_gib']} GiB", file=sys.stderr, flush=True)
@@ -290,8 +315,8 @@ def _em_iteration(model_dir: Path, sizes: Sizes, inputs: PolicyInputs, anchors: 
     n = len(inputs)
     rankings = inputs.rankings()
     weights = torch.full((n, sizes.k), 1.0 / sizes.k, dtype=torch.float64)  # [n, k]: every pair fitted
-    one_pair = torch.zeros_like(weights)  # [n, k]: the warm-up M-step's single pair
-    one_pair[0, 0] = weights[0, 0]
+    one_pair = torch.zeros_like(weights)  # [n, k]: the warm-up M-step's pairs, one per cluster, so that
+    one_pair[0, :] = weights[0, :]  # every adapter has its optimizer state and a non-zero B before the timed steps
     scorer = None
     try:
         scorer = LoRAPolicyScorer(model_dir, sizes.k, beta=BETA, anchors=anchors, lora=LORA, lr=1e-4,
@@ -306,21 +331,23 @@ def _em_iteration(model_dir: Path, sizes: Sizes, inputs: PolicyInputs, anchors: 
         scorer.fit(inputs, rankings, weights, 1)
         _sync(sizes)
         fitted = time.perf_counter()
-        m_step_peak = _peak_gib(sizes)
+        m_step_peak, m_step_reserved = _peak_gib(sizes), _peak_reserved_gib(sizes)
         _reset_peak(sizes)
         scorer.score(inputs, 1)
         _sync(sizes)
         scored = time.perf_counter()
-        e_step_peak = _peak_gib(sizes)
+        e_step_peak, e_step_reserved = _peak_gib(sizes), _peak_reserved_gib(sizes)
         return {"oom": False, "e_step_s_per_example": (scored - fitted) / n,
                 "m_step_s_per_example": (fitted - start) / n, "total_s_per_example": (scored - start) / n,
                 "m_step_peak_gib": m_step_peak, "e_step_peak_gib": e_step_peak,
-                "peak_gib": None if m_step_peak is None else max(m_step_peak, e_step_peak)}
+                "peak_gib": None if m_step_peak is None else max(m_step_peak, e_step_peak),
+                "peak_reserved_gib": None if m_step_reserved is None else max(m_step_reserved, e_step_reserved)}
     except RuntimeError as error:  # torch.cuda.OutOfMemoryError, or cuBLAS failing to allocate
         if not _out_of_memory(error):
             raise
         return {"oom": True, "e_step_s_per_example": None, "m_step_s_per_example": None,
-                "total_s_per_example": None, "m_step_peak_gib": None, "e_step_peak_gib": None, "peak_gib": None}
+                "total_s_per_example": None, "m_step_peak_gib": None, "e_step_peak_gib": None, "peak_gib": None,
+                "peak_reserved_gib": None}
     finally:
         del scorer
         _free(sizes)
@@ -330,8 +357,8 @@ def _em_iteration(model_dir: Path, sizes: Sizes, inputs: PolicyInputs, anchors: 
 
 
 def anchor_pass_throughput(model_dir: Path, sizes: Sizes) -> dict[str, Any]:
-    """A row per pass (PLAIN, MULTI_E, MULTI_M, PEFT_ONE, PEFT_MIXED) and B, one model on the device
-    at a time, and the attention implementation the model loaded with."""
+    """A row per pass (PLAIN, MULTI_E, MULTI_M, PEFT_ONE, PEFT_MIXED, and PEFT_ONE_MODEL_DTYPE in bf16)
+    and B, one model on the device at a time, and the attention implementation the model loaded with."""
     batches = _batches(model_dir, sizes)
     attention, rows = _plain_rows(model_dir, sizes, batches)
     _free(sizes)
@@ -380,6 +407,25 @@ def _median_seconds(run: Callable[[], Any], sizes: Sizes) -> float:
         _sync(sizes)
         times.append(time.perf_counter() - start)
     return statistics.median(times)
+
+
+def _sustained_seconds(run: Callable[[], Any], sizes: Sizes, warmup_s: float = 0.25, per_sample: int = 20) -> float:
+    """Seconds per ``run`` at a sustained rate: ``run`` repeated for ``warmup_s`` (an idle card's clocks
+    rise, the library picks its kernels), then the median over ``repeats`` samples of ``per_sample``
+    back-to-back runs (one synchronisation per sample, not per run: a millisecond kernel is not
+    timed against the host's overhead)."""
+    start = time.perf_counter()
+    while time.perf_counter() - start < warmup_s:
+        run()
+        _sync(sizes)
+    samples = []
+    for _ in range(sizes.repeats):
+        start = time.perf_counter()
+        for _ in range(per_sample):
+            run()
+        _sync(sizes)
+        samples.append((time.perf_counter() - start) / per_sample)
+    return statistics.median(samples)
 
 
 def _measure(label: str, run: Callable[[list[TokenizedResponse]], Any], batches: dict[int, list[TokenizedResponse]],
@@ -448,19 +494,28 @@ def _multi_lora_rows(model_dir: Path, sizes: Sizes, batches: dict[int, list[Toke
     return rows + _measure(MULTI_M, lambda batch: _mixed_pass(model, lora, batch, sizes, params), batches, sizes)
 
 
-def _peft_rows(model_dir: Path, sizes: Sizes, batches: dict[int, list[TokenizedResponse]]) -> list[dict[str, Any]]:
+def _peft_model(model_dir: Path, sizes: Sizes, autocast_adapter_dtype: bool = True) -> tuple[nn.Module, list[str]]:
+    """The frozen model under PEFT with k adapters of small random LoRA B, adapter c0 active, in eval
+    mode; (the model, the adapter names). PEFT's default (``autocast_adapter_dtype``) keeps the
+    adapters of a bf16 model in float32 and runs their matmuls in float32."""
     config = LoraConfig(r=LORA.r, lora_alpha=LORA.alpha, lora_dropout=LORA.dropout,
                         target_modules=list(LORA.target_modules), bias="none")
     names = [f"c{c}" for c in range(sizes.k)]
-    model = get_peft_model(_frozen_model(model_dir, sizes), config, adapter_name=names[0])
+    model = get_peft_model(_frozen_model(model_dir, sizes), config, adapter_name=names[0],
+                           autocast_adapter_dtype=autocast_adapter_dtype)
     for name in names[1:]:
-        model.add_adapter(name, config)
+        model.add_adapter(name, config, autocast_adapter_dtype=autocast_adapter_dtype)
     model.set_adapter(names[0])
     model.eval()  # PEFT refuses adapter_names in training mode
     lora = {name: p for name, p in model.named_parameters() if ".lora_" in name}
     _perturb_lora_b(lora)
     for p in lora.values():  # after set_adapter, which switches requires_grad on for its adapter
         p.requires_grad_(False)
+    return model, names
+
+
+def _peft_rows(model_dir: Path, sizes: Sizes, batches: dict[int, list[TokenizedResponse]]) -> list[dict[str, Any]]:
+    model, names = _peft_model(model_dir, sizes)
 
     def mixed(batch: list[TokenizedResponse]) -> None:
         # PeftModel.forward applies `adapter_names` through pre-forward hooks that this private
@@ -471,7 +526,13 @@ def _peft_rows(model_dir: Path, sizes: Sizes, batches: dict[int, list[TokenizedR
             _input_grad_pass(model, batch)
 
     rows = _measure(PEFT_ONE, lambda batch: _input_grad_pass(model, batch), batches, sizes)
-    return rows + _measure(PEFT_MIXED, mixed, batches, sizes)
+    rows += _measure(PEFT_MIXED, mixed, batches, sizes)
+    del model
+    _free(sizes)
+    if sizes.dtype in (torch.float32, torch.float64):  # the default already keeps the model's dtype
+        return rows
+    model, _ = _peft_model(model_dir, sizes, autocast_adapter_dtype=False)
+    return rows + _measure(PEFT_ONE_MODEL_DTYPE, lambda batch: _input_grad_pass(model, batch), batches, sizes)
 
 
 # -- 2b. where an anchor pass's time goes -----------------------------------------------------
@@ -604,18 +665,19 @@ def lora_agreement(model_dir: Path, sizes: Sizes, batch: list[TokenizedResponse]
 
 
 def ceilings(sizes: Sizes) -> dict[str, Any]:
-    """The two rates a pass's time is read against (median of ``repeats`` each): TFLOP/s of an
+    """The two rates a pass's time is read against (`_sustained_seconds` each): TFLOP/s of an
     n x n x n matmul in the run's dtype (2 n^3 per product), and TB/s of a device-to-device copy of
     16 n^2 elements (bytes read plus bytes written)."""
     n = sizes.matmul_n
     generator = torch.Generator().manual_seed(0)
     a = torch.randn(n, n, generator=generator).to(device=sizes.device, dtype=sizes.dtype)  # [n, n]
     b = torch.randn(n, n, generator=generator).to(device=sizes.device, dtype=sizes.dtype)  # [n, n]
-    matmul_s = _median_seconds(lambda: a @ b, sizes)
-    del a, b
+    out = torch.empty_like(a)
+    matmul_s = _sustained_seconds(lambda: torch.matmul(a, b, out=out), sizes)
+    del a, b, out
     source = torch.rand(16 * n, n, device=sizes.device, dtype=sizes.dtype)  # [16n, n], 2 GiB in bf16 at n = 8192
     target = torch.empty_like(source)
-    copy_s = _median_seconds(lambda: target.copy_(source), sizes)
+    copy_s = _sustained_seconds(lambda: target.copy_(source), sizes)
     moved = 2 * source.numel() * source.element_size()
     return {"n": n, "dtype": dtype_name(sizes.dtype), "matmul_tflops": 2 * n**3 / matmul_s / 1e12,
             "copy_gib": moved / 2**30, "copy_tbs": moved / copy_s / 1e12}
@@ -646,18 +708,18 @@ def print_report(results: dict[str, Any]) -> None:
               "cluster) and pass (the default), `per row`: with every response; speedup and memory against "
               "full with the same prompts; every pair weighted 1/k (all above "
               "gamma_min, the worst case); a = 2 makes 2-row M-step passes, which a GPU runs below its "
-              "throughput. Times per example; peak memory (weights included) of each step, and their "
-              "maximum for the ratio.\n")
+              "throughput. Times per example; peak memory of the tensors (weights included) of each step, and "
+              "their maximum for the ratio; reserved: the most the allocator held (what must fit on the card).\n")
         print("| m' | method | prompts | E-step s/ex | M-step s/ex | total s/ex | E-step peak GiB | M-step peak GiB "
-              "| speedup vs full | memory full/this |")
-        print("|---|---|---|---|---|---|---|---|---|---|")
+              "| reserved GiB | speedup vs full | memory full/this |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|")
         for row in results["em"]:
             oom = row["oom"]
             print(f"| {row['m_prime']} | {row['method']} | {row['prompts']} | "
                   f"{_fmt(row['e_step_s_per_example'], '.3g', oom)} | "
                   f"{_fmt(row['m_step_s_per_example'], '.3g', oom)} | {_fmt(row['total_s_per_example'], '.3g', oom)} | "
                   f"{_fmt(row['e_step_peak_gib'], '.1f', oom)} | {_fmt(row['m_step_peak_gib'], '.1f', oom)} | "
-                  f"{_fmt(row['speedup_vs_full'], '.2f', False)} | "
+                  f"{_fmt(row.get('peak_reserved_gib'), '.1f', oom)} | {_fmt(row['speedup_vs_full'], '.2f', False)} | "
                   f"{_fmt(row['memory_ratio_full_over_this'], '.2f', False)} |")
         print()
     if "throughput" in results:
@@ -710,7 +772,9 @@ def _print_profile(profile: dict[str, Any], copy_tbs: float | None) -> None:
         print(f"| {key} | {theirs['ms']:.2f} | {theirs['calls']} | {mine['ms']:.2f} | {mine['calls']} | "
               f"{mine['ms'] - theirs['ms']:+.2f} |")
     rest = [sum(row["ops"][key]["ms"] for key in keys[PROFILE_TOP:] if key in row["ops"]) for row in (plain, multi)]
-    print(f"| {len(keys) - PROFILE_TOP} other ops | {rest[0]:.2f} | | {rest[1]:.2f} | | {rest[1] - rest[0]:+.2f} |\n")
+    if len(keys) > PROFILE_TOP:
+        print(f"| {len(keys) - PROFILE_TOP} other ops | {rest[0]:.2f} | | {rest[1]:.2f} | | {rest[1] - rest[0]:+.2f} |")
+    print()
     at_copy_rate = "" if copy_tbs is None else f", {profile['lora_extra_gb'] / copy_tbs:.3g} ms at the copy rate below"
     print(f"The LoRA path's extra memory traffic, counted (each tensor read or written once per kernel): "
           f"{profile['lora_extra_gb']:.3g} GB per pass{at_copy_rate}; measured wall-time difference "
@@ -756,6 +820,9 @@ def main() -> None:
     parser.add_argument("--sections", default=",".join(SECTIONS),
                         help=f"comma-separated subset of {', '.join(SECTIONS)}")
     parser.add_argument("--m-primes", help="comma-separated m' values of the EM section (default: all of the size's)")
+    parser.add_argument("--deadline", type=float, metavar="SECONDS",
+                        help="start no section or EM configuration after this many seconds; print and plot what "
+                             "was measured (e.g. 420 under a 600 s limit, then --resume)")
     parser.add_argument("--resume", type=Path, metavar="JSON",
                         help="an em_gpu.json of an earlier run at the same size: its sections and EM "
                              "configurations are kept and not run again")
@@ -815,31 +882,49 @@ def main() -> None:
         results["resumed_from"] = previous.get("resumed_from", previous["date"])
 
     def save(section: str, value: Any) -> None:
-        """Keep a section's numbers on disk at once: a run stopped by a time limit keeps what it did."""
+        """Keep a section's numbers on disk at once: a run stopped by a time limit keeps what it did
+        (written beside, then renamed: a kill mid-write leaves the last whole file)."""
         results[section] = value
-        (args.out / "em_gpu.json").write_text(json.dumps(results, indent=2, allow_nan=False))
+        partial = args.out / "em_gpu.json.partial"
+        partial.write_text(json.dumps(results, indent=2))
+        partial.replace(args.out / "em_gpu.json")
 
     def finished(section: str, value: Any) -> None:
         save(section, value)
         print(f"{section} done ({time.perf_counter() - started:.0f} s)", file=sys.stderr, flush=True)
 
+    def time_left() -> bool:
+        if args.deadline is None or time.perf_counter() - started < args.deadline:
+            return True
+        print(f"--deadline {args.deadline:g} s reached: what is left is not started; rerun with --resume "
+              f"{args.out / 'em_gpu.json'}", file=sys.stderr, flush=True)
+        return False
+
     def wanted(section: str) -> bool:
-        return section in sections and section not in previous
+        return section in sections and section not in previous and time_left()
 
     started = time.perf_counter()
-    with tempfile.TemporaryDirectory() as tmp:
-        model_dir = build_model(sizes, Path(tmp) / "model")
-        if wanted("check"):
-            finished("check", lora_agreement(model_dir, sizes, _batches(model_dir, sizes)[min(sizes.batch_rows)]))
-        if "em" in sections:
-            finished("em", em_iteration_costs(model_dir, sizes, args.examples, m_primes, previous.get("em", []),
-                                              lambda rows: save("em", rows)))
-        if wanted("throughput"):
-            finished("throughput", anchor_pass_throughput(model_dir, sizes))
-        if wanted("profile"):
-            finished("profile", anchor_pass_profile(model_dir, sizes, args.out))
+    # The short sections first, the EM section (most of the time) last; within it the target m'
+    # first (em_iteration_costs), so that a run cut short keeps what matters most.
     if wanted("ceilings"):
         finished("ceilings", ceilings(sizes))
+    with tempfile.TemporaryDirectory() as tmp:
+        model_path: list[Path] = []
+
+        def model_dir() -> Path:  # built on first use: a resumed run with nothing left builds nothing
+            if not model_path:
+                model_path.append(build_model(sizes, Path(tmp) / "model"))
+            return model_path[0]
+
+        if wanted("check"):
+            finished("check", lora_agreement(model_dir(), sizes, _batches(model_dir(), sizes)[min(sizes.batch_rows)]))
+        if wanted("throughput"):
+            finished("throughput", anchor_pass_throughput(model_dir(), sizes))
+        if wanted("profile"):
+            finished("profile", anchor_pass_profile(model_dir(), sizes, args.out))
+        if "em" in sections:
+            finished("em", em_iteration_costs(model_dir, sizes, args.examples, m_primes, previous.get("em", []),
+                                              lambda rows: save("em", rows), time_left))
 
     print_report(results)
     plot_figure5(results, args.out / "em_gpu.png")

@@ -65,7 +65,7 @@ def test_table_has_every_configuration_and_pass(tiny_run: tuple[Path, str]) -> N
     passes = _table(stdout, "| pass | B |")
     assert len(passes) == len(THROUGHPUT_PASSES)
     for row, name in zip(passes, THROUGHPUT_PASSES, strict=True):
-        assert row[0].startswith(name) and row[1] == "4"
+        assert row[0].startswith(name) and row[1] == "6"  # B = 2 k: every batch mixes all k adapters
     profiled = _table(stdout, "| pass | wall ms |")
     assert [row[0].split(",")[0] for row in profiled] == ["plain base model", "multi-LoRA"]
     ops = _table(stdout, "| aten op |")
@@ -119,8 +119,8 @@ def test_json_numbers_are_positive_and_finite(tiny_run: tuple[Path, str]) -> Non
     # Counted by hand for the tiny Qwen3 (2 layers, hidden 64, 4 / 2 heads of 16, MLP 192, r = 16),
     # T (3 d_in + 3 d_out + 4 r) per projection: q and o 64 -> 64, k and v 64 -> 32, gate and up
     # 64 -> 192, down 192 -> 64, so per layer 2*384 + 2*288 + 2*768 + 768 + 7*4*16 = 4096 elements per
-    # token; float32, B = 4 rows of 28 tokens.
-    assert profile["lora_extra_gb"] == pytest.approx(2 * 4096 * 4 * 28 * 4 / 1e9)
+    # token; float32, B = 6 rows of 28 tokens.
+    assert profile["lora_extra_gb"] == pytest.approx(2 * 4096 * 4 * 28 * 6 / 1e9)
 
 
 def test_figure_is_written(tiny_run: tuple[Path, str]) -> None:
@@ -153,6 +153,9 @@ def test_a_split_run_resumes_where_the_first_part_stopped(tmp_path: Path) -> Non
         assert proc.returncode == 0, proc.stderr[-5000:]
         return proc
 
+    stopped = run(tmp_path / "stopped", "--deadline", "0")  # nothing starts after 0 s, and it says so
+    assert json.loads((tmp_path / "stopped" / "em_gpu.json").read_text())["em"] == []
+    assert "--deadline 0 s reached" in stopped.stderr and "em m'=" not in stopped.stderr
     run(tmp_path / "first", "--m-primes", str(TINY_M_PRIMES[0]))
     first = json.loads((tmp_path / "first" / "em_gpu.json").read_text())
     assert [row["m_prime"] for row in first["em"]] == [TINY_M_PRIMES[0]] * len(TINY_METHODS)
