@@ -144,4 +144,6 @@ def test_compare_flow_runs_methods_and_seeds_sharing_stages_and_reuses_them(pref
     count = {stage: len([p for p in (tmp_path / stage).iterdir() if not p.name.startswith(".")])
              for stage in ("ingest", "model", "augment", "cache", "train", "evaluate")}
     assert count == {"ingest": 1, "model": 1, "augment": 1, "cache": 2, "train": 6, "evaluate": 6}
+    manifests = {p: p.stat().st_mtime_ns for p in tmp_path.glob("*/*/manifest.json")}
     assert compare_flow(methods, seeds=2, config=base) == folder
+    assert {p: p.stat().st_mtime_ns for p in tmp_path.glob("*/*/manifest.json")} == manifests  # all reused

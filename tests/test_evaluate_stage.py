@@ -67,6 +67,36 @@ def test_evaluation_writes_labelled_metrics_a_report_and_plots(trained):
     assert "-- metrics.parquet:" in shown and "(total)" in shown and "rows per cluster x split:" in shown
 
 
+def test_the_stage_metrics_are_the_trained_mixtures_own(trained):
+    """Recomputed here from the trained adapters, the cache and the labels: held-out log-likelihood,
+    ARI and the clustering accuracy of the Hungarian matching fitted on validation, applied to test.
+    A stage that scored with anything but the trained adapters and alpha gives other numbers."""
+    from scipy.optimize import linear_sum_assignment
+    from sklearn.metrics import adjusted_rand_score
+
+    from moplex_core.em import mixture_posteriors
+    from moplex_core.train import load_trained
+
+    store, train, cache = trained
+    metrics = pd.read_parquet(run_evaluate(EvaluateConfig(), train, cache, store).path / "metrics.parquet")
+    value = metrics[metrics.cluster == "all"].set_index(["split", "metric"]).value
+    scorer, alpha, trained_result = load_trained(train)
+    assigned, truth = {}, {}
+    for split in ("validation", "test"):
+        inputs, clusters = load_policy_inputs(cache, split)
+        gamma, ll = mixture_posteriors(scorer.exact_scores(inputs), inputs.rankings(trained_result.likelihood), alpha)
+        assigned[split], truth[split] = gamma.argmax(1).numpy(), np.array([int(c.removeprefix("c")) for c in clusters])
+        assert value[split, "heldout_log_likelihood"] == pytest.approx(float(ll.mean()), abs=1e-9)
+        assert value[split, "ari"] == pytest.approx(adjusted_rand_score(truth[split], assigned[split]), abs=1e-12)
+    counts = np.zeros((scorer.k, 3), dtype=np.int64)  # [cluster, label] on validation
+    np.add.at(counts, (assigned["validation"], truth["validation"]), 1)
+    rows, cols = linear_sum_assignment(-counts)
+    label_of = dict(zip(rows.tolist(), cols.tolist()))
+    for split in ("validation", "test"):
+        expected = np.mean([label_of.get(c, -1) == t for c, t in zip(assigned[split], truth[split])])
+        assert value[split, "clustering_accuracy"] == pytest.approx(expected, abs=1e-12)
+
+
 def test_the_report_says_where_the_likelihood_fell_and_how_far_off_the_estimates_were(trained, tmp_path):
     store, train, cache = trained
     metrics = pd.read_parquet(run_evaluate(EvaluateConfig(), train, cache, store).path / "metrics.parquet")
