@@ -449,6 +449,7 @@ def test_loading_by_name_offline_says_how_to_pass_a_local_path(monkeypatch):
     message = str(err.value)
     assert "'openbmb/UltraFeedback' (revision 40b436560ca83a8dba36114c22ab3c66e43f6d5e)" in message
     assert "moplex ingest --dataset ultrafeedback --path DIR" in message and "path='DIR'" in message
+    assert "moplex run ... --set ingest.path=DIR" in message
     # the download command it suggests is one the installed huggingface_hub provides
     assert "`hf download openbmb/UltraFeedback --repo-type dataset --revision 40b4365" in message
     assert "`hf auth login`" in message and entry_points(group="console_scripts", name="hf")

@@ -267,7 +267,9 @@ def iter_hub_records(name: str, revision: str | None, dataset: str,
         try:
             loaded = datasets.load_dataset(name, revision=revision, **part)
         except OSError as err:  # ConnectionError, offline mode, DatasetNotFoundError (gated/unknown)
-            permanent = isinstance(err, FileNotFoundError) or _offline(datasets, err)  # DatasetNotFoundError is one
+            # DatasetNotFoundError (unknown or gated) is a FileNotFoundError; so is what datasets makes of a
+            # hub that did not answer (a server error or timeout after huggingface_hub's own retries).
+            permanent = _offline(datasets, err) or (isinstance(err, FileNotFoundError) and not _no_answer(err))
             raise (DatasetUnavailableError if permanent else HubUnreachableError)(
                 f"could not load {name!r} ({f'{shown}, ' if shown else ''}revision {revision or 'latest'}) "
                 f"from the Hugging Face hub: {err}\n"
@@ -289,6 +291,16 @@ def _offline(datasets: Any, err: OSError) -> bool:
     """Whether the hub was not asked at all: offline mode (its setting, or the error it raises)."""
     setting = getattr(getattr(datasets, "config", None), "HF_HUB_OFFLINE", False)
     return bool(setting) or "OfflineModeIsEnabled" in f"{type(err).__name__} {err}"
+
+
+def _no_answer(err: BaseException) -> bool:
+    """Whether the hub did not answer: huggingface_hub's LocalEntryNotFoundError (raised when the hub
+    cannot be reached and nothing is cached), which datasets passes on inside its own message."""
+    while err is not None:
+        if "LocalEntryNotFoundError" in f"{type(err).__name__} {err}":
+            return True
+        err = err.__cause__ or err.__context__
+    return False
 
 
 def _as_object(data: Any, where: str) -> dict[str, Any]:
