@@ -1,0 +1,80 @@
+"""`moplex experiment approximation` (paper Table 1): single-anchor errors of both estimation modes,
+binned by embedding distance, on a real (tiny) cache."""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from moplex_core.artifacts import ArtifactStore
+from moplex_core.cache import load_policy_inputs, run_cache
+from moplex_core.cli import main
+from moplex_core.config import CacheConfig, IngestConfig, SplitConfig, TinyModelConfig
+from moplex_core.estimate import ESTIMATION_MODES
+from moplex_core.experiments.approximation import approximation_markdown, summarise
+from moplex_core.ingest import run_ingest
+from moplex_core.tiny_model import run_tiny_model
+
+
+def test_summarise_takes_each_seeds_bin_mean_then_mean_and_std_over_seeds():
+    rows = [  # seed, mode, distance, (eps/r)^2
+        (0, "delta", 0.01, 0.1), (0, "delta", 0.04, 0.3), (1, "delta", 0.02, 0.6),  # bin 0: seeds 0.2, 0.6
+        (0, "delta", 0.07, 1.0),  # bin 1, one seed
+        (0, "delta", 0.90, 5.0), (1, "delta", 0.51, 7.0),  # beyond max_distance 0.5: the last bin (10)
+        (1, "delta", 0.03, np.nan),  # r = 0: no relative error, left out
+        (0, "logpi", 0.01, 2.0),
+    ]
+    errors = pd.DataFrame([(seed, "e", 0, 1, mode, d, err) for seed, mode, d, err in rows],
+                          columns=["seed", "example_id", "cluster", "response_idx", "mode", "distance",
+                                   "relative_squared_error"])
+    table = summarise(errors).set_index(["mode", "bin"])
+    assert table.loc[("delta", 0), "mean"] == pytest.approx(40.0)  # (0.2 + 0.6) / 2, in percent
+    assert table.loc[("delta", 0), "std"] == pytest.approx(100 * np.std([0.2, 0.6], ddof=1))
+    assert table.loc[("delta", 0), "pairs"] == 3
+    assert table.loc[("delta", 1), ["mean", "std", "pairs"]].tolist() == pytest.approx([100.0, 0.0, 1])
+    assert table.loc[("delta", 10), "mean"] == pytest.approx(600.0) and table.loc[("delta", 10), "distance"] == ">= 50%"
+    assert table.loc[("logpi", 0), "distance"] == "0%-5%"
+    lines = approximation_markdown(summarise(errors)).splitlines()
+    assert lines[0] == "| distance | delta (eps/r)^2 | logpi (eps/r)^2 | pairs |"
+    assert lines[2] == "| 0%-5% | 40.0 ± 28.3% | 200.0 ± 0.0% | 1 |"
+    assert lines[3] == "| 5%-10% | 100.0 ± 0.0% | - | 1 |"
+
+
+@pytest.fixture(scope="module")
+def caches(tmp_path_factory):
+    """(a cache with the reference contractions, one without) of 36 synthetic rankings, m = 3."""
+    store = ArtifactStore(tmp_path_factory.mktemp("artifacts"))
+    rankings = run_ingest(IngestConfig(dataset="synthetic", synthetic={"n": 36, "k": 3, "m": 3},
+                                       split=SplitConfig(fractions=(0.5, 0.25, 0.25))), store).path
+    model = str(run_tiny_model(TinyModelConfig(pretrain_steps=5, hidden_size=32), rankings, store))
+    return tuple(run_cache(CacheConfig(model=model, contractions=contractions), rankings, store, progress=False).path
+                 for contractions in (True, False))
+
+
+def test_the_command_measures_both_modes_for_every_non_anchor_response(caches, tmp_path, capsys):
+    cache, _ = caches
+    out = tmp_path / "approximation"
+    argv = ["experiment", "approximation", "--cache", str(cache), "--out", str(out), "--k", "2", "--seeds", "2",
+            "--examples", "4", "--quiet"]
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    assert printed.startswith("| distance | delta (eps/r)^2 | logpi (eps/r)^2 | pairs |")
+    errors = pd.read_parquet(out / "errors.parquet")
+    # 2 seeds x 4 examples x 2 adapters x (m - 1 = 2 responses besides the anchor) x 2 modes
+    assert len(errors) == 2 * 4 * 2 * 2 * len(ESTIMATION_MODES) and set(errors["mode"]) == set(ESTIMATION_MODES)
+    inputs, _ = load_policy_inputs(cache, "train")
+    assert set(errors.example_id) == set(inputs.example_ids[:4])
+    anchors = errors.groupby(["seed", "example_id"]).response_idx.unique()
+    assert all(len(others) == 2 for others in anchors)  # one anchor per example and seed, the same for every adapter
+    assert (errors.distance > 0).all() and np.isfinite(errors.relative_squared_error).all()
+    assert (out / "table.md").read_text().strip() == approximation_markdown(pd.read_parquet(out / "table.parquet"))
+    assert main(argv) == 0 and pd.read_parquet(out / "errors.parquet").equals(errors)  # seeded: the same again
+
+
+def test_a_cache_without_contractions_is_refused_by_name(caches, tmp_path, capsys):
+    _, forward_only = caches
+    assert main(["experiment", "approximation", "--cache", str(forward_only), "--out", str(tmp_path / "x"),
+                 "--seeds", "1", "--examples", "2", "--quiet"]) == 1
+    assert "this cache has none (cache.contractions = false)" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()
