@@ -47,8 +47,9 @@ tokens, EOS last. A check and four measurements, in one process:
    20 back-to-back operations per sample.
 
 The sections run in the order ceilings, check, throughput, profile, em (the EM section takes most
-of the time), and within the EM section the issue's targets first: m' = 26 (full, then a = 6, 4,
-2) and m' = 32, then the other m' from the smallest. A run too long for one time limit can be
+of the time), and within the EM section the issue's targets first: with shared prompts, m' = 26
+(full, then a = 6, 4, 2) and full at m' = 32, then the same with the prompt per row, then the
+other m' from the smallest. A run too long for one time limit can be
 split: ``--deadline SECONDS`` starts nothing new after that many seconds and prints and plots what
 it has; ``--m-primes`` runs the EM section at some m' only; ``--resume`` starts from an earlier
 run's em_gpu.json (same size, n and device), keeping its sections and EM configurations and running
@@ -261,31 +262,43 @@ def em_iteration_costs(model_dir: Callable[[], Path], sizes: Sizes, examples: in
     with shared prompts (the default); and "full" and the largest a < m' with the prompt run for every
     row, the cost before the shared-prompt pass. Speedups are against full with the same prompts.
 
-    The issue's target m' run first (TARGET_M_PRIMES: a = 6 against full at 26, full at 32), then
-    the others from the smallest. Rows already in ``measured`` (an earlier run's) are kept, not run
-    again; ``save`` gets every row so far after each configuration, so a run stopped by a time limit
-    keeps what it measured; no configuration starts once ``time_left()`` says no."""
+    The order is `_run_order`'s: the issue's targets first. Rows already in ``measured`` (an earlier
+    run's) are kept, not run again; ``save`` gets every row so far after each configuration, so a run
+    stopped by a time limit keeps what it measured; no configuration starts once ``time_left()``
+    says no."""
     rows = {(row["m_prime"], row["method"], row["prompts"]): row for row in measured}
-    order = [m for m in TARGET_M_PRIMES if m in m_primes] + [m for m in m_primes if m not in TARGET_M_PRIMES]
-    for m_prime in order:
-        inputs = None
-        configurations = _em_configurations(sizes, m_prime)  # run shared first, full then the largest a first
-        for anchors, share in sorted(configurations, key=lambda c: (not c[1], c[0] is not None, -(c[0] or 0))):
-            row = {"m_prime": m_prime, "method": "full" if anchors is None else f"a={anchors}",
-                   "anchors": m_prime if anchors is None else anchors, "prompts": "shared" if share else "per row"}
-            if (m_prime, row["method"], row["prompts"]) in rows:
-                continue
-            if not time_left():
-                return _em_table(sizes, rows)
-            if inputs is None:
-                vocab_size, eos_id = _model_vocab(model_dir())
-                inputs = synthetic_inputs(sizes, m_prime, examples, vocab_size, eos_id)
-            row.update(_em_iteration(model_dir(), sizes, inputs, anchors, share))
-            rows[m_prime, row["method"], row["prompts"]] = row
-            print(f"em m'={m_prime} {row['method']} ({row['prompts']}): {row['total_s_per_example']} s/example, "
-                  f"peak {row['peak_gib']} GiB", file=sys.stderr, flush=True)
-            save(_em_table(sizes, rows))
+    inputs: dict[int, PolicyInputs] = {}
+    for m_prime, anchors, share in _run_order(sizes, m_primes):
+        row = {"m_prime": m_prime, "method": "full" if anchors is None else f"a={anchors}",
+               "anchors": m_prime if anchors is None else anchors, "prompts": "shared" if share else "per row"}
+        if (m_prime, row["method"], row["prompts"]) in rows:
+            continue
+        if not time_left():
+            break
+        if m_prime not in inputs:
+            vocab_size, eos_id = _model_vocab(model_dir())
+            inputs[m_prime] = synthetic_inputs(sizes, m_prime, examples, vocab_size, eos_id)
+        row.update(_em_iteration(model_dir(), sizes, inputs[m_prime], anchors, share))
+        rows[m_prime, row["method"], row["prompts"]] = row
+        print(f"em m'={m_prime} {row['method']} ({row['prompts']}): {row['total_s_per_example']} s/example, "
+              f"peak {row['peak_gib']} GiB", file=sys.stderr, flush=True)
+        save(_em_table(sizes, rows))
     return _em_table(sizes, rows)
+
+
+def _run_order(sizes: Sizes, m_primes: tuple[int, ...]) -> list[tuple[int, int | None, bool]]:
+    """(m', anchors, shared prompts) in the order they run: the shared-prompt configurations at the
+    issue's target m' (TARGET_M_PRIMES, in order; at each full computation, then the largest a
+    first), then their per-row counterparts, then the other m' from the smallest, each as in the
+    table."""
+    targets = [m for m in TARGET_M_PRIMES if m in m_primes]
+
+    def at(m_prime: int) -> list[tuple[int, int | None, bool]]:
+        by_size = sorted(_em_configurations(sizes, m_prime), key=lambda c: (c[0] is not None, -(c[0] or 0)))
+        return [(m_prime, anchors, share) for anchors, share in by_size]
+
+    first = [c for m in targets for c in at(m) if c[2]] + [c for m in targets for c in at(m) if not c[2]]
+    return first + [(m, a, share) for m in m_primes if m not in targets for a, share in _em_configurations(sizes, m)]
 
 
 def _em_configurations(sizes: Sizes, m_prime: int) -> list[tuple[int | None, bool]]:
@@ -896,9 +909,13 @@ def main() -> None:
     def time_left() -> bool:
         if args.deadline is None or time.perf_counter() - started < args.deadline:
             return True
-        print(f"--deadline {args.deadline:g} s reached: what is left is not started; rerun with --resume "
-              f"{args.out / 'em_gpu.json'}", file=sys.stderr, flush=True)
+        if not stopped:
+            stopped.append(True)
+            print(f"--deadline {args.deadline:g} s reached: what is left is not started; rerun with --resume "
+                  f"{args.out / 'em_gpu.json'}", file=sys.stderr, flush=True)
         return False
+
+    stopped: list[bool] = []
 
     def wanted(section: str) -> bool:
         return section in sections and section not in previous and time_left()
@@ -908,6 +925,7 @@ def main() -> None:
     # first (em_iteration_costs), so that a run cut short keeps what matters most.
     if wanted("ceilings"):
         finished("ceilings", ceilings(sizes))
+        _free(sizes)  # its 4 GiB of tensors would stay cached and count in the next section's reserved memory
     with tempfile.TemporaryDirectory() as tmp:
         model_path: list[Path] = []
 

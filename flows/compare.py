@@ -34,16 +34,17 @@ def compare_flow(methods: list[str] | None = None, seeds: int = 3, first_seed: i
                  config: PipelineConfig | None = None) -> str:
     """Run ``methods`` (default: all of METHODS) with train seeds first_seed .. first_seed + seeds - 1
     on ``config`` (default: the preset ``preset``) with ``overrides``; returns the compare artifact's
-    folder (report.md inside). The report names the dataset by the preset, or by ``config``'s
-    ``ingest.dataset`` when a config is given (``preset`` is then unused)."""
+    folder (report.md inside). The report names the dataset by the preset, or by ``ingest.dataset``
+    when a config is given (``preset`` is then unused) or the overrides change the preset's dataset."""
     methods = list(methods or METHODS)
-    base = with_overrides(config or pipeline_preset(preset), overrides or [])
+    start = config or pipeline_preset(preset)
+    base = with_overrides(start, overrides or [])
     seed_list = list(range(first_seed, first_seed + seeds))
     evaluations = []
     for method, seed, run_config in plan_runs(base, methods, seed_list):
         run = moplex_pipeline.with_options(flow_run_name=f"{method}-seed{seed}")
         evaluations.append((method, seed, run(config=run_config)["evaluate"]))
-    dataset = preset if config is None else config.ingest.dataset
+    dataset = preset if config is None and base.ingest.dataset == start.ingest.dataset else base.ingest.dataset
     return write_comparison_task(base.root, dataset, evaluations)
 
 

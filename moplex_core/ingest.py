@@ -37,7 +37,11 @@ from moplex_core.schema import RANKINGS_SCHEMA, REJECTED_SCHEMA, check_rankings,
 log = logging.getLogger(__name__)
 
 STAGE = "ingest"
-CODE_VERSION = "ingest-1"  # bump when a change to this stage changes what it writes
+# Bump when a change to this stage changes what it writes. Kept at ingest-1 on 2026-11-24: a strict
+# ingest writes what it wrote; a drop-mode artifact of before then lacks rejected.parquet's `where`
+# column and the summary's unreadable_records (nothing reads either; a source with unreadable records
+# made no artifact before, it stopped).
+CODE_VERSION = "ingest-1"
 # An adapter's own changes, added to its dataset's versions only (the others keep theirs). generic-2:
 # a split column that is not kept no longer rejects rows (validation=drop kept fewer before);
 # generic-3: rows that share a prompt text share a split whatever their prompt_ids. ultrafeedback-2:

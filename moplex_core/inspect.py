@@ -116,9 +116,7 @@ def _readable_table_report(title: str, files: list[Path], rows: int) -> list[str
     lines = [f"-- {title}: {n} rows --", "schema:", _indent(schema.to_string(show_schema_metadata=False))]
     counts = _counting_columns(files, ("split", "cluster"))
     if counts.num_columns and counts.num_rows:
-        # as text: an integer column with nulls would turn float in pandas and not sort beside "<null>"
-        frame = pa.table([c.cast(pa.string()) for c in counts.columns], names=counts.column_names)
-        frame = frame.to_pandas().fillna("<null>")
+        frame = pd.DataFrame({name: _labels(counts.column(name)) for name in counts.column_names})
         if counts.num_columns == 2:
             total = "(total)"  # a name no cluster or split has (evaluate's metrics use cluster "all")
             while total in set(frame["cluster"]) | set(frame["split"]):
@@ -134,6 +132,15 @@ def _readable_table_report(title: str, files: list[Path], rows: int) -> list[str
         width = max(len(k) for k in record)
         lines += [f"  {k:<{width}}  {_cell(v)}" for k, v in record.items()]
     return lines
+
+
+def _labels(column: pa.ChunkedArray) -> pd.Categorical:
+    """A column's values as text in their own order (integers as numbers: 2 before 10), "<null>" last;
+    pandas would turn an integer column with nulls into floats (1.0) that cannot sort beside "<null>"."""
+    values = column.to_pylist()
+    present = sorted({v for v in values if v is not None})
+    order = [str(v) for v in present] + (["<null>"] if None in values else [])
+    return pd.Categorical(["<null>" if v is None else str(v) for v in values], categories=order, ordered=True)
 
 
 def _counting_columns(files: list[Path], names: tuple[str, ...]) -> pa.Table:

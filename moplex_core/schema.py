@@ -408,7 +408,13 @@ def _records_as_json(data: pa.Table | pd.DataFrame | Sequence[dict[str, Any]], r
         picked = [{k: _plain(v) for k, v in data.iloc[r].items()} for r in rows]
     else:
         picked = [{k: _plain(v) for k, v in data[r].items()} for r in rows]
-    return {r: json.dumps(rec, default=str, ensure_ascii=False) for r, rec in zip(rows, picked, strict=True)}
+    return {r: json_text(rec) for r, rec in zip(rows, picked, strict=True)}
+
+
+def json_text(record: dict[str, Any]) -> str:
+    """A record as JSON text for rejected.parquet's ``record`` column: readable (no escapes for
+    non-ASCII text), and whatever is not JSON as its str()."""
+    return json.dumps(record, default=str, ensure_ascii=False)
 
 
 def _short(value: Any, limit: int = 60) -> str:

@@ -94,6 +94,9 @@ def test_a_lone_surrogate_escape_names_the_line_and_field_and_drop_mode_sets_the
     [rejected] = built.rejected.to_pylist()
     assert rejected["row"] is None and rejected["where"] == f"{path} line 2" and "lone UTF-16 surrogate" in rejected["reason"]
     assert json.loads(rejected["record"])["example_id"] == "e1"  # the line as it was, to fix and re-ingest
+    key = '{"prompt": "p", "\\ud83d": 1}'  # in a key too: it would reach pyarrow in rejected.parquet
+    path = _write(tmp_path / "k.jsonl", f"{key}\n".encode())
+    assert _error(path).startswith(f"{path} line 1, field 'a key': character 0 is a lone UTF-16 surrogate")
     path = _write(tmp_path / "x.json", f"[{good}, {bad}]".replace("\\\\u", "\\u").encode())
     assert _error(path).startswith(f"{path} record 1, field 'responses[1]': character 2 is a lone UTF-16 surrogate")
 

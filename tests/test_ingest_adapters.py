@@ -19,6 +19,7 @@ from moplex_core.config import IngestConfig, PersonaOptions, PrismOptions, Split
 from moplex_core.data import helpsteer2, persona, prism, ultrafeedback
 from moplex_core.data.sources import (
     DatasetUnavailableError,
+    RawRejects,
     RawSchemaError,
     iter_local_records,
     source_fingerprint,
@@ -149,6 +150,9 @@ def test_persona_text_splits_on_the_first_colon_space_only():
     # a field with no value is a field, not the end of the one before (which made a cluster of its own)
     assert persona.parse_persona("age: 34\nsex: Female\nhousehold language:\nrace: White alone") == {
         "age": "34", "sex": "Female", "household language": "", "race": "White alone"}
+    # ... but a line of a value that ends in ":" before more of that value stays in the value
+    assert persona.parse_persona("quirks: Collects stamps\nHer favourites are:\nthe blue ones\nage: 3") == {
+        "quirks": "Collects stamps\nHer favourites are:\nthe blue ones", "age": "3"}
 
 
 def test_persona_profiles_follow_the_preset_and_skip_what_they_cannot_place():
@@ -365,6 +369,17 @@ def test_prism_reads_a_repeated_file_once_and_refuses_a_participant_with_two_pro
     shutil.copy(fixtures_dir / "prism" / "conversations.jsonl", tmp_path / "copy" / "conversations.jsonl")
     with pytest.raises(RawSchemaError, match="user_id 'user0' is also the participant of"):
         prism.to_rankings(records(tmp_path / "copy"), PrismOptions(fields=("age",)), source="p")
+    # validation=drop: the second survey record is set aside, and so are user0's conversations, whose
+    # profile is now in doubt; nothing is lost (each is in the rejects with its reason)
+    rejects = RawRejects(drop=True)
+    dropped = prism.to_rankings(records(tmp_path / "copy"), PrismOptions(fields=("age",)), source="p", rejects=rejects)
+    kept = prism.to_rankings(records(fixtures_dir / "prism"), PrismOptions(fields=("age",)), source="p").rows
+    conversations = [json.loads(line) for line in (fixtures_dir / "prism" / "conversations.jsonl").read_text().splitlines()]
+    of_user0 = sum(1 for c in conversations if c["user_id"] == "user0")
+    assert of_user0 > 0 and len(rejects.rows) == 1 + of_user0
+    assert "is also the participant of" in rejects.rows[0]["reason"]
+    assert all("the survey record of user_id 'user0'" in r["reason"] for r in rejects.rows[1:])
+    assert {r["example_id"] for r in dropped.rows} < {r["example_id"] for r in kept}
 
 
 # --- generic, synthetic, ingest-level --------------------------------------------------------------

@@ -49,12 +49,16 @@ def test_a_parquet_file_an_incomplete_version_and_listings(rankings, tmp_path):
 
 
 def test_a_cluster_column_of_integers_with_nulls_and_an_empty_table_are_counted_as_text(tmp_path):
-    pq.write_table(pa.table({"cluster": pa.array([0, None, 1, 1], pa.int64()), "split": ["train"] * 4}),
+    pq.write_table(pa.table({"cluster": pa.array([10, 0, None, 1, 1, 2], pa.int64()), "split": ["train"] * 6}),
                    tmp_path / "ints.parquet")
     report = inspect_path(tmp_path / "ints.parquet", rows=0)
     table = report.split("rows per cluster x split:\n")[1].splitlines()
     assert [line.split() for line in table] == [["split", "train", "(total)"], ["cluster"], ["0", "1", "1"],
-                                                ["1", "2", "2"], ["<null>", "1", "1"], ["(total)", "4", "4"]]
+                                                ["1", "2", "2"], ["2", "1", "1"], ["10", "1", "1"],
+                                                ["<null>", "1", "1"], ["(total)", "6", "6"]]
+    pq.write_table(pa.table({"cluster": pa.array([10, 2, None], pa.int32())}), tmp_path / "one.parquet")
+    assert inspect_path(tmp_path / "one.parquet", rows=0).split("rows per cluster:\n")[1].split() == [
+        "cluster", "2", "1", "10", "1", "<null>", "1"]
     pq.write_table(pa.table({"cluster": pa.array([], pa.string())}), tmp_path / "empty.parquet")
     assert inspect_path(tmp_path / "empty.parquet", rows=3).splitlines()[0] == "-- empty.parquet: 0 rows --"
     assert "Empty" not in inspect_path(tmp_path / "empty.parquet", rows=3)

@@ -24,20 +24,22 @@ NAME = "PERSONA"
 def parse_persona(text: str) -> dict[str, str]:
     """``key: value`` lines as a dict with lower-cased keys, split on the first ": " of each line.
 
-    A line that ends in ":" with nothing after it is a field with an empty value; any other line
-    without ": " continues the previous value (multi-line values); blank lines are skipped.
+    A line without ": " continues the previous value (multi-line values), unless it ends in ":" and
+    the next line is a field or the end: then it is a field with an empty value ("household
+    language:" between two fields). Blank lines are skipped.
     """
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
     fields: dict[str, str] = {}
     key = None
-    for line in text.splitlines():
-        name, sep, value = line.strip().partition(": ")
-        if not sep and name.endswith(":") and ": " not in name:
-            name, sep, value = name[:-1], ":", ""
+    for i, line in enumerate(lines):
+        name, sep, value = line.partition(": ")
+        if not sep and line.endswith(":") and (i + 1 == len(lines) or ": " in lines[i + 1]):
+            name, sep, value = line[:-1], ":", ""
         if sep and name.strip():
             key = name.strip().lower()
             fields[key] = value.strip()
-        elif key is not None and line.strip():
-            fields[key] += "\n" + line.strip()
+        elif key is not None:
+            fields[key] = f"{fields[key]}\n{line}" if fields[key] else line
     return fields
 
 

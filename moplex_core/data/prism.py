@@ -40,7 +40,9 @@ def to_rankings(records: Iterable[Record], options: PrismOptions, *, source: str
     stats: Counter[str] = Counter()
     profiles: dict[str, tuple[str | None, str]] = {}  # user_id -> (profile label or None: left out, where)
     conversations: list[Record] = []
+    set_aside: dict[str, str] = {}  # user_id -> where a survey record of theirs was set aside (validation=drop)
     for record in records:
+        before = len(rejects.rows)
         with rejects.reading(record):
             stats["records"] += 1
             if "conversation_history" in record.data:
@@ -57,6 +59,8 @@ def to_rankings(records: Iterable[Record], options: PrismOptions, *, source: str
                 profiles[user] = (label, record.where)
             else:
                 stats["skipped_other_records"] += 1  # utterances, metadata
+        if len(rejects.rows) > before and SURVEY_MARK in record.data and record.data.get("user_id") is not None:
+            set_aside.setdefault(str(record.data["user_id"]), record.where)
     if conversations and not profiles:
         raise RawSchemaError(
             f"{conversations[0].where}: PRISM conversations were found but no survey records (with "
@@ -75,6 +79,9 @@ def to_rankings(records: Iterable[Record], options: PrismOptions, *, source: str
                 continue
             seen.add(example_id)
             user = _id(record, "user_id")
+            if user in set_aside:  # its profile is unknown or in doubt: set aside with the survey record
+                raise RawSchemaError(f"{record.where}: the survey record of user_id {user!r} ({set_aside[user]}) was "
+                                     "set aside, so this conversation has no certain cluster")
             if user not in profiles:
                 stats["skipped_user_not_in_survey"] += 1
                 continue

@@ -29,6 +29,7 @@ import pyarrow.parquet as pq
 
 from moplex_core.artifacts import is_version_folder
 from moplex_core.hashing import canonical_json, sha256_file, short_hash
+from moplex_core.schema import json_text
 
 DATA_SUFFIXES = (".jsonl", ".jsonl.gz", ".json", ".parquet")
 _HUB_SPLIT_ORDER = ("train", "validation", "test")
@@ -96,7 +97,7 @@ class RawRejects:
     def _reject(self, record: Record, err: RawSchemaError) -> None:
         if not self.drop:
             raise err
-        text = record.raw if record.unreadable is not None else json.dumps(record.data, default=str, ensure_ascii=False)
+        text = record.raw if record.unreadable is not None else json_text(record.data)
         self.rows.append({"where": record.where, "reason": str(err), "record": text})
 
 
@@ -203,7 +204,8 @@ def _no_lone_surrogates(value: Any, where: str, path: str = "") -> None:
                                  "missing), which is no text; fix or drop that character in the source")
     elif isinstance(value, dict):
         for key, item in value.items():
-            _no_lone_surrogates(item, where, f"{path}.{key}" if path else str(key))
+            _no_lone_surrogates(key, where, f"{path} (a key)" if path else "a key")
+            _no_lone_surrogates(item, where, f"{path}.{key}" if path else str(key))  # the key has none (above)
     elif isinstance(value, list):
         for i, item in enumerate(value):
             _no_lone_surrogates(item, where, f"{path}[{i}]")
@@ -299,7 +301,7 @@ def _no_answer(err: BaseException) -> bool:
     while err is not None:
         if "LocalEntryNotFoundError" in f"{type(err).__name__} {err}":
             return True
-        err = err.__cause__ or err.__context__
+        err = err.__cause__ or (None if err.__suppress_context__ else err.__context__)
     return False
 
 
