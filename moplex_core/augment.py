@@ -48,13 +48,16 @@ from moplex_core.schema import RANKINGS_SCHEMA, check_rankings
 log = logging.getLogger(__name__)
 
 STAGE = "augment"
-CODE_VERSION = "augment-3"  # bump when a change to this stage changes what it writes (3: generated_finished)
-# (2: non-thinking prompts; the model's generation_config no longer shapes the hf draw)
+CODE_VERSION = "augment-4"  # bump when a change to this stage changes what it writes (4: generation.model is
+# the model's fingerprint, not its path; 3: generated_finished; 2: non-thinking prompts; the model's
+# generation_config no longer shapes the hf draw)
 SHORTFALL_FILE = "shortfall.parquet"
 
 GENERATION_TYPE = pa.struct([
     pa.field("backend", pa.string()),
-    pa.field("model", pa.string()),  # as configured; null for borrow
+    # the model's fingerprint, as in the version's inputs (sha256:<its files> or hub:<name>@<commit>), so a
+    # moved model writes the same bytes (its path is in the manifest's config); null for borrow
+    pa.field("model", pa.string()),
     pa.field("temperature", pa.float64()),  # null for borrow, as are top_p and max_new_tokens
     pa.field("top_p", pa.float64()),
     pa.field("max_new_tokens", pa.int32()),
@@ -222,16 +225,17 @@ def fill_groups(
     return filled
 
 
-def augment_rows(rankings: pa.Table, config: AugmentConfig, generator: Generator,
+def augment_rows(rankings: pa.Table, config: AugmentConfig, generator: Generator, model: str | None,
                  on_progress: Callable[[int, int], None] | None = None) -> pa.Table:
-    """``rankings`` (canonical) with ``generated`` and ``generation`` added (AUGMENTED_SCHEMA)."""
+    """``rankings`` (canonical) with ``generated`` and ``generation`` added (AUGMENTED_SCHEMA);
+    ``model`` is the generator's fingerprint (`plan_augment`'s inputs), None for borrow."""
     groups, keys = groups_of(rankings, config.backend)
     filled = fill_groups(groups, generator, config.n_generated, config.seed, config.max_attempts, on_progress)
     sampled = config.backend != "borrow"
     generation = [
         {
             "backend": config.backend,
-            "model": config.model,
+            "model": model,
             "temperature": config.temperature if sampled else None,
             "top_p": config.top_p if sampled else None,
             "max_new_tokens": config.max_new_tokens if sampled else None,
@@ -292,7 +296,8 @@ def run_augment(
         try:
             for s, rows in enumerate(shards):
                 if s in todo:
-                    writer.write_shard(s, augment_rows(table.take(rows), config, generator, bar.advance))
+                    writer.write_shard(s, augment_rows(table.take(rows), config, generator, plan.inputs.get("model"),
+                                                       bar.advance))
                 shard = pq.read_table(writer.path / shard_name(s), columns=["prompt_id", "generated", "generation"])
                 shortfalls.append(shortfall_of(shard, config.n_generated))
                 if config.on_shortfall == "fail" and shortfalls[-1].num_rows:

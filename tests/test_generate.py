@@ -81,11 +81,16 @@ def test_a_tiny_top_p_is_greedy_decoding(tiny_model_dir, tiny_tokenizer):
     generator = HFGenerator(str(tiny_model_dir), max_new_tokens=12, top_p=1e-6, temperature=2.0, batch_size=8)
     sampled = generator.sample(requests(n=2))
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    ended = []
     for request, row in zip(requests(), sampled, strict=True):
         ids = torch.tensor([encode_prompt(tiny_tokenizer, request.prompt)])
         greedy = model.generate(ids, do_sample=False, max_new_tokens=12)[0, ids.shape[1]:].tolist()
         end = greedy.index(tiny_tokenizer.eos_token_id) if tiny_tokenizer.eos_token_id in greedy else len(greedy)
         assert [s.text for s in row] == [tiny_tokenizer.decode(greedy[:end], skip_special_tokens=True)] * 2
+        finished = end < len(greedy)  # EOS produced: counted among the tokens; else cut at max_new_tokens
+        assert [(s.finished, s.tokens) for s in row] == [(finished, end + 1 if finished else 12)] * 2
+        ended.append(finished)
+    assert any(ended) and not all(ended)  # both kinds, so both are checked
 
 
 def test_normalised_duplicates_are_one_text():
@@ -281,6 +286,48 @@ def test_a_failing_stage_ends_a_busy_worker_at_once_and_keeps_its_log(tmp_path, 
     generator.close(failed=True)  # a clean close would wait for that answer (600 s)
     assert generator._process.returncode == -signal.SIGTERM and _gone(_engine_pid(generator))
     assert (generator.exchange / "worker.log").is_file()
+
+
+# A stand-in worker that answers each request in one of the ways a broken worker could.
+ANSWERING_WORKER = """
+import json, sys
+from moplex_core.generate import vllm_worker
+MODE = {mode!r}
+print(json.dumps({{"ready": True}}), flush=True)
+for line in sys.stdin:
+    command = json.loads(line)
+    rows = []
+    for r in vllm_worker.read_requests(command["requests"]):
+        n = r["n"] + 2 if MODE == "too_many" else r["n"]
+        reasons = {{"length": ["length", "stop"], "abort": ["abort", "stop"]}}.get(MODE, ["stop", "stop"])
+        rows.append({{"key": r["key"], "texts": [f"{{r['key']}}-{{j}}" for j in range(n)], "token_counts": [8] * n,
+                      "finish_reasons": (reasons * n)[:n]}})
+    vllm_worker.write_responses(command["responses"], rows)
+    answer = {{"int": 123, "string": "responses", "wrong_path": {{"responses": "elsewhere.parquet"}}}}
+    print(json.dumps(answer.get(MODE, {{"responses": command["responses"]}})), flush=True)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_worker_answer_that_is_not_what_was_asked_is_a_worker_error(tmp_path, tiny_model_dir):
+    def worker(mode: str) -> VLLMGenerator:
+        path = tmp_path / f"{mode}_worker.py"
+        path.write_text(ANSWERING_WORKER.format(mode=mode))
+        return _vllm(tiny_model_dir, worker=path)
+
+    cut = worker("length")  # max_tokens cut the first sample of each request: not finished
+    assert [[(s.text, s.tokens, s.finished) for s in row] for row in cut.sample(requests(n=2))] == [
+        [(f"p{i}-0", 8, False), (f"p{i}-1", 8, True)] for i in range(len(PROMPTS))]
+    cut.close()
+    for mode, error in [("too_many", "2 samples asked for, texts / token counts / finish reasons of lengths "
+                                     "\\[4, 4, 4\\]"),
+                        ("abort", "finish reasons \\['abort'\\]"),
+                        ("int", "unexpected line '123'"), ("string", "unexpected line '\"responses\"'"),
+                        ("wrong_path", "unexpected line .*elsewhere.parquet")]:
+        generator = worker(mode)
+        with pytest.raises(VLLMWorkerError, match=error):
+            generator.sample(requests(n=2))
+        generator.close()  # after the reported failure: nothing more to raise
 
 
 def _vllm_python() -> str | None:

@@ -89,6 +89,10 @@ class HFGenerator:
         eos = self._model.generation_config.eos_token_id
         if eos is None:
             eos = self._tokenizer.eos_token_id
+        if eos is None or eos == []:
+            raise ValueError(f"{model} names no end-of-sequence token (neither its generation_config's "
+                             "eos_token_id nor its tokenizer's eos_token): a sample could never end, and the cache "
+                             "could not close a response; set eos_token_id in the model's generation_config.json")
         self._eos_ids = {eos} if isinstance(eos, int) else set(eos)
         # transformers fills what a generate() call leaves unset from the model's generation_config: a
         # bare one leaves nothing of the model's (Qwen3's do_sample=True, top_k=20, ..., or a
@@ -124,7 +128,7 @@ class HFGenerator:
         return [[s for s in row if s is not None] for row in samples]
 
     def close(self, failed: bool = False) -> None:
-        del self._model
+        self.__dict__.pop("_model", None)  # closing twice is harmless
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 

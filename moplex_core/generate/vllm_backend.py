@@ -51,6 +51,30 @@ _CLOSE_S = 120.0  # how long a clean close waits for the worker to finish and ex
 _TERM_S = 10.0  # how long an aborting close waits after SIGTERM before SIGKILL
 
 
+FINISH_REASONS = ("stop", "length")  # vLLM's for a completion that ended: EOS or a stop string, or max_tokens
+
+
+def _misanswered(requests: Sequence[SampleRequest], rows: list[dict[str, Any]]) -> str | None:
+    """What is wrong with a worker's response rows for ``requests`` (one row per key, n samples each,
+    with a token count and a finish reason of FINISH_REASONS each), or None."""
+    wanted = {r.key: r.n for r in requests}
+    keys = [row["key"] for row in rows]
+    if sorted(keys) != sorted(wanted):
+        extra, missing = sorted(set(keys) - set(wanted)), sorted(set(wanted) - set(keys))
+        twice = sorted({k for k in keys if keys.count(k) > 1})
+        return f"keys not asked for {extra[:5]}, missing {missing[:5]}, repeated {twice[:5]}"
+    for row in rows:
+        n = wanted[row["key"]]
+        lengths = {len(row[c]) for c in ("texts", "token_counts", "finish_reasons")}
+        if lengths != {n}:
+            return f"{row['key']!r}: {n} samples asked for, texts / token counts / finish reasons of lengths " + \
+                f"{[len(row[c]) for c in ('texts', 'token_counts', 'finish_reasons')]}"
+        unknown = sorted(set(row["finish_reasons"]) - set(FINISH_REASONS))
+        if unknown:
+            return f"{row['key']!r}: finish reasons {unknown} (a completion that did not end: {FINISH_REASONS} expected)"
+    return None
+
+
 def request_rows(
     tokenizer: PreTrainedTokenizerBase,
     requests: Sequence[SampleRequest],
@@ -137,19 +161,20 @@ class VLLMGenerator:
         vllm_worker.write_requests(requests_path, request_rows(self._tokenizer, requests, self.use_chat_template,
                                                              self.max_prompt_tokens))
         self._send({"requests": str(requests_path), "responses": str(responses_path)})
-        self._expect("responses")
-        rows = {row["key"]: row for row in vllm_worker.read_responses(responses_path)}
-        missing = [r.key for r in requests if r.key not in rows]
-        if missing:
-            raise VLLMWorkerError(f"the vLLM worker answered no samples for {missing[:5]} in {responses_path}")
+        self._expect("responses", str(responses_path))
+        rows = vllm_worker.read_responses(responses_path)
+        wrong = _misanswered(requests, rows)
+        if wrong:
+            raise self._died(self._stop(signal.SIGKILL, 0), f"after answering {responses_path} wrongly: {wrong}")
         requests_path.unlink()
         responses_path.unlink()
+        by_key = {row["key"]: row for row in rows}
         return [
             # "length": max_tokens cut it (a vLLM that checks the cap before EOS also says so of an EOS
             # drawn as the last allowed token, which the cache then scores without it: rare)
-            [Sample(text, count, finished=reason != "length")
-             for text, count, reason in zip(rows[r.key]["texts"], rows[r.key]["token_counts"],
-                                            rows[r.key]["finish_reasons"], strict=True)]
+            [Sample(text, count, finished=reason == "stop")
+             for text, count, reason in zip(by_key[r.key]["texts"], by_key[r.key]["token_counts"],
+                                            by_key[r.key]["finish_reasons"], strict=True)]
             for r in requests
         ]
 
@@ -165,7 +190,11 @@ class VLLMGenerator:
         if not aborting:
             with contextlib.suppress(BrokenPipeError):
                 self._stdin().close()
-        status = self._stop(signal.SIGTERM, _TERM_S) if aborting else self._stop(None, _CLOSE_S)
+        try:
+            status = self._stop(signal.SIGTERM, _TERM_S) if aborting else self._stop(None, _CLOSE_S)
+        except BaseException:  # Ctrl-C while waiting: what the worker started must not outlive it
+            self._signal_group(signal.SIGKILL)
+            raise
         error = None if aborting or status == 0 else self._died(status, "while shutting down")
         self._log.close()
         for pipe in (self._process.stdin, self._process.stdout):
@@ -186,17 +215,19 @@ class VLLMGenerator:
         except BrokenPipeError:
             raise self._died(self._stop(None, _TERM_S), "before it read a request") from None
 
-    def _expect(self, field: str) -> dict[str, Any]:
+    def _expect(self, field: str, value: Any = None) -> dict[str, Any]:
+        """The worker's next line: a JSON object with ``field`` (equal to ``value`` when given)."""
         line = self._read_line()
         if line is None:
             raise self._died(self._stop(None, _TERM_S), f"before it sent {field!r}")
         try:
             message = json.loads(line)
         except json.JSONDecodeError:
-            message = {}
-        if field not in message:
+            message = None
+        if not isinstance(message, dict) or field not in message or (value is not None and message[field] != value):
             text = line.decode(errors="replace").strip()[:200]
-            raise self._died(self._stop(signal.SIGKILL, 0), f"after an unexpected line {text!r} (wanted {field!r})")
+            wanted = field if value is None else f"{field} = {value}"
+            raise self._died(self._stop(signal.SIGKILL, 0), f"after an unexpected line {text!r} (wanted {wanted!r})")
         return message
 
     def _read_line(self) -> bytes | None:

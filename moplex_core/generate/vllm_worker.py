@@ -26,7 +26,7 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -133,7 +133,7 @@ def serve(settings: dict[str, Any], commands: Any, protocol: Any) -> None:
         _say(protocol, {"responses": command["responses"]})
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None) -> NoReturn:
     parser = argparse.ArgumentParser(description="moplex vLLM generation worker (see the module docstring)")
     parser.add_argument("--settings", required=True)
     args = parser.parse_args(argv)
@@ -143,7 +143,11 @@ def main(argv: list[str] | None = None) -> int:
     os.dup2(2, 1)
     sys.stdout = sys.stderr
     serve(read_settings(args.settings), sys.stdin, protocol)
-    return 0
+    # Every shard is answered. vLLM's own teardown at interpreter exit can hang or fail, which would
+    # fail a finished stage; the stage ends this process group (engine processes included) on close.
+    protocol.close()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _say(protocol: Any, message: dict[str, Any]) -> None:
