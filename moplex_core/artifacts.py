@@ -80,6 +80,8 @@ _STORAGE_PROBLEMS = {
     errno.EROFS: "the file system is read-only",
     errno.EACCES: "permission is denied",
     errno.EPERM: "the operation is not permitted",
+    errno.ENOTDIR: "a part of the path is a file, not a folder",
+    errno.ENOENT: "a part of the path cannot be created there",
 }
 
 
@@ -367,7 +369,10 @@ class ArtifactStore:
         if len(matches) == 1:
             return matches[0]
         if not matches:
-            raise ArtifactNotFoundError(f"no artifact {ref} under {self.root} (versions of {ref.stage}: "
+            where = self.root if self.root.is_dir() else (
+                f"{self.root.resolve()}, which does not exist (run from the folder the artifacts are under, or give "
+                "--root; `make demo` writes data/artifacts)")
+            raise ArtifactNotFoundError(f"no artifact {ref} under {where} (versions of {ref.stage}: "
                                         f"{_some(candidates)})")
         raise ArtifactError(f"{ref} is ambiguous under {self.root}: it matches {_some(matches)}; give more of the "
                             "version")

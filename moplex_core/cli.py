@@ -28,16 +28,20 @@ def _experiment_identifiability(args: argparse.Namespace) -> int:
 
 
 def _experiment_approximation(args: argparse.Namespace) -> int:
-    from moplex_core.artifacts import read_manifest
+    from moplex_core.artifacts import ArtifactError, ArtifactStore, read_manifest
     from moplex_core.cache import load_policy_inputs
     from moplex_core.experiments.approximation import ApproximationConfig, run_approximation
 
-    model = read_manifest(args.cache)["config"]["model"]
     config = ApproximationConfig(k=args.k, seeds=tuple(range(args.seed, args.seed + args.seeds)), examples=args.examples)
     try:
-        inputs, _ = load_policy_inputs(args.cache, args.split)
-        outputs = run_approximation(model, inputs, config, Path(args.out), progress=not args.quiet)
-    except ValueError as err:
+        cache = ArtifactStore(args.root).resolve(args.cache)
+        manifest = read_manifest(cache)
+        if manifest.get("stage") != "cache":
+            raise ValueError(f"{cache} is a {manifest.get('stage')!r} artifact; give a cache artifact (cache/<version>)")
+        inputs, _ = load_policy_inputs(cache, args.split)
+        outputs = run_approximation(manifest["config"]["model"], inputs, config, Path(args.out),
+                                    progress=not args.quiet)
+    except (ValueError, ArtifactError) as err:
         print(f"moplex experiment approximation: {err}", file=sys.stderr)
         return 1
     print(outputs.markdown)
@@ -80,8 +84,15 @@ def _experiment_compare(args: argparse.Namespace) -> int:
 
 
 def _prefect_unreachable(command: str, err: RuntimeError) -> int:
-    """A flow run that could not start because Prefect's temporary server did not come up (failures
-    inside a run come back as its state); any other RuntimeError is raised as it is."""
+    """A flow run that could not start because Prefect's server did not answer: the temporary one did
+    not come up, or the one PREFECT_API_URL names is not running (failures inside a run come back as
+    its state); any other RuntimeError is raised as it is."""
+    if "Failed to reach API" in str(err):
+        url = os.environ.get("PREFECT_API_URL") or "the address in your Prefect profile"
+        print(f"{command}: the run could not start: no Prefect server answers at {url} (PREFECT_API_URL). Start "
+              "it (`prefect server start`), or run on a temporary local server: `prefect config unset "
+              "PREFECT_API_URL` (or unset the environment variable).", file=sys.stderr)
+        return 1
     if "ephemeral Prefect API server" not in str(err):
         raise err
     timeout = os.environ.get("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS")
@@ -257,7 +268,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="relative error of first-order score estimates by embedding distance (paper Table 1), "
         "delta and logpi modes",
     )
-    approx.add_argument("--cache", required=True, help="a cache artifact folder (its model is pi_ref)")
+    approx.add_argument("--cache", required=True,
+                        help="a cache artifact: its folder, or cache/<version prefix> under --root (its model is pi_ref)")
+    approx.add_argument("--root", default="data/artifacts", help="artifact root (default: %(default)s)")
     approx.add_argument("--out", default="data/artifacts/experiments/approximation",
                         help="folder for errors.parquet, table.parquet and table.md (default: %(default)s)")
     approx.add_argument("--split", default="train", help="cache split to measure on")

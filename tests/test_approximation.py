@@ -72,9 +72,24 @@ def test_the_command_measures_both_modes_for_every_non_anchor_response(caches, t
     assert main(argv) == 0 and pd.read_parquet(out / "errors.parquet").equals(errors)  # seeded: the same again
 
 
-def test_a_cache_without_contractions_is_refused_by_name(caches, tmp_path, capsys):
-    _, forward_only = caches
-    assert main(["experiment", "approximation", "--cache", str(forward_only), "--out", str(tmp_path / "x"),
-                 "--seeds", "1", "--examples", "2", "--quiet"]) == 1
-    assert "this cache has none (cache.contractions = false)" in capsys.readouterr().err
-    assert not (tmp_path / "x").exists()
+def test_what_is_not_a_usable_cache_is_refused_by_name(caches, tmp_path, capsys):
+    cache, forward_only = caches
+    root = cache.parent.parent
+
+    def refused(target: str, *extra: str) -> str:
+        assert main(["experiment", "approximation", "--cache", target, "--out", str(tmp_path / "x"), "--seeds", "1",
+                     "--examples", "2", "--quiet", *extra]) == 1
+        assert not (tmp_path / "x").exists()
+        return capsys.readouterr().err
+
+    assert "this cache has none (cache.contractions = false)" in refused(str(forward_only))
+    assert "is a 'ingest' artifact; give a cache artifact" in refused(str(next((root / "ingest").iterdir())))
+    assert "no artifact cache/ffffffff" in refused("cache/ffffffff", "--root", str(root))
+    assert "Traceback" not in refused(str(tmp_path / "nowhere"))
+
+
+def test_a_cache_is_found_by_a_version_prefix_under_the_root(caches, tmp_path):
+    cache, _ = caches
+    argv = ["experiment", "approximation", "--cache", f"cache/{cache.name[:6]}", "--root", str(cache.parent.parent),
+            "--out", str(tmp_path / "out"), "--k", "2", "--seeds", "1", "--examples", "2", "--quiet"]
+    assert main(argv) == 0 and (tmp_path / "out" / "errors.parquet").is_file()

@@ -144,6 +144,15 @@ def test_a_read_only_root_is_a_clear_error(tmp_path, capsys):
     assert list(root.iterdir()) == []
 
 
+def test_a_root_under_a_file_is_a_clear_error_and_a_missing_root_is_named(tmp_path, capsys):
+    (tmp_path / "afile").write_text("")
+    assert main([*INGEST, "--root", str(tmp_path / "afile" / "root")]) == 1  # real: ENOTDIR, not injected
+    err = capsys.readouterr().err
+    assert f"cannot write {tmp_path / 'afile' / 'root'}" in err and "a part of the path is a file, not a folder" in err
+    assert main(["inspect", "ingest/abcd", "--root", str(tmp_path / "nowhere")]) == 1
+    assert f"under {tmp_path / 'nowhere'}, which does not exist" in capsys.readouterr().err
+
+
 def test_a_read_only_file_system_is_a_clear_error_and_a_finished_version_still_reads(tmp_path, capsys, monkeypatch):
     """Injected: every mkdir under the root raises EROFS (as root, chmod cannot make a directory
     read-only, and no read-only mount is available here)."""

@@ -218,3 +218,22 @@ def test_rankings_that_cannot_make_a_run_are_refused_with_what_to_change(tmp_pat
     check_rankings_fit(rankings, k=3, splits=("validation", "test"), labelled=True)
     with pytest.raises(ValueError, match=r"the rankings artifact at .* carry 3 label\(s\) \(c0, c1, c2\) and train.k = 2"):
         check_rankings_fit(rankings, k=2, splits=("validation", "test"), labelled=True)
+
+
+@pytest.mark.slow  # ~16 s: Prefect tries the address for a while before it gives up
+def test_a_prefect_server_that_does_not_answer_is_one_line_saying_what_to_do(tmp_path):
+    """PREFECT_API_URL left pointing at a server that is not running (`prefect config set` is saved in
+    the profile, so a later `make demo` meets it): one line, not Prefect's chained tracebacks."""
+    import socket
+    import subprocess
+
+    with socket.socket() as probe:  # a port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect-home"), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+           "PREFECT_API_URL": f"http://127.0.0.1:{port}/api", "HF_HUB_OFFLINE": "1"}
+    run = subprocess.run([sys.executable, "-m", "moplex_core.cli", "run", "synthetic-demo", "--root",
+                          str(tmp_path / "artifacts")], capture_output=True, text=True, env=env, timeout=300)
+    assert run.returncode == 1 and "Traceback" not in run.stderr, run.stderr[-3000:]
+    assert f"no Prefect server answers at http://127.0.0.1:{port}/api (PREFECT_API_URL)" in run.stderr
+    assert "prefect config unset PREFECT_API_URL" in run.stderr
