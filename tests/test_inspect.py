@@ -85,7 +85,11 @@ def test_odd_folders_are_reported_not_crashed_on(tmp_path):
     assert "-- rows (part-*.parquet): unreadable:" in inspect_path(w.path)
 
 
-def test_other_stages_plug_in_their_own_section(tmp_path):
+def test_other_stages_plug_in_their_own_section(tmp_path, monkeypatch):
+    import moplex_core.inspect
+
+    # registered in a copy of the registry, which the test's end puts back
+    monkeypatch.setattr(moplex_core.inspect, "_STAGE_SECTIONS", dict(moplex_core.inspect._STAGE_SECTIONS))
     store = ArtifactStore(tmp_path)
     with store.writer("demo-kind", "v1", config={}) as w:
         w.write_shard(0, pa.table({"split": ["train", "test"], "score": [0.5, 0.25]}))

@@ -81,11 +81,20 @@ def test_an_in_process_run_on_a_temporary_server_sends_no_heartbeats_and_one_on_
 
 
 def test_local_run_settings_patch_prefects_server_module_for_the_run_and_stop_on_signals_until_exit():
-    import pickle
-
     from prefect.server.api import server
 
     from flows.pipeline import StopSignal
+
+    handlers = {signum: signal.getsignal(signum) for signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)}
+    try:
+        _check_local_run_settings(server, StopSignal)
+    finally:  # they stay until the process exits, which in a test worker is every later test's process
+        for signum, handler in handlers.items():
+            signal.signal(signum, handler)
+
+
+def _check_local_run_settings(server, StopSignal) -> None:
+    import pickle
 
     before = server.subprocess
     with temporary_settings(updates={PREFECT_API_URL: "http://127.0.0.1:4200/api"}), local_run_settings():
