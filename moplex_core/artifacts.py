@@ -80,17 +80,20 @@ _STORAGE_PROBLEMS = {
     errno.EROFS: "the file system is read-only",
     errno.EACCES: "permission is denied",
     errno.EPERM: "the operation is not permitted",
-    errno.ENOTDIR: "a part of the path is a file, not a folder",
-    errno.ENOENT: "a part of the path cannot be created there",
 }
+# Only where a writer creates its version folder: inside a write, these are a missing or misplaced
+# file of the stage's own, not a problem of where it writes.
+_FOLDER_PROBLEMS = {**_STORAGE_PROBLEMS, errno.ENOTDIR: "a part of the path is a file, not a folder",
+                    errno.ENOENT: "the folder cannot be created there"}
 
 
-def _storage_error(err: BaseException | None, path: Path) -> ArtifactStorageError | None:
+def _storage_error(err: BaseException | None, path: Path,
+                   problems: dict[int, str] = _STORAGE_PROBLEMS) -> ArtifactStorageError | None:
     """A user-facing error for a write that failed because of where it writes, else None (also for
     an error that is already the store's own)."""
     if not isinstance(err, OSError) or isinstance(err, ArtifactError):
         return None
-    problem = _STORAGE_PROBLEMS.get(err.errno)
+    problem = problems.get(err.errno)
     if problem is None:
         return None
     return ArtifactStorageError(
@@ -116,12 +119,12 @@ def _about(err: BaseException | None, folder: Path) -> bool:
 
 
 @contextmanager
-def _storage_errors(path: Path) -> Iterator[None]:
+def _storage_errors(path: Path, problems: dict[int, str] = _STORAGE_PROBLEMS) -> Iterator[None]:
     """Re-raise an OSError of the block as `ArtifactStorageError` when it is about where ``path`` lives."""
     try:
         yield
     except OSError as err:
-        storage = _storage_error(err, path)
+        storage = _storage_error(err, path, problems)
         if storage is None:
             raise
         raise storage from err
@@ -370,8 +373,8 @@ class ArtifactStore:
             return matches[0]
         if not matches:
             where = self.root if self.root.is_dir() else (
-                f"{self.root.resolve()}, which does not exist (run from the folder the artifacts are under, or give "
-                "--root; `make demo` writes data/artifacts)")
+                f"{self.root.resolve()}, which {'is a file' if self.root.exists() else 'does not exist'} (run from "
+                "the folder the artifacts are under, or give --root; `make demo` writes data/artifacts)")
             raise ArtifactNotFoundError(f"no artifact {ref} under {where} (versions of {ref.stage}: "
                                         f"{_some(candidates)})")
         raise ArtifactError(f"{ref} is ambiguous under {self.root}: it matches {_some(matches)}; give more of the "
@@ -429,7 +432,7 @@ class ArtifactWriter:
 
     def __enter__(self) -> ArtifactWriter:
         try:
-            with _storage_errors(self.path):
+            with _storage_errors(self.path, _FOLDER_PROBLEMS):
                 self._enter()
         except OSError:
             if self._lock.is_locked:

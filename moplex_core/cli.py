@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 from pathlib import Path
 from typing import get_args
@@ -39,13 +40,13 @@ def _experiment_approximation(args: argparse.Namespace) -> int:
         if manifest.get("stage") != "cache":
             raise ValueError(f"{cache} is a {manifest.get('stage')!r} artifact; give a cache artifact (cache/<version>)")
         inputs, _ = load_policy_inputs(cache, args.split)
-        outputs = run_approximation(manifest["config"]["model"], inputs, config, Path(args.out),
-                                    progress=not args.quiet)
+        out = Path(args.out) if args.out else Path(args.root) / "experiments" / "approximation"
+        outputs = run_approximation(manifest["config"]["model"], inputs, config, out, progress=not args.quiet)
     except (ValueError, ArtifactError) as err:
         print(f"moplex experiment approximation: {err}", file=sys.stderr)
         return 1
     print(outputs.markdown)
-    print(f"\nerrors: {Path(args.out) / 'errors.parquet'}\ntable:  {Path(args.out) / 'table.md'}")
+    print(f"\nerrors: {out / 'errors.parquet'}\ntable:  {out / 'table.md'}")
     return 0
 
 
@@ -87,11 +88,11 @@ def _prefect_unreachable(command: str, err: RuntimeError) -> int:
     """A flow run that could not start because Prefect's server did not answer: the temporary one did
     not come up, or the one PREFECT_API_URL names is not running (failures inside a run come back as
     its state); any other RuntimeError is raised as it is."""
-    if "Failed to reach API" in str(err):
-        url = os.environ.get("PREFECT_API_URL") or "the address in your Prefect profile"
-        print(f"{command}: the run could not start: no Prefect server answers at {url} (PREFECT_API_URL). Start "
-              "it (`prefect server start`), or run on a temporary local server: `prefect config unset "
-              "PREFECT_API_URL` (or unset the environment variable).", file=sys.stderr)
+    reached = re.search(r"Failed to reach API at (\S+?)/?$", str(err), flags=re.MULTILINE)
+    if reached:
+        print(f"{command}: the run could not start: no Prefect server answers at {reached.group(1)} "
+              "(PREFECT_API_URL). Start it (`prefect server start`), or run on a temporary local server: "
+              "`prefect config unset PREFECT_API_URL` (or unset the environment variable).", file=sys.stderr)
         return 1
     if "ephemeral Prefect API server" not in str(err):
         raise err
@@ -271,8 +272,8 @@ def build_parser() -> argparse.ArgumentParser:
     approx.add_argument("--cache", required=True,
                         help="a cache artifact: its folder, or cache/<version prefix> under --root (its model is pi_ref)")
     approx.add_argument("--root", default="data/artifacts", help="artifact root (default: %(default)s)")
-    approx.add_argument("--out", default="data/artifacts/experiments/approximation",
-                        help="folder for errors.parquet, table.parquet and table.md (default: %(default)s)")
+    approx.add_argument("--out", help="folder for errors.parquet, table.parquet and table.md (default: "
+                                      "ROOT/experiments/approximation)")
     approx.add_argument("--split", default="train", help="cache split to measure on")
     approx.add_argument("--k", type=int, default=3, help="adapters trained briefly before measuring")
     approx.add_argument("--seed", type=int, default=0, help="first seed")

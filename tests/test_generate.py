@@ -93,6 +93,21 @@ def test_a_tiny_top_p_is_greedy_decoding(tiny_model_dir, tiny_tokenizer):
     assert any(ended) and not all(ended)  # both kinds, so both are checked
 
 
+def test_a_model_that_names_no_end_of_sequence_token_is_refused(tiny_model_dir, tmp_path):
+    model = tmp_path / "no-eos"
+    shutil.copytree(tiny_model_dir, model)
+    for name, key in (("generation_config.json", "eos_token_id"), ("tokenizer_config.json", "eos_token"),
+                      ("config.json", "eos_token_id")):
+        settings = json.loads((model / name).read_text())
+        settings[key] = None
+        (model / name).write_text(json.dumps(settings))
+    with pytest.raises(ValueError, match="names no end-of-sequence token"):
+        HFGenerator(str(model), max_new_tokens=4)
+    generator = HFGenerator(str(tiny_model_dir), max_new_tokens=4)
+    generator.close()
+    generator.close()  # closing twice is harmless
+
+
 def test_normalised_duplicates_are_one_text():
     assert normalise("  Hello\n\tWORLD ") == normalise("hello world") == "hello world"
     assert normalise("hello world!") != normalise("hello world")
@@ -328,6 +343,63 @@ def test_a_worker_answer_that_is_not_what_was_asked_is_a_worker_error(tmp_path, 
         with pytest.raises(VLLMWorkerError, match=error):
             generator.sample(requests(n=2))
         generator.close()  # after the reported failure: nothing more to raise
+
+
+# A stand-in `vllm` package for the real worker (moplex_core/generate/vllm_worker.py): LLM and
+# SamplingParams as the worker calls them, and, like vLLM at times, an exit hook that hangs.
+FAKE_VLLM = """
+import atexit, os, time
+
+
+class SamplingParams:
+    def __init__(self, **kwargs):
+        self.kwargs = kwargs
+
+
+class _Completion:
+    def __init__(self, text, token_ids, finish_reason):
+        self.text, self.token_ids, self.finish_reason = text, token_ids, finish_reason
+
+
+class _Output:
+    def __init__(self, outputs):
+        self.outputs = outputs
+
+
+class LLM:
+    def __init__(self, **kwargs):
+        atexit.register(time.sleep, 600)
+
+    def generate(self, prompts, params, use_tqdm=False):
+        if os.environ.get("FAKE_VLLM_FAILS"):
+            raise RuntimeError("CUDA error: device-side assert triggered")
+        return [_Output([_Completion(f"{len(prompt['prompt_token_ids'])}-{p.kwargs['seed']}-{j}", [5] * (j + 1),
+                                     "length" if j else "stop") for j in range(p.kwargs["n"])])
+                for prompt, p in zip(prompts, params)]
+"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("fails", [False, True])
+def test_the_real_worker_exits_at_once_after_its_last_answer_or_an_error(tmp_path, tiny_model_dir, monkeypatch, fails):
+    """The worker script itself, over a stand-in vllm whose exit hook would hang for 10 minutes: a
+    clean close and a failing generate both end in moments, with the status and log they should."""
+    (tmp_path / "vllm").mkdir()
+    (tmp_path / "vllm" / "__init__.py").write_text(FAKE_VLLM)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    if fails:
+        monkeypatch.setenv("FAKE_VLLM_FAILS", "1")
+    generator = _vllm(tiny_model_dir)
+    if fails:
+        with pytest.raises(VLLMWorkerError, match=r"exited with status 1 before it sent 'responses'(.|\n)*device-side"):
+            generator.sample(requests(n=2))
+        assert generator._process.returncode == 1
+    else:
+        samples = generator.sample(requests(n=2))
+        assert [[(s.tokens, s.finished) for s in row] for row in samples] == [[(1, True), (2, False)]] * len(PROMPTS)
+        assert len({s.text for row in samples for s in row}) == 2 * len(PROMPTS)  # per request seeds
+        generator.close()
+        assert generator._process.returncode == 0  # within the timeout: not after the exit hook's 600 s
 
 
 def _vllm_python() -> str | None:

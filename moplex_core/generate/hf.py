@@ -87,9 +87,9 @@ class HFGenerator:
         self._model = load_model(model, dtype=resolve_dtype(dtype, self.device), device=self.device)
         self._tokenizer = load_tokenizer(model)
         eos = self._model.generation_config.eos_token_id
-        if eos is None:
-            eos = self._tokenizer.eos_token_id
         if eos is None or eos == []:
+            eos = self._tokenizer.eos_token_id
+        if eos is None:
             raise ValueError(f"{model} names no end-of-sequence token (neither its generation_config's "
                              "eos_token_id nor its tokenizer's eos_token): a sample could never end, and the cache "
                              "could not close a response; set eos_token_id in the model's generation_config.json")

@@ -152,6 +152,10 @@ class VLLMGenerator:
     def sample(self, requests: Sequence[SampleRequest]) -> list[list[Sample]]:
         if not requests:
             return []
+        keys = [r.key for r in requests]
+        if len(set(keys)) != len(keys) or min(r.n for r in requests) < 1:
+            raise ValueError(f"requests need distinct keys and n >= 1 each (keys {keys[:5]}, n "
+                             f"{[r.n for r in requests][:5]}); the worker answers one row per key")
         if not self._ready:
             self._expect("ready")  # the first call waits for the model to load
             self._ready = True
@@ -194,6 +198,8 @@ class VLLMGenerator:
             status = self._stop(signal.SIGTERM, _TERM_S) if aborting else self._stop(None, _CLOSE_S)
         except BaseException:  # Ctrl-C while waiting: what the worker started must not outlive it
             self._signal_group(signal.SIGKILL)
+            self._process.wait()
+            self._log.close()
             raise
         error = None if aborting or status == 0 else self._died(status, "while shutting down")
         self._log.close()

@@ -25,6 +25,7 @@ import argparse
 import json
 import os
 import sys
+import traceback
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -142,12 +143,18 @@ def main(argv: list[str] | None = None) -> NoReturn:
     protocol = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)
     sys.stdout = sys.stderr
-    serve(read_settings(args.settings), sys.stdin, protocol)
-    # Every shard is answered. vLLM's own teardown at interpreter exit can hang or fail, which would
-    # fail a finished stage; the stage ends this process group (engine processes included) on close.
+    # Exit without the interpreter's teardown, where vLLM's own can hang or fail: after the last answer
+    # it would fail a finished stage, after an error it would keep the stage waiting for an exit. The
+    # stage ends this process group (engine processes included) when it closes.
+    status = 0
+    try:
+        serve(read_settings(args.settings), sys.stdin, protocol)
+    except BaseException:  # noqa: BLE001 - reported in the log the stage shows, then the exit status says it
+        traceback.print_exc()
+        status = 1
     protocol.close()
     sys.stderr.flush()
-    os._exit(0)
+    os._exit(status)
 
 
 def _say(protocol: Any, message: dict[str, Any]) -> None:
