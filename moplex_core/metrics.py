@@ -88,8 +88,8 @@ def pairwise_ranking_accuracy(scores: torch.Tensor, tiers: torch.Tensor,
     ranked = (tiers != PAD) & (tiers != UNRANKED)  # [n, M]
     shown = ranked if ranked_prefix is None else ranked & (tiers < ranked_prefix.unsqueeze(1))  # in the top l
     pairs = (tiers.unsqueeze(2) < tiers.unsqueeze(1)) & shown.unsqueeze(2) & ranked.unsqueeze(1)  # [n, M, M]: i above j
-    diff = scores.unsqueeze(2) - scores.unsqueeze(1)
-    credit = torch.where(diff > 0, 1.0, torch.where(diff == 0, 0.5, 0.0)).to(torch.float64)
+    above, below = scores.unsqueeze(2), scores.unsqueeze(1)  # compared, not subtracted: -inf ties -inf
+    credit = torch.where(above > below, 1.0, torch.where(above == below, 0.5, 0.0)).to(torch.float64)
     n_pairs = pairs.sum((1, 2)).to(torch.float64)
     correct = (credit * pairs).sum((1, 2))
     return torch.where(n_pairs > 0, correct / n_pairs.clamp_min(1), float("nan"))

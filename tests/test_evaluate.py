@@ -51,6 +51,19 @@ def test_one_cluster_serves_every_label_in_the_oracle_routing(noise_free):
     assert test["ranking_accuracy_oracle", "c0"] != test["ranking_accuracy_oracle", "c1"]
 
 
+def test_more_labels_than_clusters_without_label_names_still_match(noise_free):
+    # as a library call with integer labels: k = 1 against 2 labels (it raised an IndexError)
+    _, splits = noise_free
+    scorer = LinearScorer(1, 2)
+    scorer.theta = torch.tensor([[1.0, 2.0]], dtype=torch.float64)
+    test = evaluate_mixture(scorer, torch.ones(1, dtype=torch.float64), splits)
+    test = test[test.split == "test"].set_index(["metric", "cluster"]).value
+    labels = splits["test"].labels
+    assert test["clustering_accuracy", "all"] == pytest.approx(np.mean(labels == np.bincount(
+        splits["validation"].labels).argmax()))  # the one cluster is matched to validation's largest label
+    assert {"0", "1"} <= {cluster for _, cluster in test.index}  # per-label rows, named by number
+
+
 def test_without_labels_only_label_free_metrics_are_reported(noise_free):
     _, splits = noise_free
     unlabeled = {"test": EvalSplit(splits["test"].inputs, splits["test"].rankings)}

@@ -9,7 +9,7 @@ def test_study_writes_results_plot_and_table(tmp_path, capsys):
     out = tmp_path / "study"
     code = main(
         ["experiment", "identifiability", "--out", str(out), "--n", "300", "--seeds", "2",
-         "--k", "2", "--m", "2", "8", "--max-iter", "20", "--restarts", "1", "--quiet"]
+         "--k", "2", "--m", "2", "8", "--max-iter", "20", "--restarts", "1", "--n-test", "2000", "--quiet"]
     )
     assert code == 0
     results = pd.read_parquet(out / "results.parquet")
@@ -31,5 +31,9 @@ def test_the_table_shows_a_spread_only_over_several_seeds():
 
     rows = [{"k": 2, "method": "em", "m": 4, "m_prime": 4, "augment": "none", "seed": s, "accuracy": a}
             for s, a in ((0, 0.8), (1, 0.9))]
-    assert "| 0.850 ± 0.050 |" in summary_table(pd.DataFrame(rows))
+    assert "| 0.850 ± 0.071 |" in summary_table(pd.DataFrame(rows))  # the sample std, as the plot's bars
     assert "| 0.800 |" in summary_table(pd.DataFrame(rows[:1]))
+    oracle = [{**row, "method": "oracle", "accuracy": a} for row, a in zip(rows, (0.85, 0.91))]
+    lines = summary_table(pd.DataFrame(rows + oracle)).splitlines()
+    # paired by seed: -0.05 and -0.01, mean -0.03, standard error 0.02
+    assert lines[-1] == "| 2 | em − oracle (± s.e.) | -0.030 ± 0.020 |"

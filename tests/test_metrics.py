@@ -66,6 +66,9 @@ def test_pairwise_accuracy_excludes_ground_truth_ties_unranked_and_padding():
     assert pairwise_ranking_accuracy(torch.tensor([[1.0, 1.0, 0.0, 0, 0]]), tiers).tolist() == [0.75]
     all_tied = torch.tensor([[0, 0, PAD, PAD, PAD]])
     assert np.isnan(pairwise_ranking_accuracy(scores, all_tied).item())
+    # so does a tie at -inf (a response no adapter can produce), which a difference would make NaN
+    inf = float("-inf")
+    assert pairwise_ranking_accuracy(torch.tensor([[inf, inf, 0.0, 0, 0]]), tiers).tolist() == [0.25]
 
 
 def test_nmi_of_a_merged_cluster_matches_the_hand_computed_value():
