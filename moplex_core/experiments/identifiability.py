@@ -190,10 +190,12 @@ def summary_table(results: pd.DataFrame) -> str:
     are mean ± sample std over seeds. Where both methods ran, a row per k of EM minus the oracle,
     paired by seed (the same data), mean ± its standard error."""
     def cell(values: pd.Series, error: bool = False) -> str:
+        if not len(values):
+            return ""
+        text = f"{values.mean():+.3f}" if error else f"{values.mean():.3f}"
         if len(values) < 2:  # one seed has no spread to show
-            return f"{values.mean():+.3f}" if error and len(values) else f"{values.mean():.3f}" if len(values) else ""
-        spread = values.std() / np.sqrt(len(values)) if error else values.std()
-        return f"{values.mean():+.3f} ± {spread:.3f}" if error else f"{values.mean():.3f} ± {spread:.3f}"
+            return text
+        return f"{text} ± {values.std() / np.sqrt(len(values)) if error else values.std():.3f}"
 
     plain = results[results.augment == "none"]
     ms = sorted(plain.m.unique())
@@ -251,8 +253,7 @@ def plot_study(results: pd.DataFrame, path: Path) -> None:
                     continue
                 x = j + (i - len(colors) / 2 + 0.5) * width + (0.0 if method == "em" else width / 2)
                 ax_aug.bar(x, acc.mean(), width / 2, yerr=acc.std() if len(acc) > 1 else 0.0, color=colors[k],
-                           hatch=hatch,
-                           edgecolor="black", linewidth=0.4, label=f"k={k} {method}" if j == 0 else None)
+                           hatch=hatch, edgecolor="black", linewidth=0.4, label=f"k={k} {method}" if j == 0 else None)
     ax_aug.set_xticks(range(len(groups)), [g[1] for g in groups], fontsize=8)
     ax_aug.set_title("m = 2 pairs, augmented to m' = 2 + k")
     ax_aug.set_ylim(0, 1)
