@@ -255,7 +255,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="folder for results.parquet, table.md and accuracy_vs_m.png (default: %(default)s)")
     ident.add_argument("--seed", type=int, default=0, help="first seed")
     ident.add_argument("--seeds", type=int, default=3, help="number of seeds")
-    ident.add_argument("--n", type=int, default=2000, help="training rankings per run (default: %(default)s)")
+    ident.add_argument("--n", type=_positive_int, default=2000, help="training rankings per run (default: %(default)s)")
     ident.add_argument("--n-test", type=_positive_int, default=20000,
                        help="test rankings per run, scored by EM and the oracle alike (default: %(default)s)")
     ident.add_argument("--k", type=int, nargs="+", default=[2, 3, 4], help="numbers of clusters (default: 2 3 4)")

@@ -177,7 +177,8 @@ def run_study(config: StudyConfig, out_dir: Path, progress: bool = True) -> Stud
     table = summary_table(results)
     markdown = out_dir / "table.md"
     markdown.write_text(
-        "# Identifiability study: held-out clustering accuracy (mean ± std over seeds)\n\n"
+        "# Identifiability study: held-out clustering accuracy (mean ± sample std over seeds; the em − oracle "
+        "rows: paired by seed, mean ± standard error)\n\n"
         f"Config: `{asdict(config)}`\n\n" + table + "\n"
     )
     plot = out_dir / "accuracy_vs_m.png"
