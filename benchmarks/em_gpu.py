@@ -4,6 +4,7 @@
                                               [--m-primes 26,32] [--resume EARLIER/em_gpu.json]
     PYTHONPATH=. python3 benchmarks/em_gpu.py --cpu --out DIR       # a small model on the CPU
     PYTHONPATH=. python3 benchmarks/em_gpu.py --tiny --out DIR      # the CPU path the tests run
+    PYTHONPATH=. python3 benchmarks/em_gpu.py --smoke --out DIR     # the tiny sizes on the GPU in bf16 (seconds)
 
 The model is Qwen3-0.6B-shaped with seeded random weights (moplex_core.lm.tiny.build_qwen3_0_6b_shape:
 28 layers, hidden 1024, 16 / 8 heads of 128, vocabulary 151,936) in bf16 with SDPA attention,
@@ -67,6 +68,9 @@ a = 2, B = 6 (about 90 s on 2 cores).
 ``--tiny`` runs the same code on the CPU in float32 on the tests' kind of tiny Qwen3 (2 layers,
 hidden 64; random weights): k = 3, rows of 12 + 16 tokens, m' in {4, 6}, a = 2, B = 6, a 256^3
 matmul, one thread, no CUDA call (peak memory "-"). tests/test_em_gpu_benchmark.py runs it.
+``--smoke`` runs those sizes on the GPU in bf16: every section's CUDA path (synchronisation, memory
+statistics, the CUDA profiler, the PEFT bf16 row) in seconds, so a GPU session learns of a problem
+before the real run builds and loads the 0.6B-shaped model.
 
 Only moplex_core modules that import neither pydantic nor prefect are used (the GPU machine has
 neither): moplex_core.scorers.lora_policy (with estimate, em and pl) and moplex_core.lm.
@@ -84,7 +88,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Literal
@@ -167,6 +171,8 @@ TINY = Sizes(model="tiny", description="tiny Qwen3 (2 layers, hidden 64), random
              dtype=torch.float32, threads=1, k=3, prompt_tokens=12, response_tokens=16, originals=4,
              m_primes=(4, 6), anchors=(2,), score_batch_size=16, batch_rows=(6,), warmups=1, repeats=3,
              matmul_n=256)
+SMOKE = replace(TINY, description="tiny Qwen3 (2 layers, hidden 64), random weights, bf16 (smoke test)", device="cuda",
+                dtype=torch.bfloat16, threads=None)
 
 
 # -- device helpers --------------------------------------------------------------------------
@@ -841,13 +847,16 @@ def main() -> None:
                              "configurations are kept and not run again")
     profile = parser.add_mutually_exclusive_group()
     profile.add_argument("--tiny", action="store_true", help="the tiny model on the CPU (the tests' path)")
+    profile.add_argument("--smoke", action="store_true",
+                         help="the tiny model on the GPU in bf16: every section's CUDA path in seconds, before "
+                              "the real run spends minutes building and loading the 0.6B model")
     profile.add_argument("--cpu", action="store_true",
                          help="a small model on the CPU (4 layers, hidden 256, 256 + 256-token rows, k = 3)")
     args = parser.parse_args()
     sections = set(args.sections.split(","))
     if not sections <= set(SECTIONS) or args.examples < 1:
         parser.error(f"--sections takes {', '.join(SECTIONS)} (got {args.sections!r}); --examples >= 1")
-    sizes = TINY if args.tiny else CPU if args.cpu else GPU
+    sizes = TINY if args.tiny else SMOKE if args.smoke else CPU if args.cpu else GPU
     try:
         m_primes = sizes.m_primes if args.m_primes is None else tuple(int(m) for m in args.m_primes.split(","))
     except ValueError:

@@ -167,3 +167,13 @@ def test_a_split_run_resumes_where_the_first_part_stopped(tmp_path: Path) -> Non
         [(m, *method) for m in TINY_M_PRIMES for method in TINY_METHODS]
     assert results["em"][:len(TINY_METHODS)] == first["em"] and results["resumed_from"] == first["date"]
     assert [row["speedup_vs_full"] for row in results["em"] if row["method"] == "full"] == [1.0] * 4
+
+
+def test_the_gpu_smoke_run_asks_for_a_gpu_here() -> None:
+    """--smoke is the tiny sizes on CUDA in bf16, for a GPU session's first seconds; without CUDA it says
+    so instead of running on the CPU."""
+    runner = BLOCK + (f"import runpy\nsys.argv = [{SCRIPT!r}, '--smoke', '--out', 'unused']\n"
+                      f"runpy.run_path({SCRIPT!r}, run_name='__main__')\n")
+    proc = subprocess.run([sys.executable, "-c", runner], cwd=ROOT, env=_env(), capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 1 and "no CUDA device" in proc.stderr, proc.stderr[-3000:]
