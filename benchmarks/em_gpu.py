@@ -79,6 +79,7 @@ neither): moplex_core.scorers.lora_policy (with estimate, em and pl) and moplex_
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import gzip
 import json
@@ -915,16 +916,16 @@ def main() -> None:
         save(section, value)
         print(f"{section} done ({time.perf_counter() - started:.0f} s)", file=sys.stderr, flush=True)
 
+    @functools.cache  # said once
+    def deadline_reached() -> None:
+        print(f"--deadline {args.deadline:g} s reached: what is left is not started; rerun with --resume "
+              f"{args.out / 'em_gpu.json'}", file=sys.stderr, flush=True)
+
     def time_left() -> bool:
         if args.deadline is None or time.perf_counter() - started < args.deadline:
             return True
-        if not stopped:
-            stopped.append(True)
-            print(f"--deadline {args.deadline:g} s reached: what is left is not started; rerun with --resume "
-                  f"{args.out / 'em_gpu.json'}", file=sys.stderr, flush=True)
+        deadline_reached()
         return False
-
-    stopped: list[bool] = []
 
     def wanted(section: str) -> bool:
         return section in sections and section not in previous and time_left()
@@ -936,12 +937,9 @@ def main() -> None:
         finished("ceilings", ceilings(sizes))
         _free(sizes)  # its 4 GiB of tensors would stay cached and count in the next section's reserved memory
     with tempfile.TemporaryDirectory() as tmp:
-        model_path: list[Path] = []
-
-        def model_dir() -> Path:  # built on first use: a resumed run with nothing left builds nothing
-            if not model_path:
-                model_path.append(build_model(sizes, Path(tmp) / "model"))
-            return model_path[0]
+        @functools.cache  # built on first use: a resumed run with nothing left builds nothing
+        def model_dir() -> Path:
+            return build_model(sizes, Path(tmp) / "model")
 
         if wanted("check"):
             finished("check", lora_agreement(model_dir(), sizes, _batches(model_dir(), sizes)[min(sizes.batch_rows)]))
