@@ -42,25 +42,20 @@ def to_rankings(records: Iterable[Record], options: PrismOptions, *, source: str
     conversations: list[Record] = []
     set_aside: dict[str, str] = {}  # user_id -> where a survey record of theirs was set aside (validation=drop)
     for record in records:
-        before = len(rejects.rows)
         with rejects.reading(record):
             stats["records"] += 1
             if "conversation_history" in record.data:
                 record.require(CONVERSATION_FIELDS, NAME)
                 conversations.append(record)
             elif SURVEY_MARK in record.data:
-                record.require(("user_id",), NAME)
-                user, label = _id(record, "user_id"), profile_label(record, options)
-                if user in profiles and profiles[user][0] != label:
-                    raise RawSchemaError(f"{record.where}: user_id {user!r} is also the participant of "
-                                         f"{profiles[user][1]}, with another profile; a participant has one survey "
-                                         "record")
-                stats["skipped_duplicate_record" if user in profiles else "participants"] += 1
-                profiles[user] = (label, record.where)
+                try:
+                    _survey(record, options, profiles, stats)
+                except RawSchemaError:  # its participant's profile is unknown or in doubt
+                    if record.data.get("user_id") is not None:
+                        set_aside.setdefault(str(record.data["user_id"]), record.where)
+                    raise
             else:
                 stats["skipped_other_records"] += 1  # utterances, metadata
-        if len(rejects.rows) > before and SURVEY_MARK in record.data and record.data.get("user_id") is not None:
-            set_aside.setdefault(str(record.data["user_id"]), record.where)
     if conversations and not profiles:
         raise RawSchemaError(
             f"{conversations[0].where}: PRISM conversations were found but no survey records (with "
@@ -106,6 +101,18 @@ def to_rankings(records: Iterable[Record], options: PrismOptions, *, source: str
     stats["profiles"] = len({row["cluster"] for row in rows})
     stats["rankings"] = len(rows)
     return AdapterOutput(rows, dict(stats))
+
+
+def _survey(record: Record, options: PrismOptions, profiles: dict[str, tuple[str | None, str]],
+            stats: Counter[str]) -> None:
+    """Enter a survey record's participant and profile label in ``profiles``."""
+    record.require(("user_id",), NAME)
+    user, label = _id(record, "user_id"), profile_label(record, options)
+    if user in profiles and profiles[user][0] != label:
+        raise RawSchemaError(f"{record.where}: user_id {user!r} is also the participant of {profiles[user][1]}, "
+                             "with another profile; a participant has one survey record")
+    stats["skipped_duplicate_record" if user in profiles else "participants"] += 1
+    profiles[user] = (label, record.where)
 
 
 def profile_label(record: Record, options: PrismOptions) -> str | None:
