@@ -263,7 +263,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="ranking lengths, responses per ranking (default: 2 to 8)")
     ident.add_argument("--noise", type=float, default=1.0, help="Gumbel noise scale")
     ident.add_argument("--max-iter", type=int, default=100, help="EM iterations at most")
-    ident.add_argument("--restarts", type=int, default=2, help="EM restarts (best log-likelihood kept)")
+    ident.add_argument("--restarts", type=int, default=4,
+                       help="EM restarts, the best log-likelihood kept (default: %(default)s)")
     ident.add_argument("--quiet", action="store_true", help="no progress bar")
     ident.set_defaults(func=_experiment_identifiability)
 

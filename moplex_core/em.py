@@ -289,17 +289,33 @@ def _linearized_start(config: EMConfig, scorer: Scorer, inputs: Any, rankings: R
     return result.best.gamma
 
 
-def _warn_on_a_repeated_start(gamma: torch.Tensor, earlier: list[torch.Tensor], restart: int) -> None:
-    """Warn when a restart starts from the partition an earlier one started from (up to relabelling):
-    with a deterministic scorer it repeats that run, with the LM scorer it differs only by its seed."""
+def _repeated_start(gamma: torch.Tensor, earlier: list[torch.Tensor]) -> int | None:
+    """The earlier restart whose start has the partition ``gamma`` has (up to relabelling), or None."""
     labels = gamma.argmax(1).tolist()
     for previous, start in enumerate(earlier):
         pairs = set(zip(start.argmax(1).tolist(), labels, strict=True))
         if len(pairs) == len({a for a, _ in pairs}) == len({b for _, b in pairs}):
-            log.warning("restart %d starts from the partition restart %d started from (up to relabelling): the "
-                        "start finds one optimum however it is seeded, so restarts add little here; use "
-                        "init='dirichlet' or 'kmeans' for different starts", restart, previous)
-            return
+            return previous
+    return None
+
+
+def _different_start(gamma: torch.Tensor, earlier: list[torch.Tensor], config: EMConfig, scorer: Scorer,
+                     inputs: Any, rankings: Rankings, seed: int, restart: int, drawn: bool) -> torch.Tensor:
+    """``gamma``, unless it repeats an earlier restart's partition. A k-means start (``drawn``: not
+    the caller's warm start) then found one partition however it was seeded, and the restart would
+    repeat that run, so it starts from a seeded Dirichlet draw instead; another start is kept and
+    warned about (the LM scorer's seed still differs between restarts)."""
+    previous = _repeated_start(gamma, earlier)
+    if previous is None:
+        return gamma
+    if drawn and config.init == "kmeans":
+        log.info("restart %d: k-means found restart %d's partition again; starting from a Dirichlet draw "
+                 "instead", restart, previous)
+        return initial_responsibilities(replace(config, init="dirichlet"), scorer, inputs, rankings, seed, restart)
+    log.warning("restart %d starts from the partition restart %d started from (up to relabelling): the start "
+                "finds one optimum however it is seeded, so restarts add little here; use init='dirichlet' for "
+                "different starts", restart, previous)
+    return gamma
 
 
 def _one_hot(gamma: torch.Tensor) -> torch.Tensor:
@@ -407,10 +423,12 @@ def _run_restart(
         if gamma is None:
             gamma = warm_start.to(torch.float64) if warm_start is not None else \
                 initial_responsibilities(config, scorer, inputs, rankings, seed, restart)
+            if starts is not None:
+                gamma = _different_start(gamma, starts, config, scorer, inputs, rankings, seed, restart,
+                                         drawn=warm_start is None)
             if restart_dir is not None:
                 save_start(restart_dir, gamma, rankings.example_ids)
         if starts is not None:
-            _warn_on_a_repeated_start(gamma, starts, restart)
             starts.append(gamma)
         gamma, history, start, halvings = (_one_hot(gamma) if config.hard else gamma), [], 0, []
 

@@ -60,7 +60,8 @@ from moplex_core.scorers.lora_policy import LoRAPolicyScorer, PolicyInputs, Scor
 log = logging.getLogger(__name__)
 
 STAGE = "train"
-CODE_VERSION = "train-10"  # bump when a change to this stage changes what it writes
+CODE_VERSION = "train-11"  # bump when a change to this stage changes what it writes (11: a k-means restart
+# that repeats an earlier restart's partition starts from a Dirichlet draw instead)
 POSTERIORS = "posteriors.parquet"
 SCORES = "scores.parquet"  # of one EM iteration, under em/restart-RR/iter-NNNN/ (SCORES_SCHEMA)
 ESTIMATES = "estimation.json"  # of one EM iteration, beside it: `measure_estimates`

@@ -2,6 +2,7 @@
 
 import dataclasses
 import gc
+import logging
 import shutil
 import signal
 import subprocess
@@ -125,6 +126,18 @@ def test_only_the_best_restarts_scorer_state_is_kept_and_a_repeated_start_is_war
                             warm_start=start)
     assert [bool(s.scorer_state) for s in result.restarts] == [s is result.best for s in result.restarts]
     assert "restart 1 starts from the partition restart 0 started from" in caplog.text
+
+
+def test_a_kmeans_start_that_repeats_an_earlier_one_is_replaced_by_a_dirichlet_draw(caplog):
+    # clear clusters: k-means finds the same partition from every seed, so restart 1 would repeat restart 0
+    _, rankings, x = synthetic(k=2, m=6, n=300, seed=4)
+    caplog.set_level(logging.INFO, logger="moplex_core.em")
+    result, _ = fit_mixture(lambda: LinearScorer(2, 2), x, rankings, EMConfig(k=2, restarts=2, max_iter=2))
+    assert "restart 1: k-means found restart 0's partition again; starting from a Dirichlet draw" in caplog.text
+    kmeans = initial_responsibilities(EMConfig(k=2), LinearScorer(2, 2), x, rankings, seed=1000, restart=1)
+    dirichlet = initial_responsibilities(EMConfig(k=2, init="dirichlet"), LinearScorer(2, 2), x, rankings, seed=1000,
+                                         restart=1)
+    assert not torch.equal(kmeans, dirichlet) and result.restarts[1].history != result.restarts[0].history
 
 
 def test_gamma_min_above_one_over_k_is_refused_for_soft_em():
