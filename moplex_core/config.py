@@ -7,6 +7,7 @@ its short hash. Sections below are ordered as the pipeline: ingest, then later s
 
 from __future__ import annotations
 
+import difflib
 import json
 import os
 from collections.abc import Sequence
@@ -59,6 +60,7 @@ def with_overrides(config: C, assignments: Sequence[str]) -> C:
     every one of them.
     """
     data = config.model_dump(mode="json")
+    known = _dotted_keys(data)
     problems = []
     for assignment in assignments:
         key, sep, raw = assignment.partition("=")
@@ -81,7 +83,7 @@ def with_overrides(config: C, assignments: Sequence[str]) -> C:
     try:
         validated = type(config).model_validate(data)
     except ValidationError as err:
-        problems.append(describe_validation_error(err))
+        problems.append(describe_validation_error(err, known))
     if problems:
         given = f" (overrides {list(assignments)})" if assignments else ""
         raise ValueError(f"invalid {type(config).__name__} settings{given}:\n" + "\n".join(problems))
@@ -96,13 +98,37 @@ def _example_key(data: dict[str, Any]) -> str:
     return next(iter(data), "key")
 
 
-def describe_validation_error(err: ValidationError) -> str:
-    """One line per problem, ``dotted.key: what is wrong (got value)``, without pydantic's URLs."""
+def _dotted_keys(data: dict[str, Any], prefix: str = "") -> list[str]:
+    """Every setting of a dumped config as a dotted key (``train.em_iterations``), blocks included."""
+    keys = []
+    for name, value in data.items():
+        keys.append(prefix + name)
+        if isinstance(value, dict):
+            keys += _dotted_keys(value, f"{prefix}{name}.")
+    return keys
+
+
+def _closest_key(key: str, known: Sequence[str]) -> str | None:
+    """The setting ``key`` was probably meant as: one of that name in another block (``em_iterations``
+    for ``train.em_iterations``), else the nearest spelling."""
+    leaf = key.rsplit(".", 1)[-1]
+    same_name = [k for k in known if k.rsplit(".", 1)[-1] == leaf and k != key]
+    if same_name:
+        return same_name[0]
+    close = difflib.get_close_matches(key, known, n=1, cutoff=0.8)
+    return close[0] if close else None
+
+
+def describe_validation_error(err: ValidationError, known: Sequence[str] = ()) -> str:
+    """One line per problem, ``dotted.key: what is wrong (got value)``, without pydantic's URLs;
+    ``known`` (every dotted key of the settings) lets an unknown key name the one it was likely meant as."""
     lines = []
     for problem in err.errors():
         key = ".".join(str(part) for part in problem["loc"])
         if problem["type"] == "extra_forbidden":
-            lines.append(f"  {key}: unknown key (not a setting of this block; check the spelling)")
+            meant = _closest_key(key, known)
+            hint = f"did you mean {meant}?" if meant else "check the spelling"
+            lines.append(f"  {key}: unknown key (not a setting of this block; {hint})")
             continue
         message = problem["msg"].removeprefix("Value error, ")
         got = "" if isinstance(problem.get("input"), dict) else f" (got {problem.get('input')!r})"

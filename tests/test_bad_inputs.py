@@ -212,7 +212,10 @@ def test_a_hub_server_error_is_worth_retrying_and_an_unknown_dataset_is_not(tmp_
 
 
 @pytest.mark.parametrize(("assignment", "expected"), [
-    ("train.clusters=3", "train.clusters: unknown key"),
+    ("train.clusters=3", "train.clusters: unknown key (not a setting of this block; check the spelling)"),
+    ("em_iterations=3", "em_iterations: unknown key (not a setting of this block; did you mean train.em_iterations?)"),
+    ("train.em_iteration=3", "train.em_iteration: unknown key (not a setting of this block; did you mean "
+                             "train.em_iterations?)"),
     ("train.k=0", "train.k: Input should be greater than or equal to 1 (got 0)"),
     ("train.beta=0", "train.beta: Input should be greater than 0 (got 0)"),
     ("augment.temperature=-0.5", "augment.temperature: Input should be greater than 0 (got -0.5)"),
