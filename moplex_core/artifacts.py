@@ -70,6 +70,10 @@ class ArtifactCorruptError(ArtifactError):
     pass
 
 
+class ArtifactStageError(ArtifactError, ValueError):
+    """An artifact of another stage than the one asked for (a train artifact given as rankings)."""
+
+
 class ArtifactStorageError(ArtifactError, OSError):
     """The artifact root cannot take a write: read-only, permission denied, or no space left."""
 
@@ -188,8 +192,9 @@ def is_complete(version_dir: str | Path) -> bool:
     return (Path(version_dir) / MANIFEST).is_file()
 
 
-def read_manifest(version_dir: str | Path) -> dict[str, Any]:
-    """The manifest of a finished artifact; raises if the directory is missing or unfinished."""
+def read_manifest(version_dir: str | Path, stages: tuple[str, ...] = ()) -> dict[str, Any]:
+    """The manifest of a finished artifact; raises if the directory is missing or unfinished, or, when
+    ``stages`` names some, written by another stage."""
     version_dir = Path(version_dir)
     if not version_dir.is_dir():
         raise ArtifactNotFoundError(f"no artifact at {version_dir}")
@@ -198,7 +203,11 @@ def read_manifest(version_dir: str | Path) -> dict[str, Any]:
             f"{version_dir} has no {MANIFEST}: its stage did not finish. Rerun the stage with the same "
             "config; it resumes from the shards already written."
         )
-    return json.loads((version_dir / MANIFEST).read_text())
+    manifest = json.loads((version_dir / MANIFEST).read_text())
+    if stages and manifest.get("stage") not in stages:
+        wanted = " or ".join(f"{stage}/<version>" for stage in stages)
+        raise ArtifactStageError(f"{version_dir} was written by the {manifest.get('stage')!r} stage; give {wanted}")
+    return manifest
 
 
 def readable_manifest(version_dir: Path) -> dict[str, Any] | None:

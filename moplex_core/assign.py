@@ -90,12 +90,8 @@ def plan_assign(train_dir: str | Path, rankings_dir: str | Path, store: Artifact
     from moplex_core.lm.loading import dtype_name, identity_on_this_machine, resolve_dtype
 
     train_dir, rankings_dir = Path(train_dir).resolve(), Path(rankings_dir).resolve()
-    train, rankings = read_manifest(train_dir), read_manifest(rankings_dir)
-    if train["stage"] != "train":
-        raise ValueError(f"{train_dir} is not a train artifact (its stage is {train['stage']}); give train/<version>")
-    if rankings["stage"] not in RANKING_STAGES:
-        raise ValueError(f"{rankings_dir} is not a rankings artifact (its stage is {rankings['stage']}); give "
-                         f"{' or '.join(RANKING_STAGES)}/<version> (`moplex ingest --dataset generic --path FILE`)")
+    train = read_manifest(train_dir, ("train",))
+    read_manifest(rankings_dir, RANKING_STAGES)  # refuses an unfinished artifact or one of another stage
     resolved = _checked_device(device)
     trained_cache_dir = train_dir.parents[1] / train["inputs"]["cache"]
     cache_config = _cache_config(read_manifest(trained_cache_dir), device)

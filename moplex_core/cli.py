@@ -37,9 +37,7 @@ def _experiment_approximation(args: argparse.Namespace) -> int:
     config = ApproximationConfig(k=args.k, seeds=tuple(range(args.seed, args.seed + args.seeds)), examples=args.examples)
     try:
         cache = ArtifactStore(args.root).resolve(args.cache)
-        manifest = read_manifest(cache)
-        if manifest.get("stage") != "cache":
-            raise ValueError(f"{cache} is a {manifest.get('stage')!r} artifact; give a cache artifact (cache/<version>)")
+        manifest = read_manifest(cache, ("cache",))
         inputs, _ = load_policy_inputs(cache, args.split)
         out = Path(args.out) if args.out else Path(args.root) / "experiments" / "approximation"
         outputs = run_approximation(manifest["config"]["model"], inputs, config, out, progress=not args.quiet)

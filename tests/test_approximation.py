@@ -84,7 +84,7 @@ def test_what_is_not_a_usable_cache_is_refused_by_name(caches, tmp_path, capsys)
 
     assert "this cache has none (cache.contractions = false)" in refused(str(forward_only))
     ingest = next(p for p in (root / "ingest").iterdir() if p.is_dir() and not p.name.startswith("."))  # no lock
-    assert "is a 'ingest' artifact; give a cache artifact" in refused(str(ingest))
+    assert "was written by the 'ingest' stage; give cache/<version>" in refused(str(ingest))
     assert "no artifact cache/ffffffff" in refused("cache/ffffffff", "--root", str(root))
     assert "Traceback" not in refused(str(tmp_path / "nowhere"))
 

@@ -121,8 +121,8 @@ def test_assign_refuses_what_it_cannot_use_before_writing_anything(trained, caps
     root = ["--root", str(tmp_path / "elsewhere")]
     cache = store.list("cache")[0].path
     for args, message in [
-        ([str(rankings), str(rankings)], "is not a train artifact (its stage is ingest)"),
-        ([str(train), str(cache)], "is not a rankings artifact (its stage is cache); give ingest or augment"),
+        ([str(rankings), str(rankings)], "was written by the 'ingest' stage; give train/<version>"),
+        ([str(train), str(cache)], "was written by the 'cache' stage; give ingest/<version> or augment/<version>"),
         ([str(train), str(rankings), "--device", "gpu"], "device 'gpu' is not a torch device"),
     ]:
         assert main(["assign", *args, *root]) == 1
