@@ -37,7 +37,7 @@ from moplex_core.estimate import reference_terms_batch
 from moplex_core.hashing import model_fingerprint
 from moplex_core.lm.loading import (dtype_name, identity_on_this_machine, load_model, load_tokenizer, resolve_device,
                                     resolve_dtype)
-from moplex_core.lm.tokenize import TokenizedResponse, tokenize_responses
+from moplex_core.lm.tokenize import TokenizedResponse, encode_response, tokenize_responses
 from moplex_core.pl import encode_tiers_batch
 
 log = logging.getLogger(__name__)
@@ -109,10 +109,14 @@ def run_cache(config: CacheConfig, rankings_dir: str | Path, store: ArtifactStor
                     part = table.slice(starts[shard], config.shard_rows)
                     writer.write_shard(shard, cache_rows(part, model, tokenizer, config, bar.update))
         shards = [pq.read_table(writer.path / shard_name(s), columns=TRUNCATION_COLUMNS) for s in range(len(starts))]
-        ended = _ended(table)
-        truncated = sum(truncated_responses(rows, config.max_response_tokens, tokenizer.eos_token_id,
-                                            [e for row in ended[start:start + rows.num_rows] for e in row])
-                        for start, rows in zip(starts, shards, strict=True))
+        ended, texts = _ended(table), _texts(table)
+        truncated = 0
+        for start, rows in zip(starts, shards, strict=True):
+            part = [t for row in texts[start:start + rows.num_rows] for t in row]
+            truncated += truncated_responses(
+                rows, config.max_response_tokens, tokenizer.eos_token_id,
+                [e for row in ended[start:start + rows.num_rows] for e in row],
+                lambda j, part=part: len(encode_response(tokenizer, part[j], ended=False)))
         if truncated:
             log.warning("%d response(s) are longer than cache.max_response_tokens = %d and lost their end "
                         "(and EOS); their scores are of the kept start. Raise max_response_tokens to keep them whole.",
@@ -189,11 +193,13 @@ TRUNCATION_COLUMNS = ["input_ids", "response_start"]
 
 
 def truncated_responses(rows: pa.Table, max_response_tokens: int | None, eos_token_id: int,
-                        ended: list[bool] | None = None) -> int:
+                        ended: list[bool] | None = None, text_tokens: Callable[[int], int] | None = None) -> int:
     """How many responses of cache ``rows`` were cut at ``max_response_tokens``: exactly that many
     response tokens and no EOS at the end (moplex_core.lm.tokenize appends EOS to every whole response
-    that ended). ``ended``: per response, in order, whether it ended (a generation cut at
-    max_new_tokens did not: it has no EOS whatever the limit); default every one."""
+    that ended). ``ended``: per response, in order, whether it ended; default every one. A generation
+    that max_new_tokens cut did not end, so it has no EOS whatever the limit, and its kept length
+    alone cannot tell whether the cache cut it too: ``text_tokens(j)``, the token count of response
+    j's whole text, decides for those at the limit (without it none of them counts)."""
     if max_response_tokens is None or rows.num_rows == 0:
         return 0
     sequences = pc.list_flatten(rows.column("input_ids")).combine_chunks()  # one list per response
@@ -202,7 +208,10 @@ def truncated_responses(rows: pa.Table, max_response_tokens: int | None, eos_tok
     starts = np.asarray(pc.list_flatten(rows.column("response_start")))
     last = np.asarray(sequences.values)[offsets[1:] - 1]
     did_end = np.ones(len(lengths), dtype=bool) if ended is None else np.asarray(ended, dtype=bool)
-    return int(((lengths - starts == max_response_tokens) & (last != eos_token_id) & did_end).sum())
+    at_limit = (lengths - starts == max_response_tokens) & (last != eos_token_id)
+    unfinished = np.flatnonzero(at_limit & ~did_end)
+    longer = 0 if text_tokens is None else sum(text_tokens(int(j)) > max_response_tokens for j in unfinished)
+    return int((at_limit & did_end).sum()) + longer
 
 
 def _warn_on_another_end_of_turn(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> None:
@@ -296,6 +305,12 @@ def _ended(table: pa.Table) -> list[list[bool]]:
                 else [None] * table.num_rows)
     return [[True] * o + (list(f) if f is not None else [True] * g)
             for o, g, f in zip(originals, generated, finished, strict=True)]
+
+
+def _texts(table: pa.Table) -> list[list[str]]:
+    """Per row of a rankings/augmented table, its responses' texts (originals, then generated)."""
+    generated = table.column("generated").to_pylist() if "generated" in table.column_names else [None] * table.num_rows
+    return [list(o) + list(g or []) for o, g in zip(table.column("responses").to_pylist(), generated, strict=True)]
 
 
 def _ending_with(table: pa.Table, text: str | None) -> int:

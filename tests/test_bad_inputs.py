@@ -305,8 +305,10 @@ def test_truncated_responses_counts_cut_responses_only():
     # max 3 response tokens: [3, 4, 5] was cut (no EOS), [3, 9] is whole, [3, 4, 9] fits exactly with EOS
     assert truncated_responses(rows, 3, eos) == 1
     assert truncated_responses(rows, None, eos) == 0
-    # a generation that max_new_tokens cut has no EOS whatever the limit: not the cache's cut
+    # a generation that max_new_tokens cut has no EOS whatever the limit: its whole text decides
     assert truncated_responses(rows, 3, eos, [False, True, True]) == 0
+    assert truncated_responses(rows, 3, eos, [False, True, True], lambda j: {0: 3}[j]) == 0  # exactly 3: whole
+    assert truncated_responses(rows, 3, eos, [False, True, True], lambda j: {0: 7}[j]) == 1  # 7: the cache cut it
 
 
 def test_the_cache_reports_truncated_responses_and_prompts_in_its_manifest_and_log(tiny_model_dir, tmp_path,  # noqa: F811
@@ -317,15 +319,17 @@ def test_the_cache_reports_truncated_responses_and_prompts_in_its_manifest_and_l
              "prompt": "Rank by criterion 0: which list is best?" + " Think twice." * 10 * (i == 3),
              "prompt_messages": None, "responses": ["1 2", long if i < 2 else "3", "5<|im_end|>" if i == 0 else "5"],
              "ranking": [[0], [1], [2]],
-             "ranked_prefix": 3, "cluster": "c0", "split": "train", "source": "test"} for i in range(4)]
+             "ranked_prefix": 3, "cluster": "c0", "split": "train", "source": "test",
+             # generations that max_new_tokens cut (no EOS either way): the cache cuts the long one again
+             "generated": [long, "7"], "generated_finished": [False, False]} for i in range(4)]
     with store.writer("ingest", "r1", config={}) as writer:
         writer.write_shard(0, pa.Table.from_pylist(rows))
     with caplog.at_level(logging.WARNING, logger="moplex_core.cache"):
         result = run_cache(CacheConfig(model=str(tiny_model_dir), max_response_tokens=8, max_prompt_tokens=40),
                            store.path("ingest", "r1"), store, progress=False)
     summary = read_manifest(result.path)["summary"]
-    assert summary["truncated_responses"] == 2 and summary["max_response_tokens"] == 8
-    assert "2 response(s) are longer than cache.max_response_tokens = 8" in caplog.text
+    assert summary["truncated_responses"] == 2 + 4 and summary["max_response_tokens"] == 8
+    assert "6 response(s) are longer than cache.max_response_tokens = 8" in caplog.text
     assert summary["prompts_at_max_prompt_tokens"] == 1  # the long one; the chat-rendered others are shorter
     assert summary["responses_ending_with_eos_text"] == 1
     assert "1 response(s) end with the tokenizer's eos_token text '<|im_end|>'" in caplog.text
