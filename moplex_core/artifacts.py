@@ -476,11 +476,16 @@ class ArtifactWriter:
             if self.reused:
                 log.info("%s resumes an interrupted run; reusing %d finished file(s)", self.ref, len(self.reused))
             marker = self.path / _STARTED
+            run = {"started": _now(), "config": self._config, "library_versions": _library_versions()}
+            changes = sorted({change for earlier in _runs(marker) for change in run_changes(earlier, run)})
+            if self.reused and changes:
+                log.warning("%s resumes from files that earlier runs wrote with %s: settings outside the version "
+                            "(how, not what), but a float they hold can differ from this run's in its last digits "
+                            "(a sampled token of augment's can flip); `moplex inspect` lists every run",
+                            self.ref, "; ".join(changes))
             ended = not marker.exists() or marker.read_bytes().endswith(b"\n")  # an older moplex's has no newline
             with open(marker, "a") as started:  # one line per run of this version
-                started.write(("" if ended else "\n") + json.dumps(
-                    {"started": _now(), "config": self._config, "library_versions": _library_versions()},
-                    sort_keys=True, default=str) + "\n")
+                started.write(("" if ended else "\n") + json.dumps(run, sort_keys=True, default=str) + "\n")
 
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
@@ -680,6 +685,14 @@ def _fsync_dir(directory: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def run_changes(earlier: dict[str, Any], later: dict[str, Any]) -> list[str]:
+    """What run record ``earlier`` (a manifest's ``runs`` entry) ran with that ``later`` did not: one
+    ``key value (last: value)`` per config value or library version."""
+    return [f"{key} {json.dumps(value, default=str)} (last: {json.dumps((later.get(field) or {}).get(key), default=str)})"
+            for field in ("config", "library_versions") for key, value in sorted((earlier.get(field) or {}).items())
+            if value != (later.get(field) or {}).get(key)]
 
 
 def _runs(started: Path) -> list[dict[str, Any]]:

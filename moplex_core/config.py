@@ -525,8 +525,10 @@ class CacheConfig(StageConfig):
     contraction s_ref. ``model`` is pi_ref, the base model the train stage puts adapters on.
 
     Left out of the version (`identity`): ``model`` (its directory's content is an input of the
-    version instead), ``score_batch_size``, ``device`` and ``chunk_size`` (how fast, not what), and
-    ``contractions`` while it is true (versions built before it existed stay valid).
+    version instead), ``score_batch_size``, ``device`` and ``chunk_size`` (how fast, not what: other
+    pass and chunk shapes round differently, moving the floats in their last digits, and a resume under
+    other values says so), and ``contractions`` while it is true (versions built before it existed
+    stay valid).
     """
 
     model: str

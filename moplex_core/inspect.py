@@ -20,7 +20,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from moplex_core.artifacts import (MANIFEST, ArtifactStore, is_stage_folder, is_version_folder, readable_manifest,
-                                   shard_paths)
+                                   run_changes, shard_paths)
 
 StageSection = Callable[[Path, list[Path]], list[str]]
 _STAGE_SECTIONS: dict[str, StageSection] = {}
@@ -171,11 +171,8 @@ def _earlier_runs(manifest: dict[str, Any]) -> list[str]:
     if len(runs) < 2:
         return []
     lines = [f"runs:     {len(runs)} (this version was worked on by {len(runs) - 1} earlier run(s))"]
-    final = {"config": manifest.get("config", {}), "library_versions": manifest.get("library_versions", {})}
     for i, run in enumerate(runs[:-1], 1):
-        changes = [f"{key} {json.dumps(value)} (last: {json.dumps(final[field].get(key))})"
-                   for field in final for key, value in sorted((run.get(field) or {}).items())
-                   if value != final[field].get(key)]
+        changes = run_changes(run, manifest)
         lines.append(f"  run {i} started {run['started']}: " + ("; ".join(changes) if changes else "same config and libraries"))
     return lines
 

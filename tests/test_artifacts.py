@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import signal
@@ -183,7 +184,7 @@ def test_a_failed_writer_commits_nothing_and_the_next_one_reuses_finished_shards
     assert store.load("demo", "v1")["row"].tolist() == list(range(30))
 
 
-def test_the_manifest_of_a_resumed_version_records_every_run_with_its_config_and_libraries(tmp_path):
+def test_the_manifest_of_a_resumed_version_records_every_run_with_its_config_and_libraries(tmp_path, caplog):
     store = ArtifactStore(tmp_path)
     with pytest.raises(RuntimeError, match="boom"):
         with store.writer("demo", "v1", config={"threads": 2}) as w:
@@ -193,9 +194,13 @@ def test_the_manifest_of_a_resumed_version_records_every_run_with_its_config_and
     first = json.loads(marker.read_text())
     first["library_versions"]["torch"] = "0.0.1"  # as if the first run had another torch
     marker.write_text(json.dumps(first) + "\n")
-    with store.writer("demo", "v1", config={"threads": 1}) as w:
-        w.write_shard(1, table(1))
+    with caplog.at_level(logging.WARNING, logger="moplex_core.artifacts"):
+        with store.writer("demo", "v1", config={"threads": 1}) as w:
+            w.write_shard(1, table(1))
     manifest = store.manifest("demo", "v1")
+    # the shard it reuses was written with other settings outside the version: said when it resumes
+    assert (f'demo/v1 resumes from files that earlier runs wrote with threads 2 (last: 1); torch "0.0.1" (last: '
+            f'"{manifest["library_versions"]["torch"]}")') in caplog.text
     assert [run["config"] for run in manifest["runs"]] == [{"threads": 2}, {"threads": 1}]
     assert manifest["started"] == manifest["runs"][0]["started"] and manifest["config"] == {"threads": 1}
     assert manifest["runs"][1]["library_versions"] == manifest["library_versions"]
@@ -209,8 +214,11 @@ def test_the_manifest_of_a_resumed_version_records_every_run_with_its_config_and
     assert store.manifest("demo", "v2")["runs"] == [{"started": "2026-11-24T00:00:00+00:00"}]
     (tmp_path / "demo" / "v3").mkdir()
     (tmp_path / "demo" / "v3" / ".started").write_text("2026-11-24T00:00:00+00:00")  # an older moplex's, killed
-    with store.writer("demo", "v3", config={"threads": 1}) as w:
-        w.write_shard(0, table(0))
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="moplex_core.artifacts"):
+        with store.writer("demo", "v3", config={"threads": 1}) as w:
+            w.write_shard(0, table(0))
+    assert "resumes from files" not in caplog.text  # nothing reused, and an older marker records no settings
     runs = store.manifest("demo", "v3")["runs"]
     assert runs[0] == {"started": "2026-11-24T00:00:00+00:00"} and runs[1]["config"] == {"threads": 1}
 
