@@ -125,6 +125,11 @@ def run_cache(config: CacheConfig, rankings_dir: str | Path, store: ArtifactStor
         if marked:
             log.warning("%d response(s) end with the tokenizer's eos_token text %r: it is taken for the end of the turn "
                         "(scored as the one EOS), not as text the response holds", marked, tokenizer.eos_token)
+        specials, found = _prompts_holding(table, tokenizer.all_special_tokens)
+        if specials:
+            log.warning("%d prompt(s) hold the text of special tokens (%s): it is encoded as those control tokens, as "
+                        "the chat template's own text is (a user text that closes its turn or opens another)",
+                        specials, ", ".join(map(repr, found)))
         long_prompts = sum(prompts_at_the_limit(rows, config.max_prompt_tokens) for rows in shards)
         if long_prompts:
             log.warning("%d prompt(s) reach cache.max_prompt_tokens = %d tokens: they were cut from the left (or are "
@@ -138,6 +143,7 @@ def run_cache(config: CacheConfig, rankings_dir: str | Path, store: ArtifactStor
             "max_response_tokens": config.max_response_tokens,
             "prompts_at_max_prompt_tokens": long_prompts,
             "responses_ending_with_eos_text": marked,
+            "prompts_with_special_token_text": specials,
             "input": plan.inputs["rankings"],
         })
     log.info("wrote the cache of %d examples to %s", table.num_rows, plan.path)
@@ -305,6 +311,20 @@ def _ended(table: pa.Table) -> list[list[bool]]:
                 else [None] * table.num_rows)
     return [[True] * o + (list(f) if f is not None else [True] * g)
             for o, g, f in zip(originals, generated, finished, strict=True)]
+
+
+def _prompts_holding(table: pa.Table, texts: list[str]) -> tuple[int, list[str]]:
+    """How many rows' prompts (the messages where the row has them, else the text) hold one of
+    ``texts``, and which of them occur."""
+    prompts = table.column("prompt")
+    if "prompt_messages" in table.column_names:
+        prompts = pc.coalesce(table.column("prompt_messages").cast(pa.string()), prompts)
+    holding, found = np.zeros(table.num_rows, dtype=bool), []
+    for text in sorted(set(filter(None, texts))):
+        rows = np.asarray(pc.fill_null(pc.match_substring(prompts, text), False))
+        if rows.any():
+            holding, found = holding | rows, [*found, text]
+    return int(holding.sum()), found
 
 
 def _texts(table: pa.Table) -> list[list[str]]:

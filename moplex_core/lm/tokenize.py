@@ -10,6 +10,12 @@ Layout rules:
   user turn followed by the assistant header (``add_generation_prompt=True``); the response is the
   assistant's content and EOS (for Qwen chat models ``<|im_end|>``) closes the turn. Without a
   template the prompt text is encoded as is, with the tokenizer's own special tokens (BOS, if any).
+- The response is encoded as the model generates it, after the prompt's last token: on its own,
+  never merged with the prompt's last characters (a response that starts with a newline after a
+  template that ends with one keeps its own newline token, where encoding the joined text would make
+  one token across the boundary, and the prompt would no longer be the same for every response).
+- Special-token text in a prompt (a question about ``<|im_end|>``) is encoded as the control token,
+  as the chat template's rendered text is; the cache counts such prompts and warns.
 - A long prompt loses its start (left truncation to ``max_prompt_tokens``): the end of the prompt
   sits next to the response and conditions it most.
 - A response that ends with the EOS text (an export that kept ``<|im_end|>``) loses that text: the
