@@ -79,7 +79,7 @@ def evaluate_mixture(
     k = scorer.k
     outputs = {name: _posterior_outputs(scorer, alpha, split) for name, split in splits.items()}
     labelled = [split.labels for split in splits.values() if split.labels is not None and len(split.labels)]
-    k_true = len(label_names) if label_names else max([k] + [int(labels.max()) + 1 for labels in labelled])
+    k_true = len(label_names) if label_names else max((int(labels.max()) + 1 for labels in labelled), default=k)
     matching = None
     if fit_split in splits and splits[fit_split].labels is not None:
         matching = fit_matching(outputs[fit_split]["assigned"], splits[fit_split].labels, k, k_true)

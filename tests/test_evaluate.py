@@ -62,6 +62,9 @@ def test_more_labels_than_clusters_without_label_names_still_match(noise_free):
     assert test["clustering_accuracy", "all"] == pytest.approx(np.mean(labels == np.bincount(
         splits["validation"].labels).argmax()))  # the one cluster is matched to validation's largest label
     assert {"0", "1"} <= {cluster for _, cluster in test.index}  # per-label rows, named by number
+    # and fewer: k = 3 against the same 2 labels names no third label
+    more = evaluate_mixture(LinearScorer(3, 2), torch.ones(3, dtype=torch.float64) / 3, splits)
+    assert set(more[more.metric.isin(["clustering_accuracy", "matched_adapter"])].cluster) == {"all", "0", "1"}
 
 
 def test_without_labels_only_label_free_metrics_are_reported(noise_free):
