@@ -21,9 +21,10 @@ from flows.pipeline import flow_run_url, local_run_settings, moplex_pipeline
 
 
 @task(name="write-comparison", cache_policy=NO_CACHE)
-def write_comparison_task(root: str, dataset: str, evaluations: list[tuple[str, int, str]]) -> str:
+def write_comparison_task(root: str, dataset: str, evaluations: list[tuple[str, int, str]],
+                          overrides: list[str]) -> str:
     """The compare artifact of the runs' evaluations ((method, seed, evaluate folder) each)."""
-    path = write_comparison(ArtifactStore(root), dataset, evaluations)
+    path = write_comparison(ArtifactStore(root), dataset, evaluations, overrides)
     get_run_logger().info("comparison report: %s/report.md", path)
     return str(path)
 
@@ -45,7 +46,7 @@ def compare_flow(methods: list[str] | None = None, seeds: int = 3, first_seed: i
         run = moplex_pipeline.with_options(flow_run_name=f"{method}-seed{seed}")
         evaluations.append((method, seed, run(config=run_config)["evaluate"]))
     dataset = preset if config is None and base.ingest.dataset == start.ingest.dataset else base.ingest.dataset
-    return write_comparison_task(base.root, dataset, evaluations)
+    return write_comparison_task(base.root, dataset, evaluations, overrides or [])
 
 
 def run_compare_in_process(methods: list[str], seeds: int, first_seed: int, preset: str,

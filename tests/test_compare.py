@@ -97,6 +97,10 @@ def test_tables_report_percent_mean_and_sample_std_over_seeds():
     t3 = table3(metrics)
     assert t3.splitlines()[0] == "| method | a | b | Average |"
     assert "| MoPLEx (Alg. 2) (`moplex`) | 75.0 ± 7.1 | 80.0 ± 14.1 | 77.5 ± 3.5 |" in t3
+    # a label with no rankings in the split: evaluate writes NaN, the tables a dash (as its own report)
+    empty = pd.concat([metrics, _metrics([("moplex", "test", "ranking_accuracy_posterior", "c", float("nan"), s)
+                                          for s in (0, 1)])])
+    assert "| MoPLEx (Alg. 2) (`moplex`) | 75.0 ± 7.1 | 80.0 ± 14.1 | - | 77.5 ± 3.5 |" in table3(empty)
 
 
 def test_the_em_start_table_shows_start_end_and_their_agreement_per_method():
@@ -147,3 +151,8 @@ def test_compare_flow_runs_methods_and_seeds_sharing_stages_and_reuses_them(pref
     manifests = {p: p.stat().st_mtime_ns for p in tmp_path.glob("*/*/manifest.json")}
     assert compare_flow(methods, seeds=2, config=base) == folder
     assert {p: p.stat().st_mtime_ns for p in tmp_path.glob("*/*/manifest.json")} == manifests  # all reused
+    # --set values on the base: their own comparison, named in its report (this one changes no stage's version)
+    changed = compare_flow(methods, seeds=2, config=base, overrides=["train.score_batch_size=4"])
+    assert changed != folder and "changed by `train.score_batch_size=4`" in open(f"{changed}/report.md").read()
+    assert {p: p.stat().st_mtime_ns for p in tmp_path.glob("*/*/manifest.json") if p.parts[-3] != "compare"} == \
+        {p: t for p, t in manifests.items() if p.parts[-3] != "compare"}

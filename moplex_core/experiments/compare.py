@@ -85,6 +85,10 @@ def _averages(metrics: pd.DataFrame, metric: str, split: str) -> pd.DataFrame:
 
 
 def _cell(mean: float, std: float) -> str:
+    """A percentage, mean ± std over seeds; "-" where every seed's value is NaN (evaluate writes NaN
+    for a label with no rankings in the split)."""
+    if np.isnan(mean):
+        return "-"
     return f"{100 * mean:.1f}" if np.isnan(std) else f"{100 * mean:.1f} ± {100 * std:.1f}"
 
 
@@ -152,6 +156,9 @@ def _fallback_cell(metrics: pd.DataFrame, method: str) -> str:
 
 
 def _plain_cell(mean: float, std: float) -> str:
+    """As `_cell`, unscaled (evaluate writes NaN for an estimates' error over scores with no spread)."""
+    if np.isnan(mean):
+        return "-"
     return f"{mean:.2f}" if np.isnan(std) else f"{mean:.2f} ± {std:.2f}"
 
 
@@ -205,11 +212,13 @@ def comparison_plot(metrics: pd.DataFrame, chance: float | None, split: str = SP
     return png_bytes(figure)
 
 
-def write_comparison(store: ArtifactStore, dataset: str, evaluations: list[tuple[str, int, str | Path]]) -> Path:
+def write_comparison(store: ArtifactStore, dataset: str, evaluations: list[tuple[str, int, str | Path]],
+                     overrides: list[str] | None = None) -> Path:
     """The `compare` artifact of these evaluations ((method, seed, evaluate folder) each); returns its folder.
 
-    The version hashes the dataset name, methods and seeds; the evaluate artifacts are its inputs and
-    pin everything else, so a rerun that reuses every stage reuses the report too.
+    The version hashes the dataset name, methods, seeds and the ``overrides`` the base config was made
+    with (``--set`` values, named in the report); the evaluate artifacts are its inputs and pin
+    everything else, so a rerun that reuses every stage reuses the report too.
     """
     inputs = {}
     for method, seed, path in evaluations:
@@ -218,6 +227,8 @@ def write_comparison(store: ArtifactStore, dataset: str, evaluations: list[tuple
     methods = list(dict.fromkeys(m for m, _, _ in evaluations))
     seeds = sorted({seed for _, seed, _ in evaluations})
     identity = {"dataset": dataset, "methods": methods, "seeds": seeds}
+    if overrides:  # versions written without any keep their hash
+        identity["overrides"] = list(overrides)
     ref = ArtifactRef(STAGE, store.version(STAGE, identity, inputs, CODE_VERSION))
     if store.is_complete(STAGE, ref.version):
         return store.path(STAGE, ref.version)
@@ -227,18 +238,21 @@ def write_comparison(store: ArtifactStore, dataset: str, evaluations: list[tuple
         if not writer.complete:
             writer.write_table("comparison.parquet", metrics)
             writer.write_file("plots/comparison.png", comparison_plot(metrics, chance))
-            writer.write_file("report.md", _report(metrics, dataset, seeds, evaluations, chance))
+            writer.write_file("report.md", _report(metrics, dataset, seeds, evaluations, chance, overrides or []))
             writer.summary.update(identity)
     return store.path(STAGE, ref.version)
 
 
 def _report(metrics: pd.DataFrame, dataset: str, seeds: list[int], evaluations: list[tuple[str, int, str | Path]],
-            chance: float | None) -> str:
+            chance: float | None, overrides: list[str]) -> str:
     methods = list(dict.fromkeys(m for m, _, _ in evaluations))
     chance_note = f"; chance clustering accuracy is {100 * chance:.1f}%. " if chance else ". "
+    changed = ("The base config was changed by " + ", ".join(f"`{o}`" for o in overrides)
+               + "; every method below is that base with its own overrides.") if overrides else ""
     lines = [
         f"# moplex method comparison on `{dataset}`",
         "",
+        *([changed, ""] if changed else []),
         f"{len(methods)} methods x {len(seeds)} seeds (train.seed = {', '.join(map(str, seeds))}), {SPLIT} split; "
         "% mean ± std over seeds (sample std). Cluster ids are matched to the true labels on validation"
         + chance_note + "Ranking accuracy is routed by each ranking's own posterior (the paper's number); the "
