@@ -625,8 +625,7 @@ class TrainConfig(StageConfig):
     discarded M-step and E-step). None: never. Needs anchors and estimation_check > 0.
 
     Left out of the version: ``score_batch_size``, ``device``, ``chunk_size`` (how fast, not what),
-    except that with LoRA dropout ``score_batch_size`` and the device type are in; without anchors,
-    ``estimation`` and ``estimation_check`` (`identity`).
+    except that with LoRA dropout ``score_batch_size`` and the device type are in (`identity`).
     The base model is the one the cache was built from (its version pins the model's content).
     """
 
@@ -709,12 +708,9 @@ class TrainConfig(StageConfig):
     def identity(self) -> dict[str, Any]:
         """What enters the train version. ``score_batch_size`` and ``device`` do not, unless LoRA
         dropout is on: its masks are drawn pass by pass (so by how rows are grouped into passes) and
-        by the device's generator (train.plan_train adds the device type). Without anchors every
-        response is exact, so ``estimation`` and ``estimation_check`` (what the estimates are, and
-        how they are checked) change nothing and do not enter either."""
+        by the device's generator (train.plan_train adds the device type)."""
         volatile = {"score_batch_size", "device", "chunk_size"} - ({"score_batch_size"} if self.lora_dropout else set())
-        unused = {"estimation", "estimation_check"} if self.anchors is None else set()
-        return self.model_dump(mode="json", exclude=volatile | unused)
+        return self.model_dump(mode="json", exclude=volatile)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -205,9 +205,6 @@ def test_score_batch_size_and_the_device_enter_the_version_only_with_lora_dropou
     assert version(score_batch_size=8) == version(score_batch_size=16)
     assert version(lora_dropout=0.1, score_batch_size=8) != version(lora_dropout=0.1, score_batch_size=16)
     assert version(lora_dropout=0.1, device="cpu") != version(lora_dropout=0.1, device="meta")
-    exact = dict(anchors=None, estimation_check=0)  # every response exact: the estimation settings are unused
-    assert version(**exact) == version(**exact, estimation="logpi") == version(anchors=None, estimation_check=64)
-    assert version(estimation="logpi") != version() != version(estimation_check=0)
 
 
 def test_em_can_start_from_the_rankings_own_labels(cache_dir, tmp_path):
