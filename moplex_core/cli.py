@@ -228,11 +228,15 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _inspect(args: argparse.Namespace) -> int:
-    from moplex_core.artifacts import ArtifactError, ArtifactStore
+    from moplex_core.artifacts import ArtifactError, ArtifactStore, is_stage_folder
     from moplex_core.inspect import inspect_path
 
+    store = ArtifactStore(args.root)
     try:
-        print(inspect_path(ArtifactStore(args.root).resolve(args.path), rows=args.rows))
+        target = store.resolve(args.path)
+        if not target.exists() and is_stage_folder(store.root / args.path):  # a stage's name: its listing
+            target = store.root / args.path
+        print(inspect_path(target, rows=args.rows))
     except (FileNotFoundError, ArtifactError) as err:
         print(f"moplex inspect: {err}", file=sys.stderr)
         return 1

@@ -45,6 +45,9 @@ def inspect_path(path: str | Path, rows: int = 3) -> str:
         return "\n".join(_table_report(path.name, [path], rows))
     if path.is_dir() and is_version_folder(path):
         return _version_report(path, rows)
+    version = next((parent for parent in path.resolve().parents if is_version_folder(parent)), None)
+    if path.is_dir() and version is not None:
+        return _folder_in_version(path, version)
     if path.is_dir():
         return _listing(path)
     if path.exists():
@@ -191,6 +194,16 @@ def _size(manifest: dict[str, Any], short: bool = False) -> str:
         return f"{manifest['rows']:,} rows" if short else f"{manifest['rows']:,} in {manifest['shards']} shard(s)"
     files = len(manifest["files"])
     return f"{files} files" if short else f"no part-*.parquet shards: the stage writes the {files} named files below"
+
+
+def _folder_in_version(folder: Path, version_dir: Path) -> str:
+    """A folder inside an artifact (a train artifact's adapters/ or em/): its files, and where the
+    artifact's own report is."""
+    files = sorted(p for p in folder.rglob("*") if p.is_file() and not p.name.startswith("."))
+    lines = [f"{folder}: a folder of the artifact {version_dir.parent.name}/{version_dir.name} "
+             f"(`moplex inspect {version_dir}` reports it; a Parquet file here opens on its own)"]
+    lines += [f"  {str(p.relative_to(folder)):<48} {p.stat().st_size:>12,} B" for p in files] or ["  (no files)"]
+    return "\n".join(lines)
 
 
 def _listing(directory: Path) -> str:

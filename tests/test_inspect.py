@@ -71,6 +71,11 @@ def test_odd_folders_are_reported_not_crashed_on(tmp_path):
     (running / ".started").write_text("2026-11-24T00:00:00+00:00")
     assert inspect_path(tmp_path / "train").splitlines()[1].split()[:2] == ["train/bbb222", "INCOMPLETE"]
     assert "INCOMPLETE (no manifest.json): 0 finished shard(s)" in inspect_path(running)
+    (running / "em" / "restart-00" / "state.json").write_text("{}")
+    inside = inspect_path(running / "em")  # a folder of an artifact: its files, and where its report is
+    assert inside.splitlines()[0] == (f"{running / 'em'}: a folder of the artifact train/bbb222 "
+                                      f"(`moplex inspect {running}` reports it; a Parquet file here opens on its own)")
+    assert inside.splitlines()[1].split() == ["restart-00/state.json", "2", "B"]
     user = tmp_path / "mine"
     user.mkdir()
     (user / "manifest.json").write_text('{"name": "my dataset"}')  # a user's own manifest, not moplex's
