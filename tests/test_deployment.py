@@ -126,6 +126,18 @@ def test_deployed_pipeline_runs_fails_on_purpose_and_a_retry_reuses_finished_sta
         truncation = [w for w in warnings if "longer than cache.max_response_tokens = 4" in w["message"]]
         assert len(truncation) == 1 and truncation[0]["flow_run_id"], [w["message"][:80] for w in warnings]
 
+        # a stage's own deployment: the worker loads flows/ingest.py as a script, and moplex_core's INFO
+        # lines (what it wrote, a resume, a wait for a lock) still reach the run's log
+        deployment = client.get("/deployments/name/ingest/ingest").raise_for_status().json()
+        run = client.post(f"/deployments/{deployment['id']}/create_flow_run", json={"parameters": {
+            "config": {"dataset": "synthetic", "synthetic": {"n": 30}}, "root": str(tmp_path / "alone")}}
+        ).raise_for_status().json()
+        assert _wait_for_end(client, run["id"], tmp_path)["state"]["type"] == "COMPLETED"
+        logs = client.post("/logs/filter", json={"logs": {"flow_run_id": {"any_": [run["id"]]}}, "limit": 200}
+                           ).raise_for_status().json()
+        assert any(log["name"] == "moplex_core.ingest" and log["message"].startswith("wrote 30 rankings")
+                   for log in logs), [(log["name"], log["message"][:60]) for log in logs]
+
 
 def _start(command: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
     return subprocess.Popen(command, cwd=REPO, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT,

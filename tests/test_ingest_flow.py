@@ -121,7 +121,7 @@ def test_ingest_flow_twice_on_the_local_prefect_server(prefect_env, tmp_path, fi
     root = str(tmp_path / "artifacts")
     config = IngestConfig(dataset="persona", path=str(fixtures_dir / "persona.jsonl"))
     # Prefect configures the root logger when imported, dropping pytest's handler; listen on its own
-    # and on moplex_core's, whose INFO lines the flows let through (flows/__init__.py).
+    # and on moplex_core's, whose INFO lines the flows let through (tasks/__init__.py).
     loggers = [logging.getLogger("prefect"), logging.getLogger("moplex_core")]
     for logger in loggers:
         logger.addHandler(caplog.handler)
