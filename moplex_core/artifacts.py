@@ -203,7 +203,14 @@ def read_manifest(version_dir: str | Path, stages: tuple[str, ...] = ()) -> dict
             f"{version_dir} has no {MANIFEST}: its stage did not finish. Rerun the stage with the same "
             "config; it resumes from the shards already written."
         )
-    manifest = json.loads((version_dir / MANIFEST).read_text())
+    try:
+        manifest = json.loads((version_dir / MANIFEST).read_text())
+    except ValueError as err:  # not JSON, or not UTF-8: damaged after it was written
+        raise ArtifactCorruptError(f"{version_dir / MANIFEST} cannot be read ({err}): the artifact was damaged after "
+                                   "it was written; delete the version folder and rerun its stage") from None
+    if not isinstance(manifest, dict):
+        raise ArtifactCorruptError(f"{version_dir / MANIFEST} holds no manifest (a JSON {type(manifest).__name__}): "
+                                   "delete the version folder and rerun its stage")
     if stages and manifest.get("stage") not in stages:
         wanted = " or ".join(f"{stage}/<version>" for stage in stages)
         raise ArtifactStageError(f"{version_dir} was written by the {manifest.get('stage')!r} stage; give {wanted}")

@@ -28,6 +28,7 @@ from moplex_core.artifacts import (
     ArtifactRef,
     ArtifactStore,
     artifact_version,
+    read_manifest,
 )
 from moplex_core.hashing import sha256_file
 from moplex_core.inspect import inspect_path
@@ -99,6 +100,11 @@ def test_list_locate_and_fingerprint(tmp_path):
     (damaged / MANIFEST).write_text('{"stage": "demo", "vers')  # a finished version's manifest, cut short
     assert ("demo/abd444", False, None) in [(str(i.ref), i.complete, i.manifest) for i in store.list("demo")]
     assert "INCOMPLETE (manifest.json cannot be read)" in inspect_path(damaged)  # a version, not data
+    with pytest.raises(ArtifactCorruptError, match=f"{damaged / MANIFEST} cannot be read .*delete the version folder"):
+        read_manifest(damaged)  # a stage that finds it "complete" is told which file, not a bare JSON error
+    (damaged / MANIFEST).write_text("[1, 2]")
+    with pytest.raises(ArtifactCorruptError, match="holds no manifest \\(a JSON list\\)"):
+        store.manifest("demo", "abd444")
     shutil.rmtree(damaged)
     assert store.locate("demo/aab").path == tmp_path / "demo" / "aab222"
     write_demo(store, "aab222x")  # a version named with another's whole name as its prefix
