@@ -39,7 +39,7 @@ from moplex_core.evaluate import EM_START_SPLIT, METRICS_FILE
 from moplex_core.report import markdown_table, png_bytes
 
 STAGE = "compare"
-CODE_VERSION = "compare-4"  # bump when a change here changes what the report holds
+CODE_VERSION = "compare-5"  # bump when a change here changes what the report holds (5: NaN cells as -)
 SPLIT = "test"
 
 
