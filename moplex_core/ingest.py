@@ -142,7 +142,7 @@ def build_rankings(config: IngestConfig, inputs: dict[str, str] | None = None) -
     Raises `moplex_core.schema.SchemaError` in strict mode if any row is bad, and ``ValueError`` if
     no ranking is left after the dataset's filters.
     """
-    raw = RawRejects(drop=config.validation == "drop")
+    raw = RawRejects(drop=config.validation == "drop", within=config.path)
     adapted = _adapt(config, _source_label(config, _inputs(config) if inputs is None else inputs), raw)
     if not adapted.rows:
         raise ValueError(

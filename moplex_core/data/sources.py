@@ -73,9 +73,13 @@ class Record:
 class RawRejects:
     """The records an ingest could not read or that lack the dataset's raw schema. In strict
     validation (``drop`` False) the first one raises `RawSchemaError`; in drop validation each is
-    kept in ``rows`` (where, reason, the record as JSON text) and the others are read on."""
+    kept in ``rows`` (where, reason, the record as JSON text) and the others are read on. ``within``:
+    the local source (a file or folder); the rows name its files relative to it (the error raised names
+    the whole path), so that rejected.parquet does not depend on where the source lies, as its version
+    does not."""
 
     drop: bool = False
+    within: str | None = None
     rows: list[dict[str, str]] = field(default_factory=list)
 
     def readable(self, records: Iterable[Record]) -> Iterator[Record]:
@@ -98,7 +102,13 @@ class RawRejects:
         if not self.drop:
             raise err
         text = record.raw if record.unreadable is not None else json_text(record.data)
-        self.rows.append({"where": record.where, "reason": str(err), "record": text})
+        self.rows.append({"where": self._relative(record.where), "reason": self._relative(str(err)), "record": text})
+
+    def _relative(self, text: str) -> str:
+        if self.within is None:
+            return text
+        source = Path(self.within)
+        return text.replace(f"{source if source.is_dir() else source.parent}{os.sep}", "")
 
 
 STRICT = RawRejects()  # for adapters called without an ingest's settings
