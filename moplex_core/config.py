@@ -841,6 +841,16 @@ class PipelineConfig(Options):
         return self
 
 
+    @model_validator(mode="after")
+    def _fault_in_a_stage_that_runs(self) -> PipelineConfig:
+        skipped = {"augment": self.augment is None, "model": not self.uses_tiny_model()}
+        if skipped.get(self.fault.stage or ""):
+            why = "augment is null" if self.fault.stage == "augment" else f"neither model is {TINY_MODEL!r}"
+            raise ValueError(f"fault.stage = {self.fault.stage!r} names a stage this pipeline skips ({why}), so it "
+                             "would never fail: choose a stage that runs, or set fault.stage to null")
+        return self
+
+
 def preset_names() -> list[str]:
     return sorted(p.stem for p in PRESETS_DIR.glob("*.json"))
 

@@ -50,6 +50,10 @@ def test_unknown_keys_and_unknown_presets_are_refused():
         PipelineConfig.model_validate({**demo.model_dump(mode="json"), "epochs": 2})
     with pytest.raises(ValueError, match="fault"):
         with_overrides(demo, ["fault.stage=deploy"])
+    with pytest.raises(ValueError, match="fault.stage = 'augment' names a stage this pipeline skips \\(augment is null"):
+        with_overrides(demo, ["fault.stage=augment", "augment=null"])
+    with pytest.raises(ValueError, match="fault.stage = 'model' names a stage this pipeline skips \\(neither model"):
+        with_overrides(demo, ["fault.stage=model", "augment=null", "cache.model=/models/base"])
     with pytest.raises(ValueError, match="unknown pipeline preset 'nope'.*synthetic-demo"):
         pipeline_preset("nope")
     with pytest.raises(ValidationError, match="fit_split"):
