@@ -109,14 +109,13 @@ def run_cache(config: CacheConfig, rankings_dir: str | Path, store: ArtifactStor
                     part = table.slice(starts[shard], config.shard_rows)
                     writer.write_shard(shard, cache_rows(part, model, tokenizer, config, bar.update))
         shards = [pq.read_table(writer.path / shard_name(s), columns=TRUNCATION_COLUMNS) for s in range(len(starts))]
-        ended, texts = _ended(table), _texts(table)
+        ended = _ended(table)
         truncated = 0
         for start, rows in zip(starts, shards, strict=True):
-            part = [t for row in texts[start:start + rows.num_rows] for t in row]
+            slots = [(row, j) for row in range(start, start + rows.num_rows) for j in range(len(ended[row]))]
             truncated += truncated_responses(
-                rows, config.max_response_tokens, tokenizer.eos_token_id,
-                [e for row in ended[start:start + rows.num_rows] for e in row],
-                lambda j, part=part: len(encode_response(tokenizer, part[j], ended=False)))
+                rows, config.max_response_tokens, tokenizer.eos_token_id, [ended[row][j] for row, j in slots],
+                lambda i, slots=slots: len(encode_response(tokenizer, _response_text(table, *slots[i]), ended=False)))
         if truncated:
             log.warning("%d response(s) are longer than cache.max_response_tokens = %d and lost their end "
                         "(and EOS); their scores are of the kept start. Raise max_response_tokens to keep them whole.",
@@ -327,10 +326,10 @@ def _prompts_holding(table: pa.Table, texts: list[str]) -> tuple[int, list[str]]
     return int(holding.sum()), found
 
 
-def _texts(table: pa.Table) -> list[list[str]]:
-    """Per row of a rankings/augmented table, its responses' texts (originals, then generated)."""
-    generated = table.column("generated").to_pylist() if "generated" in table.column_names else [None] * table.num_rows
-    return [list(o) + list(g or []) for o, g in zip(table.column("responses").to_pylist(), generated, strict=True)]
+def _response_text(table: pa.Table, row: int, j: int) -> str:
+    """Response ``j`` of ``row`` in a rankings/augmented table (originals, then generated)."""
+    originals = table.column("responses")[row].as_py()
+    return originals[j] if j < len(originals) else table.column("generated")[row].as_py()[j - len(originals)]
 
 
 def _ending_with(table: pa.Table, text: str | None) -> int:

@@ -840,7 +840,6 @@ class PipelineConfig(Options):
             raise ValueError(no_contractions_message(self.train.anchors, "the cache of this pipeline"))
         return self
 
-
     @model_validator(mode="after")
     def _fault_in_a_stage_that_runs(self) -> PipelineConfig:
         skipped = {"augment": self.augment is None, "model": not self.uses_tiny_model()}

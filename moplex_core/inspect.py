@@ -45,11 +45,9 @@ def inspect_path(path: str | Path, rows: int = 3) -> str:
         return "\n".join(_table_report(path.name, [path], rows))
     if path.is_dir() and is_version_folder(path):
         return _version_report(path, rows)
-    version = next((parent for parent in path.resolve().parents if is_version_folder(parent)), None)
-    if path.is_dir() and version is not None:
-        return _folder_in_version(path, version)
     if path.is_dir():
-        return _listing(path)
+        version = next((parent for parent in path.resolve().parents if is_version_folder(parent)), None)
+        return _listing(path) if version is None else _folder_in_version(path, version)
     if path.exists():
         raise FileNotFoundError(f"{path} is not an artifact folder, a manifest.json or a Parquet file "
                                 "(it exists: open it with a viewer of its own kind)")
