@@ -18,14 +18,17 @@ tokens, EOS last. A check and four measurements, in one process:
 1. EM iteration cost (the paper's Figure 5). `LoRAPolicyScorer` with k = 12 adapters (r = 16,
    alpha 32, all 7 projections) on n synthetic examples of m' responses (m = min(4, m') originals
    ranked, the others generated, in the unranked bottom set), every (example, cluster) pair
-   weighted 1/k: all above gamma_min, the M-step's worst case. Configurations: full computation
+   weighted 1/k: all above gamma_min, the M-step's worst case (an early iteration); and, timed
+   apart, the M-step of a late iteration, whose posteriors sit on one cluster per example, so that
+   it fits k times fewer pairs while the E-step still scores every cluster. Configurations: full computation
    (a = m') and a in {2, 4, 6} anchors (a < m') at m' in {4, 8, 16, 26, 32}, with shared prompts
    (each (example, cluster)'s prompt run once per pass, the scorer's default); and full and the
    largest a < m' with the prompt run for every row, as before that pass existed. Each configuration gets
    a fresh scorer and a warm-up, untimed: fit on one (example, cluster) pair at iteration 0 (the
    M-step's kernels and optimizer) and a full score(iteration 0) (the E-step's, and what it leaves
    for the next M-step). Then fit(iteration 1) (M-step) and score(iteration 1) (E-step) are timed
-   separately, CUDA synchronised; peak GPU memory (max_memory_allocated) of each step. An
+   separately, CUDA synchronised, and fit(iteration 2) with one-hot weights (the late M-step); peak
+   GPU memory (max_memory_allocated) of each step. An
    M-step minibatch is one (example, cluster) pair: m' rows (full) or a rows (MoPLEx) per backward,
    the paper's memory-per-response comparison. The E-step runs `score_batch_size` rows (one response
    under one adapter) per forward. A configuration that runs out of GPU memory is reported as OOM.
@@ -325,6 +328,8 @@ def _em_table(sizes: Sizes, rows: dict[tuple[int, str, str], dict[str, Any]]) ->
         full = rows.get((row["m_prime"], "full", row["prompts"]))
         both = full is not None and not (row["oom"] or full["oom"])
         row["speedup_vs_full"] = full["total_s_per_example"] / row["total_s_per_example"] if both else None
+        row["late_speedup_vs_full"] = (full["late_total_s_per_example"] / row["late_total_s_per_example"]
+                                       if both and row.get("late_total_s_per_example") else None)
         row["memory_ratio_full_over_this"] = (full["peak_gib"] / row["peak_gib"]
                                               if both and row["peak_gib"] is not None else None)
     return table
@@ -335,6 +340,8 @@ def _em_iteration(model_dir: Path, sizes: Sizes, inputs: PolicyInputs, anchors: 
     n = len(inputs)
     rankings = inputs.rankings()
     weights = torch.full((n, sizes.k), 1.0 / sizes.k, dtype=torch.float64)  # [n, k]: every pair fitted
+    late = torch.zeros_like(weights)  # [n, k]: a late iteration's posteriors, one cluster per example
+    late[torch.arange(n), torch.arange(n) % sizes.k] = 1.0
     one_pair = torch.zeros_like(weights)  # [n, k]: the warm-up M-step's pairs, one per cluster, so that
     one_pair[0, :] = weights[0, :]  # every adapter has its optimizer state and a non-zero B before the timed steps
     scorer = None
@@ -357,8 +364,13 @@ def _em_iteration(model_dir: Path, sizes: Sizes, inputs: PolicyInputs, anchors: 
         _sync(sizes)
         scored = time.perf_counter()
         e_step_peak, e_step_reserved = _peak_gib(sizes), _peak_reserved_gib(sizes)
+        scorer.fit(inputs, rankings, late, 2)  # peak memory not read: fewer pairs, the same passes
+        _sync(sizes)
+        late_fitted = time.perf_counter()
         return {"oom": False, "e_step_s_per_example": (scored - fitted) / n,
                 "m_step_s_per_example": (fitted - start) / n, "total_s_per_example": (scored - start) / n,
+                "late_m_step_s_per_example": (late_fitted - scored) / n,
+                "late_total_s_per_example": (scored - fitted + late_fitted - scored) / n,
                 "m_step_peak_gib": m_step_peak, "e_step_peak_gib": e_step_peak,
                 "peak_gib": None if m_step_peak is None else max(m_step_peak, e_step_peak),
                 "peak_reserved_gib": None if m_step_reserved is None else max(m_step_reserved, e_step_reserved)}
@@ -366,7 +378,8 @@ def _em_iteration(model_dir: Path, sizes: Sizes, inputs: PolicyInputs, anchors: 
         if not _out_of_memory(error):
             raise
         return {"oom": True, "e_step_s_per_example": None, "m_step_s_per_example": None,
-                "total_s_per_example": None, "m_step_peak_gib": None, "e_step_peak_gib": None, "peak_gib": None,
+                "total_s_per_example": None, "late_m_step_s_per_example": None, "late_total_s_per_example": None,
+                "m_step_peak_gib": None, "e_step_peak_gib": None, "peak_gib": None,
                 "peak_reserved_gib": None}
     finally:
         del scorer
@@ -727,12 +740,15 @@ def print_report(results: dict[str, Any]) -> None:
               f"E-step: {sizes['score_batch_size']} rows per forward; prompts `shared`: run once per (example, "
               "cluster) and pass (the default), `per row`: with every response; speedup and memory against "
               "full with the same prompts; every pair weighted 1/k (all above "
-              "gamma_min, the worst case); a = 2 makes 2-row M-step passes, which a GPU runs below its "
+              "gamma_min, the worst case: an early iteration); late: the M-step of an iteration whose posteriors "
+              "sit on one cluster per example (k times fewer pairs), plus the same E-step; a = 2 makes 2-row "
+              "M-step passes, which a GPU runs below its "
               "throughput. Times per example; peak memory of the tensors (weights included) of each step, and "
               "their maximum for the ratio; reserved: the most the allocator held (what must fit on the card).\n")
         print("| m' | method | prompts | E-step s/ex | M-step s/ex | total s/ex | E-step peak GiB | M-step peak GiB "
-              "| reserved GiB | speedup vs full | memory full/this |")
-        print("|---|---|---|---|---|---|---|---|---|---|---|")
+              "| reserved GiB | speedup vs full | memory full/this | late M-step s/ex | late total s/ex "
+              "| late speedup |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
         for row in results["em"]:
             oom = row["oom"]
             print(f"| {row['m_prime']} | {row['method']} | {row['prompts']} | "
@@ -740,7 +756,10 @@ def print_report(results: dict[str, Any]) -> None:
                   f"{_fmt(row['m_step_s_per_example'], '.3g', oom)} | {_fmt(row['total_s_per_example'], '.3g', oom)} | "
                   f"{_fmt(row['e_step_peak_gib'], '.1f', oom)} | {_fmt(row['m_step_peak_gib'], '.1f', oom)} | "
                   f"{_fmt(row.get('peak_reserved_gib'), '.1f', oom)} | {_fmt(row['speedup_vs_full'], '.2f', False)} | "
-                  f"{_fmt(row['memory_ratio_full_over_this'], '.2f', False)} |")
+                  f"{_fmt(row['memory_ratio_full_over_this'], '.2f', False)} | "
+                  f"{_fmt(row.get('late_m_step_s_per_example'), '.3g', oom)} | "
+                  f"{_fmt(row.get('late_total_s_per_example'), '.3g', oom)} | "
+                  f"{_fmt(row.get('late_speedup_vs_full'), '.2f', False)} |")
         print()
     if "throughput" in results:
         print(f"### Anchor pass over B rows, response-only chunked log-probs (k = {sizes['k']}, median of "
@@ -891,8 +910,9 @@ def main() -> None:
             "prompts": "shared: one prompt pass per (example, cluster) and pass; per row: the prompt with every row",
             "e_step_batch": f"{sizes.score_batch_size} rows (one response under one adapter) per forward",
             "fit_weights": "1/k for every (example, cluster) pair: all above gamma_min, the worst case",
+            "late_fit_weights": "one-hot: each example's posterior on one cluster (cluster = example index mod k)",
             "em_warmup": "fit on one pair at iteration 0, then score(iteration 0); timed: fit and score of "
-                         "iteration 1",
+                         "iteration 1, then fit of iteration 2 with the late weights",
             "throughput": f"median of {sizes.repeats} passes after {sizes.warmups} warm-up(s)",
         },
     }

@@ -62,6 +62,7 @@ def test_table_has_every_configuration_and_pass(tiny_run: tuple[Path, str]) -> N
     _, stdout = tiny_run
     em_rows = _table(stdout, "| m' | method |")
     assert [tuple(row[:3]) for row in em_rows] == [(str(m), *method) for m in TINY_M_PRIMES for method in TINY_METHODS]
+    assert all(len(row) == 14 and "-" not in row[11:] for row in em_rows)  # with the late iteration's columns
     passes = _table(stdout, "| pass | B |")
     assert len(passes) == len(THROUGHPUT_PASSES)
     for row, name in zip(passes, THROUGHPUT_PASSES, strict=True):
@@ -92,7 +93,8 @@ def test_json_numbers_are_positive_and_finite(tiny_run: tuple[Path, str]) -> Non
     results = json.loads((out / "em_gpu.json").read_text())
     assert [(row["m_prime"], row["method"], row["prompts"]) for row in results["em"]] == \
         [(m, *method) for m in TINY_M_PRIMES for method in TINY_METHODS]
-    timed = ("e_step_s_per_example", "m_step_s_per_example", "total_s_per_example", "speedup_vs_full")
+    timed = ("e_step_s_per_example", "m_step_s_per_example", "total_s_per_example", "speedup_vs_full",
+             "late_m_step_s_per_example", "late_total_s_per_example", "late_speedup_vs_full")
     for row in results["em"]:
         assert not row["oom"] and row["peak_gib"] is None  # no GPU memory on the CPU
         for key in timed:
