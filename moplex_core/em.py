@@ -406,7 +406,8 @@ def _run_restart(
     starts: list[torch.Tensor] | None = None,
 ) -> EMState:
     """One restart; ``starts`` collects the responsibilities each restart started from (a restart
-    resumed after an iteration is not compared again)."""
+    resumed after an iteration is not compared again, but its start, read back, is there for the
+    restarts after it, as in an uninterrupted run)."""
     seed = config.seed + 1000 * restart
     restart_dir = None if checkpoint_dir is None else Path(checkpoint_dir) / f"restart-{restart:02d}"
     state = load_last_checkpoint(restart_dir) if restart_dir is not None else None
@@ -414,6 +415,9 @@ def _run_restart(
         _keep_only_the_last_state(restart_dir, restart_dir / f"iter-{state.iteration:04d}")  # a kill may have left one
         scorer.load_state_dict(state.scorer_state)
         log.info("restart %d: resuming after iteration %d (LL %.6f)", restart, state.iteration, state.log_likelihood)
+        started = load_start(restart_dir, rankings.example_ids)
+        if starts is not None and started is not None:  # train artifacts before train-5 kept no start
+            starts.append(started)
         if state.converged or state.iteration + 1 >= config.max_iter:
             return state
         gamma, history, start = state.gamma, list(state.history), state.iteration + 1

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from moplex_core.data.synthetic import SyntheticConfig, generate_synthetic
-from moplex_core.em import (EMConfig, Rankings, fit_mixture, initial_responsibilities, likelihood_falls,
+from moplex_core.em import (EMConfig, EMState, Rankings, fit_mixture, initial_responsibilities, likelihood_falls,
                             load_last_checkpoint, posteriors, read_posteriors, save_checkpoint, soft_one_hot)
 from moplex_core.metrics import clustering_accuracy, fit_matching
 from moplex_core.scorers.item import ItemScorer
@@ -138,6 +138,24 @@ def test_a_kmeans_start_that_repeats_an_earlier_one_is_replaced_by_a_dirichlet_d
     dirichlet = initial_responsibilities(EMConfig(k=2, init="dirichlet"), LinearScorer(2, 2), x, rankings, seed=1000,
                                          restart=1)
     assert not torch.equal(kmeans, dirichlet) and result.restarts[1].history != result.restarts[0].history
+
+
+def test_a_run_resumed_in_restart_0_still_replaces_restart_1s_repeated_kmeans_start(tmp_path):
+    _, rankings, x = synthetic(k=2, m=6, n=300, seed=4)
+    config = EMConfig(k=2, restarts=2, max_iter=3, tol=0)
+    whole, _ = fit_mixture(lambda: LinearScorer(2, 2), x, rankings, config, checkpoint_dir=tmp_path / "whole")
+
+    def killed(state: EMState) -> None:
+        if state.restart == 0 and state.iteration == 1:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        fit_mixture(lambda: LinearScorer(2, 2), x, rankings, config, checkpoint_dir=tmp_path / "killed",
+                    on_iteration=killed)
+    resumed, _ = fit_mixture(lambda: LinearScorer(2, 2), x, rankings, config, checkpoint_dir=tmp_path / "killed")
+    start = [read_posteriors(tmp_path / run / "restart-01" / "start.parquet") for run in ("whole", "killed")]
+    assert torch.equal(start[0], start[1])  # the Dirichlet draw, not k-means' repeat of restart 0
+    assert [r.history for r in resumed.restarts] == [r.history for r in whole.restarts]
 
 
 def test_gamma_min_above_one_over_k_is_refused_for_soft_em():
