@@ -13,7 +13,7 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from torch import nn
 
 from moplex_core.lm.loading import load_model
-from moplex_core.lm.multi_lora import PEFT_CONFIG, LoRASettings, MultiLoRA, _LoRALinear
+from moplex_core.lm.multi_lora import PEFT_CONFIG, LoRASettings, MultiLoRA, MultiLoRALinear, _LoRALinear, _Route
 
 SETTINGS = LoRASettings(r=4, alpha=8.0, target_modules=("q_proj", "v_proj", "gate_proj", "down_proj"))
 K = 3
@@ -298,3 +298,30 @@ def test_bf16_model_keeps_float32_adapters_and_matches_float64_closely(tiny_mode
         exact = reference(ids, attention_mask=mask).logits
         approx = low(ids, attention_mask=mask).logits.double()
     assert (approx - exact).abs().max() < 0.05 * exact.abs().max()
+
+
+
+def test_bf16_adapter_gradients_of_a_mixed_batch_are_summed_in_float32():
+    """An M-step pass mixes adapters: each adapter's per-row gradients are gathered back and summed. In
+    bf16 that sum must run in the float32 masters' precision, as a one-adapter batch's GEMM sums it."""
+    def gradient(dtype: torch.dtype, routed: list[int]) -> torch.Tensor:  # adapter 0's A, float64
+        base = nn.Linear(64, 64, dtype=torch.float64).requires_grad_(False)
+        nn.init.normal_(base.weight, generator=torch.Generator().manual_seed(0))
+        route = _Route()
+        layer = MultiLoRALinear(base.to(dtype), 2, LoRASettings(r=8, alpha=16.0), route, torch.Generator())
+        with torch.no_grad():
+            for p in [*layer.lora_A, *layer.lora_B]:
+                p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(2), dtype=torch.float64))
+        present = sorted(set(routed))
+        route.rows, route.present = tuple(routed), tuple(present)
+        route.local = torch.tensor([present.index(c) for c in routed]) if len(present) > 1 else None
+        x = torch.randn(len(routed), 16, 64, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+        w = torch.randn(len(routed), 16, 64, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+        (layer(x.to(dtype)).double() * w).sum().backward()
+        return layer.lora_A[0].grad.double()
+
+    rows, errors = 256, {}
+    for name, routed in (("one adapter", [0] * rows), ("mixed", [0] * (rows - 1) + [1])):
+        exact = gradient(torch.float64, routed)
+        errors[name] = ((gradient(torch.bfloat16, routed) - exact).norm() / exact.norm()).item()
+    assert errors["mixed"] < 1.5 * errors["one adapter"], errors

@@ -109,9 +109,10 @@ class MultiLoRALinear(nn.Module):
         elif torch.is_grad_enabled() and self.lora_A[present[0]].requires_grad:
             # Gradients into the adapters: stack those present and gather per row, so that each
             # adapter's gradient is one accumulating index_put over its rows (deterministic on CUDA,
-            # unlike index_select's index_add), not one addition per row.
-            a = torch.stack([self.lora_A[c] for c in present]).to(x.dtype)[self.route.local]  # [B, d_in, r]
-            b = torch.stack([self.lora_B[c] for c in present]).to(x.dtype)[self.route.local]  # [B, r, d_out]
+            # unlike index_select's index_add), not one addition per row. Gathered before the cast,
+            # so that the sum runs in the masters' float32, as a one-adapter batch's GEMM sums it.
+            a = torch.stack([self.lora_A[c] for c in present])[self.route.local].to(x.dtype)  # [B, d_in, r]
+            b = torch.stack([self.lora_B[c] for c in present])[self.route.local].to(x.dtype)  # [B, r, d_out]
         else:
             a = torch.stack([self.lora_A[c] for c in routed]).to(x.dtype)  # [B, d_in, r]
             b = torch.stack([self.lora_B[c] for c in routed]).to(x.dtype)  # [B, r, d_out]
