@@ -7,13 +7,14 @@ the cache's train split. Layout of the artifact (DESIGN 3)::
         em/restart-RR/start.parquet  the responsibilities that restart started from
         em/restart-RR/iter-NNNN/   posteriors.parquet, scores.parquet, adapters/cN/ (PEFT),
                                    estimation.json (that E-step's estimates against exact scores),
-                                   state.pt (gamma, alpha, adapters, optimizer, shuffling RNG; the
-                                   last whole iteration's only: earlier ones are deleted),
+                                   state.pt (gamma, alpha, adapters, optimizer, shuffling RNG, the
+                                   E-step's offsets for the next M-step, the exact fallback's switch;
+                                   the last whole iteration's only: earlier ones are deleted),
                                    state.json (alpha, log-likelihood, history, step halvings; written last)
         adapters/cN/               the best restart's final adapters (PEFT save_pretrained format)
         posteriors.parquet         its final posteriors (example_id, gamma, assigned)
         start_posteriors.parquet   the responsibilities it started from (EM's init), same columns
-        result.json                alpha, log-likelihood history, step halvings, iterations, restart, seeds,
+        result.json                alpha, log-likelihood history, step halvings, iterations, restart, seed,
                                    the estimation check (the last iteration's, and each iteration's)
 
 A killed run resumes at the last iteration whose state.json exists, with identical results (the

@@ -238,6 +238,22 @@ def test_lora_dropout_masks_depend_on_seed_and_iteration_only(tiny_model_dir, in
     assert torch.equal(torch.rand(3), expected)  # the caller's RNG is left where it was
 
 
+def test_an_m_step_turns_on_lora_dropout_only_not_the_base_models_own(tiny_model_dir, inputs):  # noqa: F811
+    # pi_ref was cached without the base model's dropout (GPT-2's, a config's attention_dropout)
+    policy = LoRAPolicyScorer(tiny_model_dir, 2, lora=dataclasses.replace(SMALL, dropout=0.3), lr=1e-2, batch_size=4,
+                              score_batch_size=4, anchors=None)
+    modes = []
+    attention = next(module for name, module in policy.model.named_modules() if name.endswith("self_attn"))
+    attention.register_forward_pre_hook(lambda module, args: modes.append(("base", module.training)))
+    next(iter(policy.lora.layers.values())).dropout.register_forward_pre_hook(
+        lambda module, args: modes.append(("lora", module.training)))
+    policy.fit(inputs, inputs.rankings(), torch.full((len(inputs), 2), 0.5, dtype=torch.float64), 1)
+    assert set(modes) == {("base", False), ("lora", True)}
+    modes.clear()
+    policy.score(inputs, 1)
+    assert set(modes) == {("base", False), ("lora", False)}
+
+
 def test_m_step_passes_of_a_few_rows_accumulate_the_same_step(tiny_model_dir, inputs):  # noqa: F811
     weights = torch.full((len(inputs), 2), 0.5, dtype=torch.float64)
     whole, split = scorer(tiny_model_dir, anchors=2), scorer(tiny_model_dir, anchors=2)

@@ -231,6 +231,13 @@ class MultiLoRA:
                   for part in ("lora_A", "lora_B") for c in range(self.k)}
         self._parameters = dict(sorted(params.items()))
 
+    def train_dropout(self, active: bool) -> None:
+        """LoRA dropout on (an M-step) or off. Only the adapters' dropout: the base model's own modules
+        keep their mode, eval, so a base model with dropout of its own (GPT-2's, a config's
+        attention_dropout) scores as pi_ref was cached, without it."""
+        for layer in self.layers.values():
+            layer.dropout.train(active)
+
     def named_parameters(self) -> dict[str, nn.Parameter]:
         """Every adapter parameter by a stable name, ``<module>.lora_A.<c>``, sorted (a reproducible
         optimizer order)."""

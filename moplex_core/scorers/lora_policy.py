@@ -166,7 +166,8 @@ class LoRAPolicyScorer:
     share_prompts:     run an (example, cluster)'s prompt once per pass for all its rows in that pass
                        (moplex_core.lm.logprobs.prompt_prefix): the same scores and gradients for
                        fewer tokens. With LoRA dropout the prompt's dropout mask is then shared too.
-    seed:              adapter initialisation (LoRA A), M-step shuffling and anchor draws.
+    seed:              adapter initialisation (LoRA A), M-step shuffling, anchor draws, LoRA dropout
+                       masks and the examples the estimation check and the exact fallback draw.
     exact_fallback:    examples (a seeded draw, `estimate.check_sample`) whose estimated E-step scores
                        are compared with exact ones after every estimated E-step; 0 = never. When the
                        mean error exceeds ``fallback_above`` times the spread of the exact scores (or is
@@ -294,7 +295,7 @@ class LoRAPolicyScorer:
         picks = self._anchor_picks(inputs, iteration, self.anchors)
         offsets = self._offsets(inputs, iteration, picks)  # [n, k, M]
         losses: list[float] = []
-        self.model.train()
+        self.lora.train_dropout(True)
         epochs = self.first_epochs if iteration == 0 else self.epochs
         bar = self._bar(total=epochs * -(-pairs.shape[0] // self.batch_size), desc=f"M-step {iteration}")
         try:
@@ -314,7 +315,7 @@ class LoRAPolicyScorer:
                         bar.set_postfix(weighted_logP=f"{np.mean(losses[-20:]):.4f}")
         finally:
             bar.close()
-            self.model.eval()
+            self.lora.train_dropout(False)
         self.last_fit = {"iteration": iteration, "pairs": int(pairs.shape[0]), "steps": len(losses),
                          "weighted_log_likelihood_last_epoch": float(np.mean(losses[-(len(losses) // epochs):]))}
 
