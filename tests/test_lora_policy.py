@@ -249,6 +249,7 @@ def test_an_m_step_turns_on_lora_dropout_only_not_the_base_models_own(tiny_model
         lambda module, args: modes.append(("lora", module.training)))
     policy.fit(inputs, inputs.rankings(), torch.full((len(inputs), 2), 0.5, dtype=torch.float64), 1)
     assert set(modes) == {("base", False), ("lora", True)}
+    assert all(p.grad is None for p in policy._lora.values())  # not held through the E-step
     modes.clear()
     policy.score(inputs, 1)
     assert set(modes) == {("base", False), ("lora", False)}

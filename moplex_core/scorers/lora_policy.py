@@ -316,6 +316,7 @@ class LoRAPolicyScorer:
         finally:
             bar.close()
             self.lora.train_dropout(False)
+            self.optimizer.zero_grad(set_to_none=True)  # the last step's gradients, k adapters' worth, freed
         self.last_fit = {"iteration": iteration, "pairs": int(pairs.shape[0]), "steps": len(losses),
                          "weighted_log_likelihood_last_epoch": float(np.mean(losses[-(len(losses) // epochs):]))}
 
