@@ -155,7 +155,8 @@ def build_rankings(config: IngestConfig, inputs: dict[str, str] | None = None) -
         table = check_rankings(adapted.rows, labels, config.split.from_source, adapted.where)
         rejected = None
     else:
-        table, rejected = split_rejected(adapted.rows, labels, config.split.from_source, adapted.where)
+        where = None if adapted.where is None else [raw.relative(w) for w in adapted.where]
+        table, rejected = split_rejected(adapted.rows, labels, config.split.from_source, where)
         unreadable = pa.Table.from_pylist([{"row": None, "example_id": None, "field": None, **r} for r in raw.rows],
                                           schema=REJECTED_SCHEMA)
         rejected = pa.concat_tables([unreadable, rejected])

@@ -102,9 +102,10 @@ class RawRejects:
         if not self.drop:
             raise err
         text = record.raw if record.unreadable is not None else json_text(record.data)
-        self.rows.append({"where": self._relative(record.where), "reason": self._relative(str(err)), "record": text})
+        self.rows.append({"where": self.relative(record.where), "reason": self.relative(str(err)), "record": text})
 
-    def _relative(self, text: str) -> str:
+    def relative(self, text: str) -> str:
+        """``text`` with the local source's folder left out of the paths it names."""
         if self.within is None:
             return text
         source = Path(self.within)
