@@ -237,7 +237,7 @@ def _inspect(args: argparse.Namespace) -> int:
         if not target.exists() and is_stage_folder(store.root / args.path):  # a stage's name: its listing
             target = store.root / args.path
         print(inspect_path(target, rows=args.rows))
-    except (FileNotFoundError, ArtifactError) as err:
+    except (FileNotFoundError, ArtifactError, ValueError) as err:
         print(f"moplex inspect: {err}", file=sys.stderr)
         return 1
     return 0

@@ -42,7 +42,10 @@ def inspect_path(path: str | Path, rows: int = 3) -> str:
     if path.is_file() and path.name == MANIFEST and is_version_folder(path.parent):
         return _version_report(path.parent, rows)
     if path.is_file() and path.suffix == ".parquet":
-        return "\n".join(_table_report(path.name, [path], rows))
+        try:
+            return "\n".join(_readable_table_report(path.name, [path], rows))
+        except (pa.ArrowException, OSError) as err:  # asked for by name: an error, not a line of a report
+            raise ValueError(f"{path} is not a readable Parquet file ({err})") from None
     if path.is_dir() and is_version_folder(path):
         return _version_report(path, rows)
     if path.is_dir():

@@ -88,6 +88,8 @@ def test_odd_folders_are_reported_not_crashed_on(tmp_path):
     (w.path / ".started").write_text("2026-11-24T00:00:00+00:00")
     (w.path / "part-00000.parquet").write_bytes(b"PAR1 cut short by a kill")
     assert "-- rows (part-*.parquet): unreadable:" in inspect_path(w.path)
+    with pytest.raises(ValueError, match="part-00000.parquet is not a readable Parquet file"):
+        inspect_path(w.path / "part-00000.parquet")  # asked for by name: `moplex inspect` exits 1
 
 
 def test_other_stages_plug_in_their_own_section(tmp_path, monkeypatch):
