@@ -103,6 +103,8 @@ def plan_train(config: TrainConfig, cache_dir: str | Path, store: ArtifactStore)
     identity = identity_on_this_machine(config.identity(), config.device)
     if config.lora_dropout:  # dropout masks come from the device's generator (see TrainConfig.identity)
         identity["device_type"] = torch.device(resolve_device(config.device)).type
+    if identity["dtype"] == "bfloat16":  # train-11 summed a mixed batch's adapter gradients in bfloat16, now in
+        identity["adapter_gradient_sum"] = "float32"  # float32: new bf16 versions; a float32 run is unchanged
     version = store.version(STAGE, identity, inputs, CODE_VERSION)
     return TrainPlan(ArtifactRef(STAGE, version), store.path(STAGE, version), inputs, manifest["config"]["model"],
                      store.is_complete(STAGE, version))

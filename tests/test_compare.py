@@ -152,7 +152,7 @@ def test_compare_flow_runs_methods_and_seeds_sharing_stages_and_reuses_them(pref
     assert compare_flow(methods, seeds=2, config=base) == folder
     assert {p: p.stat().st_mtime_ns for p in tmp_path.glob("*/*/manifest.json")} == manifests  # all reused
     # --set values on the base: their own comparison, named in its report (this one changes no stage's version)
-    changed = compare_flow(methods, seeds=2, config=base, overrides=["train.score_batch_size=4"])
-    assert changed != folder and "changed by `train.score_batch_size=4`" in open(f"{changed}/report.md").read()
+    changed = compare_flow(methods, seeds=2, config=base, overrides=[f"root={tmp_path}", "train.score_batch_size=4"])
+    assert changed != folder and "changed by `train.score_batch_size=4`;" in open(f"{changed}/report.md").read()
     assert {p: p.stat().st_mtime_ns for p in tmp_path.glob("*/*/manifest.json") if p.parts[-3] != "compare"} == \
         {p: t for p, t in manifests.items() if p.parts[-3] != "compare"}

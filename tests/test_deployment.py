@@ -133,10 +133,17 @@ def test_deployed_pipeline_runs_fails_on_purpose_and_a_retry_reuses_finished_sta
             "config": {"dataset": "synthetic", "synthetic": {"n": 30}}, "root": str(tmp_path / "alone")}}
         ).raise_for_status().json()
         assert _wait_for_end(client, run["id"], tmp_path)["state"]["type"] == "COMPLETED"
-        logs = client.post("/logs/filter", json={"logs": {"flow_run_id": {"any_": [run["id"]]}}, "limit": 200}
-                           ).raise_for_status().json()
-        assert any(log["name"] == "moplex_core.ingest" and log["message"].startswith("wrote 30 rankings")
-                   for log in logs), [(log["name"], log["message"][:60]) for log in logs]
+        deadline = time.monotonic() + 60  # the run's process sends its logs in batches, after its state
+        while True:
+            logs = client.post("/logs/filter", json={"logs": {"flow_run_id": {"any_": [run["id"]]}}, "limit": 200}
+                               ).raise_for_status().json()
+            wrote = any(log["name"] == "moplex_core.ingest" and log["message"].startswith("wrote 30 rankings")
+                        for log in logs)
+            finished = any("Finished in state Completed" in log["message"] for log in logs)
+            if wrote or finished or time.monotonic() > deadline:
+                break
+            time.sleep(1)
+        assert wrote, [(log["name"], log["message"][:60]) for log in logs]
 
 
 def _start(command: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:

@@ -61,8 +61,8 @@ def test_drop_mode_writes_valid_rows_and_rejected_parquet(tmp_path):
     rejected = pq.read_table(result.path / "rejected.parquet")
     assert rejected.schema == REJECTED_SCHEMA
     assert sorted((r["row"], r["field"], r["where"]) for r in rejected.to_pylist()) == [
-        (1, "ranking", "bad.jsonl line 2"), (2, "responses", "bad.jsonl line 3"), (3, "cluster", "bad.jsonl line 4")
-    ]  # the file named relative to the source, as the version is: the same bytes wherever it lies
+        (1, "ranking", "line 2"), (2, "responses", "line 3"), (3, "cluster", "line 4")
+    ]  # the source file unnamed, as in the version: the same bytes wherever it lies and whatever its name
     assert not any(str(tmp_path) in (r["reason"] or "") for r in rejected.to_pylist())
     manifest = store.manifest(STAGE, result.ref.version)
     assert "rejected.parquet" in manifest["files"] and manifest["summary"]["rejected_rows"] == 3

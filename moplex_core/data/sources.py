@@ -74,9 +74,9 @@ class RawRejects:
     """The records an ingest could not read or that lack the dataset's raw schema. In strict
     validation (``drop`` False) the first one raises `RawSchemaError`; in drop validation each is
     kept in ``rows`` (where, reason, the record as JSON text) and the others are read on. ``within``:
-    the local source (a file or folder); the rows name its files relative to it (the error raised names
-    the whole path), so that rejected.parquet does not depend on where the source lies, as its version
-    does not."""
+    the local source (a file or folder); the rows name its files relative to it, a single file not at
+    all ("line 3"; the error raised names the whole path), so that rejected.parquet does not depend on
+    where the source lies or what it is called, as its version does not."""
 
     drop: bool = False
     within: str | None = None
@@ -105,11 +105,12 @@ class RawRejects:
         self.rows.append({"where": self.relative(record.where), "reason": self.relative(str(err)), "record": text})
 
     def relative(self, text: str) -> str:
-        """``text`` with the local source's folder left out of the paths it names."""
+        """``text`` with the local source left out of the paths it names: a folder's files relative to it,
+        a single file's name dropped."""
         if self.within is None:
             return text
         source = Path(self.within)
-        return text.replace(f"{source if source.is_dir() else source.parent}{os.sep}", "")
+        return text.replace(f"{source}{os.sep}" if source.is_dir() else f"{source} ", "")
 
 
 STRICT = RawRejects()  # for adapters called without an ingest's settings

@@ -217,7 +217,7 @@ def write_comparison(store: ArtifactStore, dataset: str, evaluations: list[tuple
     """The `compare` artifact of these evaluations ((method, seed, evaluate folder) each); returns its folder.
 
     The version hashes the dataset name, methods, seeds and the ``overrides`` the base config was made
-    with (``--set`` values, named in the report); the evaluate artifacts are its inputs and pin
+    with (``--set`` values, named in the report; ``root=`` says where, not what, and is left out); the evaluate artifacts are its inputs and pin
     everything else, so a rerun that reuses every stage reuses the report too.
     """
     inputs = {}
@@ -227,8 +227,9 @@ def write_comparison(store: ArtifactStore, dataset: str, evaluations: list[tuple
     methods = list(dict.fromkeys(m for m, _, _ in evaluations))
     seeds = sorted({seed for _, seed, _ in evaluations})
     identity = {"dataset": dataset, "methods": methods, "seeds": seeds}
-    if overrides:  # versions written without any keep their hash
-        identity["overrides"] = list(overrides)
+    changed = [o for o in overrides or [] if not o.startswith("root=")]  # where it is stored, not what
+    if changed:  # without any, the identity holds what it held before overrides were recorded
+        identity["overrides"] = changed
     ref = ArtifactRef(STAGE, store.version(STAGE, identity, inputs, CODE_VERSION))
     if store.is_complete(STAGE, ref.version):
         return store.path(STAGE, ref.version)
@@ -238,7 +239,7 @@ def write_comparison(store: ArtifactStore, dataset: str, evaluations: list[tuple
         if not writer.complete:
             writer.write_table("comparison.parquet", metrics)
             writer.write_file("plots/comparison.png", comparison_plot(metrics, chance))
-            writer.write_file("report.md", _report(metrics, dataset, seeds, evaluations, chance, overrides or []))
+            writer.write_file("report.md", _report(metrics, dataset, seeds, evaluations, chance, changed))
             writer.summary.update(identity)
     return store.path(STAGE, ref.version)
 
