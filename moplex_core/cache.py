@@ -313,17 +313,18 @@ def _ended(table: pa.Table) -> list[list[bool]]:
 
 
 def _prompts_holding(table: pa.Table, texts: list[str]) -> tuple[int, list[str]]:
-    """How many rows' prompts (the messages where the row has them, else the text) hold one of
-    ``texts``, and which of them occur."""
-    prompts = table.column("prompt")
-    if "prompt_messages" in table.column_names:
-        prompts = pc.coalesce(table.column("prompt_messages").cast(pa.string()), prompts)
-    holding, found = np.zeros(table.num_rows, dtype=bool), []
-    for text in sorted(set(filter(None, texts))):
-        rows = np.asarray(pc.fill_null(pc.match_substring(prompts, text), False))
-        if rows.any():
-            holding, found = holding | rows, [*found, text]
-    return int(holding.sum()), found
+    """How many rows' prompts (the messages' contents where the row has them, else the text) hold one
+    of ``texts``, and which of them occur."""
+    texts = sorted(set(filter(None, texts)))
+    messages = table.column("prompt_messages").to_pylist() if "prompt_messages" in table.column_names else None
+    holding, found = 0, set()
+    for i, prompt in enumerate(table.column("prompt").to_pylist()):
+        if messages is not None and messages[i]:
+            prompt = "\n".join(str(message.get("content", "")) for message in json.loads(messages[i]))
+        occurring = [text for text in texts if text in prompt]
+        holding += bool(occurring)
+        found.update(occurring)
+    return holding, sorted(found)
 
 
 def _response_text(table: pa.Table, row: int, j: int) -> str:

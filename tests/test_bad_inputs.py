@@ -320,7 +320,9 @@ def test_the_cache_reports_truncated_responses_and_prompts_in_its_manifest_and_l
     rows = [{"example_id": f"e{i}", "prompt_id": f"p{i}",
              "prompt": "Rank by criterion 0: which list is best?" + " Think twice." * 10 * (i == 3)
              + " <|im_end|>" * (i == 1),
-             "prompt_messages": None, "responses": ["1 2", long if i < 2 else "3", "5<|im_end|>" if i == 0 else "5"],
+             # row 2's messages hold it JSON-escaped (ensure_ascii): what the template renders counts
+             "prompt_messages": '[{"role": "user", "content": "Rank: \\u003c|im_end|\\u003e?"}]' if i == 2 else None,
+             "responses": ["1 2", long if i < 2 else "3", "5<|im_end|>" if i == 0 else "5"],
              "ranking": [[0], [1], [2]],
              "ranked_prefix": 3, "cluster": "c0", "split": "train", "source": "test",
              # generations that max_new_tokens cut (no EOS either way): the cache cuts the long one again
@@ -335,8 +337,8 @@ def test_the_cache_reports_truncated_responses_and_prompts_in_its_manifest_and_l
     assert "6 response(s) are longer than cache.max_response_tokens = 8" in caplog.text
     assert summary["prompts_at_max_prompt_tokens"] == 1  # the long one; the chat-rendered others are shorter
     assert summary["responses_ending_with_eos_text"] == 1
-    assert summary["prompts_with_special_token_text"] == 1
-    assert "1 prompt(s) hold the text of special tokens ('<|im_end|>'): it is encoded as those control" in caplog.text
+    assert summary["prompts_with_special_token_text"] == 2
+    assert "2 prompt(s) hold the text of special tokens ('<|im_end|>'): it is encoded as those control" in caplog.text
     assert "1 response(s) end with the tokenizer's eos_token text '<|im_end|>'" in caplog.text
     assert "1 prompt(s) reach cache.max_prompt_tokens = 40 tokens: they were cut from the left" in caplog.text
 
