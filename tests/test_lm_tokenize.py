@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -62,6 +64,20 @@ def test_without_chat_template_the_prompt_is_plain_text(tiny_tokenizer: PreTrain
     assert tiny_tokenizer.decode(seq.input_ids[seq.response_start :]) == " 2<|im_end|>"
     with pytest.raises(ValueError, match="set use_chat_template = true, give the model a chat template, or ingest"):
         encode_prompt(tiny_tokenizer, [{"role": "user", "content": "hi"}], use_chat_template=False)
+
+
+def test_without_chat_template_an_eos_the_tokenizer_appends_does_not_end_the_prompt(
+        tiny_tokenizer: PreTrainedTokenizerBase) -> None:
+    from tokenizers.processors import TemplateProcessing
+
+    closing = copy.deepcopy(tiny_tokenizer)  # a tokenizer set to close every text with EOS (add_eos_token)
+    eos = (closing.eos_token, closing.eos_token_id)
+    closing.backend_tokenizer.post_processor = TemplateProcessing(single=f"$A {eos[0]}", special_tokens=[eos])
+    assert closing("Question?")["input_ids"][-1] == closing.eos_token_id
+    assert encode_prompt(closing, "Question?", use_chat_template=False) == \
+        encode_prompt(tiny_tokenizer, "Question?", use_chat_template=False)
+    written = encode_prompt(tiny_tokenizer, "Question?<|im_end|>", use_chat_template=False)  # in the text itself
+    assert written[-1] == tiny_tokenizer.eos_token_id
 
 
 def test_a_prompt_without_tokens_is_refused(tiny_tokenizer: PreTrainedTokenizerBase) -> None:

@@ -9,7 +9,8 @@ Layout rules:
 - With ``use_chat_template`` and a tokenizer that has a chat template, the prompt is rendered as a
   user turn followed by the assistant header (``add_generation_prompt=True``); the response is the
   assistant's content and EOS (for Qwen chat models ``<|im_end|>``) closes the turn. Without a
-  template the prompt text is encoded as is, with the tokenizer's own special tokens (BOS, if any).
+  template the prompt text is encoded as is, with the tokenizer's own special tokens (BOS, if any;
+  not an EOS it would append, as Llama's ``add_eos_token`` does: the response follows).
 - The response is encoded as the model generates it, after the prompt's last token: on its own,
   never merged with the prompt's last characters (a response that starts with a newline after a
   template that ends with one keeps its own newline token, where encoding the joined text would make
@@ -94,7 +95,10 @@ def encode_prompt(
         # The rendered template already holds every special token the model expects.
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     elif isinstance(prompt, str):
-        ids = tokenizer(prompt, add_special_tokens=True)["input_ids"]
+        ids = list(tokenizer(prompt, add_special_tokens=True)["input_ids"])
+        if ids and ids[-1] == tokenizer.eos_token_id and ids[-1:] != tokenizer(prompt, add_special_tokens=False)[
+                "input_ids"][-1:]:
+            ids = ids[:-1]  # a tokenizer that closes every text with EOS (add_eos_token) would end the turn here
     else:
         raise ValueError(
             "the prompt is a list of chat messages (prompt_messages), which needs use_chat_template = true "
