@@ -294,7 +294,7 @@ def build_parser() -> argparse.ArgumentParser:
     compare = exp_sub.add_parser(
         "compare",
         help="baselines and ablations (methods) x seeds on one dataset preset, one report in the shape of "
-        "paper Tables 2 and 3",
+        "paper Tables 3 and 4",
         description="Run every METHOD (a preset of the one engine: "
         + "; ".join(f"{m.name} = {m.paper}" for m in METHODS.values())
         + ") with train seeds SEED..SEED+SEEDS-1 on the pipeline preset --data, as subflows of one Prefect "

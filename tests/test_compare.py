@@ -8,7 +8,7 @@ import pytest
 from moplex_core.artifacts import verify
 from moplex_core.config import PipelineConfig, pipeline_preset, with_overrides
 from moplex_core.methods import METHODS, method_config
-from moplex_core.experiments.compare import chance_level, em_start_table, plan_runs, table2, table3
+from moplex_core.experiments.compare import chance_level, em_start_table, per_cluster_shape, plan_runs, summary_shape
 
 TINY_BASE = PipelineConfig.model_validate({
     "ingest": {"dataset": "synthetic", "synthetic": {"n": 36, "k": 3, "m": 3},
@@ -84,7 +84,7 @@ def test_tables_report_percent_mean_and_sample_std_over_seeds():
                  ("dpo", "test", "ranking_accuracy_posterior", "b", 0.5, seed),
                  ("dpo", "test", "ranking_accuracy_posterior", "all", 0.5, seed)]
     metrics = _metrics(rows)
-    t2 = table2(metrics, "toy")
+    t2 = summary_shape(metrics, "toy")
     # clustering accuracy: mean 70.0, sample std of (0.6, 0.8) = 0.1414 -> 14.1; dpo (k = 1) has no clustering row
     assert "| MoPLEx (Alg. 2) (`moplex`) | 70.0 ± 14.1 |" in t2
     assert t2.count("`dpo`") == 1 and "| DPO (`dpo`) | 50.0 ± 0.0 |" in t2
@@ -94,13 +94,13 @@ def test_tables_report_percent_mean_and_sample_std_over_seeds():
     labelled = pd.concat([metrics_with_diagnostics, _metrics([("moplex", "test", "clustering_accuracy", c, 0.5, 0)
                                                                for c in "ab"])])
     assert chance_level(labelled) == 0.5
-    t3 = table3(metrics)
+    t3 = per_cluster_shape(metrics)
     assert t3.splitlines()[0] == "| method | a | b | Average |"
     assert "| MoPLEx (Alg. 2) (`moplex`) | 75.0 ± 7.1 | 80.0 ± 14.1 | 77.5 ± 3.5 |" in t3
     # a label with no rankings in the split: evaluate writes NaN, the tables a dash (as its own report)
     empty = pd.concat([metrics, _metrics([("moplex", "test", "ranking_accuracy_posterior", "c", float("nan"), s)
                                           for s in (0, 1)])])
-    assert "| MoPLEx (Alg. 2) (`moplex`) | 75.0 ± 7.1 | 80.0 ± 14.1 | - | 77.5 ± 3.5 |" in table3(empty)
+    assert "| MoPLEx (Alg. 2) (`moplex`) | 75.0 ± 7.1 | 80.0 ± 14.1 | - | 77.5 ± 3.5 |" in per_cluster_shape(empty)
 
 
 def test_the_em_start_table_shows_start_end_and_their_agreement_per_method():
@@ -140,7 +140,7 @@ def test_compare_flow_runs_methods_and_seeds_sharing_stages_and_reuses_them(pref
     assert sorted(set(zip(comparison.method, comparison.seed))) == sorted((m, s) for m in methods for s in (0, 1))
     report = open(f"{folder}/report.md").read()
     assert report.startswith(f"# moplex method comparison on `{base.ingest.dataset}`")
-    assert "## Paper Table 2 shape" in report and "MaxMin" not in report and "EM-DPO (`mixture_bt`) |" in report
+    assert "## Paper Table 3 shape" in report and "MaxMin" not in report and "EM-DPO (`mixture_bt`) |" in report
     kept = report.split("## What EM kept of its start")[1].split("\n## ")[0]
     assert "| MoPLEx (Alg. 2) (`moplex`) | " in kept and "| EM-DPO (`mixture_bt`) | " in kept
     assert "| w/o mixture models (`k1`) | - | - | - | " in kept

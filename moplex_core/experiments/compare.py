@@ -1,4 +1,4 @@
-"""Baselines and ablations as presets of one engine, and the comparison report (paper Tables 2, 3).
+"""Baselines and ablations as presets of one engine, and the comparison report (paper Tables 3, 4).
 
 A *method* (moplex_core.methods.METHODS) is a list of ``key=value`` overrides applied to a base pipeline config (a `PipelineConfig`
 whose train/augment settings are MoPLEx itself: generated responses and a < m' anchors). Every
@@ -92,8 +92,8 @@ def _cell(mean: float, std: float) -> str:
     return f"{100 * mean:.1f}" if np.isnan(std) else f"{100 * mean:.1f} ± {100 * std:.1f}"
 
 
-def table2(metrics: pd.DataFrame, dataset: str, split: str = SPLIT) -> str:
-    """Paper Table 2's shape: clustering accuracy of the mixture methods, then the ranking accuracy
+def summary_shape(metrics: pd.DataFrame, dataset: str, split: str = SPLIT) -> str:
+    """Paper Table 3's shape: clustering accuracy of the mixture methods, then the ranking accuracy
     (posterior-routed, the paper's number) of every method, on one dataset; % mean ± std over seeds."""
     methods = list(dict.fromkeys(metrics.method))
     lines = [f"| Methods | {dataset} |", "|---|---|", "| **Clustering accuracy** | |"]
@@ -106,8 +106,8 @@ def table2(metrics: pd.DataFrame, dataset: str, split: str = SPLIT) -> str:
     return "\n".join(lines)
 
 
-def table3(metrics: pd.DataFrame, metric: str = "ranking_accuracy_posterior", split: str = SPLIT) -> str:
-    """Paper Table 3's shape: ``metric`` per true cluster and their average, one row per method
+def per_cluster_shape(metrics: pd.DataFrame, metric: str = "ranking_accuracy_posterior", split: str = SPLIT) -> str:
+    """Paper Table 4's shape: ``metric`` per true cluster and their average, one row per method
     (only the mixtures for clustering accuracy)."""
     stats = summary_table(metrics, metric, split)
     if metric == "clustering_accuracy":
@@ -217,8 +217,9 @@ def write_comparison(store: ArtifactStore, dataset: str, evaluations: list[tuple
     """The `compare` artifact of these evaluations ((method, seed, evaluate folder) each); returns its folder.
 
     The version hashes the dataset name, methods, seeds and the ``overrides`` the base config was made
-    with (``--set`` values, named in the report; ``root=`` says where, not what, and is left out); the evaluate artifacts are its inputs and pin
-    everything else, so a rerun that reuses every stage reuses the report too.
+    with (``--set`` values, named in the report; ``root=`` says where, not what, and is left out); the
+    evaluate artifacts are its inputs and pin everything else, so a rerun that reuses every stage
+    reuses the report too.
     """
     inputs = {}
     for method, seed, path in evaluations:
@@ -257,14 +258,14 @@ def _report(metrics: pd.DataFrame, dataset: str, seeds: list[int], evaluations: 
         f"{len(methods)} methods x {len(seeds)} seeds (train.seed = {', '.join(map(str, seeds))}), {SPLIT} split; "
         "% mean ± std over seeds (sample std). Cluster ids are matched to the true labels on validation"
         + chance_note + "Ranking accuracy is routed by each ranking's own posterior (the paper's number); the "
-        "oracle and marginal variants are in the last table and in comparison.parquet. In the Table 2 and 3 "
+        "oracle and marginal variants are in the last table and in comparison.parquet. In the Table 3 and 4 "
         "shapes a method's value is, per seed, the mean over the true clusters (each cluster weighted alike, as "
         "the paper's tables average their columns); the last table's are over all rankings, as in each run's "
         "own report.",
         "",
-        "## Paper Table 2 shape",
+        "## Paper Table 3 shape",
         "",
-        table2(metrics, dataset),
+        summary_shape(metrics, dataset),
         "",
         "![comparison](plots/comparison.png)",
         "",
@@ -273,13 +274,13 @@ def _report(metrics: pd.DataFrame, dataset: str, seeds: list[int], evaluations: 
         em_start_table(metrics) or ("No run has a start to compare with: k = 1 methods have none, and train "
                                     "artifacts before train-5 did not keep it."),
         "",
-        "## Paper Table 3 shape: ranking accuracy per true cluster",
+        "## Paper Table 4 shape: ranking accuracy per true cluster",
         "",
-        table3(metrics),
+        per_cluster_shape(metrics),
         "",
         "## Clustering accuracy per true cluster (recall of each label)",
         "",
-        table3(metrics, "clustering_accuracy"),
+        per_cluster_shape(metrics, "clustering_accuracy"),
         "",
         "## Every headline metric (mean over seeds, fractions)",
         "",
