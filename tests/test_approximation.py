@@ -12,9 +12,19 @@ from moplex_core.cache import load_policy_inputs, run_cache
 from moplex_core.cli import main
 from moplex_core.config import CacheConfig, IngestConfig, SplitConfig, TinyModelConfig
 from moplex_core.estimate import ESTIMATION_MODES
-from moplex_core.experiments.approximation import approximation_markdown, summarise
+from moplex_core.experiments.approximation import approximation_markdown, sample_examples, summarise
 from moplex_core.ingest import run_ingest
 from moplex_core.tiny_model import run_tiny_model
+
+
+def test_examples_are_drawn_at_random_once_per_distinct_set_of_responses(caches):
+    cache, _ = caches
+    inputs, _ = load_policy_inputs(cache, "train")
+    doubled = inputs.subset(list(range(len(inputs))) * 2)  # every row twice, as UltraFeedback's criteria share
+    draws = [sample_examples(doubled, len(inputs), seed) for seed in (0, 1)]
+    assert draws[0] == list(range(len(inputs)))  # all distinct ones, each once, the first of its copies
+    assert sample_examples(doubled, 4, 0) != sample_examples(doubled, 4, 1)
+    assert sample_examples(doubled, 4, 0) == sample_examples(doubled, 4, 0)
 
 
 def test_summarise_takes_each_seeds_bin_mean_then_mean_and_std_over_seeds():
@@ -64,7 +74,9 @@ def test_the_command_measures_both_modes_for_every_non_anchor_response(caches, t
     # 2 seeds x 4 examples x 2 adapters x (m - 1 = 2 responses besides the anchor) x 2 modes
     assert len(errors) == 2 * 4 * 2 * 2 * len(ESTIMATION_MODES) and set(errors["mode"]) == set(ESTIMATION_MODES)
     inputs, _ = load_policy_inputs(cache, "train")
-    assert set(errors.example_id) == set(inputs.example_ids[:4])
+    for seed in (0, 1):  # each seed's own random draw of 4 examples
+        picked = {inputs.example_ids[i] for i in sample_examples(inputs, 4, seed)}
+        assert set(errors.example_id[errors.seed == seed]) == picked
     anchors = errors.groupby(["seed", "example_id"]).response_idx.unique()
     assert all(len(others) == 2 for others in anchors)  # one anchor per example and seed, the same for every adapter
     assert (errors.distance > 0).all() and np.isfinite(errors.relative_squared_error).all()

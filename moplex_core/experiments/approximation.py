@@ -1,7 +1,8 @@
 """Approximation error of the first-order score estimate (paper Table 1 and appendix table 5).
 
-For each seed: k adapters are trained briefly on the cache's examples (so that r != 0), then for
-every example one anchor y_i is drawn and every other response y_j is estimated from it alone
+For each seed: ``examples`` examples are drawn at random among those with distinct responses (the
+paper's "randomly selected examples"), k adapters are trained briefly on them (so that r != 0), then
+for every example one anchor y_i is drawn and every other response y_j is estimated from it alone
 (moplex_core.estimate, both modes) and compared with its exact score r_c(y_j):
 
     relative squared error  (eps / r)^2 = ((r_hat_c(y_j) - r_c(y_j)) / r_c(y_j))^2
@@ -117,6 +118,18 @@ def approximation_markdown(table: pd.DataFrame) -> str:
     return "\n".join(lines)
 
 
+def sample_examples(inputs: PolicyInputs, n: int, seed: int) -> list[int]:
+    """``n`` examples drawn at random (seeded), in table order, among those with distinct token
+    sequences: rows that share a prompt and its responses (UltraFeedback's 4 criteria of one prompt)
+    measure the same estimates, and count once."""
+    distinct: dict[tuple, int] = {}
+    for i, sequences in enumerate(inputs.sequences):
+        distinct.setdefault(tuple(tuple(s.input_ids) for s in sequences), i)
+    rows = sorted(distinct.values())
+    picked = np.random.default_rng([seed, 1]).choice(len(rows), size=min(n, len(rows)), replace=False)
+    return sorted(rows[i] for i in picked)
+
+
 def run_approximation(
     model: str | Path, inputs: PolicyInputs, config: ApproximationConfig, out: Path | None = None,
     *, progress: bool = False,
@@ -127,9 +140,9 @@ def run_approximation(
     if inputs.ref_contraction is None:
         raise ValueError("the approximation experiment estimates scores from the reference contractions s_ref, and "
                          "this cache has none (cache.contractions = false); give a cache built with them")
-    examples = inputs.subset(range(min(config.examples, len(inputs))))
     frames = []
     for seed in config.seeds:
+        examples = inputs.subset(sample_examples(inputs, config.examples, seed))
         scorer = LoRAPolicyScorer(model, config.k, beta=config.beta, anchors=None, lora=config.lora, lr=config.lr,
                                   epochs=config.train_epochs, batch_size=8, seed=seed, progress=progress)
         gamma = torch.as_tensor(np.random.default_rng(seed).dirichlet(np.ones(config.k), len(examples)))
