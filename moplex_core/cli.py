@@ -6,6 +6,7 @@ import argparse
 import os
 import re
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import get_args
 
@@ -165,6 +166,7 @@ def _assign(args: argparse.Namespace) -> int:
     # In this process, without Prefect, like `moplex ingest`.
     from moplex_core.artifacts import ArtifactError, ArtifactStore
     from moplex_core.assign import run_assign
+    from moplex_core.report import markdown_cell
 
     store = ArtifactStore(args.root)
     try:
@@ -186,7 +188,7 @@ def _assign(args: argparse.Namespace) -> int:
         names = list(summary["assigned"])
         print(f"\n| true label | {' | '.join(f'adapter {n}' for n in names)} |\n|---|{'---|' * len(names)}")
         for label, row in summary["labels_by_assigned"].items():
-            print(f"| {label} | {' | '.join(str(row[n]) for n in names)} |")
+            print(f"| {markdown_cell(label)} | {' | '.join(str(row[n]) for n in names)} |")
         agreement = summary["agreement_with_labels"]
         print(f"\nagreement with the labels: {agreement['accuracy_best_matching']:.1%} under the best matching of "
               f"adapters to labels (fitted on these rankings), adjusted Rand index {agreement['adjusted_rand_index']:.3f}")
@@ -255,17 +257,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ident.add_argument("--out", default="data/artifacts/experiments/identifiability",
                        help="folder for results.parquet, table.md and accuracy_vs_m.png (default: %(default)s)")
-    ident.add_argument("--seed", type=int, default=0, help="first seed")
-    ident.add_argument("--seeds", type=int, default=3, help="number of seeds")
+    ident.add_argument("--seed", type=_int_at_least(0), default=0, help="first seed")
+    ident.add_argument("--seeds", type=_positive_int, default=3, help="number of seeds")
     ident.add_argument("--n", type=_positive_int, default=2000, help="training rankings per run (default: %(default)s)")
     ident.add_argument("--n-test", type=_positive_int, default=20000,
                        help="test rankings per run, scored by EM and the oracle alike (default: %(default)s)")
-    ident.add_argument("--k", type=int, nargs="+", default=[2, 3, 4], help="numbers of clusters (default: 2 3 4)")
-    ident.add_argument("--m", type=int, nargs="+", default=[2, 3, 4, 5, 6, 7, 8],
+    ident.add_argument("--k", type=_positive_int, nargs="+", default=[2, 3, 4], help="numbers of clusters (default: 2 3 4)")
+    ident.add_argument("--m", type=_int_at_least(2), nargs="+", default=[2, 3, 4, 5, 6, 7, 8],
                        help="ranking lengths, responses per ranking (default: 2 to 8)")
-    ident.add_argument("--noise", type=float, default=1.0, help="Gumbel noise scale")
-    ident.add_argument("--max-iter", type=int, default=100, help="EM iterations at most")
-    ident.add_argument("--restarts", type=int, default=4,
+    ident.add_argument("--noise", type=_nonnegative_float, default=1.0, help="Gumbel noise scale")
+    ident.add_argument("--max-iter", type=_positive_int, default=100, help="EM iterations at most")
+    ident.add_argument("--restarts", type=_positive_int, default=4,
                        help="EM restarts, the best log-likelihood kept (default: %(default)s)")
     ident.add_argument("--quiet", action="store_true", help="no progress bar")
     ident.set_defaults(func=_experiment_identifiability)
@@ -281,10 +283,10 @@ def build_parser() -> argparse.ArgumentParser:
     approx.add_argument("--out", help="folder for errors.parquet, table.parquet and table.md (default: "
                                       "ROOT/experiments/approximation)")
     approx.add_argument("--split", default="train", help="cache split to measure on")
-    approx.add_argument("--k", type=int, default=3, help="adapters trained briefly before measuring")
-    approx.add_argument("--seed", type=int, default=0, help="first seed")
+    approx.add_argument("--k", type=_positive_int, default=3, help="adapters trained briefly before measuring")
+    approx.add_argument("--seed", type=_int_at_least(0), default=0, help="first seed")
     approx.add_argument("--seeds", type=_positive_int, default=3, help="number of seeds")
-    approx.add_argument("--examples", type=int, default=50, help="examples per seed")
+    approx.add_argument("--examples", type=_positive_int, default=50, help="examples per seed")
     approx.add_argument("--quiet", action="store_true", help="no progress bar")
     approx.set_defaults(func=_experiment_approximation)
 
@@ -305,8 +307,8 @@ def build_parser() -> argparse.ArgumentParser:
     compare.add_argument("methods", nargs="*", metavar="METHOD", help=f"default: all ({', '.join(METHODS)})")
     compare.add_argument("--data", default="synthetic-compare",
                          help="the base pipeline preset: MoPLEx itself (generated responses, train.anchors < m')")
-    compare.add_argument("--seeds", type=int, default=3, help="number of train seeds")
-    compare.add_argument("--seed", type=int, default=0, help="first train seed")
+    compare.add_argument("--seeds", type=_positive_int, default=3, help="number of train seeds")
+    compare.add_argument("--seed", type=_int_at_least(0), default=0, help="first train seed")
     compare.add_argument("--root", help="artifact root (default: the preset's)")
     compare.add_argument("--threads", type=_positive_int, help="torch CPU threads (as moplex run)")
     compare.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
@@ -395,20 +397,36 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("path", help="a version folder, manifest.json, Parquet file, root or stage folder, "
                                       "or stage/version under --root (a version prefix is enough, e.g. ingest/3fa2)")
     inspect.add_argument("--root", default="data/artifacts", help="artifact root for stage/version")
-    inspect.add_argument("--rows", type=int, default=3, help="first rows to show per table")
+    inspect.add_argument("--rows", type=_int_at_least(0), default=3, help="first rows to show per table")
     inspect.set_defaults(func=_inspect)
     return parser
 
 
-def _positive_int(text: str) -> int:
-    """An argparse type: an integer of at least 1."""
+def _int_at_least(low: int) -> Callable[[str], int]:
+    """An argparse type: an integer of at least ``low``."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = low - 1
+        if value < low:
+            raise argparse.ArgumentTypeError(f"expected an integer of at least {low}, got {text!r}")
+        return value
+    return parse
+
+
+def _nonnegative_float(text: str) -> float:
+    """An argparse type: a finite number of at least 0."""
     try:
-        value = int(text)
+        value = float(text)
     except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer of at least 1, got {text!r}")
+        value = -1.0
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a finite number of at least 0, got {text!r}")
     return value
+
+
+_positive_int = _int_at_least(1)
 
 
 def main(argv: list[str] | None = None) -> int:

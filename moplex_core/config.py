@@ -10,11 +10,12 @@ from __future__ import annotations
 import difflib
 import json
 import os
+import re
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from moplex_core.hashing import canonical_json, short_hash
 
@@ -35,9 +36,20 @@ C = TypeVar("C", bound=BaseModel)
 
 
 class Options(BaseModel):
-    """A frozen block of settings; unknown keys are errors."""
+    """A frozen block of settings; unknown keys are errors, and so are NaN and infinity (JSON and
+    Python read them; they would pass the bounds and fail a stage later)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+
+def _torch_device(value: str) -> str:
+    if not re.fullmatch(r"auto|cpu|mps|cuda(:\d+)?", value):
+        raise ValueError(f"{value!r} is not a device: give auto, cpu, cuda, cuda:N or mps")
+    return value
+
+
+Device = Annotated[str, AfterValidator(_torch_device)]
+"""Where a stage runs: refused up front when torch could not parse it (not after the stages before)."""
 
 
 class StageConfig(Options):
@@ -56,8 +68,9 @@ def with_overrides(config: C, assignments: Sequence[str]) -> C:
     """A copy of ``config`` with ``key=value`` assignments applied (dotted keys reach nested blocks).
 
     Values are read as JSON when they parse (``3``, ``0.5``, ``true``, ``null``, ``[0.8, 0.1, 0.1]``)
-    and as plain strings otherwise. Unknown keys and invalid values raise one ``ValueError`` naming
-    every one of them.
+    and as plain strings otherwise; a setting that holds a string keeps the text as typed unless it
+    is ``null`` (a root or revision named ``2024``). Unknown keys and invalid values raise one
+    ``ValueError`` naming every one of them.
     """
     data = config.model_dump(mode="json")
     known = _dotted_keys(data)
@@ -79,7 +92,8 @@ def with_overrides(config: C, assignments: Sequence[str]) -> C:
                 break
             node = node[part]
         else:
-            node[leaf] = value
+            typed_text = isinstance(node.get(leaf), str) and value is not None and not isinstance(value, str)
+            node[leaf] = raw if typed_text else value
     try:
         validated = type(config).model_validate(data)
     except ValidationError as err:
@@ -335,7 +349,7 @@ class IngestConfig(StageConfig):
     """Made absolute (`absolute_path`), as every local path of these configs."""
     hub_name: str | None = None
     revision: str | None = None
-    seed: int = 0
+    seed: int = Field(0, ge=0)
     split: SplitConfig = SplitConfig()
     validation: Literal["strict", "drop"] = "strict"
     labels: tuple[str, ...] | None = None
@@ -482,7 +496,7 @@ class AugmentConfig(StageConfig):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """Weights and activations; ``auto`` is bfloat16 on a GPU and float32 on the CPU (hf: the version
     holds the dtype ``auto`` resolves to, `identity_on_this_machine`)."""
-    device: str = "auto"
+    device: Device = "auto"
     """hf only: ``auto`` (cuda when available, else cpu), ``cpu``, ``cuda``, ``cuda:1``, ..."""
     use_chat_template: bool = True
     max_prompt_tokens: int | None = Field(None, ge=1)
@@ -552,7 +566,7 @@ class CacheConfig(StageConfig):
     dtype: ModelDtype = "auto"
     """``auto`` is bfloat16 on a GPU and float32 on the CPU (the version holds the dtype it resolves to,
     `identity_on_this_machine`); log-probs accumulate in float32/64."""
-    device: str = "auto"
+    device: Device = "auto"
     chunk_size: int = Field(1024, ge=1)
     """Response positions projected to the vocabulary at a time."""
     contractions: bool = True
@@ -651,10 +665,10 @@ class TrainConfig(StageConfig):
     backtracks: int = Field(0, ge=0)
     estimation_check: int = Field(64, ge=0)
     exact_fallback: float | None = Field(None, gt=0.0)
-    seed: int = 0
+    seed: int = Field(0, ge=0)
     dtype: ModelDtype = "auto"
     """As the cache's: versioned as the dtype it resolves to on the machine that trains."""
-    device: str = "auto"
+    device: Device = "auto"
     score_batch_size: int = Field(32, ge=1)
     chunk_size: int = Field(1024, ge=1)
     share_prompts: bool = True
@@ -734,7 +748,15 @@ class TinyModelConfig(StageConfig):
     max_positions: int = Field(1024, ge=64)
     pretrain_steps: int = Field(150, ge=0)
     max_pairs: int = Field(4000, ge=1)
-    seed: int = 0
+    seed: int = Field(0, ge=0)
+
+    @model_validator(mode="after")
+    def _heads_fit(self) -> TinyModelConfig:
+        head, rest = divmod(self.hidden_size, self.heads)
+        if rest or self.heads % self.kv_heads or head % 2:
+            raise ValueError(f"tiny_model: hidden_size {self.hidden_size} / heads {self.heads} must be a whole, even "
+                             f"head size (rotary embeddings) and heads a multiple of kv_heads {self.kv_heads}")
+        return self
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -752,7 +774,7 @@ class EvaluateConfig(StageConfig):
     fit_split: str = "validation"
     method: str = "moplex"
     """The `method` column of metrics.parquet (a baseline preset names itself here)."""
-    device: str = "auto"
+    device: Device = "auto"
     score_batch_size: int = Field(32, ge=1)
 
     @model_validator(mode="after")
@@ -810,6 +832,8 @@ class PipelineConfig(Options):
     @field_validator("root")
     @classmethod
     def _absolute_root(cls, v: str) -> str:
+        if not v.strip():
+            raise ValueError("root is empty; name the folder the artifacts go under (e.g. data/artifacts)")
         return absolute_path(v)
 
     def uses_tiny_model(self) -> bool:

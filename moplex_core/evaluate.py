@@ -176,7 +176,7 @@ def _name(c: int, label_names: list[str] | None) -> str:
 # the evaluate stage: a train artifact and its cache in, `evaluation` out (DESIGN 3, 7)
 
 STAGE = "evaluate"
-CODE_VERSION = "evaluate-7"  # bump when a change to this stage changes what it writes (7: top-l pairs, matched_adapter)
+CODE_VERSION = "evaluate-8"  # bump when a change to this stage changes what it writes (8: plots, "|" in labels)
 METRICS_FILE = "metrics.parquet"
 METRICS_COLUMNS = ("method", "split", "metric", "cluster", "value", "seed")
 

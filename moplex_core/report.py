@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
 
 from moplex_core.em import likelihood_falls
 from moplex_core.evaluate import EM_START_SPLIT, MATCHED_ADAPTER
@@ -142,14 +143,20 @@ def _em_start_section(rows: pd.DataFrame) -> list[str]:
     return lines + [""]
 
 
+def markdown_cell(value: object) -> str:
+    """Text for a cell of a markdown table: a label's own "|" (PERSONA's ``age=18-44|sex=Female``)
+    escaped, so it does not split the row."""
+    return str(value).replace("|", "\\|")
+
+
 def markdown_table(frame: pd.DataFrame) -> str:
     """A GitHub table (pandas' to_markdown needs tabulate, which we do not depend on)."""
-    index_names = [n or "" for n in frame.index.names]
-    header = index_names + [str(c) for c in frame.columns]
+    index_names = [markdown_cell(n or "") for n in frame.index.names]
+    header = index_names + [markdown_cell(c) for c in frame.columns]
     rows = []
     for key, values in zip(frame.index, frame.itertuples(index=False), strict=True):
         keys = list(key) if isinstance(key, tuple) else [key]
-        rows.append([str(k) for k in keys] + [_cell(v) for v in values])
+        rows.append([markdown_cell(k) for k in keys] + [markdown_cell(_cell(v)) for v in values])
     return "\n".join(["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
                      + ["| " + " | ".join(row) + " |" for row in rows])
 
@@ -176,7 +183,9 @@ def _cluster_accuracy_plot(clusters: pd.DataFrame, split: str) -> bytes:
     for i, name in enumerate(series):
         ax.bar(x + (i - (len(series) - 1) / 2) * width, clusters[name].to_numpy(), width,
                label=name.replace("ranking_accuracy_", "ranking "))
-    ax.set_xticks(x, clusters.index.astype(str))
+    long = clusters.index.astype(str).str.len().max() > 8  # PERSONA's profiles: slanted, or they overlap
+    ax.set_xticks(x, clusters.index.astype(str), rotation=30 if long else 0, ha="right" if long else "center",
+                  fontsize=7 if long else None)
     ax.set_xlabel("true label")
     ax.set_ylim(0, 1)
     ax.set_ylabel("accuracy")
@@ -225,6 +234,7 @@ def _log_likelihood_plot(history: list[float]) -> bytes:
     figure = Figure(figsize=(4.5, 3.2))
     ax = figure.subplots()
     ax.plot(np.arange(len(history)), history, marker="o")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # iterations, not 0.2 of one
     ax.set_xlabel("EM iteration (iter-NNNN)")
     ax.set_ylabel("log-likelihood per ranking (train)")
     ax.set_title("EM")

@@ -7,8 +7,9 @@ import pytest
 
 from moplex_core.artifacts import verify
 from moplex_core.config import PipelineConfig, pipeline_preset, with_overrides
-from moplex_core.methods import METHODS, method_config
 from moplex_core.experiments.compare import chance_level, em_start_table, per_cluster_shape, plan_runs, summary_shape
+from moplex_core.methods import METHODS, method_config
+from moplex_core.report import markdown_table
 
 TINY_BASE = PipelineConfig.model_validate({
     "ingest": {"dataset": "synthetic", "synthetic": {"n": 36, "k": 3, "m": 3},
@@ -101,6 +102,12 @@ def test_tables_report_percent_mean_and_sample_std_over_seeds():
     empty = pd.concat([metrics, _metrics([("moplex", "test", "ranking_accuracy_posterior", "c", float("nan"), s)
                                           for s in (0, 1)])])
     assert "| MoPLEx (Alg. 2) (`moplex`) | 75.0 ± 7.1 | 80.0 ± 14.1 | - | 77.5 ± 3.5 |" in per_cluster_shape(empty)
+    # a PERSONA profile's label holds "|": escaped, so the header keeps one cell per cluster
+    persona = _metrics([("moplex", "test", "ranking_accuracy_posterior", "age=18-44|sex=Female", 0.5, 0)])
+    header = per_cluster_shape(persona).splitlines()[0]
+    assert header == "| method | age=18-44\\|sex=Female | Average |"
+    assert markdown_table(pd.DataFrame({"v": [0.5]}, index=pd.Index(["a|b"], name="label"))).splitlines()[2] == \
+        "| a\\|b | 0.5000 |"
 
 
 def test_the_em_start_table_shows_start_end_and_their_agreement_per_method():

@@ -1,6 +1,7 @@
 """The identifiability study end to end through the CLI, at a size that runs in seconds."""
 
 import pandas as pd
+import pytest
 
 from moplex_core.cli import main
 
@@ -37,3 +38,16 @@ def test_the_table_shows_a_spread_only_over_several_seeds():
     lines = summary_table(pd.DataFrame(rows + oracle)).splitlines()
     # paired by seed: -0.05 and -0.01, mean -0.03, standard error 0.02
     assert lines[-1] == "| 2 | em − oracle (± s.e.) | -0.030 ± 0.020 |"
+
+
+def test_impossible_settings_are_refused_in_one_line_before_any_work(capsys):
+    for command, argv, message in [
+        ("identifiability", ["--seeds", "0"], "argument --seeds: expected an integer of at least 1, got '0'"),
+        ("identifiability", ["--m", "3", "1"], "argument --m: expected an integer of at least 2, got '1'"),
+        ("identifiability", ["--noise", "-1"], "argument --noise: expected a finite number of at least 0"),
+        ("identifiability", ["--seed", "-1"], "argument --seed: expected an integer of at least 0"),
+        ("approximation", ["--cache", "x", "--examples", "0"], "argument --examples: expected an integer of at least 1"),
+    ]:
+        with pytest.raises(SystemExit) as stopped:
+            main(["experiment", command, *argv])
+        assert stopped.value.code == 2 and message in capsys.readouterr().err

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -40,6 +41,27 @@ def test_overrides_reach_nested_stage_blocks_and_keep_the_rest():
     assert changed.ingest.synthetic.n == 90 and changed.train.em_iterations == 2
     assert changed.fault.stage == "train" and changed.augment is None
     assert changed.cache == demo.cache and changed.tiny_model == demo.tiny_model
+
+
+def test_values_that_would_fail_a_later_stage_are_refused_up_front():
+    demo = pipeline_preset("synthetic-demo")
+    refused = {
+        "train.lr=Infinity": "train.lr: Input should be a finite number",
+        "ingest.split.fractions=[NaN, 0.5, 0.5]": "ingest.split.fractions.0: Input should be a finite number",
+        "evaluate.device=gpu": "'gpu' is not a device: give auto, cpu, cuda, cuda:N or mps",
+        "train.seed=-1": "train.seed: Input should be greater than or equal to 0",
+        "ingest.seed=-1": "ingest.seed: Input should be greater than or equal to 0",
+        "tiny_model.heads=3": "hidden_size 64 / heads 3 must be a whole, even head size",
+        "root=": "root is empty",
+    }
+    for assignment, message in refused.items():
+        with pytest.raises(ValueError, match=re.escape(message)):
+            with_overrides(demo, [assignment])
+    assert with_overrides(demo, ["train.device=cuda:1"]).train.device == "cuda:1"
+    # a setting that holds text keeps what was typed: a root or a revision that reads as a number
+    assert with_overrides(demo, ["root=2024"]).root == str(Path("2024").absolute())
+    assert with_overrides(demo, ["evaluate.method=1e3"]).evaluate.method == "1e3"
+    assert with_overrides(demo, ['evaluate.method="quoted"']).evaluate.method == "quoted"
 
 
 def test_unknown_keys_and_unknown_presets_are_refused():

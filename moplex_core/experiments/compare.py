@@ -36,7 +36,7 @@ from moplex_core.artifacts import ArtifactRef, ArtifactStore, read_manifest
 from moplex_core.config import PipelineConfig
 from moplex_core.methods import METHODS, method_config
 from moplex_core.evaluate import EM_START_SPLIT, METRICS_FILE
-from moplex_core.report import markdown_table, png_bytes
+from moplex_core.report import markdown_cell, markdown_table, png_bytes
 
 STAGE = "compare"
 CODE_VERSION = "compare-5"  # bump when a change here changes what the report holds (5: NaN cells as -)
@@ -113,7 +113,7 @@ def per_cluster_shape(metrics: pd.DataFrame, metric: str = "ranking_accuracy_pos
     if metric == "clustering_accuracy":
         stats = stats[[_is_mixture(m) for m in stats.method]]
     clusters = [c for c in dict.fromkeys(stats.cluster) if c != AVERAGE] + [AVERAGE]
-    lines = ["| method | " + " | ".join(map(str, clusters)) + " |", "|---|" + "---|" * len(clusters)]
+    lines = ["| method | " + " | ".join(map(markdown_cell, clusters)) + " |", "|---|" + "---|" * len(clusters)]
     for method, group in stats.groupby("method", sort=False):
         by_cluster = group.set_index("cluster")
         cells = [_cell(*by_cluster.loc[c, ["mean", "std"]]) if c in by_cluster.index else "-" for c in clusters]
