@@ -38,7 +38,7 @@ study: $(STAMP)
 	$(BIN)/moplex experiment identifiability --out data/artifacts/experiments/identifiability \
 		--n 1000 --seeds 2 --max-iter 40 --restarts 1
 
-# Every baseline and ablation x 3 seeds on the synthetic-compare preset (paper Tables 2 and 3 shape).
+# Every baseline and ablation x 3 seeds on the synthetic-compare preset (paper Tables 3 and 4 shape).
 compare: $(STAMP)
 	$(BIN)/moplex experiment compare --seeds 3 --threads 1
 

@@ -1,5 +1,5 @@
 """Several methods x seeds of the pipeline on one dataset, and their comparison report (paper
-Tables 2 and 3; moplex_core.experiments.compare). ``moplex experiment compare`` is its command-line twin.
+Tables 3 and 4; moplex_core.experiments.compare). ``moplex experiment compare`` is its command-line twin.
 
 Each (method, seed) is a `moplex-pipeline` subflow run, so every run shows in the Prefect UI with its
 own stage artifacts, and the stages the methods share (ingest, tiny model, augment, cache) are

@@ -43,7 +43,8 @@ from moplex_core.pl import encode_tiers_batch
 log = logging.getLogger(__name__)
 
 STAGE = "cache"
-CODE_VERSION = "cache-4"  # bump when a change to this stage changes what it writes (4: special-token text in responses)
+CODE_VERSION = "cache-5"  # bump when a change to this stage changes what it writes (5: no appended EOS in a
+# template-less prompt, special-token prompts counted; 4: special-token text in responses)
 
 CACHE_SCHEMA = pa.schema([
     pa.field("example_id", pa.string()),

@@ -13,7 +13,7 @@ import os
 import re
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Annotated, Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar, get_args
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -43,8 +43,8 @@ class Options(BaseModel):
 
 
 def _torch_device(value: str) -> str:
-    if not re.fullmatch(r"auto|cpu|mps|cuda(:\d+)?", value):
-        raise ValueError(f"{value!r} is not a device: give auto, cpu, cuda, cuda:N or mps")
+    if not re.fullmatch(r"auto|cpu|(mps|cuda)(:\d+)?", value):
+        raise ValueError(f"{value!r} is not a device: give auto, cpu, cuda, cuda:N, mps or mps:N")
     return value
 
 
@@ -68,9 +68,9 @@ def with_overrides(config: C, assignments: Sequence[str]) -> C:
     """A copy of ``config`` with ``key=value`` assignments applied (dotted keys reach nested blocks).
 
     Values are read as JSON when they parse (``3``, ``0.5``, ``true``, ``null``, ``[0.8, 0.1, 0.1]``)
-    and as plain strings otherwise; a setting that holds a string keeps the text as typed unless it
-    is ``null`` (a root or revision named ``2024``). Unknown keys and invalid values raise one
-    ``ValueError`` naming every one of them.
+    and as plain strings otherwise; a setting that takes text keeps a number or boolean as typed (a
+    root or revision named ``2024``). Unknown keys and invalid values raise one ``ValueError`` naming
+    every one of them.
     """
     data = config.model_dump(mode="json")
     known = _dotted_keys(data)
@@ -92,8 +92,8 @@ def with_overrides(config: C, assignments: Sequence[str]) -> C:
                 break
             node = node[part]
         else:
-            typed_text = isinstance(node.get(leaf), str) and value is not None and not isinstance(value, str)
-            node[leaf] = raw if typed_text else value
+            scalar = isinstance(value, (bool, int, float))
+            node[leaf] = raw if scalar and _takes_text(type(config), [*parents, leaf]) else value
     try:
         validated = type(config).model_validate(data)
     except ValidationError as err:
@@ -102,6 +102,24 @@ def with_overrides(config: C, assignments: Sequence[str]) -> C:
         given = f" (overrides {list(assignments)})" if assignments else ""
         raise ValueError(f"invalid {type(config).__name__} settings{given}:\n" + "\n".join(problems))
     return validated
+
+
+def _takes_text(model: type[BaseModel], path: Sequence[str]) -> bool:
+    """Whether the setting at dotted ``path`` of ``model`` takes a string (``str``, ``str | None``, a
+    `Device`), so that what was typed for it is text even when it reads as a number."""
+    annotation: Any = model
+    for part in path:
+        blocks = [t for t in _types_in(annotation) if isinstance(t, type) and issubclass(t, BaseModel)]
+        field = blocks[0].model_fields.get(part) if blocks else None
+        if field is None:
+            return False
+        annotation = field.annotation
+    return str in _types_in(annotation)
+
+
+def _types_in(annotation: Any) -> list[Any]:
+    """``annotation`` and every type inside it (unions, Optional, Annotated), flattened."""
+    return [annotation, *(t for arg in get_args(annotation) for t in _types_in(arg))]
 
 
 def _example_key(data: dict[str, Any]) -> str:

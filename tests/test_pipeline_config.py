@@ -48,7 +48,7 @@ def test_values_that_would_fail_a_later_stage_are_refused_up_front():
     refused = {
         "train.lr=Infinity": "train.lr: Input should be a finite number",
         "ingest.split.fractions=[NaN, 0.5, 0.5]": "ingest.split.fractions.0: Input should be a finite number",
-        "evaluate.device=gpu": "'gpu' is not a device: give auto, cpu, cuda, cuda:N or mps",
+        "evaluate.device=gpu": "'gpu' is not a device: give auto, cpu, cuda, cuda:N, mps or mps:N",
         "train.seed=-1": "train.seed: Input should be greater than or equal to 0",
         "ingest.seed=-1": "ingest.seed: Input should be greater than or equal to 0",
         "tiny_model.heads=3": "hidden_size 64 / heads 3 must be a whole, even head size",
@@ -61,6 +61,10 @@ def test_values_that_would_fail_a_later_stage_are_refused_up_front():
     # a setting that holds text keeps what was typed: a root or a revision that reads as a number
     assert with_overrides(demo, ["root=2024"]).root == str(Path("2024").absolute())
     assert with_overrides(demo, ["evaluate.method=1e3"]).evaluate.method == "1e3"
+    paper = pipeline_preset("ultrafeedback-paper")
+    assert with_overrides(paper, ["ingest.revision=2024"]).ingest.revision == "2024"  # str | None
+    assert with_overrides(paper, ["ingest.revision=null"]).ingest.revision is None
+    assert with_overrides(demo, ["train.em_iterations=3"]).train.em_iterations == 3
     assert with_overrides(demo, ['evaluate.method="quoted"']).evaluate.method == "quoted"
 
 
