@@ -33,7 +33,7 @@ ESTIMATION_ROWS = ("estimated_entries", "mean_abs_error", "score_spread", "relat
 def headline_table(metrics: pd.DataFrame) -> pd.DataFrame:
     """The averages ("all" rows): one row per metric, one column per split, in HEADLINE order."""
     overall = metrics[metrics.cluster == "all"].pivot_table(index="metric", columns="split", values="value",
-                                                             sort=False)
+                                                             sort=False, dropna=False)  # NaN shows as -
     order = [m for m in HEADLINE if m in overall.index]
     return overall.loc[order + [m for m in overall.index if m not in order]]
 
@@ -42,7 +42,8 @@ def per_cluster_table(metrics: pd.DataFrame, split: str) -> pd.DataFrame:
     """Per true cluster of ``split``: clustering accuracy and ranking accuracies (columns)."""
     rows = metrics[(metrics.split == split) & (metrics.cluster != "all")
                    & ~metrics.metric.str.startswith("generated_")]
-    table = rows.pivot_table(index="cluster", columns="metric", values="value", sort=False)
+    # a label with no rankings in the split (NaN) stays, as "-", rather than leaving the table
+    table = rows.pivot_table(index="cluster", columns="metric", values="value", sort=False, dropna=False)
     return table[[m for m in HEADLINE if m in table.columns]]
 
 

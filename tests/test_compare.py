@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pandas as pd
 import pytest
 
 from moplex_core.artifacts import verify
 from moplex_core.config import PipelineConfig, pipeline_preset, with_overrides
-from moplex_core.experiments.compare import chance_level, em_start_table, per_cluster_shape, plan_runs, summary_shape
+from moplex_core.experiments.compare import (all_variants_table, chance_level, em_start_table, per_cluster_shape,
+                                             plan_runs, summary_shape)
 from moplex_core.methods import METHODS, method_config
 from moplex_core.report import markdown_table
 
@@ -103,6 +105,8 @@ def test_tables_report_percent_mean_and_sample_std_over_seeds():
                                           for s in (0, 1)])])
     assert "| MoPLEx (Alg. 2) (`moplex`) | 75.0 ± 7.1 | 80.0 ± 14.1 | - | 77.5 ± 3.5 |" in per_cluster_shape(empty)
     # a PERSONA profile's label holds "|": escaped, so the header keeps one cell per cluster
+    assert np.isnan(all_variants_table(metrics).loc["dpo", "clustering_accuracy"])  # k = 1: nothing to cluster
+    assert all_variants_table(metrics).loc["moplex", "clustering_accuracy"] == pytest.approx(0.7)
     persona = _metrics([("moplex", "test", "ranking_accuracy_posterior", "age=18-44|sex=Female", 0.5, 0)])
     header = per_cluster_shape(persona).splitlines()[0]
     assert header == "| method | age=18-44\\|sex=Female | Average |"

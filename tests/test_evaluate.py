@@ -1,12 +1,14 @@
 """evaluate_mixture on a mixture whose truth is known exactly (noise-free synthetic rankings)."""
 
 import numpy as np
+import pandas as pd
 import pytest
 import torch
 
 from moplex_core.data.synthetic import SyntheticConfig, generate_synthetic
 from moplex_core.em import Rankings
 from moplex_core.evaluate import EvalSplit, em_start_metrics, evaluate_mixture
+from moplex_core.report import headline_table, markdown_table, per_cluster_table
 from moplex_core.scorers.linear import LinearScorer
 
 
@@ -136,3 +138,13 @@ def test_em_start_metrics_compare_the_start_and_the_end_each_under_its_own_match
     unlabelled = em_start_metrics(start, moved)
     assert unlabelled.metric.tolist() == ["start_final_ari"] and set(unlabelled.split) == {"train_em"}
     assert em_start_metrics(torch.ones(12, 1, dtype=torch.float64), torch.ones(12, 1, dtype=torch.float64), labels).empty
+
+
+def test_the_reports_tables_keep_a_metric_or_label_that_is_nan_as_a_dash():
+    # evaluate writes NaN for a label with no rankings in a split; the report says so, not nothing
+    metrics = pd.DataFrame([("test", "clustering_accuracy", "a", 0.5), ("test", "clustering_accuracy", "b", np.nan),
+                            ("test", "clustering_accuracy", "all", 0.5),
+                            ("test", "heldout_log_likelihood", "all", np.nan)],
+                           columns=["split", "metric", "cluster", "value"])
+    assert markdown_table(per_cluster_table(metrics, "test")).splitlines()[2:] == ["| a | 0.5000 |", "| b | - |"]
+    assert "| heldout_log_likelihood | - |" in markdown_table(headline_table(metrics))

@@ -163,12 +163,16 @@ def _plain_cell(mean: float, std: float) -> str:
 
 
 def all_variants_table(metrics: pd.DataFrame, split: str = SPLIT) -> pd.DataFrame:
-    """Every headline metric (columns) per method (rows), mean over seeds, as fractions."""
+    """Every headline metric (columns) per method (rows), mean over seeds, as fractions; the
+    clustering columns NaN ("-") for a single-cluster method, where they mean nothing."""
     overall = metrics[(metrics.split == split) & (metrics.cluster == "all")]
     columns = ["clustering_accuracy", "ari", "nmi", "ranking_accuracy_posterior", "ranking_accuracy_oracle",
                "ranking_accuracy_marginal"]
     table = overall.pivot_table(index="method", columns="metric", values="value", aggfunc="mean", sort=False)
-    return table[[c for c in columns if c in table.columns]]
+    table = table[[c for c in columns if c in table.columns]]
+    clustering = [c for c in ("clustering_accuracy", "ari", "nmi") if c in table.columns]
+    table.loc[[m for m in table.index if not _is_mixture(m)], clustering] = np.nan
+    return table
 
 
 def _is_mixture(method: str) -> bool:
