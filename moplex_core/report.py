@@ -250,8 +250,8 @@ def _confusion_plot(confusion: pd.DataFrame, split: str) -> bytes:
     ax.set_yticks(range(confusion.shape[0]), confusion.index)
     ax.set_xlabel("EM cluster")
     ax.set_ylabel("true label")
-    for (r, c), value in np.ndenumerate(confusion.to_numpy()):
-        ax.text(c, r, f"{value:.2f}", ha="center", va="center", fontsize=7)
+    for (r, c), value in np.ndenumerate(confusion.to_numpy()):  # NaN: a label with no rankings in the split
+        ax.text(c, r, "-" if np.isnan(value) else f"{value:.2f}", ha="center", va="center", fontsize=7)
     figure.colorbar(image, ax=ax, fraction=0.05)
     ax.set_title(f"mean posterior ({split})")
     return png_bytes(figure)
