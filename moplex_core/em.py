@@ -411,11 +411,11 @@ def _run_restart(
     seed = config.seed + 1000 * restart
     restart_dir = None if checkpoint_dir is None else Path(checkpoint_dir) / f"restart-{restart:02d}"
     state = load_last_checkpoint(restart_dir) if restart_dir is not None else None
+    started = load_start(restart_dir, rankings.example_ids) if restart_dir is not None else None
     if state is not None:
         _keep_only_the_last_state(restart_dir, restart_dir / f"iter-{state.iteration:04d}")  # a kill may have left one
         scorer.load_state_dict(state.scorer_state)
         log.info("restart %d: resuming after iteration %d (LL %.6f)", restart, state.iteration, state.log_likelihood)
-        started = load_start(restart_dir, rankings.example_ids)
         if starts is not None and started is not None:  # train artifacts before train-5 kept no start
             starts.append(started)
         if state.converged or state.iteration + 1 >= config.max_iter:
@@ -423,7 +423,7 @@ def _run_restart(
         gamma, history, start = state.gamma, list(state.history), state.iteration + 1
         halvings = list(state.halvings)
     else:
-        gamma = load_start(restart_dir, rankings.example_ids) if restart_dir is not None else None
+        gamma = started
         if gamma is None:
             gamma = warm_start.to(torch.float64) if warm_start is not None else \
                 initial_responsibilities(config, scorer, inputs, rankings, seed, restart)
