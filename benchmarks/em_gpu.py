@@ -2,6 +2,7 @@
 
     PYTHONPATH=. python3 benchmarks/em_gpu.py --out DIR [--examples 2] [--sections check,em,throughput,profile,ceilings]
                                               [--m-primes 26,32] [--resume EARLIER/em_gpu.json]
+                                              [--pairs-per-step 16] [--score-batch-size 32]
     PYTHONPATH=. python3 benchmarks/em_gpu.py --cpu --out DIR       # a small model on the CPU
     PYTHONPATH=. python3 benchmarks/em_gpu.py --tiny --out DIR      # the CPU path the tests run
     PYTHONPATH=. python3 benchmarks/em_gpu.py --smoke --out DIR     # the tiny sizes on the GPU in bf16 (seconds)
@@ -29,9 +30,13 @@ tokens, EOS last. A check and four measurements, in one process:
    for the next M-step). Then fit(iteration 1) (M-step) and score(iteration 1) (E-step) are timed
    separately, CUDA synchronised, and fit(iteration 2) with one-hot weights (the late M-step); peak
    GPU memory (max_memory_allocated) of each step. An
-   M-step minibatch is one (example, cluster) pair: m' rows (full) or a rows (MoPLEx) per backward,
-   the paper's memory-per-response comparison. The E-step runs `score_batch_size` rows (one response
-   under one adapter) per forward. A configuration that runs out of GPU memory is reported as OOM.
+   M-step minibatch is one (example, cluster) pair by default: m' rows (full) or a rows (MoPLEx) per
+   backward, the paper's memory-per-response comparison (``--pairs-per-step P``: P pairs per
+   optimizer step, run in passes of at most ``score_batch_size`` rows, a pair's rows never split, as
+   the pipeline's train.batch_size and train.score_batch_size do). The E-step runs
+   ``score_batch_size`` rows (one response under one adapter) per forward (``--score-batch-size``;
+   8 on the GPU, the pipeline's default is 32). A configuration that runs out of GPU memory is
+   reported as OOM.
 2. Anchor-pass throughput over B rows (B a multiple of k): the scorer's own anchor pass
    (moplex_core.estimate.anchor_pass: forward with response-only chunked log-probs + gradient w.r.t.
    inputs_embeds at the response positions) for the plain base model (a separate copy, no adapters);
@@ -149,6 +154,7 @@ class Sizes:
     # activations for the input-gradient backward, so this, not the a-row M-step, can set MoPLEx's
     # peak memory: 8 rows of 1024 tokens is about 16 GiB on the plain model (DESIGN.md 8).
     score_batch_size: int
+    pairs_per_step: int  # (example, cluster) pairs per M-step minibatch (optimizer step)
     batch_rows: tuple[int, ...]  # B of the throughput section: multiples of k, so a batch mixes all k adapters
     warmups: int
     repeats: int
@@ -165,15 +171,15 @@ class Sizes:
 
 GPU = Sizes(model="qwen3-0.6b", description="Qwen3-0.6B shape, random weights, bf16", device="cuda",
             dtype=torch.bfloat16, threads=None, k=12, prompt_tokens=512, response_tokens=512, originals=4,
-            m_primes=(4, 8, 16, 26, 32), anchors=(2, 4, 6), score_batch_size=8, batch_rows=(12, 36),
+            m_primes=(4, 8, 16, 26, 32), anchors=(2, 4, 6), score_batch_size=8, pairs_per_step=1, batch_rows=(12, 36),
             warmups=2, repeats=5, matmul_n=8192)
 CPU = Sizes(model="small", description="small Qwen3 (4 layers, hidden 256), random weights, float32", device="cpu",
             dtype=torch.float32, threads=None, k=3, prompt_tokens=256, response_tokens=256, originals=4,
-            m_primes=(4, 8), anchors=(2,), score_batch_size=8, batch_rows=(6,), warmups=1, repeats=3,
+            m_primes=(4, 8), anchors=(2,), score_batch_size=8, pairs_per_step=1, batch_rows=(6,), warmups=1, repeats=3,
             matmul_n=1024)
 TINY = Sizes(model="tiny", description="tiny Qwen3 (2 layers, hidden 64), random weights, float32", device="cpu",
              dtype=torch.float32, threads=1, k=3, prompt_tokens=12, response_tokens=16, originals=4,
-             m_primes=(4, 6), anchors=(2,), score_batch_size=16, batch_rows=(6,), warmups=1, repeats=3,
+             m_primes=(4, 6), anchors=(2,), score_batch_size=16, pairs_per_step=1, batch_rows=(6,), warmups=1, repeats=3,
              matmul_n=256)
 SMOKE = replace(TINY, description="tiny Qwen3 (2 layers, hidden 64), random weights, bf16 (smoke test)", device="cuda",
                 dtype=torch.bfloat16, threads=None)
@@ -347,7 +353,7 @@ def _em_iteration(model_dir: Path, sizes: Sizes, inputs: PolicyInputs, anchors: 
     scorer = None
     try:
         scorer = LoRAPolicyScorer(model_dir, sizes.k, beta=BETA, anchors=anchors, lora=LORA, lr=1e-4,
-                                  batch_size=1, score_batch_size=sizes.score_batch_size,
+                                  batch_size=sizes.pairs_per_step, score_batch_size=sizes.score_batch_size,
                                   share_prompts=share_prompts, seed=0,
                                   dtype=sizes.dtype, device=sizes.device)
         scorer.fit(inputs, rankings, one_pair, 0)
@@ -358,6 +364,7 @@ def _em_iteration(model_dir: Path, sizes: Sizes, inputs: PolicyInputs, anchors: 
         scorer.fit(inputs, rankings, weights, 1)
         _sync(sizes)
         fitted = time.perf_counter()
+        m_step_steps = scorer.last_fit["steps"]
         m_step_peak, m_step_reserved = _peak_gib(sizes), _peak_reserved_gib(sizes)
         _reset_peak(sizes)
         scorer.score(inputs, 1)
@@ -369,6 +376,7 @@ def _em_iteration(model_dir: Path, sizes: Sizes, inputs: PolicyInputs, anchors: 
         late_fitted = time.perf_counter()
         return {"oom": False, "e_step_s_per_example": (scored - fitted) / n,
                 "m_step_s_per_example": (fitted - start) / n, "total_s_per_example": (scored - start) / n,
+                "m_step_optimizer_steps": m_step_steps,
                 "late_m_step_s_per_example": (late_fitted - scored) / n,
                 "late_total_s_per_example": (scored - fitted + late_fitted - scored) / n,
                 "m_step_peak_gib": m_step_peak, "e_step_peak_gib": e_step_peak,
@@ -377,7 +385,7 @@ def _em_iteration(model_dir: Path, sizes: Sizes, inputs: PolicyInputs, anchors: 
     except RuntimeError as error:  # torch.cuda.OutOfMemoryError, or cuBLAS failing to allocate
         if not _out_of_memory(error):
             raise
-        return {"oom": True, "e_step_s_per_example": None, "m_step_s_per_example": None,
+        return {"oom": True, "e_step_s_per_example": None, "m_step_s_per_example": None, "m_step_optimizer_steps": None,
                 "total_s_per_example": None, "late_m_step_s_per_example": None, "late_total_s_per_example": None,
                 "m_step_peak_gib": None, "e_step_peak_gib": None, "peak_gib": None,
                 "peak_reserved_gib": None}
@@ -725,6 +733,15 @@ def _fmt(value: float | None, spec: str, oom: bool) -> str:
     return "-" if value is None else format(value, spec)
 
 
+def _minibatch(sizes: dict[str, Any]) -> str:
+    """The M-step minibatch as the report and em_gpu.json say it, from em_gpu.json's sizes."""
+    pairs = sizes.get("pairs_per_step", 1)  # em_gpu.json written before the setting existed: 1
+    if pairs == 1:
+        return "1 (example, cluster) pair = m' rows (full) or a rows (a=...) per backward"
+    return (f"{pairs} (example, cluster) pairs per optimizer step, in passes of at most {sizes['score_batch_size']} "
+            "rows (a pair's m' or a rows never split)")
+
+
 def print_report(results: dict[str, Any]) -> None:
     sizes = results["sizes"]
     attention = results.get("throughput", {}).get("attention")
@@ -736,7 +753,7 @@ def print_report(results: dict[str, Any]) -> None:
     if "em" in results:
         print(f"### One EM iteration, k = {sizes['k']} LoRA adapters (r = {LORA.r}, alpha {LORA.alpha:g}, "
               f"{len(LORA.target_modules)} projections), n = {results['examples']} examples\n")
-        print(f"M-step minibatch: 1 (example, cluster) pair = m' rows (full) or a rows (a=...) per backward; "
+        print(f"M-step minibatch: {_minibatch(sizes)}; "
               f"E-step: {sizes['score_batch_size']} rows per forward; prompts `shared`: run once per (example, "
               "cluster) and pass (the default), `per row`: with every response; speedup and memory against "
               "full with the same prompts; every pair weighted 1/k (all above "
@@ -872,11 +889,20 @@ def main() -> None:
                               "the real run spends minutes building and loading the 0.6B model")
     profile.add_argument("--cpu", action="store_true",
                          help="a small model on the CPU (4 layers, hidden 256, 256 + 256-token rows, k = 3)")
+    parser.add_argument("--score-batch-size", type=int, metavar="ROWS",
+                        help="rows per E-step pass and at most per M-step pass (default: the size's, 8 on the GPU)")
+    parser.add_argument("--pairs-per-step", type=int, default=1, metavar="P",
+                        help="(example, cluster) pairs per M-step minibatch (default 1, the paper's comparison; "
+                             "the pipeline's train.batch_size is 16)")
     args = parser.parse_args()
     sections = set(args.sections.split(","))
     if not sections <= set(SECTIONS) or args.examples < 1:
         parser.error(f"--sections takes {', '.join(SECTIONS)} (got {args.sections!r}); --examples >= 1")
     sizes = TINY if args.tiny else SMOKE if args.smoke else CPU if args.cpu else GPU
+    if args.pairs_per_step < 1 or (args.score_batch_size is not None and args.score_batch_size < 1):
+        parser.error("--pairs-per-step and --score-batch-size take whole numbers >= 1")
+    sizes = replace(sizes, pairs_per_step=args.pairs_per_step,
+                    score_batch_size=args.score_batch_size or sizes.score_batch_size)
     try:
         m_primes = sizes.m_primes if args.m_primes is None else tuple(int(m) for m in args.m_primes.split(","))
     except ValueError:
@@ -893,6 +919,12 @@ def main() -> None:
     torch.manual_seed(0)  # PEFT's LoRA A and the random LoRA B of the throughput section
     args.out.mkdir(parents=True, exist_ok=True)
 
+    recorded_sizes = {"description": sizes.description, "k": sizes.k, "prompt_tokens": sizes.prompt_tokens,
+                      "response_tokens": sizes.response_tokens, "row_tokens": sizes.row_tokens,
+                      "originals": sizes.originals, "score_batch_size": sizes.score_batch_size,
+                      "pairs_per_step": sizes.pairs_per_step,
+                      "lora": {"r": LORA.r, "alpha": LORA.alpha, "target_modules": list(LORA.target_modules)},
+                      "warmups": sizes.warmups, "repeats": sizes.repeats}
     results: dict[str, Any] = {
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "device": torch.cuda.get_device_name() if sizes.cuda else f"CPU ({platform.processor() or platform.machine()})",
@@ -900,13 +932,9 @@ def main() -> None:
                      "transformers": transformers.__version__, "peft": peft.__version__},
         "threads": torch.get_num_threads(),
         "examples": args.examples,
-        "sizes": {"description": sizes.description, "k": sizes.k, "prompt_tokens": sizes.prompt_tokens,
-                  "response_tokens": sizes.response_tokens, "row_tokens": sizes.row_tokens,
-                  "originals": sizes.originals, "score_batch_size": sizes.score_batch_size,
-                  "lora": {"r": LORA.r, "alpha": LORA.alpha, "target_modules": list(LORA.target_modules)},
-                  "warmups": sizes.warmups, "repeats": sizes.repeats},
+        "sizes": recorded_sizes,
         "protocol": {
-            "m_step_minibatch": "1 (example, cluster) pair: m' rows (full) or a rows (MoPLEx) per backward",
+            "m_step_minibatch": _minibatch(recorded_sizes),
             "prompts": "shared: one prompt pass per (example, cluster) and pass; per row: the prompt with every row",
             "e_step_batch": f"{sizes.score_batch_size} rows (one response under one adapter) per forward",
             "fit_weights": "1/k for every (example, cluster) pair: all above gamma_min, the worst case",

@@ -171,6 +171,29 @@ def test_a_split_run_resumes_where_the_first_part_stopped(tmp_path: Path) -> Non
     assert [row["speedup_vs_full"] for row in results["em"] if row["method"] == "full"] == [1.0] * 4
 
 
+def test_the_m_step_minibatch_and_the_e_step_pass_are_settable(tmp_path: Path) -> None:
+    """--pairs-per-step P fits P (example, cluster) pairs per optimizer step, as the pipeline's
+    train.batch_size does, and --score-batch-size sets the rows per pass; both are recorded, and the
+    timed M-step's optimizer steps say which ran (n = 2 examples x k = 3 clusters = 6 pairs)."""
+    def run(out: Path, *extra: str) -> dict:
+        argv = [SCRIPT, "--tiny", "--out", str(out), "--sections", "em", "--m-primes", str(TINY_M_PRIMES[0]), *extra]
+        runner = BLOCK + f"import runpy\nsys.argv = {argv!r}\nrunpy.run_path({SCRIPT!r}, run_name='__main__')\n"
+        proc = subprocess.run([sys.executable, "-c", runner], cwd=ROOT, env=_env(), capture_output=True, text=True,
+                              timeout=600)
+        assert proc.returncode == 0, proc.stderr[-5000:]
+        assert "M-step minibatch: " + json.loads((out / "em_gpu.json").read_text())["protocol"]["m_step_minibatch"] \
+            in proc.stdout
+        return json.loads((out / "em_gpu.json").read_text())
+
+    one = run(tmp_path / "one")
+    three = run(tmp_path / "three", "--pairs-per-step", "3", "--score-batch-size", "8")
+    assert [row["m_step_optimizer_steps"] for row in one["em"]] == [6] * len(TINY_METHODS)
+    assert [row["m_step_optimizer_steps"] for row in three["em"]] == [2] * len(TINY_METHODS)
+    assert (one["sizes"]["pairs_per_step"], three["sizes"]["pairs_per_step"]) == (1, 3)
+    assert (one["sizes"]["score_batch_size"], three["sizes"]["score_batch_size"]) == (16, 8)
+    assert three["protocol"]["m_step_minibatch"].startswith("3 (example, cluster) pairs per optimizer step")
+
+
 def test_the_gpu_smoke_run_asks_for_a_gpu_here() -> None:
     """--smoke is the tiny sizes on CUDA in bf16, for a GPU session's first seconds; without CUDA it says
     so instead of running on the CPU."""
