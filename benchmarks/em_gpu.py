@@ -737,7 +737,8 @@ def _minibatch(sizes: dict[str, Any]) -> str:
     """The M-step minibatch as the report and em_gpu.json say it, from em_gpu.json's sizes."""
     pairs = sizes.get("pairs_per_step", 1)  # em_gpu.json written before the setting existed: 1
     if pairs == 1:
-        return "1 (example, cluster) pair = m' rows (full) or a rows (a=...) per backward"
+        return ("1 (example, cluster) pair = m' rows (full) or a rows (a=...) per backward (a = 2: 2-row passes, "
+                "which a GPU runs below its throughput)")
     return (f"{pairs} (example, cluster) pairs per optimizer step, in passes of at most {sizes['score_batch_size']} "
             "rows (a pair's m' or a rows never split)")
 
@@ -758,9 +759,7 @@ def print_report(results: dict[str, Any]) -> None:
               "cluster) and pass (the default), `per row`: with every response; speedup and memory against "
               "full with the same prompts; every pair weighted 1/k (all above "
               "gamma_min, the worst case: an early iteration); late: the M-step of an iteration whose posteriors "
-              "sit on one cluster per example (k times fewer pairs), plus the same E-step; a = 2 makes 2-row "
-              "M-step passes, which a GPU runs below its "
-              "throughput. Times per example; peak memory of the tensors (weights included) of each step, and "
+              "sit on one cluster per example (k times fewer pairs), plus the same E-step. Times per example; peak memory of the tensors (weights included) of each step, and "
               "their maximum for the ratio; reserved: the most the allocator held (what must fit on the card).\n")
         print("| m' | method | prompts | E-step s/ex | M-step s/ex | total s/ex | E-step peak GiB | M-step peak GiB "
               "| reserved GiB | speedup vs full | memory full/this | late M-step s/ex | late total s/ex "
