@@ -622,7 +622,7 @@ class TrainConfig(StageConfig):
     ``share_prompts`` runs each (example, cluster)'s prompt once per pass for all its rows there
     (the same scores and gradients up to float rounding, for fewer tokens; with ``lora_dropout``
     the rows share the prompt's dropout mask): faster on the CPU, slower on an H200 (1.5-2.2x at
-    8-row passes, a second decoder call per pass; about 5% for full computation at 32-row passes;
+    m' = 26 in 8-row passes, a second decoder call per pass; about 5% for full computation at 32-row passes;
     README, GPU efficiency). Trains on the cache's ``train`` split.
 
     ``likelihood`` is the observation model of a ranking: ``pl`` (Plackett-Luce, eq. 2 and 5) or
