@@ -325,3 +325,46 @@ def test_bf16_adapter_gradients_of_a_mixed_batch_are_summed_in_float32():
         exact = gradient(torch.float64, routed)
         errors[name] = ((gradient(torch.bfloat16, routed) - exact).norm() / exact.norm()).item()
     assert errors["mixed"] < 1.5 * errors["one adapter"], errors
+
+
+@pytest.mark.parametrize("route", [[2, 0, 1, 1, 2, 0], [1] * 6], ids=["mixed", "one adapter"])
+def test_passes_without_adapter_gradients_read_a_stack_that_follows_every_change(tiny_model_dir, tmp_path, route):  # noqa: F811
+    """The E-step and scoring read the adapters from one stacked copy per layer in the activations'
+    dtype (`MultiLoRALinear.frozen`), built once: it gives what a pass into the adapters' masters
+    gives, bit for bit, and follows an optimizer step, a PEFT load and a move to another dtype."""
+    model = load_model(tiny_model_dir, dtype=torch.bfloat16)
+    lora = MultiLoRA(model, K, SETTINGS, seed=5)
+    params = lora.named_parameters()
+    generator = torch.Generator().manual_seed(6)
+    with torch.no_grad():
+        for p in params.values():
+            p.copy_(torch.randn(p.shape, generator=generator) * 0.1)
+    ids, mask = batch()
+    layer = next(iter(lora.layers.values()))
+
+    def both() -> torch.Tensor:
+        with lora.route(route):
+            with torch.no_grad():
+                stacked = model(ids, attention_mask=mask).logits  # the stacked copy
+            masters = model(ids, attention_mask=mask).logits.detach()  # the float32 masters, with a graph
+        torch.testing.assert_close(stacked, masters, rtol=0, atol=0)
+        return stacked
+
+    first = both()
+    assert layer.frozen(torch.bfloat16)[0] is layer.frozen(torch.bfloat16)[0]  # kept while nothing changes
+    optimizer = torch.optim.AdamW(list(params.values()), lr=1e-2)
+    with lora.route(route):
+        model(ids, attention_mask=mask).logits.float().square().mean().backward()
+    optimizer.step()
+    stepped = both()
+    assert (stepped.float() - first.float()).abs().max() > 0
+    lora.save_peft(tmp_path, [f"c{c}" for c in range(K)], str(tiny_model_dir))
+    with torch.no_grad():
+        for p in params.values():
+            p.zero_()
+    for c in range(K):
+        lora.load_peft(c, tmp_path / f"c{c}")
+    torch.testing.assert_close(both(), stepped, rtol=0, atol=0)
+    model.to(torch.float64)
+    assert layer.frozen(torch.float64)[0].dtype == torch.float64
+    both()

@@ -14,7 +14,10 @@ and computing, for row b of a batch routed to adapter c_b,
 stacked into [B, d_in, r] and [B, r, d_out] and applied by one ``bmm`` and one ``baddbmm`` that
 accumulates into the base output, so one forward serves rows of all k clusters; a batch of one
 adapter takes two plain matmuls. Without gradients into the adapters (the E-step's input-gradient
-pass, scoring) the stack is one copy per row; with them (the M-step) the adapters present are
+pass, scoring) the rows' adapters are gathered from a stack of all k in the activations' dtype that
+each layer keeps until an adapter changes (`MultiLoRALinear.frozen`; k adapters' copy, 240 MB in
+bf16 for Qwen3-0.6B at k = 12, r = 16), so such a pass stacks and casts nothing, and a pass with
+gradients of nothing (scoring) skips the autograd Function; with them (the M-step) the adapters present are
 stacked once and gathered per row, whose backward sums each adapter's rows in one accumulating
 ``index_put`` instead of one addition per row. The layer has its own backward (`_LoRALinear`),
 which accumulates the LoRA part of dL/dx into the base part in the matmul that computes it, where
@@ -38,6 +41,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from peft import LoraConfig
@@ -71,6 +75,7 @@ class _Route:
     rows: tuple[int, ...] = ()  # row b of the batch -> adapter rows[b]
     present: tuple[int, ...] = ()  # the adapters the batch uses, ascending
     local: torch.Tensor | None = None  # int64 [B] on the model's device: row b -> index into present
+    adapters: torch.Tensor | None = None  # int64 [B] on the model's device: rows, when more than one is present
 
 
 class MultiLoRALinear(nn.Module):
@@ -91,6 +96,26 @@ class MultiLoRALinear(nn.Module):
         self.lora_B = nn.ParameterList([nn.Parameter(torch.zeros(settings.r, d_out, device=device, dtype=dtype))
                                         for _ in range(k)])
         self.dropout = nn.Dropout(settings.dropout) if settings.dropout > 0 else nn.Identity()
+        self._masters: list[nn.Parameter] = [*self.lora_A, *self.lora_B]  # a list: no ParameterList lookups
+        self._frozen: tuple[tuple[Any, ...], tuple[torch.Tensor, torch.Tensor]] | None = None  # (key, (A, B))
+
+    def frozen(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every adapter stacked in ``dtype`` outside autograd, A [k, d_in, r] and B [k, r, d_out]: what a
+        pass without gradients into the adapters reads (the E-step's input-gradient pass, scoring), so
+        that it stacks and casts nothing per layer and row, and indexes instead. Kept until an adapter
+        changes: an optimizer step, ``load_peft`` or any in-place update moves the parameters' version
+        counters, and a move to another device or dtype (``Module.to``) their device and dtype; an
+        assignment to ``.data`` by hand moves neither, and is not supported."""
+        first = self.lora_A[0]
+        if first is not self._masters[0]:  # Module.to may register new parameters in place of the old
+            self._masters = [*self.lora_A, *self.lora_B]
+        key = (dtype, first.device, first.dtype, *(p._version for p in self._masters))
+        if self._frozen is None or self._frozen[0] != key:
+            k = len(self.lora_A)
+            with torch.no_grad():
+                stacked = (torch.stack(self._masters[:k]).to(dtype), torch.stack(self._masters[k:]).to(dtype))
+            self._frozen = (key, stacked)
+        return self._frozen[1]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         routed, present = self.route.rows, self.route.present
@@ -103,23 +128,30 @@ class MultiLoRALinear(nn.Module):
             raise RuntimeError("the multi-LoRA layer runs in the model's own dtype, not under torch.autocast: load "
                                "the model in bfloat16 instead (its adapters keep float32 masters)")
         dropped = self.dropout(x)
-        if len(present) == 1:
+        into_adapters = torch.is_grad_enabled() and self.lora_A[present[0]].requires_grad
+        if not into_adapters:
+            stacked_a, stacked_b = self.frozen(x.dtype)  # [k, d_in, r], [k, r, d_out]
+            if len(present) == 1:
+                a, b = stacked_a[present[0]], stacked_b[present[0]]  # [d_in, r], [r, d_out]: views
+            else:
+                a, b = stacked_a[self.route.adapters], stacked_b[self.route.adapters]  # [B, d_in, r], [B, r, d_out]
+        elif len(present) == 1:
             a = self.lora_A[present[0]].to(x.dtype)  # [d_in, r]
             b = self.lora_B[present[0]].to(x.dtype)  # [r, d_out]
-        elif torch.is_grad_enabled() and self.lora_A[present[0]].requires_grad:
+        else:
             # Gradients into the adapters: stack those present and gather per row, so that each
             # adapter's gradient is one accumulating index_put over its rows (deterministic on CUDA,
             # unlike index_select's index_add), not one addition per row. Gathered before the cast,
             # so that the sum runs in the masters' float32, as a one-adapter batch's GEMM sums it.
             a = torch.stack([self.lora_A[c] for c in present])[self.route.local].to(x.dtype)  # [B, d_in, r]
             b = torch.stack([self.lora_B[c] for c in present])[self.route.local].to(x.dtype)  # [B, r, d_out]
-        else:
-            a = torch.stack([self.lora_A[c] for c in routed]).to(x.dtype)  # [B, d_in, r]
-            b = torch.stack([self.lora_B[c] for c in routed]).to(x.dtype)  # [B, r, d_out]
         rows = x.reshape(len(routed), -1, x.shape[-1])  # [B, L, d_in]
         lora_input = None if dropped is x else dropped.reshape(rows.shape)
-        out = _LoRALinear.apply(rows, lora_input, self.base.weight, self.base.bias, a, b, self.scaling)  # [B, L, d_out]
-        return out.view(*x.shape[:-1], out.shape[-1])
+        if torch.is_grad_enabled():
+            out = _LoRALinear.apply(rows, lora_input, self.base.weight, self.base.bias, a, b, self.scaling)
+        else:  # no graph to record: the same ops without the autograd Function's cost per call
+            out = _lora_linear(rows, lora_input, self.base.weight, self.base.bias, a, b, self.scaling)[0]
+        return out.view(*x.shape[:-1], out.shape[-1])  # [B, L, d_out] -> x's shape
 
 
 class _LoRALinear(torch.autograd.Function):
@@ -135,8 +167,7 @@ class _LoRALinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, lora_input, weight, bias, a, b, scaling):
         source = x if lora_input is None else lora_input  # [B, L, d_in]
-        xa = torch.matmul(source, a)  # [B, L, r]
-        out = _add_product(F.linear(x, weight, bias), xa, b, scaling)  # [B, L, d_out]
+        out, xa = _lora_linear(x, lora_input, weight, bias, a, b, scaling)  # [B, L, d_out], [B, L, r]
         need_a, need_b = ctx.needs_input_grad[4:6]
         ctx.scaling, ctx.separate = scaling, lora_input is not None
         ctx.save_for_backward(source if need_a else None, weight, a, b, xa if need_b else None)
@@ -164,6 +195,14 @@ class _LoRALinear(torch.autograd.Function):
         if need_b:
             grad_b = _weight_grad(xa, grad_out, b.dim()).mul_(scaling)  # like b
         return grad_x, grad_lora_input, None, None, grad_a, grad_b, None
+
+
+def _lora_linear(x: torch.Tensor, lora_input: torch.Tensor | None, weight: torch.Tensor, bias: torch.Tensor | None,
+                 a: torch.Tensor, b: torch.Tensor, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x W^T + bias + s (x' A) B [B, L, d_out], x' A [B, L, r]) for x [B, L, d_in], x' = ``lora_input``
+    or x, and one adapter (A [d_in, r], B [r, d_out]) or one per row ([B, d_in, r], [B, r, d_out])."""
+    xa = torch.matmul(x if lora_input is None else lora_input, a)  # [B, L, r]
+    return _add_product(F.linear(x, weight, bias), xa, b, scaling), xa
 
 
 def _add_product(into: torch.Tensor, left: torch.Tensor, right: torch.Tensor, alpha: float) -> torch.Tensor:
@@ -255,13 +294,15 @@ class MultiLoRA:
             shown = ids.unique().tolist()[:10] if ids.numel() else "none"
             raise ValueError(f"route needs one adapter index in 0..{self.k - 1} per row, got {shown}")
         present, local = torch.unique(ids, return_inverse=True)  # [p] ascending, [B]
-        previous = (self._route.rows, self._route.present, self._route.local)
+        previous = (self._route.rows, self._route.present, self._route.local, self._route.adapters)
         self._route.rows, self._route.present = tuple(ids.tolist()), tuple(present.tolist())
-        self._route.local = local.to(self._device) if len(present) > 1 else None
+        mixed = len(present) > 1
+        self._route.local = local.to(self._device) if mixed else None
+        self._route.adapters = ids.to(self._device) if mixed else None
         try:
             yield
         finally:
-            self._route.rows, self._route.present, self._route.local = previous
+            self._route.rows, self._route.present, self._route.local, self._route.adapters = previous
 
     @contextmanager
     def requires_grad(self, flag: bool) -> Iterator[None]:
