@@ -740,7 +740,7 @@ def _minibatch(sizes: dict[str, Any]) -> str:
         return ("1 (example, cluster) pair = m' rows (full) or a rows (a=...) per backward (a = 2: 2-row passes, "
                 "which a GPU runs below its throughput)")
     return (f"{pairs} (example, cluster) pairs per optimizer step, in passes of at most {sizes['score_batch_size']} "
-            "rows (a pair's m' or a rows never split)")
+            "rows (a pair's m' or a rows never split: a larger pair is a pass of its own)")
 
 
 def print_report(results: dict[str, Any]) -> None:
@@ -944,7 +944,7 @@ def main() -> None:
         },
     }
     previous: dict[str, Any] = json.loads(args.resume.read_text()) if args.resume else {}
-    if previous and (previous["sizes"], previous["examples"], previous["device"]) != \
+    if previous and ({"pairs_per_step": 1, **previous["sizes"]}, previous["examples"], previous["device"]) != \
             (results["sizes"], results["examples"], results["device"]):
         parser.error(f"{args.resume} was measured at another size, n or device; it cannot be resumed here")
     results.update({section: previous[section] for section in SECTIONS if section in previous})

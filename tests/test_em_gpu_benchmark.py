@@ -163,6 +163,8 @@ def test_a_split_run_resumes_where_the_first_part_stopped(tmp_path: Path) -> Non
     assert "--deadline 0 s reached" in stopped.stderr and "em m'=" not in stopped.stderr
     run(tmp_path / "first", "--m-primes", str(TINY_M_PRIMES[0]))
     first = json.loads((tmp_path / "first" / "em_gpu.json").read_text())
+    older = {**first, "sizes": {k: v for k, v in first["sizes"].items() if k != "pairs_per_step"}}
+    (tmp_path / "first" / "em_gpu.json").write_text(json.dumps(older))  # as written before that setting existed
     assert [row["m_prime"] for row in first["em"]] == [TINY_M_PRIMES[0]] * len(TINY_METHODS)
     second = run(tmp_path / "second", "--resume", str(tmp_path / "first" / "em_gpu.json"))
     measured = re.findall(r"^em m'=(\d+) ", second.stderr, flags=re.MULTILINE)

@@ -331,7 +331,8 @@ def test_bf16_adapter_gradients_of_a_mixed_batch_are_summed_in_float32():
 def test_passes_without_adapter_gradients_read_a_stack_that_follows_every_change(tiny_model_dir, tmp_path, route):  # noqa: F811
     """The E-step and scoring read the adapters from one stacked copy per layer in the activations'
     dtype (`MultiLoRALinear.frozen`), built once: it gives what a pass into the adapters' masters
-    gives, bit for bit, and follows an optimizer step, a PEFT load and a move to another dtype."""
+    gives, bit for bit, and follows an optimizer step, a zeroing, a PEFT load, a copy of the model and
+    a move to another dtype; one built under inference mode serves a later input-gradient pass."""
     model = load_model(tiny_model_dir, dtype=torch.bfloat16)
     lora = MultiLoRA(model, K, SETTINGS, seed=5)
     params = lora.named_parameters()
@@ -362,9 +363,18 @@ def test_passes_without_adapter_gradients_read_a_stack_that_follows_every_change
     with torch.no_grad():
         for p in params.values():
             p.zero_()
+    assert (both().float() - stepped.float()).abs().max() > 0  # zero adapters: the base model
     for c in range(K):
         lora.load_peft(c, tmp_path / f"c{c}")
     torch.testing.assert_close(both(), stepped, rtol=0, atol=0)
+    clone = copy.deepcopy(model)  # its parameters restart their version counters; the stack is not copied
+    assert next(m for m in clone.modules() if isinstance(m, MultiLoRALinear))._frozen is None
+    with torch.inference_mode(), lora.route(route):
+        model(ids, attention_mask=mask)  # a stack built in inference mode ...
+    with lora.requires_grad(False), lora.route([1] * len(route)):
+        embeds = model.get_input_embeddings()(ids).detach().requires_grad_(True)
+        model(inputs_embeds=embeds, attention_mask=mask).logits.float().sum().backward()  # ... saved for a backward
+    assert embeds.grad is not None
     model.to(torch.float64)
     assert layer.frozen(torch.float64)[0].dtype == torch.float64
     both()

@@ -15,7 +15,7 @@ stacked into [B, d_in, r] and [B, r, d_out] and applied by one ``bmm`` and one `
 accumulates into the base output, so one forward serves rows of all k clusters; a batch of one
 adapter takes two plain matmuls. Without gradients into the adapters (the E-step's input-gradient
 pass, scoring) the rows' adapters are gathered from a stack of all k in the activations' dtype that
-each layer keeps until an adapter changes (`MultiLoRALinear.frozen`; k adapters' copy, 240 MB in
+each layer keeps until an adapter changes or an M-step pass drops it (`MultiLoRALinear.frozen`; k adapters' copy, 240 MB in
 bf16 for Qwen3-0.6B at k = 12, r = 16), so such a pass stacks and casts nothing, and a pass with
 gradients of nothing (scoring) skips the autograd Function; with them (the M-step) the adapters present are
 stacked once and gathered per row, whose backward sums each adapter's rows in one accumulating
@@ -96,26 +96,30 @@ class MultiLoRALinear(nn.Module):
         self.lora_B = nn.ParameterList([nn.Parameter(torch.zeros(settings.r, d_out, device=device, dtype=dtype))
                                         for _ in range(k)])
         self.dropout = nn.Dropout(settings.dropout) if settings.dropout > 0 else nn.Identity()
-        self._masters: list[nn.Parameter] = [*self.lora_A, *self.lora_B]  # a list: no ParameterList lookups
         self._frozen: tuple[tuple[Any, ...], tuple[torch.Tensor, torch.Tensor]] | None = None  # (key, (A, B))
 
     def frozen(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Every adapter stacked in ``dtype`` outside autograd, A [k, d_in, r] and B [k, r, d_out]: what a
         pass without gradients into the adapters reads (the E-step's input-gradient pass, scoring), so
-        that it stacks and casts nothing per layer and row, and indexes instead. Kept until an adapter
-        changes: an optimizer step, ``load_peft`` or any in-place update moves the parameters' version
-        counters, and a move to another device or dtype (``Module.to``) their device and dtype; an
-        assignment to ``.data`` by hand moves neither, and is not supported."""
-        first = self.lora_A[0]
-        if first is not self._masters[0]:  # Module.to may register new parameters in place of the old
-            self._masters = [*self.lora_A, *self.lora_B]
-        key = (dtype, first.device, first.dtype, *(p._version for p in self._masters))
+        that it stacks and casts nothing per layer and row, and indexes instead. Rebuilt when an adapter
+        changed: an optimizer step, ``load_peft`` or any in-place update on a parameter moves its
+        version counter; new storage (``Module.to``, a copy of the model, a ``.data`` assignment, a
+        replaced parameter) moves its address. Not seen: writes that bypass both, through ``p.data``
+        (``p.data.copy_``) or a fused optimizer (``AdamW(fused=True)``): moplex makes neither. A pass
+        with gradients into the adapters drops the stack (an M-step does not carry k adapters' copy)."""
+        masters = (*self.lora_A._parameters.values(), *self.lora_B._parameters.values())  # no per-item lookup
+        key = (dtype, *(p._version for p in masters), *(p.data_ptr() for p in masters))
         if self._frozen is None or self._frozen[0] != key:
             k = len(self.lora_A)
-            with torch.no_grad():
-                stacked = (torch.stack(self._masters[:k]).to(dtype), torch.stack(self._masters[k:]).to(dtype))
+            # Outside inference mode even under it: the stack may be saved for a later input-gradient backward.
+            with torch.inference_mode(False), torch.no_grad():
+                stacked = (torch.stack(masters[:k]).to(dtype), torch.stack(masters[k:]).to(dtype))
             self._frozen = (key, stacked)
         return self._frozen[1]
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled and deep-copied without the stack of `frozen` (a cache, rebuilt on use)."""
+        return {**self.__dict__, "_frozen": None}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         routed, present = self.route.rows, self.route.present
@@ -135,16 +139,18 @@ class MultiLoRALinear(nn.Module):
                 a, b = stacked_a[present[0]], stacked_b[present[0]]  # [d_in, r], [r, d_out]: views
             else:
                 a, b = stacked_a[self.route.adapters], stacked_b[self.route.adapters]  # [B, d_in, r], [B, r, d_out]
-        elif len(present) == 1:
-            a = self.lora_A[present[0]].to(x.dtype)  # [d_in, r]
-            b = self.lora_B[present[0]].to(x.dtype)  # [r, d_out]
         else:
-            # Gradients into the adapters: stack those present and gather per row, so that each
-            # adapter's gradient is one accumulating index_put over its rows (deterministic on CUDA,
-            # unlike index_select's index_add), not one addition per row. Gathered before the cast,
-            # so that the sum runs in the masters' float32, as a one-adapter batch's GEMM sums it.
-            a = torch.stack([self.lora_A[c] for c in present])[self.route.local].to(x.dtype)  # [B, d_in, r]
-            b = torch.stack([self.lora_B[c] for c in present])[self.route.local].to(x.dtype)  # [B, r, d_out]
+            self._frozen = None  # this pass's step will change the adapters: the stack would be stale
+            if len(present) == 1:
+                a = self.lora_A[present[0]].to(x.dtype)  # [d_in, r]
+                b = self.lora_B[present[0]].to(x.dtype)  # [r, d_out]
+            else:
+                # Stack the adapters present and gather per row, so that each adapter's gradient is one
+                # accumulating index_put over its rows (deterministic on CUDA, unlike index_select's
+                # index_add), not one addition per row. Gathered before the cast, so that the sum runs
+                # in the masters' float32, as a one-adapter batch's GEMM sums it.
+                a = torch.stack([self.lora_A[c] for c in present])[self.route.local].to(x.dtype)  # [B, d_in, r]
+                b = torch.stack([self.lora_B[c] for c in present])[self.route.local].to(x.dtype)  # [B, r, d_out]
         rows = x.reshape(len(routed), -1, x.shape[-1])  # [B, L, d_in]
         lora_input = None if dropped is x else dropped.reshape(rows.shape)
         if torch.is_grad_enabled():
