@@ -385,7 +385,8 @@ def _em_iteration(model_dir: Path, sizes: Sizes, inputs: PolicyInputs, anchors: 
     except RuntimeError as error:  # torch.cuda.OutOfMemoryError, or cuBLAS failing to allocate
         if not _out_of_memory(error):
             raise
-        return {"oom": True, "e_step_s_per_example": None, "m_step_s_per_example": None, "m_step_optimizer_steps": None,
+        return {"oom": True, "e_step_s_per_example": None, "m_step_s_per_example": None,
+                "m_step_optimizer_steps": None,
                 "total_s_per_example": None, "late_m_step_s_per_example": None, "late_total_s_per_example": None,
                 "m_step_peak_gib": None, "e_step_peak_gib": None, "peak_gib": None,
                 "peak_reserved_gib": None}
@@ -759,8 +760,9 @@ def print_report(results: dict[str, Any]) -> None:
               "cluster) and pass (the default), `per row`: with every response; speedup and memory against "
               "full with the same prompts; every pair weighted 1/k (all above "
               "gamma_min, the worst case: an early iteration); late: the M-step of an iteration whose posteriors "
-              "sit on one cluster per example (k times fewer pairs), plus the same E-step. Times per example; peak memory of the tensors (weights included) of each step, and "
-              "their maximum for the ratio; reserved: the most the allocator held (what must fit on the card).\n")
+              "sit on one cluster per example (k times fewer pairs), plus the same E-step. Times per example; "
+              "peak memory of the tensors (weights included) of each step, and their maximum for the ratio; "
+              "reserved: the most the allocator held (what must fit on the card).\n")
         print("| m' | method | prompts | E-step s/ex | M-step s/ex | total s/ex | E-step peak GiB | M-step peak GiB "
               "| reserved GiB | speedup vs full | memory full/this | late M-step s/ex | late total s/ex "
               "| late speedup |")

@@ -15,16 +15,17 @@ stacked into [B, d_in, r] and [B, r, d_out] and applied by one ``bmm`` and one `
 accumulates into the base output, so one forward serves rows of all k clusters; a batch of one
 adapter takes two plain matmuls. Without gradients into the adapters (the E-step's input-gradient
 pass, scoring) the rows' adapters are gathered from a stack of all k in the activations' dtype that
-each layer keeps until an adapter changes or an M-step pass drops it (`MultiLoRALinear.frozen`; k adapters' copy, 240 MB in
-bf16 for Qwen3-0.6B at k = 12, r = 16), so such a pass stacks and casts nothing, and a pass with
-gradients of nothing (scoring) skips the autograd Function; with them (the M-step) the adapters present are
-stacked once and gathered per row, whose backward sums each adapter's rows in one accumulating
-``index_put`` instead of one addition per row. The layer has its own backward (`_LoRALinear`),
-which accumulates the LoRA part of dL/dx into the base part in the matmul that computes it, where
-autograd would write it and add it in a separate pass. Only the routed adapters enter the autograd
-graph: the others get no gradient (None), so an optimizer step leaves them exactly where they are,
-as PEFT's inactive adapters. Outside a route every adapter is off and the model is exactly the base model,
-pi_ref (no second copy of the weights). The base model's own weights are frozen.
+each layer keeps until an adapter changes or an M-step pass drops it (`MultiLoRALinear.frozen`;
+240 MB in bf16 for Qwen3-0.6B at k = 12, r = 16), so such a pass stacks and casts nothing, and a pass
+without any gradient (scoring) skips the autograd Function. With gradients into the adapters (the
+M-step) the adapters present are stacked once and gathered per row, whose backward sums each
+adapter's rows in one accumulating ``index_put`` instead of one addition per row. The layer has its
+own backward (`_LoRALinear`), which accumulates the LoRA part of dL/dx into the base part in the
+matmul that computes it, where autograd would write it and add it in a separate pass. Only the
+routed adapters enter the autograd graph: the others get no gradient (None), so an optimizer step
+leaves them exactly where they are, as PEFT's inactive adapters. Outside a route every adapter is
+off and the model is exactly the base model, pi_ref (no second copy of the weights). The base
+model's own weights are frozen.
 
 The adapters are read and written in PEFT's format (``adapter_config.json`` +
 ``adapter_model.safetensors`` per adapter), so ``PeftModel.from_pretrained(base, path)`` loads what
