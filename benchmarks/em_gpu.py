@@ -96,6 +96,7 @@ import statistics
 import sys
 import tempfile
 import time
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from datetime import datetime, timezone
@@ -661,7 +662,7 @@ def lora_agreement(model_dir: Path, sizes: Sizes, batch: list[TokenizedResponse]
     names = [f"c{c}" for c in range(sizes.k)]
 
     def logp(model: nn.Module, rows: list[TokenizedResponse] = batch) -> torch.Tensor:
-        return anchor_pass(model, rows, PAD_ID, input_grads=False).logp  # float64 [B]
+        return anchor_pass(model, rows, PAD_ID, input_grads=False).logp.cpu()  # float64 [B]
 
     with tempfile.TemporaryDirectory() as tmp:
         model = _frozen_model(model_dir, sizes)
@@ -701,6 +702,51 @@ def lora_agreement(model_dir: Path, sizes: Sizes, batch: list[TokenizedResponse]
             "adapter_effect": float((reference - base).abs().max()),
             "base_batch_shape": float((base_batched - base_alone).abs().max()),
             "base_vs_wide": float((base_batched - base).abs().max())}
+
+
+def host_waits(model_dir: Path, sizes: Sizes, batch: list[TokenizedResponse]) -> dict[str, str] | None:
+    """Where the E-step's and the M-step's passes make the host wait for the GPU, on all k adapters
+    mixed, rows whole and prompts shared: each pass under torch's CUDA synchronisation check, which
+    raises at the first operation that waits ("none" when the pass has none; the M-step pass's
+    backward included). None on the CPU, which runs each pass once unchecked (tests/test_estimate.py
+    checks the same passes on the meta device)."""
+    model, lora = _lora_model(model_dir, sizes)
+    params = list(lora.named_parameters().values())
+    route = (torch.arange(len(batch)) % sizes.k).tolist()  # [B]: row b -> adapter b mod k
+    groups = list(range(len(batch)))  # every row has a prompt of its own: the prompt pass runs B prefixes
+
+    def e_pass(shared: bool) -> None:
+        with lora.requires_grad(False):
+            anchor_pass(model, batch, PAD_ID, input_grads=True, groups=groups if shared else None,
+                        route=lambda rows: lora.route([route[r] for r in rows]))
+
+    def m_pass(shared: bool) -> None:
+        anchor_pass(model, batch, PAD_ID, input_grads=False, keep_graph=True, groups=groups if shared else None,
+                    route=lambda rows: lora.route([route[r] for r in rows])).logp.sum().backward()
+        for p in params:
+            p.grad = None
+
+    passes = {"E-step pass, rows whole": lambda: e_pass(False), "E-step pass, prompts shared": lambda: e_pass(True),
+              "M-step pass, rows whole": lambda: m_pass(False), "M-step pass, prompts shared": lambda: m_pass(True)}
+    found = {}
+    for name, run in passes.items():
+        run()  # a first pass may initialise libraries (cuBLAS handles), which waits once
+        if not sizes.cuda:
+            continue
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            run()
+            found[name] = "none"
+        except RuntimeError as error:
+            frames = [f"{Path(f.filename).name}:{f.lineno}" for f in traceback.extract_tb(error.__traceback__)
+                      if "moplex_core" in f.filename or "transformers" in f.filename]
+            found[name] = f"{str(error).splitlines()[0]} at {' <- '.join(reversed(frames[-3:]))}"
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    del model, lora
+    _free(sizes)
+    return found if sizes.cuda else None
 
 
 # -- 4. the card's ceilings ------------------------------------------------------------------
@@ -804,6 +850,12 @@ def print_report(results: dict[str, Any]) -> None:
               f"{check['adapter_effect']:.3g} | {check['base_batch_shape']:.3g} | {check['base_vs_wide']:.3g} |\n")
         print("The last two are the base model's gaps every delta starts from when the cache computed log "
               "pi_ref in another pass shape or dtype (the train stage's reference_gap).\n")
+        if check.get("host_waits"):
+            print("Where a pass makes the host wait for the GPU (torch.cuda.set_sync_debug_mode):\n")
+            print("| pass | first wait |\n|---|---|")
+            for name, where in check["host_waits"].items():
+                print(f"| {name} | {where} |")
+            print()
     if "ceilings" in results:
         top = results["ceilings"]
         print(f"{top['dtype']} matmul, {top['n']}^3: {top['matmul_tflops']:.1f} TFLOP/s; device-to-device copy "
@@ -991,7 +1043,9 @@ def main() -> None:
             return build_model(sizes, Path(tmp) / "model")
 
         if wanted("check"):
-            finished("check", lora_agreement(model_dir(), sizes, _batches(model_dir(), sizes)[min(sizes.batch_rows)]))
+            batch = _batches(model_dir(), sizes)[min(sizes.batch_rows)]
+            finished("check", {**lora_agreement(model_dir(), sizes, batch),
+                               "host_waits": host_waits(model_dir(), sizes, batch)})
         if wanted("throughput"):
             finished("throughput", anchor_pass_throughput(model_dir(), sizes))
         if wanted("profile"):

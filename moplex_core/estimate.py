@@ -48,6 +48,7 @@ import torch
 from peft import PeftModel
 from transformers import PreTrainedModel
 
+from moplex_core.lm.device import to_device
 from moplex_core.lm.logprobs import PromptPrefix, embed, prefix_is_exact, prompt_prefix, sequence_logprobs
 from moplex_core.lm.tokenize import TokenizedResponse, pad_batch
 
@@ -76,7 +77,7 @@ def anchor_indices(example_id: str, n_responses: int, a: int | None, seed: int, 
 class AnchorPass:
     """log pi(y_i|x) of anchor rows and, when asked, d log pi / d h at their response positions."""
 
-    logp: torch.Tensor  # float64 [R] on the CPU; carries the parameters' graph when they require grad
+    logp: torch.Tensor  # float64 [R] on the model's device; carries the parameters' graph when they require grad
     input_grads: torch.Tensor | None  # float32 [R, T, d] on the model's device, t = 0 at the response start
     lengths: torch.Tensor  # int64 [R] response tokens (EOS included)
 
@@ -123,14 +124,12 @@ def anchor_pass(
         sequences = [TokenizedResponse(s.input_ids[s.response_start - 1 :], response_start=1) for s in sequences]
     batch = pad_batch(sequences, pad_token_id)
     device = next(model.parameters()).device
-    input_ids = batch.input_ids.to(device)
-    attention_mask = batch.attention_mask.to(device)
-    response_mask = batch.response_mask.to(device)
+    input_ids = to_device(batch.input_ids, device)
     embeds = embed(model, input_ids).detach()  # [R, L, d]
     if input_grads:
         embeds.requires_grad_(True)
     with torch.set_grad_enabled(input_grads or keep_graph), route(range(len(sequences))):
-        logp = sequence_logprobs(model, input_ids, attention_mask, response_mask, inputs_embeds=embeds,
+        logp = sequence_logprobs(model, input_ids, batch.attention_mask, batch.response_mask, inputs_embeds=embeds,
                                  prefix=prefix, chunk_size=chunk_size).to(torch.float64)  # [R]
     starts = torch.tensor([s.response_start for s in sequences], dtype=torch.long)
     lengths = torch.tensor([len(s.input_ids) - s.response_start for s in sequences], dtype=torch.long)
@@ -138,7 +137,7 @@ def anchor_pass(
     if input_grads:
         (full,) = torch.autograd.grad(logp.sum(), embeds, retain_graph=keep_graph)  # [R, L, d]
         grads = _response_rows(full.float(), starts, lengths)
-    return AnchorPass((logp if keep_graph else logp.detach()).cpu(), grads, lengths)
+    return AnchorPass(logp if keep_graph else logp.detach(), grads, lengths)
 
 
 def _prompt_groups(sequences: Sequence[TokenizedResponse], groups: Sequence[Hashable]
@@ -170,9 +169,9 @@ def response_embeddings(
     ids = torch.zeros(len(sequences), width, dtype=torch.long)  # [M, T]
     for row, seq in enumerate(sequences):
         ids[row, : lengths[row]] = torch.tensor(seq.input_ids[seq.response_start :], dtype=torch.long)
-    lengths = lengths.to(device)
+    ids, lengths = to_device(ids, device), to_device(lengths, device)
     with torch.no_grad():
-        emb = embed(model, ids.to(device)).float()  # [M, T, d]
+        emb = embed(model, ids).float()  # [M, T, d]
     valid = torch.arange(width, device=device)[None, :] < lengths[:, None]  # [M, T]
     return emb * valid[..., None], lengths
 
@@ -292,10 +291,11 @@ def reference_terms_batch(
         for e, members in groupby(part, key=lambda row: row[0]):  # an example's rows in a pass are contiguous
             idx = torch.tensor([j for _, j in members])  # [p]: which of its responses
             end = first + len(idx)
-            ref_logp[e][idx] = ref.logp[first:end]
+            ref_logp[e][idx] = ref.logp[first:end].cpu()
             if contractions:
                 emb, lengths = response_embeddings(model, examples[e])
-                s_ref[e][idx] = contraction(ref.input_grads[first:end], idx.to(emb.device), emb, lengths).float().cpu()
+                s_ref[e][idx] = contraction(ref.input_grads[first:end], to_device(idx, emb.device), emb,
+                                            lengths).float().cpu()
             first = end
     return list(zip(ref_logp, s_ref))
 
@@ -319,8 +319,8 @@ def _response_rows(full: torch.Tensor, starts: torch.Tensor, lengths: torch.Tens
     width = int(lengths.max())
     t = torch.arange(width)[None, :]  # [1, T]
     positions = (starts[:, None] + t.clamp_max(lengths[:, None] - 1)).clamp_max(full.shape[1] - 1)  # [R, T]
-    valid = (t < lengths[:, None]).to(full.device)  # [R, T]
-    rows = torch.gather(full, 1, positions.to(full.device)[..., None].expand(-1, -1, full.shape[2]))  # [R, T, d]
+    valid, positions = (to_device(x, full.device) for x in (t < lengths[:, None], positions))  # [R, T] each
+    rows = torch.gather(full, 1, positions[..., None].expand(-1, -1, full.shape[2]))  # [R, T, d]
     return rows * valid[..., None]
 
 

@@ -77,7 +77,7 @@ def measure_errors(scorer: LoRAPolicyScorer, inputs: PolicyInputs, seed: int) ->
                 passed = anchor_pass(scorer.model, [seqs[anchor]], scorer.pad_token_id, input_grads=True)
             s_policy = contraction(passed.input_grads.cpu(), torch.tensor([anchor]), emb, lengths)  # [1, m]
             for mode in ESTIMATION_MODES:
-                estimate = estimate_delta(mode, torch.tensor([anchor]), passed.logp, s_policy, ref_logp, s_ref)
+                estimate = estimate_delta(mode, torch.tensor([anchor]), passed.logp.cpu(), s_policy, ref_logp, s_ref)
                 for j in range(m):
                     if j == anchor:
                         continue

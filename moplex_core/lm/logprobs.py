@@ -38,6 +38,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 from transformers import DynamicCache, PreTrainedModel
 
+from moplex_core.lm.device import to_device
+
 
 def causal_lm_parts(model: PreTrainedModel | PeftModel) -> tuple[nn.Module, nn.Module]:
     """The decoder (token embeddings -> last hidden states) and ``lm_head`` of a causal LM."""
@@ -109,11 +111,12 @@ def prompt_prefix(
     for g, prefix in enumerate(prefixes):
         ids[g, : len(prefix)] = torch.tensor(list(prefix), dtype=torch.long)
         mask[g, : len(prefix)] = 1
-    ids, mask, rows = ids.to(device), mask.to(device), rows.to(device)
     decoder, _ = causal_lm_parts(model)
     # Right padding: a pad's query sees real keys before it (no fully masked row, so no NaN that a
     # masked key could carry into the continuation), and the continuation masks the pads' keys.
-    cache = decoder(input_ids=ids, attention_mask=mask, use_cache=True).past_key_values
+    cache = decoder(input_ids=to_device(ids, device), attention_mask=_whole_rows_mask(model, mask, device),
+                    use_cache=True).past_key_values
+    mask, rows = to_device(mask, device), to_device(rows, device)
     cache.batch_select_indices(rows)  # [G, ...] -> [B, ...], differentiable indexing
     return PromptPrefix(cache, mask[rows], mask.sum(1)[rows])
 
@@ -130,10 +133,12 @@ def sequence_logprobs(
 ) -> torch.Tensor:
     """log pi(y|x) of each sequence: float32 [B] (float64 [B] for a float64 model).
 
-    input_ids:      int64 [B, L]; the targets whose log-probs are summed (always needed, also
-                    when the forward pass reads ``inputs_embeds``).
+    input_ids:      int64 [B, L] on the model's device; the targets whose log-probs are summed
+                    (always needed, also when the forward pass reads ``inputs_embeds``).
     attention_mask: [B, L], 1 at real tokens (right padding, see moplex_core.lm.tokenize).
     response_mask:  [B, L], nonzero at response tokens (EOS included); position 0 must be prompt.
+                    Both masks are read on the host: give them on the CPU (as `pad_batch` makes them),
+                    since a mask on the GPU is copied back first, and that copy waits for the GPU.
     inputs_embeds:  [B, L, d] or None; when given the decoder runs on it instead of embedding
                     ``input_ids`` (gradients w.r.t. it, DESIGN 5.4).
     prefix:         the rows' earlier prompt tokens (`prompt_prefix`), or None: the rows are whole
@@ -144,8 +149,8 @@ def sequence_logprobs(
     """
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be at least 1, got {chunk_size}")
-    selected, targets, predicts_response, lm_head = _response_hidden(
-        model, input_ids, attention_mask, response_mask, inputs_embeds, prefix)
+    selected, targets, at, lm_head = _response_hidden(model, input_ids, attention_mask, response_mask, inputs_embeds,
+                                                      prefix)
     acc_dtype = torch.float64 if selected.dtype == torch.float64 else torch.float32
 
     # Under autograd keep only each chunk's [n, d] input; its [n, V] logits are recomputed in backward.
@@ -163,8 +168,9 @@ def sequence_logprobs(
     token_logprobs = torch.cat(chunks) if chunks else selected.new_zeros(0, dtype=acc_dtype)  # [N]
 
     # Scatter back to [B, L-1] and sum per row: deterministic, unlike index_add on CUDA.
-    per_position = torch.zeros(predicts_response.shape, dtype=acc_dtype, device=selected.device)
-    return per_position.masked_scatter(predicts_response, token_logprobs).sum(dim=1)  # [B]
+    batch, width = input_ids.shape[0], input_ids.shape[1] - 1
+    per_position = torch.zeros(batch * width, dtype=acc_dtype, device=selected.device)
+    return per_position.index_put((at.predicting,), token_logprobs).view(batch, width).sum(dim=1)  # [B]
 
 
 def output_score_features(
@@ -193,10 +199,9 @@ def output_score_features(
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be at least 1, got {chunk_size}")
     with torch.no_grad():
-        selected, targets, predicts_response, lm_head = _response_hidden(
-            model, input_ids, attention_mask, response_mask, None, None)
+        selected, targets, at, lm_head = _response_hidden(model, input_ids, attention_mask, response_mask, None, None)
         left, right = left.to(selected.device, torch.float64), right.to(selected.device, torch.float64)
-        row_of = predicts_response.nonzero()[:, 0]  # [N] the row of each response token
+        row_of = at.rows  # [N] the row of each response token
         features = torch.zeros(input_ids.shape[0], left.shape[1] * right.shape[1], dtype=torch.float64,
                                device=selected.device)  # [B, p*q]
         for start in range(0, targets.shape[0], chunk_size):
@@ -209,6 +214,52 @@ def output_score_features(
         return features.cpu()
 
 
+@dataclass(frozen=True)
+class _ResponsePositions:
+    """The hidden states that predict a response token, row by row, as int64 [N] indices on the
+    model's device, found on the host from the CPU mask (a boolean index on the GPU would make the host
+    wait for the decoder before it could launch the rest of the pass)."""
+
+    rows: torch.Tensor  # [N] b: each one's row
+    hidden: torch.Tensor  # [N] b * L + t into the [B * L] positions: the state at t predicts token t + 1
+    predicting: torch.Tensor  # [N] b * (L - 1) + t into the [B * (L - 1)] positions that predict a token
+
+
+def _response_positions(response_mask: torch.Tensor, device: torch.device) -> _ResponsePositions:
+    """Where the response tokens of ``response_mask`` ([B, L], nonzero at response tokens) are
+    predicted from; position 0 must be prompt."""
+    mask = response_mask.to("cpu", torch.bool)
+    if mask[:, 0].any():
+        rows = torch.nonzero(mask[:, 0]).flatten().tolist()
+        raise ValueError(
+            f"response_mask marks position 0 as a response token in rows {rows}; the first response "
+            "token must follow at least one prompt token that predicts it (see tokenize.encode_prompt)"
+        )
+    length = mask.shape[1]
+    rows, positions = mask[:, 1:].nonzero(as_tuple=True)  # [N], [N]: token t + 1 of row b is a response token
+    at = to_device(torch.stack([rows, rows * length + positions, rows * (length - 1) + positions]), device)  # [3, N]
+    return _ResponsePositions(*at.unbind(0))
+
+
+def _whole_rows_mask(model: PreTrainedModel | PeftModel, mask: torch.Tensor, device: torch.device
+                     ) -> torch.Tensor | None:
+    """The attention mask of a decoder pass over whole right-padded rows (``mask`` [B, L] on the CPU,
+    1 at real tokens), chosen on the host. Given a 2D mask, transformers reads it back from the device
+    to see whether it has padding (plain causal attention if not), which makes the host wait for the
+    GPU. Here: None without padding (transformers then asks SDPA for causal attention, as it would);
+    with padding, under SDPA on full-attention layers, the [B, 1, L, L] boolean mask it would build
+    (a key is seen from its own position on, unless it is padding), which it takes as it is; otherwise
+    the 2D mask, for transformers to build the other implementations' masks as they need."""
+    if bool(mask.all()):
+        return None
+    on_device = to_device(mask, device)
+    config = (model.get_base_model() if isinstance(model, PeftModel) else model).config
+    if config._attn_implementation != "sdpa" or not prefix_is_exact(model):
+        return on_device
+    causal = torch.ones(mask.shape[1], mask.shape[1], dtype=torch.bool, device=device).tril()  # [L, L]: key <= query
+    return causal[None, None] & on_device.bool()[:, None, None, :]  # [B, 1, L, L]
+
+
 def _response_hidden(
     model: PreTrainedModel | PeftModel,
     input_ids: torch.Tensor,
@@ -216,26 +267,22 @@ def _response_hidden(
     response_mask: torch.Tensor,
     inputs_embeds: torch.Tensor | None,
     prefix: PromptPrefix | None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, nn.Module]:
+) -> tuple[torch.Tensor, torch.Tensor, _ResponsePositions, nn.Module]:
     """The decoder pass of `sequence_logprobs`: (the final hidden states that predict a response
-    token [N, d], those tokens int64 [N], where they sit bool [B, L-1], ``lm_head``)."""
-    response_mask = response_mask.bool()
-    if response_mask[:, 0].any():
-        rows = torch.nonzero(response_mask[:, 0]).flatten().tolist()
-        raise ValueError(
-            f"response_mask marks position 0 as a response token in rows {rows}; the first response "
-            "token must follow at least one prompt token that predicts it (see tokenize.encode_prompt)"
-        )
+    token [N, d], those tokens int64 [N], where they sit, ``lm_head``)."""
+    device = input_ids.device
+    at = _response_positions(response_mask, device)
     decoder, lm_head = causal_lm_parts(model)
     inputs = {"input_ids": input_ids} if inputs_embeds is None else {"inputs_embeds": inputs_embeds}
-    if prefix is not None:
-        positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+    if prefix is None:
+        attention_mask = _whole_rows_mask(model, attention_mask.to("cpu"), device)
+    else:
+        positions = torch.arange(input_ids.shape[1], device=device)
         inputs.update(past_key_values=prefix.cache, position_ids=prefix.lengths[:, None] + positions[None, :])
-        attention_mask = torch.cat([prefix.attention_mask, attention_mask.to(prefix.attention_mask)], dim=1)
+        attention_mask = torch.cat([prefix.attention_mask, to_device(attention_mask, device).to(prefix.attention_mask)],
+                                   dim=1)
     hidden = decoder(**inputs, attention_mask=attention_mask, use_cache=False).last_hidden_state  # [B, L, d]
-    # The hidden state at t predicts the token at t + 1.
-    predicts_response = response_mask[:, 1:]  # bool [B, L-1]
-    return hidden[:, :-1][predicts_response], input_ids[:, 1:][predicts_response], predicts_response, lm_head
+    return hidden.flatten(0, 1)[at.hidden], input_ids.flatten()[at.hidden + 1], at, lm_head
 
 
 def _target_logprobs(

@@ -51,6 +51,8 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 from torch.nn import functional as F
 
+from moplex_core.lm.device import to_device
+
 PEFT_WEIGHTS = "adapter_model.safetensors"
 PEFT_CONFIG = "adapter_config.json"
 _PEFT_PREFIX = "base_model.model."  # PeftModel(base) names base's modules base_model.model.<name>
@@ -129,7 +131,7 @@ class MultiLoRALinear(nn.Module):
         if x.shape[0] != len(routed):
             raise ValueError(f"the batch has {x.shape[0]} rows but the route names adapters for {len(routed)}; "
                              "route exactly the rows of the batch (MultiLoRA.route)")
-        if torch.is_autocast_enabled(x.device.type):
+        if torch.amp.is_autocast_available(x.device.type) and torch.is_autocast_enabled(x.device.type):
             raise RuntimeError("the multi-LoRA layer runs in the model's own dtype, not under torch.autocast: load "
                                "the model in bfloat16 instead (its adapters keep float32 masters)")
         dropped = self.dropout(x)
@@ -304,8 +306,8 @@ class MultiLoRA:
         previous = (self._route.rows, self._route.present, self._route.local, self._route.adapters)
         self._route.rows, self._route.present = tuple(ids.tolist()), tuple(present.tolist())
         mixed = len(present) > 1
-        self._route.local = local.to(self._device) if mixed else None
-        self._route.adapters = ids.to(self._device) if mixed else None
+        self._route.local = to_device(local, self._device) if mixed else None
+        self._route.adapters = to_device(ids, self._device) if mixed else None
         try:
             yield
         finally:

@@ -62,6 +62,7 @@ from moplex_core.estimate import (
     estimation_gap,
     response_embeddings,
 )
+from moplex_core.lm.device import to_device
 from moplex_core.lm.loading import load_model
 from moplex_core.lm.logprobs import output_score_features
 from moplex_core.lm.multi_lora import LoRASettings, MultiLoRA
@@ -284,7 +285,7 @@ class LoRAPolicyScorer:
         passed = anchor_pass(self.model, [inputs.sequences[i][j] for i, j in slots], self.pad_token_id,
                              input_grads=False, chunk_size=self.chunk_size, groups=groups)
         reference = torch.stack([inputs.ref_logp[i, j] for i, j in slots])  # [R]
-        return float((passed.logp - reference).abs().max())
+        return float((passed.logp.cpu() - reference).abs().max())
 
     def fit(self, inputs: PolicyInputs, rankings: Rankings, weights: torch.Tensor, iteration: int = 0) -> None:
         """Weighted M-step: minimise - sum_ic w_ic log P_c(sigma_i) over ``epochs`` passes
@@ -378,8 +379,8 @@ class LoRAPolicyScorer:
         for start in self._bar(range(0, len(slots), self.score_batch_size), desc="response features", unit="batch"):
             chunk = slots[start : start + self.score_batch_size]
             batch = pad_batch([inputs.sequences[i][j] for i, j in chunk], self.pad_token_id)
-            rows = output_score_features(self.model, batch.input_ids.to(device), batch.attention_mask.to(device),
-                                         batch.response_mask.to(device), left, right, chunk_size=self.chunk_size)
+            rows = output_score_features(self.model, batch.input_ids.to(device), batch.attention_mask,
+                                         batch.response_mask, left, right, chunk_size=self.chunk_size)
             for (i, j), row in zip(chunk, rows, strict=True):
                 features[i, j] = row
         return features
@@ -474,7 +475,7 @@ class LoRAPolicyScorer:
         """One forward + backward over the anchors of ``pairs``: accumulates the gradient of
         -sum w_ic log P_c(sigma_i) / batch_pairs into the adapters; returns the weighted log-likelihood."""
         rows = [(i, c, j) for i, c in pairs for j in picks[i].tolist()]
-        logp, _ = self._pass(inputs, rows, input_grads=False, train=True)  # [R]
+        logp = self._pass(inputs, rows, input_grads=False, train=True)[0].cpu()  # [R], the graph kept
         width = rankings.tiers.shape[1]
         deltas = [torch.nn.functional.pad(delta, (0, width - len(delta)))
                   for delta in _pair_deltas(inputs, pairs, picks, logp, offsets)]  # [M] each
@@ -493,18 +494,24 @@ class LoRAPolicyScorer:
         full = _every_response_an_anchor(inputs, picks)
         pairs = [(i, c) for i in range(n) for c in range(self.k)]
         rows = [(i, c, j) for i, c in pairs for j in picks[i].tolist()]  # a pair's anchors in a run, as in the M-step
-        logp = torch.empty(len(rows), dtype=torch.float64)  # [R]
-        s_policy: list[torch.Tensor | None] = [None] * len(rows)  # [m'_i] per row
+        # The passes' results stay on the model's device and come to the host every _PASSES_PER_COPY
+        # passes: a copy to the host waits for the GPU, so one per pass would stop the host from
+        # queueing the next pass while the GPU runs this one.
+        on_device: list[tuple[torch.Tensor, torch.Tensor | None]] = []  # per pass: float64 [rows], [rows, M] | None
+        on_host: list[tuple[torch.Tensor, torch.Tensor | None]] = []
         bar = self._bar(total=len(rows), desc=what, unit="row")
         try:
             for start in range(0, len(rows), self.score_batch_size):
                 chunk = rows[start : start + self.score_batch_size]
-                logp[start : start + len(chunk)], s_chunk = self._pass(inputs, chunk, input_grads=not full, train=False)
-                if s_chunk is not None:
-                    s_policy[start : start + len(chunk)] = s_chunk
+                on_device.append(self._pass(inputs, chunk, input_grads=not full, train=False))
+                if len(on_device) == _PASSES_PER_COPY or start + len(chunk) == len(rows):
+                    on_host.extend(_to_host(on_device))
+                    on_device.clear()
                 bar.update(len(chunk))
         finally:
             bar.close()
+        logp = torch.cat([part for part, _ in on_host])  # [R]
+        s_policy = None if full else torch.cat([part for _, part in on_host])  # [R, M]
         is_anchor = torch.zeros(n, m, dtype=torch.bool)
         for i, idx in enumerate(picks):
             is_anchor[i, idx] = True
@@ -514,7 +521,7 @@ class LoRAPolicyScorer:
             size, idx = len(inputs.sequences[i]), picks[i]
             if len(idx) < size:
                 offsets[i, c, :size] = estimate_offsets(
-                    self.estimation, idx, torch.stack(s_policy[offset : offset + len(idx)]), inputs.ref_logp[i, :size],
+                    self.estimation, idx, s_policy[offset : offset + len(idx), :size], inputs.ref_logp[i, :size],
                     inputs.ref_contraction[i, :size, :size])
             offset += len(idx)
         scores = torch.zeros(n, self.k, m, dtype=torch.float64)
@@ -545,10 +552,11 @@ class LoRAPolicyScorer:
         return self._score_all(inputs, round_, self.anchors, f"input gradients {round_}")[2]
 
     def _pass(self, inputs: PolicyInputs, rows: Sequence[Row], *, input_grads: bool, train: bool
-              ) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
-        """One `anchor_pass` over ``rows``, each under its cluster's adapter: log pi_c(y_j|x_i) float64
-        [R] (with the graph into the adapters when ``train``) and, with ``input_grads``, each row's
-        contraction s_c[j][:] with its example's responses (float64 [m'_i] each, on the CPU)."""
+              ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One `anchor_pass` over ``rows``, each under its cluster's adapter, on the model's device:
+        log pi_c(y_j|x_i) float64 [R] (with the graph into the adapters when ``train``) and, with
+        ``input_grads``, each row's contraction s_c[j][:] with its example's responses (float64 [R, M],
+        zero past the example's m'_i responses)."""
         seqs: list[TokenizedResponse] = [inputs.sequences[i][j] for i, _, j in rows]
         groups = [(i, c) for i, c, _ in rows] if self.share_prompts else None
         with self.lora.requires_grad(train):
@@ -557,7 +565,8 @@ class LoRAPolicyScorer:
                                  route=lambda sub: self.lora.route([rows[r][1] for r in sub]))
         if not input_grads:
             return passed.logp, None
-        contractions: list[torch.Tensor] = []
+        width = inputs.tiers.shape[1]
+        contractions: list[torch.Tensor] = []  # [rows of one example, M] each
         start = 0
         while start < len(rows):  # consecutive rows of one example share its response embeddings
             i = rows[start][0]
@@ -565,11 +574,22 @@ class LoRAPolicyScorer:
             while end < len(rows) and rows[end][0] == i:
                 end += 1
             emb, lengths = response_embeddings(self.model, inputs.sequences[i])  # [m', T, d], [m']
-            idx = torch.tensor([j for _, _, j in rows[start:end]], device=emb.device)
-            s = contraction(passed.input_grads[start:end], idx, emb, lengths).cpu()  # [rows, m'_i]
-            contractions.extend(s.unbind(0))
+            idx = to_device(torch.tensor([j for _, _, j in rows[start:end]]), emb.device)
+            s = contraction(passed.input_grads[start:end], idx, emb, lengths)  # [rows, m'_i]
+            contractions.append(torch.nn.functional.pad(s, (0, width - s.shape[1])))
             start = end
-        return passed.logp, contractions
+        return passed.logp, torch.cat(contractions)
+
+
+_PASSES_PER_COPY = 64
+"""E-step passes whose results wait on the model's device before one copy brings them to the host."""
+
+
+def _to_host(results: list[tuple[torch.Tensor, torch.Tensor | None]]) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+    """`LoRAPolicyScorer._pass` results on the CPU, with one copy (one wait for the GPU) for all."""
+    flat = [part for pair in results for part in pair if part is not None]
+    host = iter(torch.cat([part.flatten() for part in flat]).cpu().split([part.numel() for part in flat]))
+    return [tuple(None if part is None else next(host).view(part.shape) for part in pair) for pair in results]
 
 
 def _pair_deltas(inputs: PolicyInputs, pairs: Sequence[Sequence[int]], picks: list[torch.Tensor], logp: torch.Tensor,
