@@ -287,11 +287,11 @@ def reference_terms_batch(
         part = rows[start : start + rows_per_pass]
         ref = anchor_pass(model, [examples[e][j] for e, j in part], pad_token_id, input_grads=contractions,
                           chunk_size=chunk_size, groups=[e for e, _ in part])
-        first = 0
+        first, logp = 0, ref.logp.cpu()
         for e, members in groupby(part, key=lambda row: row[0]):  # an example's rows in a pass are contiguous
             idx = torch.tensor([j for _, j in members])  # [p]: which of its responses
             end = first + len(idx)
-            ref_logp[e][idx] = ref.logp[first:end].cpu()
+            ref_logp[e][idx] = logp[first:end]
             if contractions:
                 emb, lengths = response_embeddings(model, examples[e])
                 s_ref[e][idx] = contraction(ref.input_grads[first:end], to_device(idx, emb.device), emb,

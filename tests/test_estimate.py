@@ -166,8 +166,8 @@ def test_a_shared_prompt_pass_gives_the_whole_rows_log_probs_and_gradients(tiny_
         torch.testing.assert_close(ours, reference, rtol=0, atol=1e-9)
 
 
-@pytest.mark.parametrize("grouped", [False, True])
-def test_a_pass_never_reads_the_device_back(tiny_model_dir, grouped):  # noqa: F811
+@pytest.mark.parametrize("grouped, padded", [(False, True), (False, False), (True, True)])
+def test_a_pass_never_reads_the_device_back(tiny_model_dir, grouped, padded):  # noqa: F811
     # On the meta device a tensor has a shape and no values, so whatever would make the host wait for
     # a GPU (.item(), bool() of a tensor, a boolean-mask index, a copy to the CPU) raises there. The
     # E-step's pass (log-probs, input gradients, contractions) and the M-step's (log-probs, backward
@@ -177,7 +177,7 @@ def test_a_pass_never_reads_the_device_back(tiny_model_dir, grouped):  # noqa: F
     model, tokenizer = load_model(tiny_model_dir, dtype=torch.float32).to("meta"), load_tokenizer(tiny_model_dir)
     lora = MultiLoRA(model, 3, LoRASettings(r=4, alpha=8.0), seed=0)
     seqs = tokenize_responses(tokenizer, "Which list is best?", RESPONSES)
-    rows, adapters = [seqs[0], seqs[1], seqs[0], seqs[3]], [0, 0, 1, 2]
+    rows, adapters = [seqs[0], seqs[1] if padded else seqs[0], seqs[0], seqs[3] if padded else seqs[0]], [0, 0, 1, 2]
     groups = [(0, c) for c in adapters] if grouped else None
 
     def route(sub):
@@ -186,7 +186,8 @@ def test_a_pass_never_reads_the_device_back(tiny_model_dir, grouped):  # noqa: F
     with lora.requires_grad(False):
         passed = anchor_pass(model, rows, tokenizer.pad_token_id, input_grads=True, groups=groups, route=route)
         emb, lengths = response_embeddings(model, seqs)
-        s = contraction(passed.input_grads, torch.tensor([0, 1, 0, 3], device="meta"), emb, lengths)
+        s = contraction(passed.input_grads, torch.tensor([0, 1, 0, 3] if padded else [0, 0, 0, 0], device="meta"),
+                        emb, lengths)
     assert passed.logp.device.type == "meta" and s.shape == (4, len(seqs))
     params = list(lora.named_parameters().values())
     with lora.requires_grad(True):

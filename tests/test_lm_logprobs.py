@@ -200,3 +200,26 @@ def test_output_score_features_are_the_projected_lm_head_gradient_of_each_row(mo
         logp = token_logp.gather(1, batch.input_ids[row, 1:][predicts][:, None]).sum()
         (gradient,) = torch.autograd.grad(logp, weight)  # [V, d]
         torch.testing.assert_close(features[row], (left.T @ gradient @ right).flatten(), rtol=1e-9, atol=1e-10)
+
+
+@pytest.mark.parametrize("padded", [True, False])
+def test_the_masks_built_on_the_host_give_transformers_own_results(model32, batch, padded) -> None:
+    # _whole_rows_mask builds on the host what transformers would build after reading the 2D mask back
+    # from the device: the decoder's hidden states are the same to the bit, and so are the log-probs.
+    from moplex_core.lm.logprobs import _whole_rows_mask
+
+    if not padded:  # every row as long as the longest: no padding
+        batch = PaddedBatch(batch.input_ids, torch.ones_like(batch.attention_mask), batch.response_mask)
+    assert bool(batch.attention_mask.all()) != padded
+    decoder, _ = causal_lm_parts(model32)
+    built = _whole_rows_mask(model32, batch.attention_mask, batch.attention_mask.device)
+    assert isinstance(built, dict) != padded and (not padded or built.shape == (len(batch.input_ids), 1) + 2 * (
+        batch.input_ids.shape[1],))
+    with torch.no_grad():
+        ours = decoder(input_ids=batch.input_ids, attention_mask=built).last_hidden_state
+        theirs = decoder(input_ids=batch.input_ids, attention_mask=batch.attention_mask).last_hidden_state
+        assert torch.equal(ours, theirs)
+        logits = model32(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits.double()
+    token_logp = logits[:, :-1].log_softmax(-1).gather(2, batch.input_ids[:, 1:, None]).squeeze(2)  # [B, L-1]
+    torch.testing.assert_close(score(model32, batch).double(), (token_logp * batch.response_mask[:, 1:]).sum(1),
+                               rtol=0, atol=1e-4)

@@ -16,8 +16,10 @@ import torch
 
 def to_device(tensor: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     """``tensor`` on ``device``: a CPU tensor goes to a GPU through pinned memory without a
-    synchronisation; every other move is ``tensor.to(device)``. The pinned buffer stays reserved
-    until the copy has finished (torch's caching host allocator records it on the stream)."""
+    synchronisation; every other move is ``tensor.to(device)``. The copy reads a pinned duplicate,
+    which torch's caching host allocator keeps until the copy has finished, so ``tensor`` may change
+    at once; a ``tensor`` already pinned is read in place, and must not change until the device has
+    used the copy."""
     device = torch.device(device)
     if device.type != "cuda" or tensor.device.type != "cpu":
         return tensor.to(device)

@@ -114,9 +114,10 @@ def prompt_prefix(
     decoder, _ = causal_lm_parts(model)
     # Right padding: a pad's query sees real keys before it (no fully masked row, so no NaN that a
     # masked key could carry into the continuation), and the continuation masks the pads' keys.
-    cache = decoder(input_ids=to_device(ids, device), attention_mask=_whole_rows_mask(model, mask, device),
+    on_device = to_device(mask, device)
+    cache = decoder(input_ids=to_device(ids, device), attention_mask=_whole_rows_mask(model, mask, on_device),
                     use_cache=True).past_key_values
-    mask, rows = to_device(mask, device), to_device(rows, device)
+    mask, rows = on_device, to_device(rows, device)
     cache.batch_select_indices(rows)  # [G, ...] -> [B, ...], differentiable indexing
     return PromptPrefix(cache, mask[rows], mask.sum(1)[rows])
 
@@ -241,23 +242,34 @@ def _response_positions(response_mask: torch.Tensor, device: torch.device) -> _R
     return _ResponsePositions(*at.unbind(0))
 
 
-def _whole_rows_mask(model: PreTrainedModel | PeftModel, mask: torch.Tensor, device: torch.device
-                     ) -> torch.Tensor | None:
-    """The attention mask of a decoder pass over whole right-padded rows (``mask`` [B, L] on the CPU,
-    1 at real tokens), chosen on the host. Given a 2D mask, transformers reads it back from the device
-    to see whether it has padding (plain causal attention if not), which makes the host wait for the
-    GPU. Here: None without padding (transformers then asks SDPA for causal attention, as it would);
-    with padding, under SDPA on full-attention layers, the [B, 1, L, L] boolean mask it would build
-    (a key is seen from its own position on, unless it is padding), which it takes as it is; otherwise
-    the 2D mask, for transformers to build the other implementations' masks as they need."""
+HOST_MASK_MODELS = ("qwen2", "qwen3")
+"""Model types whose decoder takes the attention masks `_whole_rows_mask` builds on the host (checked
+against transformers' own masks in tests/test_lm_logprobs.py); other models get the 2D mask and
+transformers builds theirs, reading it back from the device first."""
+
+
+def _whole_rows_mask(model: PreTrainedModel | PeftModel, mask: torch.Tensor, on_device: torch.device | torch.Tensor
+                     ) -> torch.Tensor | dict[str, None] | None:
+    """The attention mask of a decoder pass over whole right-padded rows, ``mask`` [B, L] on the CPU
+    (1 at real tokens), chosen on the host. Given a 2D mask, transformers reads it back from the
+    device to see whether it has padding, and without one it reads the position ids back to look for
+    packed sequences: either makes the host wait for the GPU. For `HOST_MASK_MODELS` under SDPA on
+    full-attention layers: without padding, no mask for the full-attention layers (SDPA's causal
+    attention, which transformers would choose), handed over per layer type so that it is taken as
+    it is; with padding, the [B, 1, L, L] boolean mask transformers would build (a key is seen from
+    its own position on, unless it is padding). Otherwise the 2D mask on the device (``on_device``:
+    the mask there already, or the device to copy it to), or None without padding."""
+    config = causal_lm_parts(model)[0].config
+    built_here = (config.model_type in HOST_MASK_MODELS and config._attn_implementation == "sdpa"
+                  and prefix_is_exact(model))
     if bool(mask.all()):
-        return None
-    on_device = to_device(mask, device)
-    config = (model.get_base_model() if isinstance(model, PeftModel) else model).config
-    if config._attn_implementation != "sdpa" or not prefix_is_exact(model):
+        return {"full_attention": None} if built_here else None
+    if isinstance(on_device, torch.device):
+        on_device = to_device(mask, on_device)
+    if not built_here:
         return on_device
-    causal = torch.ones(mask.shape[1], mask.shape[1], dtype=torch.bool, device=device).tril()  # [L, L]: key <= query
-    return causal[None, None] & on_device.bool()[:, None, None, :]  # [B, 1, L, L]
+    causal = torch.ones(mask.shape[1], mask.shape[1], dtype=torch.bool, device=on_device.device).tril()  # [L, L]
+    return causal[None, None] & on_device.bool()[:, None, None, :]  # [B, 1, L, L]: key <= query, key not padding
 
 
 def _response_hidden(

@@ -379,7 +379,7 @@ class LoRAPolicyScorer:
         for start in self._bar(range(0, len(slots), self.score_batch_size), desc="response features", unit="batch"):
             chunk = slots[start : start + self.score_batch_size]
             batch = pad_batch([inputs.sequences[i][j] for i, j in chunk], self.pad_token_id)
-            rows = output_score_features(self.model, batch.input_ids.to(device), batch.attention_mask,
+            rows = output_score_features(self.model, to_device(batch.input_ids, device), batch.attention_mask,
                                          batch.response_mask, left, right, chunk_size=self.chunk_size)
             for (i, j), row in zip(chunk, rows, strict=True):
                 features[i, j] = row
@@ -498,7 +498,7 @@ class LoRAPolicyScorer:
         # passes: a copy to the host waits for the GPU, so one per pass would stop the host from
         # queueing the next pass while the GPU runs this one.
         on_device: list[tuple[torch.Tensor, torch.Tensor | None]] = []  # per pass: float64 [rows], [rows, M] | None
-        on_host: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+        on_host = [(torch.zeros(0, dtype=torch.float64), None if full else torch.zeros(0, m, dtype=torch.float64))]
         bar = self._bar(total=len(rows), desc=what, unit="row")
         try:
             for start in range(0, len(rows), self.score_batch_size):
