@@ -48,7 +48,7 @@ import torch
 from peft import PeftModel
 from transformers import PreTrainedModel
 
-from moplex_core.lm.device import to_device
+from moplex_core.lm.device import HostCopies, to_device
 from moplex_core.lm.logprobs import PromptPrefix, embed, prefix_is_exact, prompt_prefix, sequence_logprobs
 from moplex_core.lm.tokenize import TokenizedResponse, pad_batch
 
@@ -283,20 +283,26 @@ def reference_terms_batch(
     ref_logp = [torch.empty(len(sequences), dtype=torch.float64) for sequences in examples]
     s_ref = [torch.empty(len(sequences), len(sequences), dtype=torch.float32) if contractions else None
              for sequences in examples]
+    copies, placed = HostCopies(), []  # per (pass, example): its log pi_ref [p] and s_ref rows [p, m'] on the device
     for start in range(0, len(rows), rows_per_pass):
         part = rows[start : start + rows_per_pass]
         ref = anchor_pass(model, [examples[e][j] for e, j in part], pad_token_id, input_grads=contractions,
                           chunk_size=chunk_size, groups=[e for e, _ in part])
-        first, logp = 0, ref.logp.cpu()
+        first = 0
         for e, members in groupby(part, key=lambda row: row[0]):  # an example's rows in a pass are contiguous
             idx = torch.tensor([j for _, j in members])  # [p]: which of its responses
             end = first + len(idx)
-            ref_logp[e][idx] = logp[first:end]
+            s = None
             if contractions:
                 emb, lengths = response_embeddings(model, examples[e])
-                s_ref[e][idx] = contraction(ref.input_grads[first:end], to_device(idx, emb.device), emb,
-                                            lengths).float().cpu()
+                s = contraction(ref.input_grads[first:end], to_device(idx, emb.device), emb, lengths)
+            copies.add((ref.logp[first:end], s))
+            placed.append((e, idx))
             first = end
+    for (e, idx), (logp, s) in zip(placed, copies.results(), strict=True):
+        ref_logp[e][idx] = logp
+        if contractions:
+            s_ref[e][idx] = s.float()
     return list(zip(ref_logp, s_ref))
 
 

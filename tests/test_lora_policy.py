@@ -276,15 +276,15 @@ def test_mixed_cluster_passes_equal_one_row_at_a_time(tiny_model_dir, inputs):  
 
 
 def test_scores_copied_to_the_host_after_every_pass_equal_one_copy_for_all(tiny_model_dir, inputs, monkeypatch):  # noqa: F811
-    # The E-step keeps each pass's results on the device for _PASSES_PER_COPY passes: copies after every
+    # The E-step keeps each pass's results on the device for PASSES_PER_COPY passes: copies after every
     # pass (and over examples of different lengths, with and without contractions) give the same scores.
-    from moplex_core.scorers import lora_policy
+    from moplex_core.lm import device
 
     trained = scorer(tiny_model_dir, anchors=2)
     trained.fit(inputs, inputs.rankings(), torch.ones(len(inputs), 2, dtype=torch.float64), 0)
     assert len(inputs) * 2 * 2 > 2 * trained.score_batch_size  # several passes at 2 anchors
     estimated, exact = trained.score(inputs, 1), trained.exact_scores(inputs)
-    monkeypatch.setattr(lora_policy, "_PASSES_PER_COPY", 1)
+    monkeypatch.setattr(device, "PASSES_PER_COPY", 1)
     assert torch.equal(trained.score(inputs, 1), estimated) and torch.equal(trained.exact_scores(inputs), exact)
     assert trained.score(inputs.subset([]), 1).shape[:2] == (0, 2)  # no rows, no pass, no copy
 

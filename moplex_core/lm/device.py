@@ -24,3 +24,39 @@ def to_device(tensor: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     if device.type != "cuda" or tensor.device.type != "cpu":
         return tensor.to(device)
     return tensor.pin_memory().to(device, non_blocking=True)
+
+
+PASSES_PER_COPY = 64
+"""Results added to `HostCopies` (a pass's, or an example's part of one) that wait on the device before
+one copy brings them to the host."""
+
+
+class HostCopies:
+    """The small results of many passes, brought to the host together. Copying a pass's results to the
+    CPU as it ends would make the host wait for the GPU after every pass, so that it could not queue
+    the next one while the GPU runs this one. ``add`` keeps a tuple of tensors (None allowed) on the
+    device; every `PASSES_PER_COPY` tuples, and at ``results``, one copy per dtype moves them all.
+    ``results`` gives every tuple on the CPU, in the order added."""
+
+    def __init__(self) -> None:
+        self._on_device: list[tuple[torch.Tensor | None, ...]] = []
+        self._on_host: list[tuple[torch.Tensor | None, ...]] = []
+
+    def add(self, tensors: tuple[torch.Tensor | None, ...]) -> None:
+        self._on_device.append(tensors)
+        if len(self._on_device) >= PASSES_PER_COPY:
+            self._move()
+
+    def results(self) -> list[tuple[torch.Tensor | None, ...]]:
+        self._move()
+        return self._on_host
+
+    def _move(self) -> None:
+        flat = [t for group in self._on_device for t in group if t is not None]
+        host: dict[int, torch.Tensor] = {}
+        for dtype in dict.fromkeys(t.dtype for t in flat):
+            same = [t for t in flat if t.dtype == dtype]
+            moved = torch.cat([t.flatten() for t in same]).cpu().split([t.numel() for t in same])
+            host.update({id(t): m.view(t.shape) for t, m in zip(same, moved, strict=True)})
+        self._on_host.extend(tuple(None if t is None else host[id(t)] for t in group) for group in self._on_device)
+        self._on_device.clear()

@@ -62,7 +62,7 @@ from moplex_core.estimate import (
     estimation_gap,
     response_embeddings,
 )
-from moplex_core.lm.device import to_device
+from moplex_core.lm.device import HostCopies, to_device
 from moplex_core.lm.loading import load_model
 from moplex_core.lm.logprobs import output_score_features
 from moplex_core.lm.multi_lora import LoRASettings, MultiLoRA
@@ -494,24 +494,19 @@ class LoRAPolicyScorer:
         full = _every_response_an_anchor(inputs, picks)
         pairs = [(i, c) for i in range(n) for c in range(self.k)]
         rows = [(i, c, j) for i, c in pairs for j in picks[i].tolist()]  # a pair's anchors in a run, as in the M-step
-        # The passes' results stay on the model's device and come to the host every _PASSES_PER_COPY
-        # passes: a copy to the host waits for the GPU, so one per pass would stop the host from
-        # queueing the next pass while the GPU runs this one.
-        on_device: list[tuple[torch.Tensor, torch.Tensor | None]] = []  # per pass: float64 [rows], [rows, M] | None
-        on_host = [(torch.zeros(0, dtype=torch.float64), None if full else torch.zeros(0, m, dtype=torch.float64))]
+        copies = HostCopies()  # per pass: float64 [rows] and [rows, M] (None when full)
+        copies.add((torch.zeros(0, dtype=torch.float64), None if full else torch.zeros(0, m, dtype=torch.float64)))
         bar = self._bar(total=len(rows), desc=what, unit="row")
         try:
             for start in range(0, len(rows), self.score_batch_size):
                 chunk = rows[start : start + self.score_batch_size]
-                on_device.append(self._pass(inputs, chunk, input_grads=not full, train=False))
-                if len(on_device) == _PASSES_PER_COPY or start + len(chunk) == len(rows):
-                    on_host.extend(_to_host(on_device))
-                    on_device.clear()
+                copies.add(self._pass(inputs, chunk, input_grads=not full, train=False))
                 bar.update(len(chunk))
         finally:
             bar.close()
-        logp = torch.cat([part for part, _ in on_host])  # [R]
-        s_policy = None if full else torch.cat([part for _, part in on_host])  # [R, M]
+        passes = copies.results()
+        logp = torch.cat([part for part, _ in passes])  # [R]
+        s_policy = None if full else torch.cat([part for _, part in passes])  # [R, M]
         is_anchor = torch.zeros(n, m, dtype=torch.bool)
         for i, idx in enumerate(picks):
             is_anchor[i, idx] = True
@@ -579,17 +574,6 @@ class LoRAPolicyScorer:
             contractions.append(torch.nn.functional.pad(s, (0, width - s.shape[1])))
             start = end
         return passed.logp, torch.cat(contractions)
-
-
-_PASSES_PER_COPY = 64
-"""E-step passes whose results wait on the model's device before one copy brings them to the host."""
-
-
-def _to_host(results: list[tuple[torch.Tensor, torch.Tensor | None]]) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
-    """`LoRAPolicyScorer._pass` results on the CPU, with one copy (one wait for the GPU) for all."""
-    flat = [part for pair in results for part in pair if part is not None]
-    host = iter(torch.cat([part.flatten() for part in flat]).cpu().split([part.numel() for part in flat]))
-    return [tuple(None if part is None else next(host).view(part.shape) for part in pair) for pair in results]
 
 
 def _pair_deltas(inputs: PolicyInputs, pairs: Sequence[Sequence[int]], picks: list[torch.Tensor], logp: torch.Tensor,

@@ -1,0 +1,32 @@
+"""Host tensors to the device and results back (moplex_core.lm.device), on the CPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moplex_core.lm import device
+from moplex_core.lm.device import HostCopies, to_device
+
+
+@pytest.mark.parametrize("every", [1, 2, 64])
+def test_host_copies_give_every_tuple_back_in_order(monkeypatch, every):
+    monkeypatch.setattr(device, "PASSES_PER_COPY", every)
+    added = [(torch.arange(3, dtype=torch.float64) + g, None if g % 2 else torch.full((2, g + 1), g, dtype=torch.float32),
+              torch.tensor([g]))
+             for g in range(5)]  # ragged shapes, three dtypes, None in some tuples
+    copies = HostCopies()
+    for group in added:
+        copies.add(group)
+    back = copies.results()
+    assert len(back) == len(added)
+    for ours, theirs in zip(back, added, strict=True):
+        assert len(ours) == len(theirs)
+        for a, b in zip(ours, theirs, strict=True):
+            assert (a is None and b is None) or (torch.equal(a, b) and a.dtype == b.dtype and a.device.type == "cpu")
+    assert len(copies.results()) == len(added)  # nothing left on the device, nothing added twice
+
+
+def test_to_device_moves_a_cpu_tensor_as_to_does():
+    t = torch.arange(6).view(2, 3)
+    assert torch.equal(to_device(t, "cpu"), t) and to_device(t, "meta").device.type == "meta"
