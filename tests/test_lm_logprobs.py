@@ -202,24 +202,37 @@ def test_output_score_features_are_the_projected_lm_head_gradient_of_each_row(mo
         torch.testing.assert_close(features[row], (left.T @ gradient @ right).flatten(), rtol=1e-9, atol=1e-10)
 
 
+def _random_qwen2(vocab_size: int) -> PreTrainedModel:
+    """A tiny Qwen2 with random weights (seeded), the other family of HOST_MASK_MODELS."""
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, attn_implementation="sdpa")
+    return AutoModelForCausalLM.from_config(config).eval()
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen2"])
 @pytest.mark.parametrize("padded", [True, False])
-def test_the_masks_built_on_the_host_give_transformers_own_results(model32, batch, padded) -> None:
+def test_the_masks_built_on_the_host_give_transformers_own_results(model32, batch, padded, family) -> None:
     # _whole_rows_mask builds on the host what transformers would build after reading the 2D mask back
     # from the device: the decoder's hidden states are the same to the bit, and so are the log-probs.
-    from moplex_core.lm.logprobs import _whole_rows_mask
+    from moplex_core.lm.logprobs import HOST_MASK_MODELS, _whole_rows_mask
 
+    model = model32 if family == "qwen3" else _random_qwen2(model32.config.vocab_size)
+    assert model.config.model_type == family and family in HOST_MASK_MODELS
     if not padded:  # every row as long as the longest: no padding
         batch = PaddedBatch(batch.input_ids, torch.ones_like(batch.attention_mask), batch.response_mask)
     assert bool(batch.attention_mask.all()) != padded
-    decoder, _ = causal_lm_parts(model32)
-    built = _whole_rows_mask(model32, batch.attention_mask, batch.attention_mask.device)
+    decoder, _ = causal_lm_parts(model)
+    built = _whole_rows_mask(model, batch.attention_mask, batch.attention_mask.device)
     assert isinstance(built, dict) != padded and (not padded or built.shape == (len(batch.input_ids), 1) + 2 * (
         batch.input_ids.shape[1],))
     with torch.no_grad():
         ours = decoder(input_ids=batch.input_ids, attention_mask=built).last_hidden_state
         theirs = decoder(input_ids=batch.input_ids, attention_mask=batch.attention_mask).last_hidden_state
         assert torch.equal(ours, theirs)
-        logits = model32(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits.double()
+        logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits.double()
     token_logp = logits[:, :-1].log_softmax(-1).gather(2, batch.input_ids[:, 1:, None]).squeeze(2)  # [B, L-1]
-    torch.testing.assert_close(score(model32, batch).double(), (token_logp * batch.response_mask[:, 1:]).sum(1),
+    torch.testing.assert_close(score(model, batch).double(), (token_logp * batch.response_mask[:, 1:]).sum(1),
                                rtol=0, atol=1e-4)
