@@ -97,6 +97,7 @@ import sys
 import tempfile
 import time
 import traceback
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from datetime import datetime, timezone
@@ -704,12 +705,12 @@ def lora_agreement(model_dir: Path, sizes: Sizes, batch: list[TokenizedResponse]
             "base_vs_wide": float((base_batched - base).abs().max())}
 
 
-def host_waits(model_dir: Path, sizes: Sizes, batch: list[TokenizedResponse]) -> dict[str, str] | None:
-    """Where the E-step's and the M-step's passes make the host wait for the GPU, on all k adapters
-    mixed, rows whole and prompts shared: each pass under torch's CUDA synchronisation check, which
-    raises at the first operation that waits ("none" when the pass has none; the M-step pass's
-    backward included). None on the CPU, which runs each pass once unchecked (tests/test_estimate.py
-    checks the same passes on the meta device)."""
+def host_waits(model_dir: Path, sizes: Sizes, batch: list[TokenizedResponse]) -> dict[str, list[str]] | None:
+    """Every place where the E-step's and the M-step's passes make the host wait for the GPU, on all k
+    adapters mixed, rows whole and prompts shared: each pass under torch's CUDA synchronisation check
+    (`_waits`; an empty list when the pass never waits, its backward included). None on the CPU,
+    which runs each pass once unchecked (tests/test_estimate.py checks the same passes on the meta
+    device)."""
     model, lora = _lora_model(model_dir, sizes)
     params = list(lora.named_parameters().values())
     route = (torch.arange(len(batch)) % sizes.k).tolist()  # [B]: row b -> adapter b mod k
@@ -734,19 +735,35 @@ def host_waits(model_dir: Path, sizes: Sizes, batch: list[TokenizedResponse]) ->
         if not sizes.cuda:
             continue
         torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("error")
+        torch.cuda.set_sync_debug_mode("warn")
         try:
-            run()
-            found[name] = "none"
-        except RuntimeError as error:
-            frames = [f"{Path(f.filename).name}:{f.lineno}" for f in traceback.extract_tb(error.__traceback__)
-                      if "moplex_core" in f.filename or "transformers" in f.filename]
-            found[name] = f"{str(error).splitlines()[0]} at {' <- '.join(reversed(frames[-3:]))}"
+            found[name] = _waits(run)
         finally:
             torch.cuda.set_sync_debug_mode("default")
     del model, lora
     _free(sizes)
     return found if sizes.cuda else None
+
+
+def _waits(run: Callable[[], Any], where: tuple[str, ...] = ("moplex_core", "transformers")) -> list[str]:
+    """The distinct places, in order, where ``run`` raised torch's "synchronizing CUDA operation"
+    warning (torch.cuda.set_sync_debug_mode("warn")), each as its innermost three frames in files
+    whose path contains one of ``where`` ("logprobs.py:240 <- estimate.py:133 <- ..."). Other warnings
+    are left out."""
+    sites: dict[str, None] = {}
+
+    def record(message: Warning | str, category: type[Warning], filename: str, lineno: int, *_: Any) -> None:
+        if "synchroniz" not in str(message):
+            return
+        frames = [f"{Path(f.filename).name}:{f.lineno}" for f in traceback.extract_stack()[:-1]
+                  if any(part in f.filename for part in where)]
+        sites.setdefault(" <- ".join(reversed(frames[-3:])) or f"{Path(filename).name}:{lineno}")
+
+    with warnings.catch_warnings():  # restores showwarning and the filters after
+        warnings.simplefilter("always")
+        warnings.showwarning = record
+        run()
+    return list(sites)
 
 
 # -- 4. the card's ceilings ------------------------------------------------------------------
@@ -852,9 +869,9 @@ def print_report(results: dict[str, Any]) -> None:
               "pi_ref in another pass shape or dtype (the train stage's reference_gap).\n")
         if check.get("host_waits"):
             print("Where a pass makes the host wait for the GPU (torch.cuda.set_sync_debug_mode):\n")
-            print("| pass | first wait |\n|---|---|")
-            for name, where in check["host_waits"].items():
-                print(f"| {name} | {where} |")
+            print("| pass | waits |\n|---|---|")
+            for name, sites in check["host_waits"].items():
+                print(f"| {name} | {'; '.join(sites) or 'none'} |")
             print()
     if "ceilings" in results:
         top = results["ceilings"]

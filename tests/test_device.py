@@ -12,8 +12,8 @@ from moplex_core.lm.device import HostCopies, to_device
 @pytest.mark.parametrize("every", [1, 2, 64])
 def test_host_copies_give_every_tuple_back_in_order(monkeypatch, every):
     monkeypatch.setattr(device, "PASSES_PER_COPY", every)
-    added = [(torch.arange(3, dtype=torch.float64) + g, None if g % 2 else torch.full((2, g + 1), g, dtype=torch.float32),
-              torch.tensor([g]))
+    added = [(torch.arange(3, dtype=torch.float64) + g,
+              None if g % 2 else torch.full((2, g + 1), g, dtype=torch.float32), torch.tensor([g]))
              for g in range(5)]  # ragged shapes, three dtypes, None in some tuples
     copies = HostCopies()
     for group in added:

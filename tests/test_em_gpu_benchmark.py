@@ -207,3 +207,29 @@ def test_the_gpu_smoke_run_asks_for_a_gpu_here() -> None:
     proc = subprocess.run([sys.executable, "-c", runner], cwd=ROOT, env=_env(), capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 1 and "no CUDA device" in proc.stderr, proc.stderr[-3000:]
+
+
+def test_the_host_wait_check_names_every_place_once_with_its_callers() -> None:
+    # On the card, torch's sync check in "warn" mode warns where a pass waits; _waits turns each warning
+    # into the frames that led to it. Here the warnings are raised by hand, from this file.
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import warnings
+
+    from em_gpu import _waits
+
+    def wait_here() -> None:
+        warnings.warn("called a synchronizing CUDA operation", UserWarning)
+
+    def run() -> None:
+        for _ in range(3):
+            wait_here()  # one place, three times
+        warnings.warn("an unrelated warning", FutureWarning)
+        wait_here_too()
+
+    def wait_here_too() -> None:
+        warnings.warn("called a synchronizing CUDA operation", UserWarning)
+
+    sites = _waits(run, where=("test_em_gpu_benchmark",))
+    assert len(sites) == 2 and all(site.startswith("test_em_gpu_benchmark.py:") for site in sites)
+    assert all(len(site.split(" <- ")) == 3 for site in sites)  # the warning's line, run's line, this test's
+    assert _waits(lambda: None) == []
