@@ -425,15 +425,16 @@ def _batches(model_dir: Path, sizes: Sizes) -> dict[int, list[TokenizedResponse]
             for b in sizes.batch_rows}
 
 
-def _input_grad_pass(model: nn.Module, rows: list[TokenizedResponse]) -> AnchorPass:
+def _input_grad_pass(model: nn.Module, rows: list[TokenizedResponse], **route: Any) -> AnchorPass:
     """The E-step's anchor pass, as the scorer runs it: log pi(y|x) of every row and d/d inputs_embeds
-    at the response positions."""
-    return anchor_pass(model, rows, PAD_ID, input_grads=True)
+    at the response positions. ``route``: anchor_pass's ``groups`` and ``route``, if any."""
+    return anchor_pass(model, rows, PAD_ID, input_grads=True, **route)
 
 
-def _weight_grad_pass(model: nn.Module, rows: list[TokenizedResponse], params: list[nn.Parameter]) -> None:
+def _weight_grad_pass(model: nn.Module, rows: list[TokenizedResponse], params: list[nn.Parameter], **route: Any
+                      ) -> None:
     """The M-step's pass: log pi(y|x) of every row, backward into ``params`` (then dropped)."""
-    anchor_pass(model, rows, PAD_ID, input_grads=False, keep_graph=True).logp.sum().backward()
+    anchor_pass(model, rows, PAD_ID, input_grads=False, keep_graph=True, **route).logp.sum().backward()
     for p in params:
         p.grad = None
 
@@ -520,14 +521,17 @@ def _lora_model(model_dir: Path, sizes: Sizes) -> tuple[nn.Module, MultiLoRA]:
 
 
 def _mixed_pass(model: nn.Module, lora: MultiLoRA, batch: list[TokenizedResponse], sizes: Sizes,
-                params: list[nn.Parameter] | None = None) -> None:
+                params: list[nn.Parameter] | None = None, shared_prompts: bool = False) -> None:
     """The anchor pass with row b routed to adapter b mod k: backward into ``params`` (the LoRA
-    weights: the M-step's pass), or w.r.t. the inputs when None (the E-step's)."""
-    with lora.route(torch.arange(len(batch)) % sizes.k):
-        if params is None:
-            _input_grad_pass(model, batch)
-        else:
-            _weight_grad_pass(model, batch, params)
+    weights: the M-step's pass), or w.r.t. the inputs when None (the E-step's). ``shared_prompts``:
+    through the prompt pass, each row its own prompt (the batches' rows have prompts of their own)."""
+    adapters = (torch.arange(len(batch)) % sizes.k).tolist()  # [B]
+    route = {"route": lambda rows: lora.route([adapters[r] for r in rows]),
+             "groups": list(range(len(batch))) if shared_prompts else None}
+    if params is None:
+        _input_grad_pass(model, batch, **route)
+    else:
+        _weight_grad_pass(model, batch, params, **route)
 
 
 def _multi_lora_rows(model_dir: Path, sizes: Sizes, batches: dict[int, list[TokenizedResponse]]) -> list[dict[str, Any]]:
@@ -713,22 +717,14 @@ def host_waits(model_dir: Path, sizes: Sizes, batch: list[TokenizedResponse]) ->
     device)."""
     model, lora = _lora_model(model_dir, sizes)
     params = list(lora.named_parameters().values())
-    route = (torch.arange(len(batch)) % sizes.k).tolist()  # [B]: row b -> adapter b mod k
-    groups = list(range(len(batch)))  # every row has a prompt of its own: the prompt pass runs B prefixes
 
     def e_pass(shared: bool) -> None:
         with lora.requires_grad(False):
-            anchor_pass(model, batch, PAD_ID, input_grads=True, groups=groups if shared else None,
-                        route=lambda rows: lora.route([route[r] for r in rows]))
-
-    def m_pass(shared: bool) -> None:
-        anchor_pass(model, batch, PAD_ID, input_grads=False, keep_graph=True, groups=groups if shared else None,
-                    route=lambda rows: lora.route([route[r] for r in rows])).logp.sum().backward()
-        for p in params:
-            p.grad = None
+            _mixed_pass(model, lora, batch, sizes, shared_prompts=shared)
 
     passes = {"E-step pass, rows whole": lambda: e_pass(False), "E-step pass, prompts shared": lambda: e_pass(True),
-              "M-step pass, rows whole": lambda: m_pass(False), "M-step pass, prompts shared": lambda: m_pass(True)}
+              "M-step pass, rows whole": lambda: _mixed_pass(model, lora, batch, sizes, params),
+              "M-step pass, prompts shared": lambda: _mixed_pass(model, lora, batch, sizes, params, True)}
     found = {}
     for name, run in passes.items():
         run()  # a first pass may initialise libraries (cuBLAS handles), which waits once

@@ -495,7 +495,8 @@ class LoRAPolicyScorer:
         pairs = [(i, c) for i in range(n) for c in range(self.k)]
         rows = [(i, c, j) for i, c in pairs for j in picks[i].tolist()]  # a pair's anchors in a run, as in the M-step
         copies = HostCopies()  # per pass: float64 [rows] and [rows, M] (None when full)
-        copies.add((torch.zeros(0, dtype=torch.float64), None if full else torch.zeros(0, m, dtype=torch.float64)))
+        copies.add(  # an empty first entry, so that no rows (an empty split) give empty results
+            (torch.zeros(0, dtype=torch.float64), None if full else torch.zeros(0, m, dtype=torch.float64)))
         bar = self._bar(total=len(rows), desc=what, unit="row")
         try:
             for start in range(0, len(rows), self.score_batch_size):
