@@ -497,11 +497,11 @@ def _frozen_model(model_dir: Path, sizes: Sizes) -> nn.Module:
 
 
 def _perturb_lora_b(params: dict[str, nn.Parameter], std: float = 1e-3) -> None:
-    """Random LoRA B (it starts at 0) of every ``.lora_B.`` parameter, so the adapters are not all the
+    """Random LoRA B (it starts at 0) of every ``.lora_B`` parameter, so the adapters are not all the
     base model."""
     with torch.no_grad():
         for name, p in params.items():
-            if ".lora_B." in name:
+            if name.endswith(".lora_B"):
                 p.normal_(0.0, std)
 
 

@@ -642,7 +642,7 @@ class TrainConfig(StageConfig):
     ``backtracks``: when the training log-likelihood falls after an M-step, redo that M-step from
     where it started at half the learning rate, up to this many times per iteration (each costs one
     M-step and one E-step more; soft EM only). Soft EM never lowers the log-likelihood when every
-    M-step raises its own objective; a few AdamW steps may not.
+    M-step raises its own objective; a few Adam steps may not.
 
     ``estimation_check``: after every E-step, its estimated scores of this many training examples (a
     seeded draw, the same each iteration; 0 = none) are compared with their exact scores under the

@@ -359,7 +359,7 @@ def fit_mixture(
                              checkpoint_files, starts)
         if best is None or state.log_likelihood > best.log_likelihood:
             best = state
-        # Only the best restart's scorer state is used: the others' (adapters, AdamW moments) free their memory.
+        # Only the best restart's scorer state is used: the others' (adapters, Adam moments) free their memory.
         finished = [s if s is best else replace(s, scorer_state={}) for s in [*finished, state]]
         if restart < config.restarts - 1:
             del scorer
@@ -605,7 +605,7 @@ def save_checkpoint(
 ) -> Path:
     """Write ``iter-NNNN/`` (posteriors.parquet, state.pt, ``extra_files(iter_dir)``, then state.json
     last) atomically, then delete the earlier iterations' state.pt: only the last whole iteration's is
-    needed to resume, and with a large model each is gigabytes (adapters and both AdamW moments)."""
+    needed to resume, and with a large model each is gigabytes (adapters and both Adam moments)."""
     it_dir = restart_dir / f"iter-{state.iteration:04d}"
     it_dir.mkdir(parents=True, exist_ok=True)
     with atomic_path(it_dir / "posteriors.parquet") as tmp:

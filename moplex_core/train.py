@@ -18,7 +18,7 @@ the cache's train split. Layout of the artifact (DESIGN 3)::
                                    the estimation check (the last iteration's, and each iteration's)
 
 A killed run resumes at the last iteration whose state.json exists, with identical results (the
-scorer's state restores adapters, AdamW moments and the shuffling generator; anchors depend only on
+scorer's state restores adapters, Adam moments and the shuffling generator; anchors depend only on
 (seed, iteration, example_id)).
 
     plan_train    the version (config, the cache's version) and whether it exists

@@ -194,7 +194,7 @@ def test_a_pass_never_reads_the_device_back(tiny_model_dir, grouped, padded):  #
         passed = anchor_pass(model, rows, tokenizer.pad_token_id, input_grads=False, keep_graph=True, groups=groups,
                              route=route)
         passed.logp.sum().backward()
-    assert sum(p.grad is not None for p in params) == 3 * 2 * len(lora.layers)  # every adapter had a row
+    assert all(p.grad is not None for p in params) and len(params) == 2 * len(lora.layers)
     with pytest.raises(Exception, match="meta"):  # the probe: a read of the device does raise here
         bool(passed.logp.sum() > 0)
 

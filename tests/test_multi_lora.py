@@ -14,6 +14,7 @@ from torch import nn
 
 from moplex_core.lm.loading import load_model
 from moplex_core.lm.multi_lora import PEFT_CONFIG, LoRASettings, MultiLoRA, MultiLoRALinear, _LoRALinear, _Route
+from moplex_core.lm.routed_adam import RoutedAdam
 
 SETTINGS = LoRASettings(r=4, alpha=8.0, target_modules=("q_proj", "v_proj", "gate_proj", "down_proj"))
 K = 3
@@ -89,15 +90,15 @@ def test_gradients_match_peft_for_inputs_and_adapter_weights(trained):
     with lora.route([1, 1, 1]):
         loss = model(inputs_embeds=emb, attention_mask=mask).logits.square().mean()
     q_proj = lora.layers["model.layers.0.self_attn.q_proj"]
-    grads = torch.autograd.grad(loss, [emb, q_proj.lora_B[1], q_proj.lora_B[0]], allow_unused=True)
+    grads = torch.autograd.grad(loss, [emb, q_proj.lora_B])
     peft.set_adapter("c1")
     peft_emb = emb.detach().clone().requires_grad_(True)
     peft_loss = peft(inputs_embeds=peft_emb, attention_mask=mask).logits.square().mean()
     peft_b = dict(peft.named_parameters())["base_model.model.model.layers.0.self_attn.q_proj.lora_B.c1.weight"]
     peft_grads = torch.autograd.grad(peft_loss, [peft_emb, peft_b])
     torch.testing.assert_close(grads[0], peft_grads[0], rtol=1e-9, atol=1e-12)
-    torch.testing.assert_close(grads[1], peft_grads[1].T, rtol=1e-9, atol=1e-12)
-    assert grads[2] is None  # an adapter no row uses is not in the graph: an optimizer step leaves it alone
+    torch.testing.assert_close(grads[1][1], peft_grads[1].T, rtol=1e-9, atol=1e-12)
+    assert not grads[1][[0, 2]].any()  # adapters no row uses: zero (RoutedAdam does not step them)
 
 
 
@@ -111,14 +112,12 @@ def test_mixed_batch_gradients_equal_each_adapters_rows_alone(trained, weight_gr
     route = [2, 0, 1, 1, 2, 0]
     emb = model.get_input_embeddings()(ids).detach()
     layer = lora.layers["model.layers.1.mlp.down_proj"]
-    wrt = [layer.lora_A[c] for c in range(K)] + [layer.lora_B[c] for c in range(K)] if weight_grads else []
 
     def grads(rows: list[int], adapters: list[int]) -> list[torch.Tensor]:
         inputs = emb[rows].clone().requires_grad_(True)
         with lora.requires_grad(weight_grads), lora.route(adapters):
             loss = model(inputs_embeds=inputs, attention_mask=mask[rows]).logits.square().sum()
-            used = [p for p in wrt if p.requires_grad]
-            return list(torch.autograd.grad(loss, [inputs, *used], allow_unused=True))
+            return list(torch.autograd.grad(loss, [inputs, layer.lora_A, layer.lora_B] if weight_grads else [inputs]))
 
     mixed = grads(list(range(len(route))), route)
     for c in range(K):
@@ -126,8 +125,10 @@ def test_mixed_batch_gradients_equal_each_adapters_rows_alone(trained, weight_gr
         alone = grads(rows, [c] * len(rows))
         torch.testing.assert_close(mixed[0][rows], alone[0], rtol=1e-10, atol=1e-12)
         if weight_grads:  # adapter c's A and B gradients come from its rows only
-            torch.testing.assert_close(mixed[1 + c], alone[1 + c], rtol=1e-10, atol=1e-12)
-            torch.testing.assert_close(mixed[1 + K + c], alone[1 + K + c], rtol=1e-10, atol=1e-12)
+            torch.testing.assert_close(mixed[1][c], alone[1][c], rtol=1e-10, atol=1e-12)
+            torch.testing.assert_close(mixed[2][c], alone[2][c], rtol=1e-10, atol=1e-12)
+            others = [o for o in range(K) if o != c]
+            assert not alone[1][others].any() and not alone[2][others].any()
 
 def test_peft_saved_adapters_load_back_and_mismatches_are_refused(trained, tiny_model_dir):  # noqa: F811
     model, lora, _, out = trained
@@ -173,17 +174,17 @@ def test_the_base_model_is_frozen_and_only_adapters_train(tiny_model_dir):  # no
     lora = MultiLoRA(model, K, SETTINGS)
     adapter_ids = {id(p) for p in lora.named_parameters().values()}
     trainable = [n for n, p in model.named_parameters() if p.requires_grad]
-    assert len(trainable) == len(adapter_ids) == 2 * K * len(lora.layers)
+    assert len(trainable) == len(adapter_ids) == 2 * len(lora.layers)  # A and B, each stacking the k adapters
     assert all(id(p) in adapter_ids for p in model.parameters() if p.requires_grad)
     ids, mask = batch(rows=2)
     with lora.route([0, 2]):
         model(ids, attention_mask=mask).logits.sum().backward()
     assert all(p.grad is None for n, p in model.named_parameters() if id(p) not in adapter_ids)
-    assert [c for c in range(K) if lora.layers["model.layers.0.mlp.down_proj"].lora_A[c].grad is not None] == [0, 2]
+    assert [c for c in range(K) if lora.layers["model.layers.0.mlp.down_proj"].lora_B.grad[c].any()] == [0, 2]
     with lora.requires_grad(False):
         assert not any(p.requires_grad for p in lora.named_parameters().values())
     assert all(p.requires_grad for p in lora.named_parameters().values())
-    frozen = lora.layers["model.layers.0.mlp.down_proj"].lora_B[1]
+    frozen = lora.layers["model.layers.0.mlp.down_proj"].lora_B
     frozen.requires_grad_(False)
     with lora.requires_grad(True), lora.requires_grad(False):  # nested: each restores what it found
         assert not frozen.requires_grad
@@ -218,12 +219,12 @@ def test_dropout_falls_on_the_adapters_input_as_in_peft(tiny_model_dir, tmp_path
     torch.testing.assert_close(ours, theirs, rtol=1e-10, atol=1e-10)
     assert (ours - other_mask).abs().max() > 1e-6  # dropout did act
     # Gradients through the dropped-out LoRA input, for the inputs and an adapter matrix.
-    ours_a = lora.layers["model.layers.0.mlp.up_proj"].lora_A[0]
+    ours_a = lora.layers["model.layers.0.mlp.up_proj"].lora_A  # [1, d_in, r]: the one adapter
     theirs_a = dict(peft.named_parameters())["base_model.model.model.layers.0.mlp.up_proj.lora_A.default.weight"]
     ours_grads = torch.autograd.grad(ours.square().mean(), [ours_emb, ours_a])
     theirs_grads = torch.autograd.grad(theirs.square().mean(), [theirs_emb, theirs_a])
     torch.testing.assert_close(ours_grads[0], theirs_grads[0], rtol=1e-9, atol=1e-12)
-    torch.testing.assert_close(ours_grads[1], theirs_grads[1].T, rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close(ours_grads[1][0], theirs_grads[1].T, rtol=1e-9, atol=1e-12)
 
 
 @pytest.mark.parametrize("per_row", [False, True], ids=["one adapter", "one per row"])
@@ -310,15 +311,15 @@ def test_bf16_adapter_gradients_of_a_mixed_batch_are_summed_in_float32():
         route = _Route()
         layer = MultiLoRALinear(base.to(dtype), 2, LoRASettings(r=8, alpha=16.0), route, torch.Generator())
         with torch.no_grad():
-            for p in [*layer.lora_A, *layer.lora_B]:
+            for p in (layer.lora_A, layer.lora_B):
                 p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(2), dtype=torch.float64))
         present = sorted(set(routed))
         route.rows, route.present = tuple(routed), tuple(present)
-        route.local = torch.tensor([present.index(c) for c in routed]) if len(present) > 1 else None
+        route.adapters = torch.tensor(routed) if len(present) > 1 else None
         x = torch.randn(len(routed), 16, 64, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
         w = torch.randn(len(routed), 16, 64, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
         (layer(x.to(dtype)).double() * w).sum().backward()
-        return layer.lora_A[0].grad.double()
+        return layer.lora_A.grad[0].double()
 
     rows, errors = 256, {}
     for name, routed in (("one adapter", [0] * rows), ("mixed", [0] * (rows - 1) + [1])):
@@ -353,10 +354,10 @@ def test_passes_without_adapter_gradients_read_a_stack_that_follows_every_change
 
     first = both()
     assert layer.frozen(torch.bfloat16)[0] is layer.frozen(torch.bfloat16)[0]  # kept while nothing changes
-    optimizer = torch.optim.AdamW(list(params.values()), lr=1e-2)
+    optimizer = RoutedAdam(params, K, lr=1e-2)
     with lora.route(route):
         model(ids, attention_mask=mask).logits.float().square().mean().backward()
-    optimizer.step()
+    optimizer.step(route)
     stepped = both()
     assert (stepped.float() - first.float()).abs().max() > 0
     lora.save_peft(tmp_path, [f"c{c}" for c in range(K)], str(tiny_model_dir))

@@ -1,31 +1,33 @@
 """k LoRA adapters on one base model, applied per row of a batch (DESIGN 5.5).
 
 Every target ``nn.Linear`` (W: d_in -> d_out) of a causal LM is replaced in place by a
-`MultiLoRALinear` holding k adapters, adapter c as
+`MultiLoRALinear` holding k adapters stacked in two parameters, adapter c as
 
-    A_c: [d_in, r]    (PEFT's ``lora_A.weight`` [r, d_in], transposed)
-    B_c: [r, d_out]   (PEFT's ``lora_B.weight`` [d_out, r], transposed)
+    A_c = lora_A[c]: [d_in, r]    (PEFT's ``lora_A.weight`` [r, d_in], transposed)
+    B_c = lora_B[c]: [r, d_out]   (PEFT's ``lora_B.weight`` [d_out, r], transposed)
 
 and computing, for row b of a batch routed to adapter c_b,
 
     y_b = x_b W^T + (alpha / r) * (dropout(x_b) A_{c_b}) B_{c_b}
 
 `MultiLoRA.route` says which adapter each row of the next forwards uses. Each row's adapter is
-stacked into [B, d_in, r] and [B, r, d_out] and applied by one ``bmm`` and one ``baddbmm`` that
+gathered into [B, d_in, r] and [B, r, d_out] and applied by one ``bmm`` and one ``baddbmm`` that
 accumulates into the base output, so one forward serves rows of all k clusters; a batch of one
 adapter takes two plain matmuls. Without gradients into the adapters (the E-step's input-gradient
-pass, scoring) the rows' adapters are gathered from a stack of all k in the activations' dtype that
-each layer keeps until an adapter changes or an M-step pass drops it (`MultiLoRALinear.frozen`;
-240 MB in bf16 for Qwen3-0.6B at k = 12, r = 16), so such a pass stacks and casts nothing, and a pass
-without any gradient (scoring) skips the autograd Function. With gradients into the adapters (the
-M-step) the adapters present are stacked once and gathered per row, whose backward sums each
-adapter's rows in one accumulating ``index_put`` instead of one addition per row. The layer has its
-own backward (`_LoRALinear`), which accumulates the LoRA part of dL/dx into the base part in the
-matmul that computes it, where autograd would write it and add it in a separate pass. Only the
-routed adapters enter the autograd graph: the others get no gradient (None), so an optimizer step
-leaves them exactly where they are, as PEFT's inactive adapters. Outside a route every adapter is
-off and the model is exactly the base model, pi_ref (no second copy of the weights). The base
-model's own weights are frozen.
+pass, scoring) the rows' adapters are gathered from a copy of the stacks in the activations' dtype
+that each layer keeps until an adapter changes or an M-step pass drops it (`MultiLoRALinear.frozen`;
+240 MB in bf16 for Qwen3-0.6B at k = 12, r = 16), so such a pass casts nothing, and a pass without
+any gradient (scoring) skips the autograd Function. With gradients into the adapters (the M-step)
+the rows' adapters are gathered from the stacked parameters themselves, whose backward sums each
+adapter's rows in one accumulating ``index_put``: one autograd leaf per layer and matrix, where k
+separate parameters would cost a stack forward and, backward, a select, a detach and a gradient
+accumulation per adapter (host work the GPU waits on). The layer has its own backward
+(`_LoRALinear`), which accumulates the LoRA part of dL/dx into the base part in the matmul that
+computes it, where autograd would write it and add it in a separate pass. The gradient is zero at
+the adapters a pass did not route, and `moplex_core.lm.routed_adam.RoutedAdam` steps only the
+adapters a minibatch routed, so the others stay exactly where they are, as PEFT's inactive adapters
+under AdamW. Outside a route every adapter is off and the model is exactly the base model, pi_ref (no
+second copy of the weights). The base model's own weights are frozen.
 
 The adapters are read and written in PEFT's format (``adapter_config.json`` +
 ``adapter_model.safetensors`` per adapter), so ``PeftModel.from_pretrained(base, path)`` loads what
@@ -77,7 +79,6 @@ class _Route:
 
     rows: tuple[int, ...] = ()  # row b of the batch -> adapter rows[b]
     present: tuple[int, ...] = ()  # the adapters the batch uses, ascending
-    local: torch.Tensor | None = None  # int64 [B] on the model's device: row b -> index into present
     adapters: torch.Tensor | None = None  # int64 [B] on the model's device: rows, when more than one is present
 
 
@@ -95,29 +96,26 @@ class MultiLoRALinear(nn.Module):
         # so every adapter starts exactly at the base model.
         bound = 1.0 / math.sqrt(d_in)
         a = (torch.rand(k, d_in, settings.r, generator=generator, dtype=torch.float64) * 2 - 1) * bound
-        self.lora_A = nn.ParameterList([nn.Parameter(a[c].to(device=device, dtype=dtype)) for c in range(k)])
-        self.lora_B = nn.ParameterList([nn.Parameter(torch.zeros(settings.r, d_out, device=device, dtype=dtype))
-                                        for _ in range(k)])
+        self.lora_A = nn.Parameter(a.to(device=device, dtype=dtype))  # [k, d_in, r]
+        self.lora_B = nn.Parameter(torch.zeros(k, settings.r, d_out, device=device, dtype=dtype))  # [k, r, d_out]
         self.dropout = nn.Dropout(settings.dropout) if settings.dropout > 0 else nn.Identity()
         self._frozen: tuple[tuple[Any, ...], tuple[torch.Tensor, torch.Tensor]] | None = None  # (key, (A, B))
 
     def frozen(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every adapter stacked in ``dtype`` outside autograd, A [k, d_in, r] and B [k, r, d_out]: what a
-        pass without gradients into the adapters reads (the E-step's input-gradient pass, scoring), so
-        that it stacks and casts nothing per layer and row, and indexes instead. Rebuilt when an adapter
-        changed: an optimizer step, ``load_peft`` or any in-place update on a parameter moves its
-        version counter; new storage (``Module.to``, a copy of the model, a ``.data`` assignment, a
-        replaced parameter) moves its address. Not seen: writes that bypass both, through ``p.data``
-        (``p.data.copy_``) or a fused optimizer (``AdamW(fused=True)``): moplex makes neither. A pass
-        with gradients into the adapters drops the stack (an M-step does not carry k adapters' copy)."""
-        masters = (*self.lora_A._parameters.values(), *self.lora_B._parameters.values())  # no per-item lookup
+        """Every adapter in ``dtype`` outside autograd, A [k, d_in, r] and B [k, r, d_out]: what a pass
+        without gradients into the adapters reads (the E-step's input-gradient pass, scoring), so that
+        it casts nothing per layer, and indexes instead. Rebuilt when an adapter changed: an optimizer
+        step, ``load_peft`` or any in-place update on a parameter moves its version counter; new storage
+        (``Module.to``, a copy of the model, a ``.data`` assignment, a replaced parameter) moves its
+        address. Not seen: writes that bypass both, through ``p.data`` (``p.data.copy_``): moplex makes
+        none. A pass with gradients into the adapters drops the copy (an M-step does not carry k
+        adapters' copy). In the masters' own dtype it is the parameters themselves, detached."""
+        masters = (self.lora_A, self.lora_B)
         key = (dtype, *(p._version for p in masters), *(p.data_ptr() for p in masters))
         if self._frozen is None or self._frozen[0] != key:
-            k = len(self.lora_A)
-            # Outside inference mode even under it: the stack may be saved for a later input-gradient backward.
+            # Outside inference mode even under it: the copy may be saved for a later input-gradient backward.
             with torch.inference_mode(False), torch.no_grad():
-                stacked = (torch.stack(masters[:k]).to(dtype), torch.stack(masters[k:]).to(dtype))
-            self._frozen = (key, stacked)
+                self._frozen = (key, (self.lora_A.detach().to(dtype), self.lora_B.detach().to(dtype)))
         return self._frozen[1]
 
     def __getstate__(self) -> dict[str, Any]:
@@ -135,7 +133,7 @@ class MultiLoRALinear(nn.Module):
             raise RuntimeError("the multi-LoRA layer runs in the model's own dtype, not under torch.autocast: load "
                                "the model in bfloat16 instead (its adapters keep float32 masters)")
         dropped = self.dropout(x)
-        into_adapters = torch.is_grad_enabled() and self.lora_A[present[0]].requires_grad
+        into_adapters = torch.is_grad_enabled() and self.lora_A.requires_grad
         if not into_adapters:
             stacked_a, stacked_b = self.frozen(x.dtype)  # [k, d_in, r], [k, r, d_out]
             if len(present) == 1:
@@ -143,17 +141,17 @@ class MultiLoRALinear(nn.Module):
             else:
                 a, b = stacked_a[self.route.adapters], stacked_b[self.route.adapters]  # [B, d_in, r], [B, r, d_out]
         else:
-            self._frozen = None  # this pass's step will change the adapters: the stack would be stale
+            self._frozen = None  # this pass's step will change the adapters: the copy would be stale
             if len(present) == 1:
                 a = self.lora_A[present[0]].to(x.dtype)  # [d_in, r]
                 b = self.lora_B[present[0]].to(x.dtype)  # [r, d_out]
             else:
-                # Stack the adapters present and gather per row, so that each adapter's gradient is one
-                # accumulating index_put over its rows (deterministic on CUDA, unlike index_select's
-                # index_add), not one addition per row. Gathered before the cast, so that the sum runs
-                # in the masters' float32, as a one-adapter batch's GEMM sums it.
-                a = torch.stack([self.lora_A[c] for c in present])[self.route.local].to(x.dtype)  # [B, d_in, r]
-                b = torch.stack([self.lora_B[c] for c in present])[self.route.local].to(x.dtype)  # [B, r, d_out]
+                # Gathered per row, so that each adapter's gradient is one accumulating index_put over its
+                # rows (deterministic on CUDA, unlike index_select's index_add), not one addition per row.
+                # Gathered before the cast, so that the sum runs in the masters' float32, as a one-adapter
+                # batch's GEMM sums it.
+                a = self.lora_A[self.route.adapters].to(x.dtype)  # [B, d_in, r]
+                b = self.lora_B[self.route.adapters].to(x.dtype)  # [B, r, d_out]
         rows = x.reshape(len(routed), -1, x.shape[-1])  # [B, L, d_in]
         lora_input = None if dropped is x else dropped.reshape(rows.shape)
         if torch.is_grad_enabled():
@@ -272,11 +270,10 @@ class MultiLoRA:
         if unmatched:
             raise ValueError(f"target_modules {unmatched} match no linear layer of {type(model).__name__} (a typo?); "
                              f"the others matched: {sorted(targets - set(unmatched))}")
-        self._device = next(iter(self.layers.values())).lora_A[0].device
-        # Built once: a Qwen3-0.6B has 4,704 adapter parameters at k = 12, and `requires_grad`
-        # runs before every scoring pass.
-        params = {f"{name}.{part}.{c}": getattr(layer, part)[c] for name, layer in self.layers.items()
-                  for part in ("lora_A", "lora_B") for c in range(self.k)}
+        self._device = next(iter(self.layers.values())).lora_A.device
+        # Built once: `requires_grad` runs before every scoring pass.
+        params = {f"{name}.{part}": getattr(layer, part) for name, layer in self.layers.items()
+                  for part in ("lora_A", "lora_B")}
         self._parameters = dict(sorted(params.items()))
 
     def train_dropout(self, active: bool) -> None:
@@ -287,13 +284,13 @@ class MultiLoRA:
             layer.dropout.train(active)
 
     def named_parameters(self) -> dict[str, nn.Parameter]:
-        """Every adapter parameter by a stable name, ``<module>.lora_A.<c>``, sorted (a reproducible
-        optimizer order)."""
+        """The adapters' parameters by a stable name, ``<module>.lora_A`` [k, d_in, r] and
+        ``<module>.lora_B`` [k, r, d_out], sorted (a reproducible optimizer order)."""
         return dict(self._parameters)
 
     def at_base(self) -> bool:
         """True when every adapter is exactly the base model (all B = 0, as initialised)."""
-        return all(not b.any() for layer in self.layers.values() for b in layer.lora_B)
+        return all(not layer.lora_B.any() for layer in self.layers.values())
 
     @contextmanager
     def route(self, adapters: Sequence[int] | torch.Tensor) -> Iterator[None]:
@@ -302,16 +299,14 @@ class MultiLoRA:
         if ids.ndim != 1 or ids.numel() == 0 or int(ids.min()) < 0 or int(ids.max()) >= self.k:
             shown = ids.unique().tolist()[:10] if ids.numel() else "none"
             raise ValueError(f"route needs one adapter index in 0..{self.k - 1} per row, got {shown}")
-        present, local = torch.unique(ids, return_inverse=True)  # [p] ascending, [B]
-        previous = (self._route.rows, self._route.present, self._route.local, self._route.adapters)
+        present = torch.unique(ids)  # [p] ascending
+        previous = (self._route.rows, self._route.present, self._route.adapters)
         self._route.rows, self._route.present = tuple(ids.tolist()), tuple(present.tolist())
-        mixed = len(present) > 1
-        self._route.local = to_device(local, self._device) if mixed else None
-        self._route.adapters = to_device(ids, self._device) if mixed else None
+        self._route.adapters = to_device(ids, self._device) if len(present) > 1 else None
         try:
             yield
         finally:
-            self._route.rows, self._route.present, self._route.local, self._route.adapters = previous
+            self._route.rows, self._route.present, self._route.adapters = previous
 
     @contextmanager
     def requires_grad(self, flag: bool) -> Iterator[None]:

@@ -4,7 +4,8 @@
                                                               pi_ref = base, adapters off
 
 The k adapters live in one batched multi-LoRA layer (moplex_core.lm.multi_lora): one forward serves
-rows of every cluster, each routed to its own adapter, and one AdamW optimizer holds them all.
+rows of every cluster, each routed to its own adapter, and one optimizer holds them all
+(moplex_core.lm.routed_adam: AdamW's steps, taken by the adapters each minibatch routed).
 log pi_ref of every response and the reference contraction s_ref come from the `cache` artifact
 (`PolicyInputs`), so pi_ref is never run here. With ``anchors = a < m'`` the scores of non-anchor
 responses are estimated from a anchors per example (moplex_core.estimate, paper Algorithm 1).
@@ -34,7 +35,6 @@ The anchors of round t serve the M-step of t and the E-step of t - 1; they are d
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import json
 import logging
@@ -66,6 +66,7 @@ from moplex_core.lm.device import HostCopies, to_device
 from moplex_core.lm.loading import load_model
 from moplex_core.lm.logprobs import output_score_features
 from moplex_core.lm.multi_lora import LoRASettings, MultiLoRA
+from moplex_core.lm.routed_adam import RoutedAdam
 from moplex_core.lm.tokenize import TokenizedResponse, pad_batch
 from moplex_core.pl import PAD
 
@@ -159,7 +160,7 @@ class LoRAPolicyScorer:
     k, beta:           clusters; r = beta * log-ratio.
     anchors:           a per example, None = every response exact (the full-computation ablation).
     estimation:        "delta" or "logpi" (moplex_core.estimate).
-    lr, epochs:        AdamW learning rate; passes over the weighted pairs per M-step.
+    lr, epochs:        Adam learning rate (`RoutedAdam`); passes over the weighted pairs per M-step.
     first_epochs:      passes of the first M-step (iteration 0), None = ``epochs``. It starts with every
                        adapter at the base model and must carry the start's partition into them.
     batch_size:        (example, cluster) pairs per M-step minibatch (a rows each, m' when full).
@@ -220,7 +221,7 @@ class LoRAPolicyScorer:
         self.model.eval()
         self._lora = self.lora.named_parameters()
         self.lr = lr
-        self.optimizer = torch.optim.AdamW(list(self._lora.values()), lr=lr, weight_decay=0.0)
+        self.optimizer = RoutedAdam(self._lora, k, lr=lr)
         self._shuffle = torch.Generator().manual_seed(seed)
         self._estep: _EStepOffsets | None = None
         self.last_scores: ScoreRecord | None = None
@@ -305,19 +306,19 @@ class LoRAPolicyScorer:
                     order = pairs[torch.randperm(pairs.shape[0], generator=self._shuffle)]
                     for start in range(0, order.shape[0], self.batch_size):
                         batch = order[start : start + self.batch_size]  # [B, 2]
-                        self.optimizer.zero_grad(set_to_none=True)
+                        self.optimizer.zero_grad()
                         objective = 0.0
                         for group in self._row_groups(batch.tolist(), picks):
                             objective += self._weighted_logp(inputs, rankings, weights, group, picks, offsets,
                                                              batch.shape[0])
-                        self.optimizer.step()
+                        self.optimizer.step(batch[:, 1].tolist())  # the clusters: the adapters it routed
                         losses.append(objective)
                         bar.update()
                         bar.set_postfix(weighted_logP=f"{np.mean(losses[-20:]):.4f}")
         finally:
             bar.close()
             self.lora.train_dropout(False)
-            self.optimizer.zero_grad(set_to_none=True)  # the last step's gradients, k adapters' worth, freed
+            self.optimizer.zero_grad()  # the last step's gradients, k adapters' worth, freed
         self.last_fit = {"iteration": iteration, "pairs": int(pairs.shape[0]), "steps": len(losses),
                          "weighted_log_likelihood_last_epoch": float(np.mean(losses[-(len(losses) // epochs):]))}
 
@@ -335,8 +336,7 @@ class LoRAPolicyScorer:
 
     def scale_steps(self, factor: float) -> None:
         """The M-step's learning rate becomes ``factor`` * lr (EM's backtracking)."""
-        for group in self.optimizer.param_groups:
-            group["lr"] = factor * self.lr
+        self.optimizer.lr = factor * self.lr
 
     def ranking_features(self, inputs: PolicyInputs, rankings: Rankings, width: int = 32, dim: int = 256) -> torch.Tensor:
         """Fisher-score features for the k-means start: float64 [n, dim].
@@ -389,13 +389,9 @@ class LoRAPolicyScorer:
         """A snapshot on the CPU (copies, not views) of everything a resumed run needs."""
         estep = None if self._estep is None else {"round": self._estep.round, "inputs": self._estep.inputs,
                                                    "offsets": self._estep.offsets.clone()}
-        optimizer = self.optimizer.state_dict()  # new dicts; only its state tensors are the live ones
-        optimizer["state"] = {index: {key: value.detach().cpu().clone() if torch.is_tensor(value) else value
-                                      for key, value in state.items()}
-                              for index, state in optimizer["state"].items()}
         return {
             "adapters": {name: p.detach().cpu().clone() for name, p in self._lora.items()},
-            "optimizer": optimizer,
+            "optimizer": self.optimizer.state_dict(),
             "shuffle_rng": self._shuffle.get_state(),
             "estep": estep,
             "fell_back": None if self.fell_back is None else dict(self.fell_back),
@@ -409,9 +405,7 @@ class LoRAPolicyScorer:
         with torch.no_grad():
             for name, p in self._lora.items():
                 p.copy_(state["adapters"][name])
-        # AdamW keeps the state tensors it is given where they already sit on the right device (the
-        # CPU), and steps them in place: a state restored twice (EM's backtracking) must not share them.
-        self.optimizer.load_state_dict(copy.deepcopy(state["optimizer"]))
+        self.optimizer.load_state_dict(state["optimizer"])  # copies: a state restored twice shares nothing
         self._shuffle.set_state(state["shuffle_rng"])
         estep = state.get("estep")
         self._estep = None if estep is None else _EStepOffsets(estep["round"], estep["inputs"],

@@ -1,0 +1,128 @@
+"""Host work of the LM path's passes: aten ops dispatched and host time per pass (issue 9).
+
+    PYTHONPATH=. python3 benchmarks/host_ops.py [--layers 28] [--k 12] [--rows 12] [--repeats 7]
+
+A pass whose kernels are small keeps its GPU waiting on the host, which dispatches one op after
+another (the H200 profile in docs/em_gpu_h200.json: the mixed E-step pass of 12 rows kept the card
+busy 225 of its 317 ms). The host's share does not depend on the card, so it is measured here, on
+the CPU, on a Qwen3 with Qwen3-0.6B's depth and LoRA layout (``--layers`` decoder layers, k LoRA
+adapters of rank 16 on all 7 projections) but the tests' tiny width (hidden 64, rows of 12 prompt +
+16 response tokens, float32, one thread), where every kernel costs next to nothing: the time per
+pass is then the host's, and the ops dispatched are the work it does (each a Python-to-C++ call and
+a dispatcher walk; on a GPU each computing op is also a kernel launch).
+
+Rows, over ``--rows`` rows routed to adapter b mod k (the benchmarks/em_gpu.py passes):
+- the plain base model's forward + input gradient (no adapters);
+- the E-step's pass, k adapters mixed, forward + input gradient;
+- the M-step's pass, forward + backward into the adapters: k adapters mixed, one adapter, and k
+  mixed with each row's prompt run in a prompt pass first (shared prompts);
+- one M-step minibatch through `LoRAPolicyScorer.fit` (the pass, the PL likelihood, the backward
+  and the optimizer step): one (example, cluster) pair of a = 2 rows, and k pairs of 2 rows.
+
+Prints one markdown table: ops dispatched (forward and backward, counted by a TorchDispatchMode)
+and the median host time of ``--repeats`` passes after two warm-ups.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import platform
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import em_gpu
+from moplex_core.lm.tiny import build_tiny_model
+from moplex_core.scorers.lora_policy import LoRAPolicyScorer
+
+
+class _OpCount(TorchDispatchMode):
+    """Counts the aten ops dispatched inside it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        self.ops += 1
+        return func(*args, **(kwargs or {}))
+
+
+def measure(run: Callable[[], Any], repeats: int) -> tuple[int, float]:
+    """(aten ops one ``run`` dispatches, its median host time in ms)."""
+    for _ in range(2):
+        run()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - start)
+    with _OpCount() as count:
+        run()
+    return count.ops, 1000 * statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=28, help="decoder layers (Qwen3-0.6B has 28)")
+    parser.add_argument("--k", type=int, default=12, help="LoRA adapters")
+    parser.add_argument("--rows", type=int, default=12, help="rows per pass")
+    parser.add_argument("--repeats", type=int, default=7)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    sizes = replace(em_gpu.TINY, k=args.k, batch_rows=(args.rows,))
+    rows: list[tuple[str, int, float]] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = build_tiny_model(Path(tmp) / "model", [em_gpu.TOKENIZER_TEXTS], layers=args.layers, seed=0)
+        batch = em_gpu._batches(model_dir, sizes)[args.rows]
+        plain = em_gpu._frozen_model(model_dir, sizes)
+        rows.append(("plain base model, fwd + input grad", *measure(lambda: em_gpu._input_grad_pass(plain, batch),
+                                                                      args.repeats)))
+        del plain
+        model, lora = em_gpu._lora_model(model_dir, sizes)
+        params = list(lora.named_parameters().values())
+        with lora.requires_grad(False):
+            rows.append((f"E-step pass, {args.k} adapters mixed",
+                         *measure(lambda: em_gpu._mixed_pass(model, lora, batch, sizes), args.repeats)))
+        passes = {f"M-step pass, {args.k} adapters mixed": {},
+                  "M-step pass, one adapter": {"route": lambda sub: lora.route([0] * len(sub))},
+                  f"M-step pass, {args.k} adapters mixed, shared prompts": {"shared_prompts": True}}
+        for label, options in passes.items():
+            if "route" in options:
+                run = functools.partial(em_gpu._weight_grad_pass, model, batch, params, **options)
+            else:
+                run = functools.partial(em_gpu._mixed_pass, model, lora, batch, sizes, params, **options)
+            rows.append((label, *measure(run, args.repeats)))
+        del model, lora
+        vocab_size, eos_id = em_gpu._model_vocab(model_dir)
+        inputs = em_gpu.synthetic_inputs(sizes, 4, args.k, vocab_size, eos_id)  # k examples of m' = 4
+        rankings = inputs.rankings()
+        scorer = LoRAPolicyScorer(model_dir, args.k, anchors=2, lora=em_gpu.LORA, batch_size=args.k,
+                                  score_batch_size=2 * args.k, seed=0)
+        scorer.fit(inputs, rankings, torch.ones(args.k, args.k, dtype=torch.float64), 0)  # every adapter off 0
+        scorer.score(inputs, 0)  # the offsets the timed M-steps reuse
+        one = torch.zeros(args.k, args.k, dtype=torch.float64)
+        one[0, 0] = 1.0
+        every = torch.zeros_like(one)
+        every[torch.arange(args.k), torch.arange(args.k)] = 1.0  # k pairs, one per cluster: one minibatch
+        for label, weights in (("M-step minibatch (fit): 1 pair, a = 2", one),
+                               (f"M-step minibatch (fit): {args.k} pairs of {args.k} clusters, a = 2", every)):
+            rows.append((label, *measure(lambda w=weights: scorer.fit(inputs, rankings, w, 1), args.repeats)))
+    print(f"## Host work per pass ({platform.processor() or platform.machine()}, torch {torch.__version__}, "
+          f"1 thread; Qwen3 of {args.layers} layers, hidden 64, k = {args.k}, LoRA r = 16 on 7 projections, "
+          f"{args.rows} rows of 12 + 16 tokens)\n")
+    print("| pass | aten ops | host ms |\n|---|---|---|")
+    for label, ops, ms in rows:
+        print(f"| {label} | {ops:,} | {ms:.1f} |")
+
+
+if __name__ == "__main__":
+    main()
