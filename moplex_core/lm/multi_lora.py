@@ -152,13 +152,13 @@ class MultiLoRALinear(nn.Module):
                 # batch's GEMM sums it.
                 a = self.lora_A[self.route.adapters].to(x.dtype)  # [B, d_in, r]
                 b = self.lora_B[self.route.adapters].to(x.dtype)  # [B, r, d_out]
-        rows = x.reshape(len(routed), -1, x.shape[-1])  # [B, L, d_in]
+        rows = x if x.dim() == 3 else x.reshape(len(routed), -1, x.shape[-1])  # [B, L, d_in] (a decoder's already is)
         lora_input = None if dropped is x else dropped.reshape(rows.shape)
         if torch.is_grad_enabled():
             out = _LoRALinear.apply(rows, lora_input, self.base.weight, self.base.bias, a, b, self.scaling)
         else:  # no graph to record: the same ops without the autograd Function's cost per call
             out = _lora_linear(rows, lora_input, self.base.weight, self.base.bias, a, b, self.scaling)[0]
-        return out.view(*x.shape[:-1], out.shape[-1])  # [B, L, d_out] -> x's shape
+        return out if x.dim() == 3 else out.view(*x.shape[:-1], out.shape[-1])  # [B, L, d_out] -> x's shape
 
 
 class _LoRALinear(torch.autograd.Function):
@@ -189,14 +189,14 @@ class _LoRALinear(torch.autograd.Function):
             raise RuntimeError("MultiLoRA freezes the base model's weights; they get no gradient (requires_grad_"
                                "(False) on them, or train them outside MultiLoRA)")
         scaling = ctx.scaling
-        grad_xa = torch.matmul(grad_out, b.mT)  # [B, L, r], without the scaling
+        grad_xa = _product(grad_out, b.mT)  # [B, L, r], without the scaling
         grad_x = grad_lora_input = grad_a = grad_b = None
         if need_x:
             grad_x = torch.matmul(grad_out, weight)  # [B, L, d_in]
             if not ctx.separate:
                 grad_x = _add_product(grad_x, grad_xa, a.mT, scaling)
         if need_lora_input:
-            grad_lora_input = torch.matmul(grad_xa, a.mT).mul_(scaling)  # [B, L, d_in]
+            grad_lora_input = _product(grad_xa, a.mT).mul_(scaling)  # [B, L, d_in]
         if need_a:
             grad_a = _weight_grad(source, grad_xa, a.dim()).mul_(scaling)  # like a
         if need_b:
@@ -208,8 +208,15 @@ def _lora_linear(x: torch.Tensor, lora_input: torch.Tensor | None, weight: torch
                  a: torch.Tensor, b: torch.Tensor, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(x W^T + bias + s (x' A) B [B, L, d_out], x' A [B, L, r]) for x [B, L, d_in], x' = ``lora_input``
     or x, and one adapter (A [d_in, r], B [r, d_out]) or one per row ([B, d_in, r], [B, r, d_out])."""
-    xa = torch.matmul(x if lora_input is None else lora_input, a)  # [B, L, r]
+    xa = _product(x if lora_input is None else lora_input, a)  # [B, L, r]
     return _add_product(F.linear(x, weight, bias), xa, b, scaling), xa
+
+
+def _product(left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
+    """left @ right [B, L, j] for left [B, L, i] and right [i, j] (one matrix for every row) or
+    [B, i, j] (one per row). The latter is a ``bmm`` called directly: ``torch.matmul`` would reach the
+    same kernel through broadcasting's expands and reshapes, host work on every layer of a pass."""
+    return torch.bmm(left, right) if right.dim() == 3 else torch.matmul(left, right)
 
 
 def _add_product(into: torch.Tensor, left: torch.Tensor, right: torch.Tensor, alpha: float) -> torch.Tensor:
