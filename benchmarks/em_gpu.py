@@ -49,7 +49,9 @@ tokens, EOS last. A check and four measurements, in one process:
 3. Where the anchor pass's time goes (``profile``): the plain pass and the mixed multi-LoRA E-step
    pass over the smallest B, timed, then profiled once (torch.profiler): wall time against the
    device's busy time and the kernels launched (a pass that waits on its host is launch-bound), and
-   each aten op's self time with the difference the LoRA layer makes. The traces are written to OUT.
+   each aten op's self time with the difference the LoRA layer makes. Wall and busy time also of the
+   mixed M-step pass and of the mixed E-step pass through the prompt pass (each row its own prompt:
+   what the shared-prompt path costs where it saves nothing). The traces are written to OUT.
 4. The card's ceilings (``ceilings``): its bf16 matmul rate (an 8192^3 GEMM) and its
    device-to-device copy rate (a 2 GiB tensor: 4 GiB read and written), the two rates a pass's time
    is read against; each after a quarter second of warm-up (the clocks rise from idle), timed over
@@ -129,6 +131,7 @@ PAD_ID = 0  # the rows of one benchmark batch have equal lengths: no padding is 
 PLAIN = "plain base model, fwd + grad w.r.t. inputs_embeds"
 MULTI_E = "multi-LoRA, k adapters mixed, fwd + grad w.r.t. inputs_embeds (E-step)"
 MULTI_M = "multi-LoRA, k adapters mixed, fwd + backward into LoRA weights (M-step)"
+MULTI_E_PROMPT_PASS = "multi-LoRA, k adapters mixed, E-step through the prompt pass (each row its own prompt)"
 PEFT_ONE = "PEFT, 1 active adapter of k, fwd + grad w.r.t. inputs_embeds"
 PEFT_ONE_MODEL_DTYPE = "PEFT, 1 active adapter of k, adapters in the model's dtype (autocast_adapter_dtype=False)"
 PEFT_MIXED = "PEFT mixed adapter_names, k adapters, fwd + grad w.r.t. inputs_embeds"
@@ -587,12 +590,13 @@ def _peft_rows(model_dir: Path, sizes: Sizes, batches: dict[int, list[TokenizedR
 
 
 def anchor_pass_profile(model_dir: Path, sizes: Sizes, out: Path) -> dict[str, Any]:
-    """The plain pass and the mixed multi-LoRA E-step pass over B = min(batch_rows) rows, each timed
-    as in section 2 and then run once under torch.profiler: per aten op, its self time on the device
-    (the kernels it launched; on the CPU, its CPU time) and its calls; the kernels launched and the
-    device's busy time. Wall time well above busy time is time the card waits on the host (kernel
-    launches, Python); busy time is the kernels themselves. Writes each pass's trace to
-    OUT/profile_<plain|multi_lora>.json.gz (chrome://tracing, Perfetto)."""
+    """The plain pass, the mixed multi-LoRA E-step pass, the same through the prompt pass
+    (``multi_lora_prompt_pass``) and the mixed M-step pass (``multi_lora_m``) over B =
+    min(batch_rows) rows, each timed as in section 2 and then run once under torch.profiler: per aten
+    op, its self time on the device (the kernels it launched; on the CPU, its CPU time) and its
+    calls; the kernels launched and the device's busy time. Wall time well above busy time is time the
+    card waits on the host (kernel launches, Python); busy time is the kernels themselves. Writes each
+    pass's trace to OUT/profile_<name>.json.gz (chrome://tracing, Perfetto)."""
     b = min(sizes.batch_rows)
     batch = _batches(model_dir, sizes)[b]
     model = _frozen_model(model_dir, sizes)
@@ -603,10 +607,15 @@ def anchor_pass_profile(model_dir: Path, sizes: Sizes, out: Path) -> dict[str, A
     with lora.requires_grad(False):
         multi = _profile(lambda: _mixed_pass(model, lora, batch, sizes), sizes,
                          out / "profile_multi_lora.json.gz")
+        prompt_pass = _profile(lambda: _mixed_pass(model, lora, batch, sizes, shared_prompts=True), sizes,
+                               out / "profile_multi_lora_prompt_pass.json.gz")
+    params = list(lora.named_parameters().values())
+    m_step = _profile(lambda: _mixed_pass(model, lora, batch, sizes, params), sizes, out / "profile_multi_lora_m.json.gz")
     extra_gb = _lora_extra_bytes(lora, b * sizes.row_tokens, sizes.dtype.itemsize) / 1e9
     del model, lora
     _free(sizes)
-    return {"batch": b, "plain": plain, "multi_lora": multi, "lora_extra_gb": extra_gb}
+    return {"batch": b, "plain": plain, "multi_lora": multi, "multi_lora_prompt_pass": prompt_pass,
+            "multi_lora_m": m_step, "lora_extra_gb": extra_gb}
 
 
 def _lora_extra_bytes(lora: MultiLoRA, tokens: int, element_size: int) -> int:
@@ -881,9 +890,12 @@ def _print_profile(profile: dict[str, Any], copy_tbs: float | None) -> None:
           "profiled pass (torch.profiler; self time of each aten op's kernels, CPU time on the CPU)\n")
     print("| pass | wall ms | busy ms | busy / wall | kernels |")
     print("|---|---|---|---|---|")
-    for label, row in ((PLAIN, plain), (MULTI_E, multi)):
-        print(f"| {label} | {row['wall_ms']:.1f} | {row['busy_ms']:.1f} | {row['busy_ms'] / row['wall_ms']:.2f} | "
-              f"{_fmt(row['kernels'], 'd', False)} |")
+    passes = ((PLAIN, plain), (MULTI_E, multi), (MULTI_E_PROMPT_PASS, profile.get("multi_lora_prompt_pass")),
+              (MULTI_M, profile.get("multi_lora_m")))
+    for label, row in passes:
+        if row is not None:  # a run from before these two rows existed (--resume) has only the first two
+            print(f"| {label} | {row['wall_ms']:.1f} | {row['busy_ms']:.1f} | {row['busy_ms'] / row['wall_ms']:.2f} | "
+                  f"{_fmt(row['kernels'], 'd', False)} |")
     print()
     keys = sorted(plain["ops"].keys() | multi["ops"].keys(),
                   key=lambda key: -max(plain["ops"].get(key, {"ms": 0})["ms"], multi["ops"].get(key, {"ms": 0})["ms"]))
