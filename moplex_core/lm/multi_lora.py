@@ -14,9 +14,10 @@ and computing, for row b of a batch routed to adapter c_b,
 gathered into [B, d_in, r] and [B, r, d_out] and applied by one ``bmm`` and one ``baddbmm`` that
 accumulates into the base output, so one forward serves rows of all k clusters; a batch of one
 adapter takes two plain matmuls. Without gradients into the adapters (the E-step's input-gradient
-pass, scoring) the rows' adapters are gathered from a copy of the stacks in the activations' dtype
-that each layer keeps until an adapter changes or an M-step pass drops it (`MultiLoRALinear.frozen`;
-240 MB in bf16 for Qwen3-0.6B at k = 12, r = 16), so such a pass casts nothing, and a pass without
+pass, scoring) the rows' adapters are gathered from the stacks in the activations' dtype, a copy that
+each layer keeps until an adapter changes or an M-step pass drops it (`MultiLoRALinear.frozen`; 240 MB
+in bf16 for Qwen3-0.6B at k = 12, r = 16; in the masters' own dtype the parameters themselves,
+detached), so such a pass casts nothing, and a pass without
 any gradient (scoring) skips the autograd Function. With gradients into the adapters (the M-step)
 the rows' adapters are gathered from the stacked parameters themselves, whose backward sums each
 adapter's rows in one accumulating ``index_put``: one autograd leaf per layer and matrix, where k

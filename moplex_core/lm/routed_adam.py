@@ -9,16 +9,14 @@ must leave those adapters exactly where they are, moments and step count include
 leaves a parameter without a gradient. `RoutedAdam.step` is told which adapters the minibatch routed
 and steps those alone, each with its own step count.
 
-The arithmetic is torch.optim.AdamW's with weight_decay = 0 (then AdamW is Adam), op for op as its
-single-tensor path computes it (the CPU's default), so that k separate parameters under AdamW and
-their stack here give the same bits (tests/test_routed_adam.py): per adapter c at its step t_c,
-
-    m_c <- lerp(m_c, g_c, 1 - beta1)
-    v_c <- beta2 v_c + (1 - beta2) g_c^2
-    p_c <- p_c + (-lr / (1 - beta1^t_c)) * m_c / (sqrt(v_c) / sqrt(1 - beta2^t_c) + eps)
-
-with each adapter's two scalars computed in Python floats and rounded to the parameter's dtype, as
-AdamW's kernels round them.
+The step is torch's own: `torch.optim.adam.adam`, the function torch.optim.AdamW steps with
+(weight_decay = 0, where AdamW is Adam), over the routed adapters' slices of every parameter, with
+one step counter per parameter and adapter as AdamW keeps one per parameter. So k separate
+parameters under AdamW and their stack here give the same bits on any device: on the CPU AdamW's
+single-tensor loop, on a GPU its foreach kernels over the routed slices, same-shaped and contiguous
+as separate parameters would be (tests/test_routed_adam.py checks the CPU). Unlike AdamW, a step
+refuses a parameter without a gradient (AdamW would skip it): every pass moplex makes reaches every
+adapted layer, so a missing gradient is a mistake.
 """
 
 from __future__ import annotations
@@ -27,8 +25,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-
-from moplex_core.lm.device import to_device
+from torch.optim.adam import adam
 
 
 class RoutedAdam:
@@ -43,6 +40,9 @@ class RoutedAdam:
         self.steps = [0] * k  # each adapter's step count
         self.exp_avg: dict[str, torch.Tensor] = {}  # first and second moments, made at the first step
         self.exp_avg_sq: dict[str, torch.Tensor] = {}
+        # AdamW's step counters, one per parameter and adapter as AdamW keeps one per parameter (its
+        # step advances each in place)
+        self._counters = {name: [torch.tensor(0.0) for _ in range(k)] for name in self.params}
 
     def zero_grad(self) -> None:
         """Every gradient dropped (set to None), as ``zero_grad(set_to_none=True)``."""
@@ -61,43 +61,26 @@ class RoutedAdam:
         if missing:
             raise RuntimeError(f"{len(missing)} parameter(s) have no gradient, e.g. {missing[0]}: step after a backward "
                                "through a pass that routed these adapters")
-        beta1, beta2 = self.betas
-        for c in adapters:
-            self.steps[c] += 1
-        # Per adapter, in Python floats as AdamW computes them: a routed adapter's Adam constants; an
-        # unrouted one's leave it exactly as it is, whatever its gradient (m + 0 (g - m) = m,
-        # v * 1 + c g (0 g) = v, p + (0 m) / denom = p), so every parameter is updated in place, whole,
-        # in a few ops, without gathering the routed adapters out and back.
-        routed = set(adapters)
-        constants = [(1 - beta1, beta2, 1.0, -self.lr / (1 - beta1 ** self.steps[c]),
-                      (1 - beta2 ** self.steps[c]) ** 0.5) if c in routed else (0.0, 1.0, 0.0, 0.0, 1.0)
-                     for c in range(self.k)]
+        # The routed adapters' slices (views) of every parameter, gradient and moment, stepped by
+        # torch's own Adam: its single-tensor loop on the CPU, its foreach kernels over same-shaped
+        # tensors on a GPU, as torch.optim.AdamW over k separate parameters would run them.
+        params, grads, exp_avgs, exp_avg_sqs, counters = [], [], [], [], []
         for name, p in self.params.items():
             if name not in self.exp_avg:
                 self.exp_avg[name] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 self.exp_avg_sq[name] = torch.zeros_like(p, memory_format=torch.preserve_format)
-        for (device, dtype, dims), names in self._groups().items():
-            # [k, 1, ...]: each adapter's constants, broadcast over its entries; rounded to the parameters'
-            # dtype, as AdamW's kernels round its scalars
-            weight, decay, keep, step_size, root = (t.view((self.k,) + (1,) * (dims - 1)) for t in
-                                                    to_device(torch.tensor(constants, dtype=dtype), device).T.unbind())
-            params = [self.params[name] for name in names]
-            grads = [p.grad for p in params]
-            m, v = [self.exp_avg[name] for name in names], [self.exp_avg_sq[name] for name in names]
-            torch._foreach_lerp_(m, grads, [weight] * len(names))
-            torch._foreach_mul_(v, [decay] * len(names))
-            torch._foreach_addcmul_(v, grads, torch._foreach_mul(grads, [keep] * len(names)), 1 - beta2)
-            denom = torch._foreach_div(torch._foreach_sqrt(v), [root] * len(names))
-            torch._foreach_add_(denom, self.eps)
-            # AdamW's addcdiv_(m, denom, value=-step_size), which computes (value * m) / denom
-            torch._foreach_add_(params, torch._foreach_div(torch._foreach_mul(m, [step_size] * len(names)), denom))
-
-    def _groups(self) -> dict[tuple[torch.device, torch.dtype, int], list[str]]:
-        """The parameters' names by (device, dtype, dimensions): one set of foreach ops each."""
-        groups: dict[tuple[torch.device, torch.dtype, int], list[str]] = {}
-        for name, p in self.params.items():
-            groups.setdefault((p.device, p.dtype, p.dim()), []).append(name)
-        return groups
+            slices = [t.unbind(0) for t in (p, p.grad, self.exp_avg[name], self.exp_avg_sq[name])]
+            for c in adapters:
+                params.append(slices[0][c])
+                grads.append(slices[1][c])
+                exp_avgs.append(slices[2][c])
+                exp_avg_sqs.append(slices[3][c])
+                counters.append(self._counters[name][c])
+        beta1, beta2 = self.betas
+        adam(params, grads, exp_avgs, exp_avg_sqs, [], counters, amsgrad=False, beta1=beta1, beta2=beta2,
+             lr=self.lr, weight_decay=0.0, eps=self.eps, maximize=False)
+        for c in adapters:
+            self.steps[c] += 1
 
     def state_dict(self) -> dict[str, Any]:
         """A snapshot on the CPU (copies): step counts, moments, learning rate and constants."""
@@ -115,9 +98,13 @@ class RoutedAdam:
         if unknown:
             raise ValueError(f"the saved optimizer state has moments of parameters this one lacks, e.g. {min(unknown)}")
         self.steps, self.lr = list(state["steps"]), state["lr"]
+        for counters in self._counters.values():
+            for counter, count in zip(counters, self.steps, strict=True):
+                counter.fill_(count)
         self.betas, self.eps = tuple(state["betas"]), state["eps"]
-        # Keyed by this optimizer's own name strings, in its order, as its first step makes them: a state
-        # saved again then pickles to the bytes an uninterrupted run's does (pickle shares equal objects).
+        # Keyed by this optimizer's own name strings (the objects themselves), in its order, as its first
+        # step makes them: pickle writes an object it has seen once by reference, so a state saved again
+        # pickles to the bytes an uninterrupted run's does.
         self.exp_avg, self.exp_avg_sq = (
             {name: state[key][name].to(p.device, p.dtype, copy=True) for name, p in self.params.items()
              if name in state[key]}
