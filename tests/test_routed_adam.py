@@ -74,3 +74,9 @@ def test_unrouted_adapters_do_not_move_and_bad_calls_are_refused():
         RoutedAdam({"p": p}, 3, lr=0.1)
     with pytest.raises(ValueError, match="not RoutedAdam's"):
         RoutedAdam({"p": p}, K, lr=0.1).load_state_dict({"state": {}, "param_groups": []})  # torch's AdamW's
+    saved = optimizer.state_dict()
+    q = torch.zeros(K, 3, requires_grad=True)
+    with pytest.raises(ValueError, match="exp_avg covers other parameters"):
+        RoutedAdam({"p": p, "q": q}, K, lr=0.1).load_state_dict(saved)
+    with pytest.raises(ValueError, match=r"exp_avg of p has shape \(4, 2, 2\), the parameter \(4, 3\)"):
+        RoutedAdam({"p": q}, K, lr=0.1).load_state_dict(saved)

@@ -14,21 +14,21 @@ and computing, for row b of a batch routed to adapter c_b,
 gathered into [B, d_in, r] and [B, r, d_out] and applied by one ``bmm`` and one ``baddbmm`` that
 accumulates into the base output, so one forward serves rows of all k clusters; a batch of one
 adapter takes two plain matmuls. Without gradients into the adapters (the E-step's input-gradient
-pass, scoring) the rows' adapters are gathered from the stacks in the activations' dtype, a copy that
-each layer keeps until an adapter changes or an M-step pass drops it (`MultiLoRALinear.frozen`; 240 MB
-in bf16 for Qwen3-0.6B at k = 12, r = 16; in the masters' own dtype the parameters themselves,
-detached), so such a pass casts nothing, and a pass without
-any gradient (scoring) skips the autograd Function. With gradients into the adapters (the M-step)
-the rows' adapters are gathered from the stacked parameters themselves, whose backward sums each
-adapter's rows in one accumulating ``index_put``: one autograd leaf per layer and matrix, where k
-separate parameters would cost a stack forward and, backward, a select, a detach and a gradient
-accumulation per adapter (host work the GPU waits on). The layer has its own backward
-(`_LoRALinear`), which accumulates the LoRA part of dL/dx into the base part in the matmul that
-computes it, where autograd would write it and add it in a separate pass. The gradient is zero at
-the adapters a pass did not route, and `moplex_core.lm.routed_adam.RoutedAdam` steps only the
-adapters a minibatch routed, so the others stay exactly where they are, as PEFT's inactive adapters
-under AdamW. Outside a route every adapter is off and the model is exactly the base model, pi_ref (no
-second copy of the weights). The base model's own weights are frozen.
+pass, scoring) the rows' adapters are gathered from the stacks in the activations' dtype, a copy
+that each layer keeps until an adapter changes or an M-step pass drops it (`MultiLoRALinear.frozen`;
+240 MB in bf16 for Qwen3-0.6B at k = 12, r = 16; in the masters' own dtype the parameters
+themselves, detached), so such a pass casts nothing, and a pass without any gradient (scoring) skips
+the autograd Function. With gradients into the adapters (the M-step) the rows' adapters are gathered
+from the stacked parameters themselves, whose backward sums each adapter's rows in one accumulating
+``index_put``: one autograd leaf per layer and matrix, where k separate parameters would cost a
+stack forward and, backward, a select, a detach and a gradient accumulation per adapter (host work
+the GPU waits on). The layer has its own backward (`_LoRALinear`), which accumulates the LoRA part
+of dL/dx into the base part in the matmul that computes it, where autograd would write it and add it
+in a separate pass. The gradient is zero at the adapters a pass did not route, and
+`moplex_core.lm.routed_adam.RoutedAdam` steps only the adapters a minibatch routed, so the others
+stay exactly where they are, as PEFT's inactive adapters under AdamW. Outside a route every adapter
+is off and the model is exactly the base model, pi_ref (no second copy of the weights). The base
+model's own weights are frozen.
 
 The adapters are read and written in PEFT's format (``adapter_config.json`` +
 ``adapter_model.safetensors`` per adapter), so ``PeftModel.from_pretrained(base, path)`` loads what

@@ -41,8 +41,9 @@ class RoutedAdam:
         self.exp_avg: dict[str, torch.Tensor] = {}  # first and second moments, made at the first step
         self.exp_avg_sq: dict[str, torch.Tensor] = {}
         # AdamW's step counters, one per parameter and adapter as AdamW keeps one per parameter (its
-        # step advances each in place)
-        self._counters = {name: [torch.tensor(0.0) for _ in range(k)] for name in self.params}
+        # step advances each in place), in the dtype AdamW makes them
+        counter_dtype = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+        self._counters = {name: [torch.tensor(0.0, dtype=counter_dtype) for _ in range(k)] for name in self.params}
 
     def zero_grad(self) -> None:
         """Every gradient dropped (set to None), as ``zero_grad(set_to_none=True)``."""
@@ -69,12 +70,12 @@ class RoutedAdam:
             if name not in self.exp_avg:
                 self.exp_avg[name] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 self.exp_avg_sq[name] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            slices = [t.unbind(0) for t in (p, p.grad, self.exp_avg[name], self.exp_avg_sq[name])]
+            m, v = self.exp_avg[name], self.exp_avg_sq[name]
             for c in adapters:
-                params.append(slices[0][c])
-                grads.append(slices[1][c])
-                exp_avgs.append(slices[2][c])
-                exp_avg_sqs.append(slices[3][c])
+                params.append(p[c])
+                grads.append(p.grad[c])
+                exp_avgs.append(m[c])
+                exp_avg_sqs.append(v[c])
                 counters.append(self._counters[name][c])
         beta1, beta2 = self.betas
         adam(params, grads, exp_avgs, exp_avg_sqs, [], counters, amsgrad=False, beta1=beta1, beta2=beta2,
@@ -91,12 +92,18 @@ class RoutedAdam:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a `state_dict` (copied onto each parameter's device and dtype: a state restored twice
         shares no tensor with an earlier restore)."""
-        if not {"steps", "exp_avg", "exp_avg_sq"} <= set(state) or len(state["steps"]) != self.k:
+        if (not {"steps", "lr", "betas", "eps", "exp_avg", "exp_avg_sq"} <= set(state)
+                or len(state["steps"]) != self.k):
             raise ValueError("the saved optimizer state is not RoutedAdam's over these k adapters (saved by another k "
                              "or an earlier moplex version, whose optimizer was torch's AdamW)")
-        unknown = set(state["exp_avg"]) - set(self.params)
-        if unknown:
-            raise ValueError(f"the saved optimizer state has moments of parameters this one lacks, e.g. {min(unknown)}")
+        for key in ("exp_avg", "exp_avg_sq"):  # every parameter's moments (after a step) or none (before one)
+            if set(state[key]) not in (set(), set(self.params)):
+                raise ValueError(f"the saved optimizer state's {key} covers other parameters than this one's "
+                                 f"({len(set(state[key]) ^ set(self.params))} names differ)")
+            wrong = [name for name, t in state[key].items() if t.shape != self.params[name].shape]
+            if wrong:
+                raise ValueError(f"the saved optimizer state's {key} of {wrong[0]} has shape "
+                                 f"{tuple(state[key][wrong[0]].shape)}, the parameter {tuple(self.params[wrong[0]].shape)}")
         self.steps, self.lr = list(state["steps"]), state["lr"]
         for counters in self._counters.values():
             for counter, count in zip(counters, self.steps, strict=True):
