@@ -37,13 +37,18 @@ class RoutedAdam:
         if wrong:
             raise ValueError(f"every parameter must stack k = {k} adapters along dim 0; {wrong[:3]} do not")
         self.params, self.k, self.lr, self.betas, self.eps = dict(params), k, lr, betas, eps
-        self.steps = [0] * k  # each adapter's step count
         self.exp_avg: dict[str, torch.Tensor] = {}  # first and second moments, made at the first step
         self.exp_avg_sq: dict[str, torch.Tensor] = {}
         # AdamW's step counters, one per parameter and adapter as AdamW keeps one per parameter (its
         # step advances each in place), in the dtype AdamW makes them
         counter_dtype = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
         self._counters = {name: [torch.tensor(0.0, dtype=counter_dtype) for _ in range(k)] for name in self.params}
+
+    @property
+    def steps(self) -> list[int]:
+        """Each adapter's step count (every parameter's counter of an adapter moves with it)."""
+        counters = next(iter(self._counters.values()), None)
+        return [0] * self.k if counters is None else [int(counter) for counter in counters]
 
     def zero_grad(self) -> None:
         """Every gradient dropped (set to None), as ``zero_grad(set_to_none=True)``."""
@@ -80,12 +85,10 @@ class RoutedAdam:
         beta1, beta2 = self.betas
         adam(params, grads, exp_avgs, exp_avg_sqs, [], counters, amsgrad=False, beta1=beta1, beta2=beta2,
              lr=self.lr, weight_decay=0.0, eps=self.eps, maximize=False)
-        for c in adapters:
-            self.steps[c] += 1
 
     def state_dict(self) -> dict[str, Any]:
         """A snapshot on the CPU (copies): step counts, moments, learning rate and constants."""
-        return {"steps": list(self.steps), "lr": self.lr, "betas": self.betas, "eps": self.eps,
+        return {"steps": self.steps, "lr": self.lr, "betas": self.betas, "eps": self.eps,
                 "exp_avg": {name: t.detach().cpu().clone() for name, t in self.exp_avg.items()},
                 "exp_avg_sq": {name: t.detach().cpu().clone() for name, t in self.exp_avg_sq.items()}}
 
@@ -104,9 +107,9 @@ class RoutedAdam:
             if wrong:
                 raise ValueError(f"the saved optimizer state's {key} of {wrong[0]} has shape "
                                  f"{tuple(state[key][wrong[0]].shape)}, the parameter {tuple(self.params[wrong[0]].shape)}")
-        self.steps, self.lr = list(state["steps"]), state["lr"]
+        self.lr = state["lr"]
         for counters in self._counters.values():
-            for counter, count in zip(counters, self.steps, strict=True):
+            for counter, count in zip(counters, state["steps"], strict=True):
                 counter.fill_(count)
         self.betas, self.eps = tuple(state["betas"]), state["eps"]
         # Keyed by this optimizer's own name strings (the objects themselves), in its order, as its first
