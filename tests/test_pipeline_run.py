@@ -123,13 +123,13 @@ def _check_local_run_settings(server, StopSignal) -> None:
     assert pickle.loads(pickle.dumps(StopSignal(15))).status == 143
 
 
-def _temporary_servers(home: Path) -> list[int]:
-    """Pids of Prefect temporary servers whose PREFECT_HOME is ``home``."""
+def _temporary_servers(home: Path | None) -> list[int]:
+    """Pids of Prefect temporary servers whose PREFECT_HOME is ``home`` (any, for None)."""
     pids = []
     for proc in Path("/proc").iterdir():
         try:
-            if b"prefect.server.api.server:create_app" in (proc / "cmdline").read_bytes() and \
-                    f"PREFECT_HOME={home}".encode() in (proc / "environ").read_bytes().split(b"\0"):
+            if b"prefect.server.api.server:create_app" in (proc / "cmdline").read_bytes() and (
+                    home is None or f"PREFECT_HOME={home}".encode() in (proc / "environ").read_bytes().split(b"\0")):
                 pids.append(int(proc.name))
         except (OSError, ValueError):
             continue
@@ -158,7 +158,8 @@ def _signal_moplex_run_in_train(tmp_path: Path, signum: int, wait_for_server: fl
             while "for flow 'train'" not in log.read_text() and run.poll() is None and time.monotonic() < deadline:
                 time.sleep(1)
             assert run.poll() is None, log.read_text()[-3000:]
-            assert _temporary_servers(home), "the run's temporary server is not running"
+            assert _temporary_servers(home), (f"the run's temporary server is not running (servers of any PREFECT_HOME: "
+                                              f"{_temporary_servers(None)}); its stderr ends:\n{log.read_text()[-3000:]}")
             os.killpg(run.pid, signum)
             status = run.wait(timeout=120)  # before the own-session server: minutes of retries against a dead one
         finally:
