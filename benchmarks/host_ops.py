@@ -26,7 +26,6 @@ and the median host time of ``--repeats`` passes after two warm-ups.
 from __future__ import annotations
 
 import argparse
-import functools
 import platform
 import statistics
 import tempfile
@@ -92,14 +91,13 @@ def main() -> None:
         with lora.requires_grad(False):
             rows.append((f"E-step pass, {args.k} adapters mixed",
                          *measure(lambda: em_gpu._mixed_pass(model, lora, batch, sizes), args.repeats)))
-        passes = {f"M-step pass, {args.k} adapters mixed": {},
-                  "M-step pass, one adapter": {"route": lambda sub: lora.route([0] * len(sub))},
-                  f"M-step pass, {args.k} adapters mixed, shared prompts": {"shared_prompts": True}}
-        for label, options in passes.items():
-            if "route" in options:
-                run = functools.partial(em_gpu._weight_grad_pass, model, batch, params, **options)
-            else:
-                run = functools.partial(em_gpu._mixed_pass, model, lora, batch, sizes, params, **options)
+        m_step_passes = (
+            (f"M-step pass, {args.k} adapters mixed", lambda: em_gpu._mixed_pass(model, lora, batch, sizes, params)),
+            ("M-step pass, one adapter", lambda: em_gpu._weight_grad_pass(
+                model, batch, params, route=lambda sub: lora.route([0] * len(sub)))),
+            (f"M-step pass, {args.k} adapters mixed, shared prompts",
+             lambda: em_gpu._mixed_pass(model, lora, batch, sizes, params, shared_prompts=True)))
+        for label, run in m_step_passes:
             rows.append((label, *measure(run, args.repeats)))
         del model, lora
         vocab_size, eos_id = em_gpu._model_vocab(model_dir)
@@ -107,7 +105,7 @@ def main() -> None:
         rankings = inputs.rankings()
         scorer = LoRAPolicyScorer(model_dir, args.k, anchors=2, lora=em_gpu.LORA, batch_size=args.k,
                                   score_batch_size=2 * args.k, seed=0)
-        scorer.fit(inputs, rankings, torch.ones(args.k, args.k, dtype=torch.float64), 0)  # every adapter off 0
+        scorer.fit(inputs, rankings, torch.ones(args.k, args.k, dtype=torch.float64), 0)  # every adapter trained once
         scorer.score(inputs, 0)  # the offsets the timed M-steps reuse
         one = torch.zeros(args.k, args.k, dtype=torch.float64)
         one[0, 0] = 1.0
