@@ -1,5 +1,6 @@
 """benchmarks/em_gpu.py stays runnable: its --tiny CPU path end to end, without the packages the GPU
-machine lacks (issue 9; DESIGN 8: no pydantic, prefect, datasets or vllm there)."""
+machine lacks (issue 9; DESIGN 8: no pydantic, prefect, datasets or vllm there); and so does
+benchmarks/host_ops.py, which reuses its passes."""
 
 from __future__ import annotations
 
@@ -233,3 +234,19 @@ def test_the_host_wait_check_names_every_place_once_with_its_callers() -> None:
     assert len(sites) == 2 and all(site.startswith("test_em_gpu_benchmark.py:") for site in sites)
     assert all(len(site.split(" <- ")) == 3 for site in sites)  # the warning's line, run's line, this test's
     assert _waits(lambda: None) == []
+
+
+def test_host_ops_prints_every_pass_with_its_ops_and_host_time() -> None:
+    """benchmarks/host_ops.py stays runnable (a small model: 2 layers, k = 3, 6 rows, one repeat)."""
+    proc = subprocess.run([sys.executable, "benchmarks/host_ops.py", "--layers", "2", "--k", "3", "--rows", "6",
+                           "--repeats", "1"], cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-5000:]}"
+    rows = {row[0]: (int(row[1].replace(",", "")), float(row[2])) for row in _table(proc.stdout, "| pass |")}
+    assert list(rows) == ["plain base model, fwd + input grad", "E-step pass, 3 adapters mixed",
+                          "M-step pass, 3 adapters mixed", "M-step pass, one adapter",
+                          "M-step pass, 3 adapters mixed, shared prompts", "M-step minibatch (fit): 1 pair, a = 2",
+                          "M-step minibatch (fit): 3 pairs of 3 clusters, a = 2"]
+    assert all(ops > 0 and ms > 0 for ops, ms in rows.values())
+    # the LoRA layer adds ops to the plain pass; the prompt pass adds a second decoder call
+    assert rows["E-step pass, 3 adapters mixed"][0] > rows["plain base model, fwd + input grad"][0]
+    assert rows["M-step pass, 3 adapters mixed, shared prompts"][0] > rows["M-step pass, 3 adapters mixed"][0]
