@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -214,9 +215,10 @@ def _random_qwen2(vocab_size: int) -> PreTrainedModel:
 
 @pytest.mark.parametrize("family", ["qwen3", "qwen2"])
 @pytest.mark.parametrize("padded", [True, False])
-def test_the_masks_built_on_the_host_give_transformers_own_results(model32, batch, padded, family) -> None:
-    # _whole_rows_mask builds on the host what transformers would build after reading the 2D mask back
-    # from the device: the decoder's hidden states are the same to the bit, and so are the log-probs.
+def test_whole_rows_without_a_mask_give_transformers_own_results(model32, batch, padded, family) -> None:
+    # _whole_rows_mask hands the decoder no mask, padded or not (right padding: no real token sees a
+    # pad): at every real token the hidden states are those transformers computes with the 2D mask, to
+    # the bit, and so are the log-probs.
     from moplex_core.lm.logprobs import HOST_MASK_MODELS, _whole_rows_mask
 
     model = model32 if family == "qwen3" else _random_qwen2(model32.config.vocab_size)
@@ -225,14 +227,24 @@ def test_the_masks_built_on_the_host_give_transformers_own_results(model32, batc
         batch = PaddedBatch(batch.input_ids, torch.ones_like(batch.attention_mask), batch.response_mask)
     assert bool(batch.attention_mask.all()) != padded
     decoder, _ = causal_lm_parts(model)
-    built = _whole_rows_mask(model, batch.attention_mask, batch.attention_mask.device)
-    assert isinstance(built, dict) != padded and (not padded or built.shape == (len(batch.input_ids), 1) + 2 * (
-        batch.input_ids.shape[1],))
+    assert _whole_rows_mask(model, batch.attention_mask, batch.attention_mask.device) == {"full_attention": None}
+    real = batch.attention_mask.bool()  # [B, L]
     with torch.no_grad():
-        ours = decoder(input_ids=batch.input_ids, attention_mask=built).last_hidden_state
+        ours = decoder(input_ids=batch.input_ids, attention_mask={"full_attention": None}).last_hidden_state
         theirs = decoder(input_ids=batch.input_ids, attention_mask=batch.attention_mask).last_hidden_state
-        assert torch.equal(ours, theirs)
+        assert torch.equal(ours[real], theirs[real])
         logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits.double()
     token_logp = logits[:, :-1].log_softmax(-1).gather(2, batch.input_ids[:, 1:, None]).squeeze(2)  # [B, L-1]
     torch.testing.assert_close(score(model, batch).double(), (token_logp * batch.response_mask[:, 1:]).sum(1),
                                rtol=0, atol=1e-4)
+
+
+def test_a_pad_before_a_real_token_is_refused(model32, batch) -> None:
+    # Without a mask a left pad would be attended: a left-padded batch is refused, naming its rows.
+    pads = (1 - batch.attention_mask).sum(1).tolist()  # [B]
+    left = PaddedBatch(*(torch.stack([row.roll(n) for row, n in zip(part, pads)])  # each row's pads moved first
+                         for part in (batch.input_ids, batch.attention_mask, batch.response_mask)))
+    padded_rows = [b for b, n in enumerate(pads) if n]
+    assert padded_rows and not left.attention_mask[padded_rows, 0].any()
+    with pytest.raises(ValueError, match=re.escape(f"pad before a real token in rows {padded_rows}")):
+        score(model32, left)

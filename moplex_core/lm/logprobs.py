@@ -243,33 +243,36 @@ def _response_positions(response_mask: torch.Tensor, device: torch.device) -> _R
 
 
 HOST_MASK_MODELS = ("qwen2", "qwen3")
-"""Model types whose decoder takes the attention masks `_whole_rows_mask` builds on the host (checked
-against transformers' own masks in tests/test_lm_logprobs.py); other models get the 2D mask and
-transformers builds theirs, reading it back from the device first."""
+"""Model types whose decoder runs right-padded whole rows without a mask (`_whole_rows_mask`; checked
+against transformers' own results with the 2D mask in tests/test_lm_logprobs.py); other models get the
+2D mask and transformers builds theirs, reading it back from the device first."""
 
 
 def _whole_rows_mask(model: PreTrainedModel | PeftModel, mask: torch.Tensor, on_device: torch.device | torch.Tensor
                      ) -> torch.Tensor | dict[str, None] | None:
     """The attention mask of a decoder pass over whole right-padded rows, ``mask`` [B, L] on the CPU
-    (1 at real tokens), chosen on the host. Given a 2D mask, transformers reads it back from the
-    device to see whether it has padding, and without one it reads the position ids back to look for
-    packed sequences: either makes the host wait for the GPU. For `HOST_MASK_MODELS` under SDPA on
-    full-attention layers: without padding, no mask for the full-attention layers (SDPA's causal
-    attention, which transformers would choose), handed over per layer type so that it is taken as
-    it is; with padding, the [B, 1, L, L] boolean mask transformers would build (a key is seen from
-    its own position on, unless it is padding). Otherwise the 2D mask on the device (``on_device``:
-    the mask there already, or the device to copy it to), or None without padding."""
+    (1 at real tokens), chosen on the host. The rows are right-padded, so under causal attention no
+    real token sees a pad (every pad of a row comes after its real tokens), and what the pads' own
+    positions compute nothing reads: their log-probs are masked, and the gradient they pass back is
+    exactly zero. For `HOST_MASK_MODELS` under SDPA on full-attention layers the pass therefore takes
+    no mask, with or without padding: SDPA's causal attention, which on a GPU can run its flash kernel
+    and its grouped-query path, where a [B, 1, L, L] padding mask sends it to a masked kernel and has
+    transformers repeat the key/value heads. It is handed over per layer type, so that transformers
+    takes it as it is: given none, it reads the position ids back from the device to look for packed
+    sequences, and given a 2D mask, the mask, to see whether it has padding; either makes the host
+    wait for the GPU. Otherwise the 2D mask on the device (``on_device``: the mask there already, or
+    the device to copy it to), or None without padding."""
+    pad_before_real = (mask[:, 1:] > mask[:, :-1]).any(1)  # [B]
+    if bool(pad_before_real.any()):
+        rows = torch.nonzero(pad_before_real).flatten().tolist()
+        raise ValueError(f"the attention mask has a pad before a real token in rows {rows[:10]}; moplex's passes "
+                         "take right-padded rows (moplex_core.lm.tokenize.pad_batch)")
     config = causal_lm_parts(model)[0].config
-    built_here = (config.model_type in HOST_MASK_MODELS and config._attn_implementation == "sdpa"
-                  and prefix_is_exact(model))
+    if config.model_type in HOST_MASK_MODELS and config._attn_implementation == "sdpa" and prefix_is_exact(model):
+        return {"full_attention": None}
     if bool(mask.all()):
-        return {"full_attention": None} if built_here else None
-    if isinstance(on_device, torch.device):
-        on_device = to_device(mask, on_device)
-    if not built_here:
-        return on_device
-    causal = torch.ones(mask.shape[1], mask.shape[1], dtype=torch.bool, device=on_device.device).tril()  # [L, L]
-    return causal[None, None] & on_device.bool()[:, None, None, :]  # [B, 1, L, L]: key <= query, key not padding
+        return None
+    return to_device(mask, on_device) if isinstance(on_device, torch.device) else on_device
 
 
 def _response_hidden(
