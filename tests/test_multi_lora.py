@@ -238,8 +238,9 @@ def test_fused_lora_linear_backward_passes_gradcheck(per_row, dropout):
         return torch.randn(*shape, generator=generator, dtype=torch.float64).requires_grad_(grad)
 
     rows, length, d_in, d_out, r = 3, 4, 5, 6, 2
-    x, weight, bias = draw(rows, length, d_in), draw(d_out, d_in, grad=False), draw(d_out, grad=False)
-    lora_input = draw(rows, length, d_in) if dropout else None
+    shape = (rows, length, d_in) if per_row else (rows * length, d_in)  # one adapter: all positions as one matrix
+    x, weight, bias = draw(*shape), draw(d_out, d_in, grad=False), draw(d_out, grad=False)
+    lora_input = draw(*shape) if dropout else None
     a, b = (draw(rows, d_in, r), draw(rows, r, d_out)) if per_row else (draw(d_in, r), draw(r, d_out))
     assert torch.autograd.gradcheck(lambda x, lora_input, a, b: _LoRALinear.apply(x, lora_input, weight, bias, a, b, 0.7),
                                     (x, lora_input, a, b))

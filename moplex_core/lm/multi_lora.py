@@ -153,29 +153,33 @@ class MultiLoRALinear(nn.Module):
                 # batch's GEMM sums it.
                 a = self.lora_A[self.route.adapters].to(x.dtype)  # [B, d_in, r]
                 b = self.lora_B[self.route.adapters].to(x.dtype)  # [B, r, d_out]
-        rows = x if x.dim() == 3 else x.reshape(len(routed), -1, x.shape[-1])  # [B, L, d_in] (a decoder's already is)
+        if a.dim() == 2:  # one adapter for every row: the rows' positions as one matrix, plain GEMMs
+            rows = x.reshape(-1, x.shape[-1])  # [N, d_in]
+        else:  # [B, L, d_in] (a decoder's already is)
+            rows = x if x.dim() == 3 else x.reshape(len(routed), -1, x.shape[-1])
         lora_input = None if dropped is x else dropped.reshape(rows.shape)
         if torch.is_grad_enabled():
             out = _LoRALinear.apply(rows, lora_input, self.base.weight, self.base.bias, a, b, self.scaling)
         else:  # no graph to record: the same ops without the autograd Function's cost per call
             out = _lora_linear(rows, lora_input, self.base.weight, self.base.bias, a, b, self.scaling)[0]
-        return out if x.dim() == 3 else out.view(*x.shape[:-1], out.shape[-1])  # [B, L, d_out] -> x's shape
+        return out if rows is x else out.view(*x.shape[:-1], out.shape[-1])  # [N or B, (L,) d_out] -> x's shape
 
 
 class _LoRALinear(torch.autograd.Function):
-    """out = x W^T + bias + s (x' A) B over rows x [B, L, d_in], with x' the LoRA input (x itself, or
-    x after dropout) and one adapter (A [d_in, r], B [r, d_out]) or one per row (A [B, d_in, r],
-    B [B, r, d_out]); W and bias are frozen.
+    """out = x W^T + bias + s (x' A) B, with x' the LoRA input (x itself, or x after dropout), over
+    the positions of all rows as one matrix x [N, d_in] with one adapter (A [d_in, r], B [r, d_out]),
+    or over rows x [B, L, d_in] with one adapter per row (A [B, d_in, r], B [B, r, d_out]); W and bias
+    are frozen.
 
     Autograd of the same ops would write the LoRA part of dL/dx, then add it to the base part: per
-    projection, three [B, L, d_in] tensors more read or written than the two here, where (when x'
-    is x) the LoRA part is accumulated into the base part by the matmul that computes it. x and
-    x A are kept for the backward only when A or B need gradients."""
+    projection, three x-sized tensors more read or written than the two here, where (when x' is x)
+    the LoRA part is accumulated into the base part by the matmul that computes it. x and x A are
+    kept for the backward only when A or B need gradients."""
 
     @staticmethod
     def forward(ctx, x, lora_input, weight, bias, a, b, scaling):
-        source = x if lora_input is None else lora_input  # [B, L, d_in]
-        out, xa = _lora_linear(x, lora_input, weight, bias, a, b, scaling)  # [B, L, d_out], [B, L, r]
+        source = x if lora_input is None else lora_input  # like x
+        out, xa = _lora_linear(x, lora_input, weight, bias, a, b, scaling)  # [..., d_out], [..., r]
         need_a, need_b = ctx.needs_input_grad[4:6]
         ctx.scaling, ctx.separate = scaling, lora_input is not None
         ctx.save_for_backward(source if need_a else None, weight, a, b, xa if need_b else None)
@@ -183,58 +187,47 @@ class _LoRALinear(torch.autograd.Function):
 
     @staticmethod
     @once_differentiable  # x A is kept without its graph: a second derivative would be wrong, so none
-    def backward(ctx, grad_out):  # [B, L, d_out]
+    def backward(ctx, grad_out):  # like out
         source, weight, a, b, xa = ctx.saved_tensors
         need_x, need_lora_input, need_weight, need_bias, need_a, need_b, _ = ctx.needs_input_grad
         if need_weight or need_bias:
             raise RuntimeError("MultiLoRA freezes the base model's weights; they get no gradient (requires_grad_"
                                "(False) on them, or train them outside MultiLoRA)")
         scaling = ctx.scaling
-        grad_xa = _product(grad_out, b.mT)  # [B, L, r], without the scaling
+        grad_xa = _product(grad_out, b.mT)  # like xa, without the scaling
         grad_x = grad_lora_input = grad_a = grad_b = None
         if need_x:
-            grad_x = torch.matmul(grad_out, weight)  # [B, L, d_in]
+            grad_x = torch.matmul(grad_out, weight)  # like x
             if not ctx.separate:
                 grad_x = _add_product(grad_x, grad_xa, a.mT, scaling)
         if need_lora_input:
-            grad_lora_input = _product(grad_xa, a.mT).mul_(scaling)  # [B, L, d_in]
+            grad_lora_input = _product(grad_xa, a.mT).mul_(scaling)  # like x
         if need_a:
-            grad_a = _weight_grad(source, grad_xa, a.dim()).mul_(scaling)  # like a
+            grad_a = _product(source.mT, grad_xa).mul_(scaling)  # like a: summed over the positions (of each row)
         if need_b:
-            grad_b = _weight_grad(xa, grad_out, b.dim()).mul_(scaling)  # like b
+            grad_b = _product(xa.mT, grad_out).mul_(scaling)  # like b
         return grad_x, grad_lora_input, None, None, grad_a, grad_b, None
 
 
 def _lora_linear(x: torch.Tensor, lora_input: torch.Tensor | None, weight: torch.Tensor, bias: torch.Tensor | None,
                  a: torch.Tensor, b: torch.Tensor, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(x W^T + bias + s (x' A) B [B, L, d_out], x' A [B, L, r]) for x [B, L, d_in], x' = ``lora_input``
-    or x, and one adapter (A [d_in, r], B [r, d_out]) or one per row ([B, d_in, r], [B, r, d_out])."""
-    xa = _product(x if lora_input is None else lora_input, a)  # [B, L, r]
+    """(x W^T + bias + s (x' A) B, x' A) for x' = ``lora_input`` or x, and x [N, d_in] with one
+    adapter (A [d_in, r], B [r, d_out]) or x [B, L, d_in] with one per row ([B, d_in, r], [B, r, d_out])."""
+    xa = _product(x if lora_input is None else lora_input, a)  # [N, r] or [B, L, r]
     return _add_product(F.linear(x, weight, bias), xa, b, scaling), xa
 
 
 def _product(left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
-    """left @ right [B, L, j] for left [B, L, i] and right [i, j] (one matrix for every row) or
-    [B, i, j] (one per row). The latter is a ``bmm`` called directly: ``torch.matmul`` would reach the
-    same kernel through broadcasting's expands and reshapes, host work on every layer of a pass."""
-    return torch.bmm(left, right) if right.dim() == 3 else torch.matmul(left, right)
+    """left @ right for 2D left [n, i] and right [i, j] (``mm``) or 3D [B, n, i] and [B, i, j] (``bmm``):
+    the kernel called directly, where ``torch.matmul`` would reach it through reshapes and views, host
+    work on every layer of a pass."""
+    return torch.bmm(left, right) if right.dim() == 3 else torch.mm(left, right)
 
 
 def _add_product(into: torch.Tensor, left: torch.Tensor, right: torch.Tensor, alpha: float) -> torch.Tensor:
-    """``into += alpha * left @ right`` in place and returned: into [B, L, j], left [B, L, i], right
-    [i, j] (one matrix for every row) or [B, i, j] (one per row)."""
-    if right.dim() == 3:
-        return into.baddbmm_(left, right, alpha=alpha)
-    into.view(-1, into.shape[-1]).addmm_(left.reshape(-1, left.shape[-1]), right, alpha=alpha)
-    return into
-
-
-def _weight_grad(left: torch.Tensor, grad: torch.Tensor, dims: int) -> torch.Tensor:
-    """left^T grad summed over the rows and positions ([i, j], one matrix for every row; dims = 2)
-    or over the positions of each row ([B, i, j]; dims = 3), for left [B, L, i], grad [B, L, j]."""
-    if dims == 3:
-        return torch.bmm(left.mT, grad)
-    return left.reshape(-1, left.shape[-1]).T @ grad.reshape(-1, grad.shape[-1])
+    """``into += alpha * left @ right`` in place and returned, 2D ([n, j] += [n, i] @ [i, j]) or 3D
+    ([B, n, j] += [B, n, i] @ [B, i, j])."""
+    return into.baddbmm_(left, right, alpha=alpha) if right.dim() == 3 else into.addmm_(left, right, alpha=alpha)
 
 
 class MultiLoRA:
