@@ -6,10 +6,12 @@ A pass whose kernels are small keeps its GPU waiting on the host, which dispatch
 another (the H200 profile in docs/em_gpu_h200.json: the mixed E-step pass of 12 rows kept the card
 busy 225 of its 317 ms). The host's share does not depend on the card, so it is measured here, on
 the CPU, on a Qwen3 with Qwen3-0.6B's depth and LoRA layout (``--layers`` decoder layers, k LoRA
-adapters of rank 16 on all 7 projections) but the tests' tiny width (hidden 64, rows of 12 prompt +
-16 response tokens, float32, one thread), where every kernel costs next to nothing: the time per
-pass is then the host's, and the ops dispatched are the work it does (each a Python-to-C++ call and
-a dispatcher walk; on a GPU each computing op is also a kernel launch).
+adapters of rank 16 on all 7 projections) but a width of 16 (2 heads, one key/value head) and rows
+of 4 prompt + 4 response tokens, float32, one thread, where the kernels' arithmetic costs little
+(the plain pass takes about 25 ms at 2 rows and 32 at 12). The ops dispatched are the host's work
+(each a Python-to-C++ call and a dispatcher walk); those that compute, the views left out, are about
+the kernels a GPU would launch. The host time is indicative only: this CPU runs a batched matmul
+(the mixed passes' ``bmm``) as one small GEMM per row, where a GPU launches one kernel.
 
 Rows, over ``--rows`` rows routed to adapter b mod k (the benchmarks/em_gpu.py passes):
 - the plain base model's forward + input gradient (no adapters);
@@ -19,8 +21,8 @@ Rows, over ``--rows`` rows routed to adapter b mod k (the benchmarks/em_gpu.py p
 - one M-step minibatch through `LoRAPolicyScorer.fit` (the pass, the PL likelihood, the backward
   and the optimizer step): one (example, cluster) pair of a = 2 rows, and k pairs of 2 rows.
 
-Prints one markdown table: ops dispatched (forward and backward, counted by a TorchDispatchMode)
-and the median host time of ``--repeats`` passes after two warm-ups.
+Prints one markdown table: ops dispatched (forward and backward, counted by a TorchDispatchMode),
+those that compute, and the median host time of ``--repeats`` passes after two warm-ups.
 """
 
 from __future__ import annotations
@@ -44,19 +46,22 @@ from moplex_core.scorers.lora_policy import LoRAPolicyScorer
 
 
 class _OpCount(TorchDispatchMode):
-    """Counts the aten ops dispatched inside it."""
+    """Counts the aten ops dispatched inside it, and those of them that compute: not views (a view,
+    ``_unsafe_view`` included, makes a tensor header and launches nothing), so about the kernels a
+    GPU would launch."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.ops = 0
+        self.ops = self.computing = 0
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         self.ops += 1
+        self.computing += not (func.is_view or func is torch.ops.aten._unsafe_view.default)
         return func(*args, **(kwargs or {}))
 
 
-def measure(run: Callable[[], Any], repeats: int) -> tuple[int, float]:
-    """(aten ops one ``run`` dispatches, its median host time in ms)."""
+def measure(run: Callable[[], Any], repeats: int) -> tuple[int, int, float]:
+    """(aten ops one ``run`` dispatches, those that compute, its median host time in ms)."""
     for _ in range(2):
         run()
     times = []
@@ -66,7 +71,7 @@ def measure(run: Callable[[], Any], repeats: int) -> tuple[int, float]:
         times.append(time.perf_counter() - start)
     with _OpCount() as count:
         run()
-    return count.ops, 1000 * statistics.median(times)
+    return count.ops, count.computing, 1000 * statistics.median(times)
 
 
 def main() -> None:
@@ -77,10 +82,11 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=7)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    sizes = replace(em_gpu.TINY, k=args.k, batch_rows=(args.rows,))
-    rows: list[tuple[str, int, float]] = []
+    sizes = replace(em_gpu.TINY, k=args.k, batch_rows=(args.rows,), prompt_tokens=4, response_tokens=4)
+    rows: list[tuple[str, int, int, float]] = []
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = build_tiny_model(Path(tmp) / "model", [em_gpu.TOKENIZER_TEXTS], layers=args.layers, seed=0)
+        model_dir = build_tiny_model(Path(tmp) / "model", [em_gpu.TOKENIZER_TEXTS], layers=args.layers, hidden_size=16,
+                                     heads=2, kv_heads=1, seed=0)
         batch = em_gpu._batches(model_dir, sizes)[args.rows]
         plain = em_gpu._frozen_model(model_dir, sizes)
         rows.append(("plain base model, fwd + input grad", *measure(lambda: em_gpu._input_grad_pass(plain, batch),
@@ -115,11 +121,11 @@ def main() -> None:
                                (f"M-step minibatch (fit): {args.k} pairs of {args.k} clusters, a = 2", every)):
             rows.append((label, *measure(lambda w=weights: scorer.fit(inputs, rankings, w, 1), args.repeats)))
     print(f"## Host work per pass ({platform.processor() or platform.machine()}, torch {torch.__version__}, "
-          f"1 thread; Qwen3 of {args.layers} layers, hidden 64, k = {args.k}, LoRA r = 16 on 7 projections, "
-          f"{args.rows} rows of 12 + 16 tokens)\n")
-    print("| pass | aten ops | host ms |\n|---|---|---|")
-    for label, ops, ms in rows:
-        print(f"| {label} | {ops:,} | {ms:.1f} |")
+          f"1 thread; Qwen3 of {args.layers} layers, hidden 16, k = {args.k}, LoRA r = 16 on 7 projections, "
+          f"{args.rows} rows of 4 + 4 tokens)\n")
+    print("| pass | aten ops | of which compute | host ms |\n|---|---|---|---|")
+    for label, ops, computing, ms in rows:
+        print(f"| {label} | {ops:,} | {computing:,} | {ms:.1f} |")
 
 
 if __name__ == "__main__":
