@@ -100,7 +100,8 @@ import tempfile
 import time
 import traceback
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 from pathlib import Path
@@ -116,6 +117,7 @@ from torch.profiler import ProfilerActivity
 from transformers import AutoConfig
 
 from moplex_core.estimate import AnchorPass, anchor_pass
+from moplex_core.lm import logprobs
 from moplex_core.lm.loading import dtype_name, load_model
 from moplex_core.lm.multi_lora import LoRASettings, MultiLoRA
 from moplex_core.lm.tiny import build_qwen3_0_6b_shape, build_tiny_model
@@ -129,6 +131,8 @@ BETA = 0.1
 PAD_ID = 0  # the rows of one benchmark batch have equal lengths: no padding is ever written
 
 PLAIN = "plain base model, fwd + grad w.r.t. inputs_embeds"
+PLAIN_PADDED = "plain base model, right-padded rows (responses half to full length), no mask (moplex)"
+PLAIN_PADDED_MASKED = "plain base model, the same padded rows, transformers' padding mask (moplex until 2026-11-24)"
 MULTI_E = "multi-LoRA, k adapters mixed, fwd + grad w.r.t. inputs_embeds (E-step)"
 MULTI_M = "multi-LoRA, k adapters mixed, fwd + backward into LoRA weights (M-step)"
 MULTI_E_PROMPT_PASS = "multi-LoRA, k adapters mixed, E-step through the prompt pass (each row its own prompt)"
@@ -404,8 +408,9 @@ def _em_iteration(model_dir: Path, sizes: Sizes, inputs: PolicyInputs, anchors: 
 
 
 def anchor_pass_throughput(model_dir: Path, sizes: Sizes) -> dict[str, Any]:
-    """A row per pass (PLAIN, MULTI_E, MULTI_M, PEFT_ONE, PEFT_MIXED, and PEFT_ONE_MODEL_DTYPE in bf16)
-    and B, one model on the device at a time, and the attention implementation the model loaded with."""
+    """A row per pass (PLAIN, PLAIN_PADDED, PLAIN_PADDED_MASKED, MULTI_E, MULTI_M, PEFT_ONE, PEFT_MIXED,
+    and PEFT_ONE_MODEL_DTYPE in bf16) and B, one model on the device at a time, and the attention
+    implementation the model loaded with."""
     batches = _batches(model_dir, sizes)
     attention, rows = _plain_rows(model_dir, sizes, batches)
     _free(sizes)
@@ -509,10 +514,40 @@ def _perturb_lora_b(params: dict[str, nn.Parameter], std: float = 1e-3) -> None:
 
 
 def _plain_rows(model_dir: Path, sizes: Sizes, batches: dict[int, list[TokenizedResponse]]) -> tuple[str, list[dict[str, Any]]]:
-    """(the attention implementation the model loaded with, its rows)."""
+    """(the attention implementation the model loaded with, its rows): PLAIN, and PLAIN_PADDED against
+    PLAIN_PADDED_MASKED, where the pipeline's padded passes differ (tokens/s counts the padded width)."""
     model = _frozen_model(model_dir, sizes)
     rows = _measure(PLAIN, lambda batch: _input_grad_pass(model, batch), batches, sizes)
+    padded = _padded_batches(batches, sizes)
+    rows += _measure(PLAIN_PADDED, lambda batch: _input_grad_pass(model, batch), padded, sizes)
+    with _transformers_padding_mask():
+        rows += _measure(PLAIN_PADDED_MASKED, lambda batch: _input_grad_pass(model, batch), padded, sizes)
     return model.config._attn_implementation, rows
+
+
+def _padded_batches(batches: dict[int, list[TokenizedResponse]], sizes: Sizes) -> dict[int, list[TokenizedResponse]]:
+    """The rows of ``batches`` with their responses cut to a random length between half and all of
+    theirs (EOS kept), seeded; the first row keeps its length, so a batch keeps its width."""
+    generator = torch.Generator().manual_seed(1)
+    padded = {}
+    for b, batch in batches.items():
+        keep = torch.randint(sizes.response_tokens // 2, sizes.response_tokens + 1, (b,), generator=generator).tolist()
+        keep[0] = sizes.response_tokens
+        padded[b] = [TokenizedResponse(row.input_ids[: row.response_start + n - 1] + row.input_ids[-1:],
+                                       row.response_start) for row, n in zip(batch, keep, strict=True)]
+    return padded
+
+
+@contextmanager
+def _transformers_padding_mask() -> Iterator[None]:
+    """Whole-row passes inside hand transformers the 2D mask (it builds its own [B, 1, L, L] mask for a
+    padded batch, as moplex did before it ran padded rows unmasked: `logprobs._whole_rows_mask`)."""
+    saved = logprobs.HOST_MASK_MODELS
+    logprobs.HOST_MASK_MODELS = ()
+    try:
+        yield
+    finally:
+        logprobs.HOST_MASK_MODELS = saved
 
 
 def _lora_model(model_dir: Path, sizes: Sizes) -> tuple[nn.Module, MultiLoRA]:
@@ -668,7 +703,9 @@ def lora_agreement(model_dir: Path, sizes: Sizes, batch: list[TokenizedResponse]
     Also the base model's own gaps, which every delta = log pi_c - log pi_ref starts from when the
     cache's log pi_ref was computed otherwise (the train stage's `reference_gap`): the same rows in
     one pass against one row at a time ("batch shape", run dtype), and the run dtype against the
-    wide one (a cache of the other dtype)."""
+    wide one (a cache of the other dtype); and the base model's log-probs of the same rows with their
+    responses cut to different lengths, run without a mask (as moplex runs padded rows) against
+    transformers' padding mask (as it ran them until 2026-11-24; run dtype, another attention kernel)."""
     from peft import PeftModel
 
     wide = torch.float64 if sizes.dtype == torch.float32 else torch.float32
@@ -687,6 +724,10 @@ def lora_agreement(model_dir: Path, sizes: Sizes, batch: list[TokenizedResponse]
             ours = logp(model)
         base_batched = logp(model)  # outside a route: the base model
         base_alone = torch.cat([logp(model, [row]) for row in batch])
+        padded = _padded_batches({len(batch): batch}, sizes)[len(batch)]
+        unmasked = logp(model, padded)
+        with _transformers_padding_mask():
+            masked = logp(model, padded)
         del model, lora
         _free(sizes)
         peft_model = PeftModel.from_pretrained(_frozen_model(model_dir, sizes), str(Path(tmp) / names[0]),
@@ -715,7 +756,8 @@ def lora_agreement(model_dir: Path, sizes: Sizes, batch: list[TokenizedResponse]
             "peft_vs_wide": float((theirs - reference).abs().max()),
             "adapter_effect": float((reference - base).abs().max()),
             "base_batch_shape": float((base_batched - base_alone).abs().max()),
-            "base_vs_wide": float((base_batched - base).abs().max())}
+            "base_vs_wide": float((base_batched - base).abs().max()),
+            "padding_mask": float((unmasked - masked).abs().max())}
 
 
 def host_waits(model_dir: Path, sizes: Sizes, batch: list[TokenizedResponse]) -> dict[str, list[str]] | None:
@@ -866,12 +908,14 @@ def print_report(results: dict[str, Any]) -> None:
               f"at a time) in {check['dtype']} and MultiLoRA in {check['wide_dtype']}; max |difference| of "
               f"log pi(y|x), nats (mean |log pi| {check['mean_abs_logp']:.1f})\n")
         print("| ours vs PEFT | ours vs wide | PEFT vs wide | adapter effect | base: batched vs alone | "
-              "base vs wide |")
-        print("|---|---|---|---|---|---|")
+              "base vs wide | base, padded rows: no mask vs padding mask |")
+        print("|---|---|---|---|---|---|---|")
         print(f"| {check['ours_vs_peft']:.3g} | {check['ours_vs_wide']:.3g} | {check['peft_vs_wide']:.3g} | "
-              f"{check['adapter_effect']:.3g} | {check['base_batch_shape']:.3g} | {check['base_vs_wide']:.3g} |\n")
-        print("The last two are the base model's gaps every delta starts from when the cache computed log "
-              "pi_ref in another pass shape or dtype (the train stage's reference_gap).\n")
+              f"{check['adapter_effect']:.3g} | {check['base_batch_shape']:.3g} | {check['base_vs_wide']:.3g} | "
+              f"{_fmt(check.get('padding_mask'), '.3g', False)} |\n")
+        print("Base model's batched-vs-alone and dtype gaps: what every delta starts from when the cache computed "
+              "log pi_ref in another pass shape or dtype (the train stage's reference_gap). Padded rows: moplex's "
+              "unmasked pass against transformers' padding mask, the same rows.\n")
         if check.get("host_waits"):
             print("Where a pass makes the host wait for the GPU (torch.cuda.set_sync_debug_mode):\n")
             print("| pass | waits |\n|---|---|")

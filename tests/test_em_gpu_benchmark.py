@@ -22,7 +22,9 @@ NEVER_IMPORTED = ("pydantic", "prefect", "datasets", "vllm")  # absent on the GP
 ABSENT_ON_GPU = (*NEVER_IMPORTED, "scipy", "sklearn")
 TINY_M_PRIMES = (4, 6)
 TINY_METHODS = (("full", "shared"), ("a=2", "shared"), ("full", "per row"), ("a=2", "per row"))
-THROUGHPUT_PASSES = ("plain base model", "multi-LoRA, k adapters mixed, fwd + grad",
+THROUGHPUT_PASSES = ("plain base model, fwd", "plain base model, right-padded rows",
+                     "plain base model, the same padded rows, transformers' padding mask",
+                     "multi-LoRA, k adapters mixed, fwd + grad",
                      "multi-LoRA, k adapters mixed, fwd + backward into LoRA weights", "PEFT, 1 active adapter",
                      "PEFT mixed adapter_names")
 
@@ -84,7 +86,7 @@ def test_mixed_multi_lora_pass_agrees_with_peft(tiny_run: tuple[Path, str]) -> N
     check = json.loads((out / "em_gpu.json").read_text())["check"]
     assert check["dtype"] == "float32" and check["wide_dtype"] == "float64"
     assert check["adapter_effect"] > 1e-2  # the adapters change log pi, so agreement means something
-    for key in ("ours_vs_peft", "ours_vs_wide", "peft_vs_wide", "base_batch_shape", "base_vs_wide"):
+    for key in ("ours_vs_peft", "ours_vs_wide", "peft_vs_wide", "base_batch_shape", "base_vs_wide", "padding_mask"):
         assert check[key] < 1e-3 * check["adapter_effect"] + 1e-4, (key, check)
     assert len(_table(stdout, "| ours vs PEFT |")) == 1
 
