@@ -114,7 +114,7 @@ from peft import LoraConfig, get_peft_model
 from torch import nn
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity
-from transformers import AutoConfig
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from moplex_core.estimate import AnchorPass, anchor_pass
 from moplex_core.lm import logprobs
@@ -705,7 +705,9 @@ def lora_agreement(model_dir: Path, sizes: Sizes, batch: list[TokenizedResponse]
     one pass against one row at a time ("batch shape", run dtype), and the run dtype against the
     wide one (a cache of the other dtype); and the base model's log-probs of the same rows with their
     responses cut to different lengths, run without a mask (as moplex runs padded rows) against
-    transformers' padding mask (as it ran them until 2026-11-24; run dtype, another attention kernel)."""
+    transformers' padding mask (as it ran them until 2026-11-24; run dtype, another attention kernel);
+    and the E-step's log-probs and input gradients of the base model with moplex's lean RMSNorm and
+    MLP (load_model's) against transformers' own modules (0 where they agree to the bit)."""
     from peft import PeftModel
 
     wide = torch.float64 if sizes.dtype == torch.float32 else torch.float32
@@ -728,7 +730,14 @@ def lora_agreement(model_dir: Path, sizes: Sizes, batch: list[TokenizedResponse]
         unmasked = logp(model, padded)
         with _transformers_padding_mask():
             masked = logp(model, padded)
+        lean = anchor_pass(model, batch, PAD_ID, input_grads=True)
         del model, lora
+        _free(sizes)
+        stock = anchor_pass(AutoModelForCausalLM.from_pretrained(model_dir, dtype=sizes.dtype).to(sizes.device).eval()
+                            .requires_grad_(False), batch, PAD_ID, input_grads=True)
+        lean_vs_stock = max(float((lean.logp - stock.logp).abs().max()),
+                            float((lean.input_grads - stock.input_grads).abs().max()))
+        del lean, stock
         _free(sizes)
         peft_model = PeftModel.from_pretrained(_frozen_model(model_dir, sizes), str(Path(tmp) / names[0]),
                                                adapter_name=names[0]).eval()
@@ -757,7 +766,7 @@ def lora_agreement(model_dir: Path, sizes: Sizes, batch: list[TokenizedResponse]
             "adapter_effect": float((reference - base).abs().max()),
             "base_batch_shape": float((base_batched - base_alone).abs().max()),
             "base_vs_wide": float((base_batched - base).abs().max()),
-            "padding_mask": float((unmasked - masked).abs().max())}
+            "padding_mask": float((unmasked - masked).abs().max()), "lean_vs_stock": lean_vs_stock}
 
 
 def host_waits(model_dir: Path, sizes: Sizes, batch: list[TokenizedResponse]) -> dict[str, list[str]] | None:
@@ -908,11 +917,12 @@ def print_report(results: dict[str, Any]) -> None:
               f"at a time) in {check['dtype']} and MultiLoRA in {check['wide_dtype']}; max |difference| of "
               f"log pi(y|x), nats (mean |log pi| {check['mean_abs_logp']:.1f})\n")
         print("| ours vs PEFT | ours vs wide | PEFT vs wide | adapter effect | base: batched vs alone | "
-              "base vs wide | base, padded rows: no mask vs padding mask |")
-        print("|---|---|---|---|---|---|---|")
+              "base vs wide | base, padded rows: no mask vs padding mask | base, lean modules vs transformers' "
+              "(log pi and input gradients) |")
+        print("|---|---|---|---|---|---|---|---|")
         print(f"| {check['ours_vs_peft']:.3g} | {check['ours_vs_wide']:.3g} | {check['peft_vs_wide']:.3g} | "
               f"{check['adapter_effect']:.3g} | {check['base_batch_shape']:.3g} | {check['base_vs_wide']:.3g} | "
-              f"{_fmt(check.get('padding_mask'), '.3g', False)} |\n")
+              f"{_fmt(check.get('padding_mask'), '.3g', False)} | {_fmt(check.get('lean_vs_stock'), '.3g', False)} |\n")
         print("Base model's batched-vs-alone and dtype gaps: what every delta starts from when the cache computed "
               "log pi_ref in another pass shape or dtype (the train stage's reference_gap). Padded rows: moplex's "
               "unmasked pass against transformers' padding mask, the same rows.\n")

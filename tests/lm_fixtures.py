@@ -16,8 +16,8 @@ import pytest
 import torch
 from huggingface_hub import constants as hf_constants
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
-from transformers.models.qwen3 import modeling_qwen3
 
+from moplex_core.lm.lean import LeanRMSNorm
 from moplex_core.lm.tiny import build_tiny_model, build_tiny_tokenizer
 
 PRETRAIN_STEPS = 40
@@ -71,14 +71,15 @@ def tiny_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> PreTrainedTokeni
 
 @pytest.fixture
 def float64_rmsnorm(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Qwen3's RMSNorm in the input's dtype. It computes in float32 even in a float64 model, which
-    puts float32 rounding (about 1e-8 of a gradient's scale) on anything summed in another order;
-    with this, two exact computations agree to float64 rounding."""
+    """Qwen3's RMSNorm (moplex's lean one, which `load_model` puts in) in the input's dtype. It computes
+    in float32 even in a float64 model, as transformers' does, which puts float32 rounding (about 1e-8
+    of a gradient's scale) on anything summed in another order; with this, two exact computations
+    agree to float64 rounding."""
 
-    def forward(self: modeling_qwen3.Qwen3RMSNorm, hidden: torch.Tensor) -> torch.Tensor:
+    def forward(self: LeanRMSNorm, hidden: torch.Tensor) -> torch.Tensor:
         return self.weight * (hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
 
-    monkeypatch.setattr(modeling_qwen3.Qwen3RMSNorm, "forward", forward)
+    monkeypatch.setattr(LeanRMSNorm, "forward", forward)
 
 
 @pytest.fixture

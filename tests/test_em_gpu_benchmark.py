@@ -1,6 +1,6 @@
 """benchmarks/em_gpu.py stays runnable: its --tiny CPU path end to end, without the packages the GPU
 machine lacks (issue 9; DESIGN 8: no pydantic, prefect, datasets or vllm there); and so does
-benchmarks/host_ops.py, which reuses its passes."""
+benchmarks/host_ops.py, which reuses its passes, and benchmarks/activation_memory.py."""
 
 from __future__ import annotations
 
@@ -88,6 +88,7 @@ def test_mixed_multi_lora_pass_agrees_with_peft(tiny_run: tuple[Path, str]) -> N
     assert check["adapter_effect"] > 1e-2  # the adapters change log pi, so agreement means something
     for key in ("ours_vs_peft", "ours_vs_wide", "peft_vs_wide", "base_batch_shape", "base_vs_wide", "padding_mask"):
         assert check[key] < 1e-3 * check["adapter_effect"] + 1e-4, (key, check)
+    assert check["lean_vs_stock"] == 0  # moplex's lean modules give transformers' results to the bit
     assert len(_table(stdout, "| ours vs PEFT |")) == 1
 
 
@@ -254,3 +255,18 @@ def test_host_ops_prints_every_pass_with_its_ops_and_host_time() -> None:
     # the LoRA layer adds ops to the plain pass; the prompt pass adds a second decoder call
     assert rows["E-step pass, 3 adapters mixed"][0] > rows["plain base model, fwd + input grad"][0]
     assert rows["M-step pass, 3 adapters mixed, shared prompts"][0] > rows["M-step pass, 3 adapters mixed"][0]
+
+
+def test_activation_memory_prints_every_pass_with_less_kept_by_the_lean_modules() -> None:
+    """benchmarks/activation_memory.py stays runnable (1 layer, 2 rows of 8 tokens)."""
+    proc = subprocess.run([sys.executable, "benchmarks/activation_memory.py", "--layers", "1", "--rows", "2",
+                           "--tokens", "8"], cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-5000:]}"
+    rows = _table(proc.stdout, "| pass | dtype |")
+    assert [(row[0].split(":")[0].split(",")[0], row[1]) for row in rows] == [
+        (kind, dtype) for dtype in ("bfloat16", "float32") for kind in ("plain model", "E-step", "M-step")]
+    for row in rows:
+        stock, lean = float(row[2]), float(row[3])
+        assert 0 < lean < stock, row  # the MLP keeps less in every pass, the norms too in bf16
+    assert min(float(row[2]) - float(row[3]) for row in rows if row[1] == "bfloat16") > \
+        max(float(row[2]) - float(row[3]) for row in rows if row[1] == "float32")

@@ -20,6 +20,8 @@ from huggingface_hub import try_to_load_from_cache
 from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError, RevisionNotFoundError
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from moplex_core.lm.lean import make_lean
+
 # owner/name as the hub spells it; anything else that does not exist locally is a missing path.
 _HUB_NAME = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
 _TRUE = {"1", "on", "yes", "true"}
@@ -63,11 +65,14 @@ def load_model(
     dtype: torch.dtype | str = torch.float32,
     device: torch.device | str = "cpu",
 ) -> PreTrainedModel:
-    """The causal LM at ``name_or_path`` with weights in ``dtype`` on ``device``, in eval mode.
+    """The causal LM at ``name_or_path`` with weights in ``dtype`` on ``device``, in eval mode; a
+    Qwen2/Qwen3 model with its RMSNorm and MLP modules made lean (moplex_core.lm.lean: the same
+    results, fewer bytes kept for a backward).
 
     ``dtype`` is a torch dtype or its name ("bfloat16", "float32", "float64").
     """
     model = _from_pretrained(AutoModelForCausalLM, name_or_path, dtype=_as_dtype(dtype))
+    make_lean(model)
     return model.to(device).eval()
 
 

@@ -1,0 +1,113 @@
+"""The lean RMSNorm and SwiGLU MLP give transformers' own outputs and gradients to the bit, and keep
+fewer bytes for the backward."""
+
+from __future__ import annotations
+
+import contextlib
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, PreTrainedModel, Qwen2Config, Qwen3Config
+
+from moplex_core.lm.lean import LeanRMSNorm, LeanSwiGLUMLP, make_lean
+from moplex_core.lm.multi_lora import LoRASettings, MultiLoRA
+
+B, L = 3, 10
+
+
+def _model(family: str, dtype: torch.dtype) -> PreTrainedModel:
+    """A random 2-layer Qwen2 or Qwen3 (seeded), stock transformers modules."""
+    config_class, heads = (Qwen3Config, {"head_dim": 8}) if family == "qwen3" else (Qwen2Config, {})  # Qwen2: 32 / 4
+    config = config_class(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, attn_implementation="sdpa", **heads)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).to(dtype).eval()
+    with torch.no_grad():  # RMSNorm weights start at one; move them so that their gradient path counts
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(0.1 * torch.randn_like(p))
+    return model
+
+
+def _pass(model: PreTrainedModel, embeds: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Hidden states and the gradient of <weight, hidden> w.r.t. the input embeddings and every
+    parameter that takes one."""
+    embeds = embeds.detach().requires_grad_(True)
+    hidden = model.model(inputs_embeds=embeds, attention_mask={"full_attention": None}).last_hidden_state
+    params = [p for p in model.parameters() if p.requires_grad]
+    grads = torch.autograd.grad((hidden.float() * weight).sum(), [embeds, *params])
+    return (hidden.detach(), *grads)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("family", ["qwen3", "qwen2"])
+@pytest.mark.parametrize("trained", ["inputs", "norm weights", "adapters"])
+def test_lean_modules_give_transformers_outputs_and_gradients_to_the_bit(family, dtype, trained) -> None:
+    stock, lean = _model(family, dtype), _model(family, dtype)
+    replaced = make_lean(lean)
+    norms = 4 * 2 + 1 if family == "qwen3" else 2 * 2 + 1  # Qwen3 also normalises the query and key heads
+    assert replaced == norms + 2
+    assert sum(isinstance(m, LeanRMSNorm) for m in lean.modules()) == norms
+    assert sum(isinstance(m, LeanSwiGLUMLP) for m in lean.modules()) == 2
+    assert lean.state_dict().keys() == stock.state_dict().keys()
+    for model in (stock, lean):
+        model.requires_grad_(False)
+        if trained == "norm weights":
+            for name, p in model.named_parameters():
+                p.requires_grad_("norm" in name)
+        if trained == "adapters":
+            lora = MultiLoRA(model, 2, LoRASettings(r=4, alpha=8.0), seed=0)
+            with torch.no_grad():
+                for name, p in lora.named_parameters().items():
+                    p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name)), dtype=p.dtype))
+            model.lora = lora
+    generator = torch.Generator().manual_seed(1)
+    embeds = torch.randn(B, L, 32, generator=generator).to(dtype)
+    weight = torch.randn(B, L, 32, generator=generator)
+
+    def routed(model: PreTrainedModel):
+        return model.lora.route([0, 1, 0]) if trained == "adapters" else contextlib.nullcontext()
+
+    with routed(stock):
+        theirs = _pass(stock, embeds, weight)
+    with routed(lean):
+        ours = _pass(lean, embeds, weight)
+        with torch.no_grad():  # and without a graph (scoring): the same ops
+            scored = lean.model(inputs_embeds=embeds, attention_mask={"full_attention": None}).last_hidden_state
+    assert len(ours) == len(theirs) >= 2
+    for expected, got in zip(theirs, ours, strict=True):
+        assert got.dtype == expected.dtype and torch.equal(got, expected)
+    assert all(g.abs().max() > 0 for g in ours[1:])  # the compared gradients are not all zero
+    assert torch.equal(scored, ours[0])
+
+
+def _saved_bytes(model: PreTrainedModel, embeds: torch.Tensor) -> int:
+    """Bytes of the distinct tensors a forward keeps for its input-gradient backward, parameters aside."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    storages: dict[int, int] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in params:
+            storages[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        model.model(inputs_embeds=embeds.detach().requires_grad_(True),
+                    attention_mask={"full_attention": None}).last_hidden_state.sum()
+    return sum(storages.values())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_lean_modules_keep_fewer_bytes_for_the_backward(dtype) -> None:
+    stock, lean = _model("qwen3", dtype), _model("qwen3", dtype)
+    make_lean(lean)
+    for model in (stock, lean):
+        model.requires_grad_(False)
+    embeds = torch.randn(B, L, 32, generator=torch.Generator().manual_seed(1)).to(dtype)
+    size = dtype.itemsize
+    # per token: the MLP keeps SiLU(gate) no more (48 elements a layer); in bf16 the four norms of a
+    # layer keep their input in bf16, not float32 (32 + 32 + 4 x 8 + 2 x 8 elements), and the final
+    # norm too (32), at 2 bytes less each; in float32 the norms keep what autograd keeps
+    mlp = 2 * 48 * size
+    norms = (2 * (32 + 32 + 32 + 16) + 32) * (4 - size) if dtype == torch.bfloat16 else 0
+    assert _saved_bytes(stock, embeds) - _saved_bytes(lean, embeds) == B * L * (mlp + norms)
