@@ -4,6 +4,8 @@ fewer bytes for the backward."""
 from __future__ import annotations
 
 import contextlib
+import sys
+from pathlib import Path
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel, Qwen2Config, Qwen3Config
@@ -80,25 +82,12 @@ def test_lean_modules_give_transformers_outputs_and_gradients_to_the_bit(family,
     assert torch.equal(scored, ours[0])
 
 
-def _saved_bytes(model: PreTrainedModel, embeds: torch.Tensor) -> int:
-    """Bytes of the distinct tensors a forward keeps for its input-gradient backward, parameters aside."""
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    storages: dict[int, int] = {}
-
-    def pack(tensor: torch.Tensor) -> torch.Tensor:
-        storage = tensor.untyped_storage()
-        if storage.data_ptr() not in params:
-            storages[storage.data_ptr()] = storage.nbytes()
-        return tensor
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        model.model(inputs_embeds=embeds.detach().requires_grad_(True),
-                    attention_mask={"full_attention": None}).last_hidden_state.sum()
-    return sum(storages.values())
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_lean_modules_keep_fewer_bytes_for_the_backward(dtype) -> None:
+    # counted as benchmarks/activation_memory.py counts them (saved_tensors_hooks, parameters aside)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from activation_memory import saved_bytes
+
     stock, lean = _model("qwen3", dtype), _model("qwen3", dtype)
     make_lean(lean)
     for model in (stock, lean):
@@ -110,4 +99,4 @@ def test_lean_modules_keep_fewer_bytes_for_the_backward(dtype) -> None:
     # norm too (32), at 2 bytes less each; in float32 the norms keep what autograd keeps
     mlp = 2 * 48 * size
     norms = (2 * (32 + 32 + 32 + 16) + 32) * (4 - size) if dtype == torch.bfloat16 else 0
-    assert _saved_bytes(stock, embeds) - _saved_bytes(lean, embeds) == B * L * (mlp + norms)
+    assert saved_bytes(stock, embeds, True) - saved_bytes(lean, embeds, True) == B * L * (mlp + norms)
