@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import sys
 from pathlib import Path
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel, Qwen2Config, Qwen3Config
