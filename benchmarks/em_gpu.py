@@ -118,6 +118,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from moplex_core.estimate import AnchorPass, anchor_pass
 from moplex_core.lm import logprobs
+from moplex_core.lm.device import to_device
 from moplex_core.lm.loading import dtype_name, load_model
 from moplex_core.lm.multi_lora import LoRASettings, MultiLoRA
 from moplex_core.lm.tiny import build_qwen3_0_6b_shape, build_tiny_model
@@ -128,11 +129,12 @@ from moplex_core.scorers.lora_policy import LoRAPolicyScorer, PolicyInputs
 TOKENIZER_TEXTS = ("Rank these answers by the criterion you were given.", "0 1 2 3 4 5 6 7 8 9")
 LORA = LoRASettings(r=16, alpha=32.0)  # all 7 projections (LoRASettings' default targets)
 BETA = 0.1
-PAD_ID = 0  # the rows of one benchmark batch have equal lengths: no padding is ever written
+PAD_ID = 0  # rows of one batch have equal lengths but in the padded-rows passes (_padded_batches)
 
 PLAIN = "plain base model, fwd + grad w.r.t. inputs_embeds"
 PLAIN_PADDED = "plain base model, right-padded rows (responses half to full length), no mask (moplex)"
-PLAIN_PADDED_MASKED = "plain base model, the same padded rows, transformers' padding mask (moplex until 2026-11-24)"
+PLAIN_PADDED_MASKED = "plain base model, the same padded rows under a padding mask (moplex until 2026-11-24)"
+PLAIN_STOCK = "plain base model, transformers' RMSNorm and MLP (not moplex's lean ones), fwd + grad w.r.t. inputs_embeds"
 MULTI_E = "multi-LoRA, k adapters mixed, fwd + grad w.r.t. inputs_embeds (E-step)"
 MULTI_M = "multi-LoRA, k adapters mixed, fwd + backward into LoRA weights (M-step)"
 MULTI_E_PROMPT_PASS = "multi-LoRA, k adapters mixed, E-step through the prompt pass (each row its own prompt)"
@@ -408,8 +410,8 @@ def _em_iteration(model_dir: Path, sizes: Sizes, inputs: PolicyInputs, anchors: 
 
 
 def anchor_pass_throughput(model_dir: Path, sizes: Sizes) -> dict[str, Any]:
-    """A row per pass (PLAIN, PLAIN_PADDED, PLAIN_PADDED_MASKED, MULTI_E, MULTI_M, PEFT_ONE, PEFT_MIXED,
-    and PEFT_ONE_MODEL_DTYPE in bf16) and B, one model on the device at a time, and the attention
+    """A row per pass (PLAIN, PLAIN_PADDED, PLAIN_PADDED_MASKED, PLAIN_STOCK, MULTI_E, MULTI_M, PEFT_ONE,
+    PEFT_MIXED, and PEFT_ONE_MODEL_DTYPE in bf16) and B, one model on the device at a time, and the attention
     implementation the model loaded with."""
     batches = _batches(model_dir, sizes)
     attention, rows = _plain_rows(model_dir, sizes, batches)
@@ -514,15 +516,26 @@ def _perturb_lora_b(params: dict[str, nn.Parameter], std: float = 1e-3) -> None:
 
 
 def _plain_rows(model_dir: Path, sizes: Sizes, batches: dict[int, list[TokenizedResponse]]) -> tuple[str, list[dict[str, Any]]]:
-    """(the attention implementation the model loaded with, its rows): PLAIN, and PLAIN_PADDED against
-    PLAIN_PADDED_MASKED, where the pipeline's padded passes differ (tokens/s counts the padded width)."""
+    """(the attention implementation the model loaded with, its rows): PLAIN; PLAIN_PADDED against
+    PLAIN_PADDED_MASKED, where the pipeline's padded passes differ (tokens/s counts the padded width);
+    PLAIN_STOCK, what the lean RMSNorm and MLP cost or gain in time."""
     model = _frozen_model(model_dir, sizes)
     rows = _measure(PLAIN, lambda batch: _input_grad_pass(model, batch), batches, sizes)
     padded = _padded_batches(batches, sizes)
     rows += _measure(PLAIN_PADDED, lambda batch: _input_grad_pass(model, batch), padded, sizes)
-    with _transformers_padding_mask():
+    with _padding_mask():
         rows += _measure(PLAIN_PADDED_MASKED, lambda batch: _input_grad_pass(model, batch), padded, sizes)
-    return model.config._attn_implementation, rows
+    del model
+    _free(sizes)
+    stock = _stock_model(model_dir, sizes)
+    rows += _measure(PLAIN_STOCK, lambda batch: _input_grad_pass(stock, batch), batches, sizes)
+    return stock.config._attn_implementation, rows
+
+
+def _stock_model(model_dir: Path, sizes: Sizes) -> nn.Module:
+    """The frozen model with transformers' own modules (load_model swaps in moplex's lean ones)."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=sizes.dtype).to(sizes.device).eval()
+    return model.requires_grad_(False)
 
 
 def _padded_batches(batches: dict[int, list[TokenizedResponse]], sizes: Sizes) -> dict[int, list[TokenizedResponse]]:
@@ -531,7 +544,7 @@ def _padded_batches(batches: dict[int, list[TokenizedResponse]], sizes: Sizes) -
     generator = torch.Generator().manual_seed(1)
     padded = {}
     for b, batch in batches.items():
-        keep = torch.randint(sizes.response_tokens // 2, sizes.response_tokens + 1, (b,), generator=generator).tolist()
+        keep = torch.randint(max(1, sizes.response_tokens // 2), sizes.response_tokens + 1, (b,), generator=generator).tolist()
         keep[0] = sizes.response_tokens
         padded[b] = [TokenizedResponse(row.input_ids[: row.response_start + n - 1] + row.input_ids[-1:],
                                        row.response_start) for row, n in zip(batch, keep, strict=True)]
@@ -539,15 +552,25 @@ def _padded_batches(batches: dict[int, list[TokenizedResponse]], sizes: Sizes) -
 
 
 @contextmanager
-def _transformers_padding_mask() -> Iterator[None]:
-    """Whole-row passes inside hand transformers the 2D mask (it builds its own [B, 1, L, L] mask for a
-    padded batch, as moplex did before it ran padded rows unmasked: `logprobs._whole_rows_mask`)."""
-    saved = logprobs.HOST_MASK_MODELS
-    logprobs.HOST_MASK_MODELS = ()
+def _padding_mask() -> Iterator[None]:
+    """Whole-row passes inside take the padding mask moplex built until 2026-11-24 (the H200 run's
+    code): for a padded batch the [B, 1, L, L] causal-and-padding boolean mask transformers would
+    build, made on the host (no read of the device) and handed over per layer type; none without
+    padding. It stands in for `logprobs._whole_rows_mask` meanwhile."""
+
+    def host_mask(model: nn.Module, mask: torch.Tensor, on_device: torch.device | torch.Tensor) -> Any:
+        if bool(mask.all()):
+            return {"full_attention": None}
+        device = on_device if isinstance(on_device, torch.device) else on_device.device
+        causal = torch.ones(mask.shape[1], mask.shape[1], dtype=torch.bool).tril()  # [L, L]
+        return to_device(causal[None, None] & mask.bool()[:, None, None, :], device)  # [B, 1, L, L]
+
+    saved = logprobs._whole_rows_mask
+    logprobs._whole_rows_mask = host_mask
     try:
         yield
     finally:
-        logprobs.HOST_MASK_MODELS = saved
+        logprobs._whole_rows_mask = saved
 
 
 def _lora_model(model_dir: Path, sizes: Sizes) -> tuple[nn.Module, MultiLoRA]:
@@ -705,9 +728,12 @@ def lora_agreement(model_dir: Path, sizes: Sizes, batch: list[TokenizedResponse]
     one pass against one row at a time ("batch shape", run dtype), and the run dtype against the
     wide one (a cache of the other dtype); and the base model's log-probs of the same rows with their
     responses cut to different lengths, run without a mask (as moplex runs padded rows) against
-    transformers' padding mask (as it ran them until 2026-11-24; run dtype, another attention kernel);
+    the padding mask it built until 2026-11-24 (run dtype, another attention kernel), and their input
+    gradients' largest gap relative to the largest gradient;
     and the E-step's log-probs and input gradients of the base model with moplex's lean RMSNorm and
-    MLP (load_model's) against transformers' own modules (0 where they agree to the bit)."""
+    MLP (load_model's) against transformers' own modules, next to the same pass with transformers'
+    modules run twice (on a GPU attention's backward adds with atomics, so two runs need not agree
+    to the bit; 0 and 0 where everything does)."""
     from peft import PeftModel
 
     wide = torch.float64 if sizes.dtype == torch.float32 else torch.float32
@@ -727,17 +753,21 @@ def lora_agreement(model_dir: Path, sizes: Sizes, batch: list[TokenizedResponse]
         base_batched = logp(model)  # outside a route: the base model
         base_alone = torch.cat([logp(model, [row]) for row in batch])
         padded = _padded_batches({len(batch): batch}, sizes)[len(batch)]
-        unmasked = logp(model, padded)
-        with _transformers_padding_mask():
-            masked = logp(model, padded)
+        unmasked = anchor_pass(model, padded, PAD_ID, input_grads=True)
+        with _padding_mask():
+            masked = anchor_pass(model, padded, PAD_ID, input_grads=True)
+        padding_gaps = {"padding_mask": float((unmasked.logp - masked.logp).abs().max()),
+                        "padding_mask_input_grads": float((unmasked.input_grads - masked.input_grads).abs().max()
+                                                          / masked.input_grads.abs().max())}
         lean = anchor_pass(model, batch, PAD_ID, input_grads=True)
-        del model, lora
+        del model, lora, unmasked, masked
         _free(sizes)
-        stock = anchor_pass(AutoModelForCausalLM.from_pretrained(model_dir, dtype=sizes.dtype).to(sizes.device).eval()
-                            .requires_grad_(False), batch, PAD_ID, input_grads=True)
-        lean_vs_stock = max(float((lean.logp - stock.logp).abs().max()),
-                            float((lean.input_grads - stock.input_grads).abs().max()))
-        del lean, stock
+        stock_model = _stock_model(model_dir, sizes)
+        stock, again = (anchor_pass(stock_model, batch, PAD_ID, input_grads=True) for _ in range(2))
+        gaps = {name: max(float((one.logp - other.logp).abs().max()),
+                          float((one.input_grads - other.input_grads).abs().max()))
+                for name, one, other in (("lean_vs_stock", lean, stock), ("stock_vs_stock", stock, again))}
+        del lean, stock, again, stock_model
         _free(sizes)
         peft_model = PeftModel.from_pretrained(_frozen_model(model_dir, sizes), str(Path(tmp) / names[0]),
                                                adapter_name=names[0]).eval()
@@ -766,7 +796,7 @@ def lora_agreement(model_dir: Path, sizes: Sizes, batch: list[TokenizedResponse]
             "adapter_effect": float((reference - base).abs().max()),
             "base_batch_shape": float((base_batched - base_alone).abs().max()),
             "base_vs_wide": float((base_batched - base).abs().max()),
-            "padding_mask": float((unmasked - masked).abs().max()), "lean_vs_stock": lean_vs_stock}
+            **padding_gaps, **gaps}
 
 
 def host_waits(model_dir: Path, sizes: Sizes, batch: list[TokenizedResponse]) -> dict[str, list[str]] | None:
@@ -918,14 +948,18 @@ def print_report(results: dict[str, Any]) -> None:
               f"log pi(y|x), nats (mean |log pi| {check['mean_abs_logp']:.1f})\n")
         print("| ours vs PEFT | ours vs wide | PEFT vs wide | adapter effect | base: batched vs alone | "
               "base vs wide | base, padded rows: no mask vs padding mask | base, lean modules vs transformers' "
-              "(log pi and input gradients) |")
-        print("|---|---|---|---|---|---|---|---|")
+              "(log pi and input gradients) | transformers' run twice |")
+        print("|---|---|---|---|---|---|---|---|---|")
         print(f"| {check['ours_vs_peft']:.3g} | {check['ours_vs_wide']:.3g} | {check['peft_vs_wide']:.3g} | "
               f"{check['adapter_effect']:.3g} | {check['base_batch_shape']:.3g} | {check['base_vs_wide']:.3g} | "
-              f"{_fmt(check.get('padding_mask'), '.3g', False)} | {_fmt(check.get('lean_vs_stock'), '.3g', False)} |\n")
+              f"{_fmt(check.get('padding_mask'), '.3g', False)} | {_fmt(check.get('lean_vs_stock'), '.3g', False)} | "
+              f"{_fmt(check.get('stock_vs_stock'), '.3g', False)} |\n")
+        if "padding_mask_input_grads" in check:
+            print(f"Padded rows' input gradients, no mask against the padding mask: largest gap "
+                  f"{check['padding_mask_input_grads']:.3g} of the largest gradient.\n")
         print("Base model's batched-vs-alone and dtype gaps: what every delta starts from when the cache computed "
               "log pi_ref in another pass shape or dtype (the train stage's reference_gap). Padded rows: moplex's "
-              "unmasked pass against transformers' padding mask, the same rows.\n")
+              "unmasked pass against the padding mask it used before, the same rows.\n")
         if check.get("host_waits"):
             print("Where a pass makes the host wait for the GPU (torch.cuda.set_sync_debug_mode):\n")
             print("| pass | waits |\n|---|---|")

@@ -7,14 +7,15 @@ another (the H200 profile in docs/em_gpu_h200.json: the mixed E-step pass of 12 
 busy 225 of its 317 ms). The host's share does not depend on the card, so it is measured here, on
 the CPU, on a Qwen3 with Qwen3-0.6B's depth and LoRA layout (``--layers`` decoder layers, k LoRA
 adapters of rank 16 on all 7 projections) but a width of 16 (2 heads, one key/value head) and rows
-of 4 prompt + 4 response tokens, float32, one thread, where the kernels' arithmetic costs little
-(the plain pass takes about 25 ms at 2 rows and 32 at 12). The ops dispatched are the host's work
+of 4 prompt + 4 response tokens, float32 (``--dtype``), one thread, where the kernels' arithmetic
+costs little (the plain pass takes about 25 ms at 2 rows and 32 at 12). The ops dispatched are the host's work
 (each a Python-to-C++ call and a dispatcher walk); those that compute, the views left out, are about
 the kernels a GPU would launch. The host time is indicative only: this CPU runs a batched matmul
 (the mixed passes' ``bmm``) as one small GEMM per row, where a GPU launches one kernel.
 
 Rows, over ``--rows`` rows routed to adapter b mod k (the benchmarks/em_gpu.py passes):
-- the plain base model's forward + input gradient (no adapters);
+- the plain base model's forward + input gradient (no adapters), with moplex's lean RMSNorm and MLP
+  (load_model's) and with transformers' own;
 - the E-step's pass, k adapters mixed, forward + input gradient;
 - the M-step's pass, forward + backward into the adapters: k adapters mixed, one adapter, and k
   mixed with each row's prompt run in a prompt pass first (shared prompts);
@@ -80,9 +81,12 @@ def main() -> None:
     parser.add_argument("--k", type=int, default=12, help="LoRA adapters")
     parser.add_argument("--rows", type=int, default=12, help="rows per pass")
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                        help="the model's dtype (the card runs bf16, where the lean RMSNorm is an autograd Function)")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    sizes = replace(em_gpu.TINY, k=args.k, batch_rows=(args.rows,), prompt_tokens=4, response_tokens=4)
+    sizes = replace(em_gpu.TINY, k=args.k, batch_rows=(args.rows,), prompt_tokens=4, response_tokens=4,
+                    dtype=getattr(torch, args.dtype))
     rows: list[tuple[str, int, int, float]] = []
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = build_tiny_model(Path(tmp) / "model", [em_gpu.TOKENIZER_TEXTS], layers=args.layers, hidden_size=16,
@@ -92,6 +96,10 @@ def main() -> None:
         rows.append(("plain base model, fwd + input grad", *measure(lambda: em_gpu._input_grad_pass(plain, batch),
                                                                       args.repeats)))
         del plain
+        stock = em_gpu._stock_model(model_dir, sizes)
+        rows.append(("plain base model, transformers' RMSNorm and MLP (not lean), fwd + input grad",
+                     *measure(lambda: em_gpu._input_grad_pass(stock, batch), args.repeats)))
+        del stock
         model, lora = em_gpu._lora_model(model_dir, sizes)
         params = list(lora.named_parameters().values())
         with lora.requires_grad(False):
@@ -121,7 +129,7 @@ def main() -> None:
                                (f"M-step minibatch (fit): {args.k} pairs of {args.k} clusters, a = 2", every)):
             rows.append((label, *measure(lambda w=weights: scorer.fit(inputs, rankings, w, 1), args.repeats)))
     print(f"## Host work per pass ({platform.processor() or platform.machine()}, torch {torch.__version__}, "
-          f"1 thread; Qwen3 of {args.layers} layers, hidden 16, k = {args.k}, LoRA r = 16 on 7 projections, "
+          f"1 thread; {args.dtype} Qwen3 of {args.layers} layers, hidden 16, k = {args.k}, LoRA r = 16 on 7 projections, "
           f"{args.rows} rows of 4 + 4 tokens)\n")
     print("| pass | aten ops | of which compute | host ms |\n|---|---|---|---|")
     for label, ops, computing, ms in rows:

@@ -4,7 +4,6 @@ fewer bytes for the backward."""
 from __future__ import annotations
 
 import contextlib
-import sys
 from pathlib import Path
 
 import pytest
@@ -84,9 +83,9 @@ def test_lean_modules_give_transformers_outputs_and_gradients_to_the_bit(family,
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_lean_modules_keep_fewer_bytes_for_the_backward(dtype) -> None:
+def test_lean_modules_keep_fewer_bytes_for_the_backward(dtype, monkeypatch) -> None:
     # counted as benchmarks/activation_memory.py counts them (saved_tensors_hooks, parameters aside)
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
     from activation_memory import saved_bytes
 
     stock, lean = _model("qwen3", dtype), _model("qwen3", dtype)

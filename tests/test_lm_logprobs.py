@@ -204,7 +204,7 @@ def test_output_score_features_are_the_projected_lm_head_gradient_of_each_row(mo
 
 
 def _random_qwen2(vocab_size: int) -> PreTrainedModel:
-    """A tiny Qwen2 with random weights (seeded), the other family of HOST_MASK_MODELS."""
+    """A tiny Qwen2 with random weights (seeded), the other family of UNMASKED_MODELS."""
     from transformers import AutoModelForCausalLM, Qwen2Config
 
     torch.manual_seed(0)
@@ -219,10 +219,10 @@ def test_whole_rows_without_a_mask_give_transformers_own_results(model32, batch,
     # _whole_rows_mask hands the decoder no mask, padded or not (right padding: no real token sees a
     # pad): at every real token the hidden states are those transformers computes with the 2D mask, to
     # the bit, and so are the log-probs.
-    from moplex_core.lm.logprobs import HOST_MASK_MODELS, _whole_rows_mask
+    from moplex_core.lm.logprobs import UNMASKED_MODELS, _whole_rows_mask
 
     model = model32 if family == "qwen3" else _random_qwen2(model32.config.vocab_size)
-    assert model.config.model_type == family and family in HOST_MASK_MODELS
+    assert model.config.model_type == family and family in UNMASKED_MODELS
     if not padded:  # every row as long as the longest: no padding
         batch = PaddedBatch(batch.input_ids, torch.ones_like(batch.attention_mask), batch.response_mask)
     assert bool(batch.attention_mask.all()) != padded

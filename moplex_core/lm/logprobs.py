@@ -242,7 +242,7 @@ def _response_positions(response_mask: torch.Tensor, device: torch.device) -> _R
     return _ResponsePositions(*at.unbind(0))
 
 
-HOST_MASK_MODELS = ("qwen2", "qwen3")
+UNMASKED_MODELS = ("qwen2", "qwen3")
 """Model types whose decoder runs right-padded whole rows without a mask (`_whole_rows_mask`; checked
 against transformers' own results with the 2D mask in tests/test_lm_logprobs.py); other models get the
 2D mask and transformers builds theirs, reading it back from the device first."""
@@ -254,7 +254,7 @@ def _whole_rows_mask(model: PreTrainedModel | PeftModel, mask: torch.Tensor, on_
     (1 at real tokens), chosen on the host. The rows are right-padded, so under causal attention no
     real token sees a pad (every pad of a row comes after its real tokens), and what the pads' own
     positions compute nothing reads: their log-probs are masked, and the gradient they pass back is
-    exactly zero. For `HOST_MASK_MODELS` under SDPA on full-attention layers the pass therefore takes
+    exactly zero. For `UNMASKED_MODELS` under SDPA on full-attention layers the pass therefore takes
     no mask, with or without padding: SDPA's causal attention, which on a GPU can run its flash kernel
     and its grouped-query path, where a [B, 1, L, L] padding mask sends it to a masked kernel and has
     transformers repeat the key/value heads. It is handed over per layer type, so that transformers
@@ -268,7 +268,7 @@ def _whole_rows_mask(model: PreTrainedModel | PeftModel, mask: torch.Tensor, on_
         raise ValueError(f"the attention mask has a pad before a real token in rows {rows[:10]}; moplex's passes "
                          "take right-padded rows (moplex_core.lm.tokenize.pad_batch)")
     config = causal_lm_parts(model)[0].config
-    if config.model_type in HOST_MASK_MODELS and config._attn_implementation == "sdpa" and prefix_is_exact(model):
+    if config.model_type in UNMASKED_MODELS and config._attn_implementation == "sdpa" and prefix_is_exact(model):
         return {"full_attention": None}
     if bool(mask.all()):
         return None
