@@ -262,7 +262,7 @@ def test_host_ops_prints_every_pass_with_its_ops_and_host_time() -> None:
     assert rows["M-step pass, 3 adapters mixed, shared prompts"][0] > rows["M-step pass, 3 adapters mixed"][0]
 
 
-def test_activation_memory_prints_every_pass_with_less_kept_by_the_lean_modules() -> None:
+def test_activation_memory_prints_every_pass_with_less_kept_by_the_lean_modules_in_bf16() -> None:
     """benchmarks/activation_memory.py stays runnable (1 layer, 2 rows of 8 tokens)."""
     proc = subprocess.run([sys.executable, "benchmarks/activation_memory.py", "--layers", "1", "--rows", "2",
                            "--tokens", "8"], cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
@@ -270,8 +270,6 @@ def test_activation_memory_prints_every_pass_with_less_kept_by_the_lean_modules(
     rows = _table(proc.stdout, "| pass | dtype |")
     assert [(row[0].split(":")[0].split(",")[0], row[1]) for row in rows] == [
         (kind, dtype) for dtype in ("bfloat16", "float32") for kind in ("plain model", "E-step", "M-step")]
-    for row in rows:
+    for row in rows:  # less in bf16; in float32 the lean modules run autograd
         stock, lean = float(row[2]), float(row[3])
-        assert 0 < lean < stock, row  # the MLP keeps less in every pass, the norms too in bf16
-    assert min(float(row[2]) - float(row[3]) for row in rows if row[1] == "bfloat16") > \
-        max(float(row[2]) - float(row[3]) for row in rows if row[1] == "float32")
+        assert (0 < lean < stock) if row[1] == "bfloat16" else (lean == stock > 0), row

@@ -11,7 +11,13 @@ more than their backward needs:
   float16) input `LeanRMSNorm` keeps the input in its own dtype and the per-vector 1/rms, and casts
   again in the backward; on a float32 input the copy is the input itself, and it runs autograd.
 - The MLP's ``act_fn(gate_proj(x)) * up_proj(x)`` keeps the gate for the SiLU and both factors for
-  the product. `LeanSwiGLUMLP` keeps the gate and up, and recomputes SiLU(gate) in the backward.
+  the product. On bf16 (or float16) activations `LeanSwiGLUMLP` keeps the gate and up, and
+  recomputes SiLU(gate) in the backward.
+
+Both run autograd on float32 (and float64) activations: there the norm has nothing to save, and the
+MLP's saving (a sixth of a float32 pass's activations) cost the CPU's passes time, where memory is
+not what limits them (in a throwaway A/B of benchmarks/em_gpu.py --cpu, full computation's M-step
+about 10% slower). A GPU runs bf16 (`dtype: auto`).
 
 `benchmarks/activation_memory.py` counts what each pass keeps. The forward runs transformers' ops in transformers' order, and the backward runs the
 ops autograd runs for them (the same kernels, operands and order: derivatives.yaml's formulas for
@@ -116,8 +122,9 @@ class LeanSwiGLUMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_proj(x), self.up_proj(x)  # [..., intermediate] each
-        product = _SwiGLU.apply(gate, up) if torch.is_grad_enabled() else F.silu(gate) * up
-        return self.down_proj(product)
+        if torch.is_grad_enabled() and gate.dtype.itemsize < 4:
+            return self.down_proj(_SwiGLU.apply(gate, up))
+        return self.down_proj(F.silu(gate) * up)  # autograd's own graph (float32: the CPU's, see the module)
 
 
 class _SwiGLU(torch.autograd.Function):
