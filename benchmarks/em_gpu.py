@@ -134,7 +134,8 @@ PAD_ID = 0  # rows of one batch have equal lengths but in the padded-rows passes
 PLAIN = "plain base model, fwd + grad w.r.t. inputs_embeds"
 PLAIN_PADDED = "plain base model, right-padded rows (responses half to full length), no mask (moplex)"
 PLAIN_PADDED_MASKED = "plain base model, the same padded rows under a padding mask (moplex until 2026-11-24)"
-PLAIN_STOCK = "plain base model, transformers' RMSNorm and MLP (not moplex's lean ones), fwd + grad w.r.t. inputs_embeds"
+PLAIN_STOCK = ("plain base model, transformers' RMSNorm and MLP (not moplex's lean ones), fwd + grad w.r.t. "
+               "inputs_embeds")
 MULTI_E = "multi-LoRA, k adapters mixed, fwd + grad w.r.t. inputs_embeds (E-step)"
 MULTI_M = "multi-LoRA, k adapters mixed, fwd + backward into LoRA weights (M-step)"
 MULTI_E_PROMPT_PASS = "multi-LoRA, k adapters mixed, E-step through the prompt pass (each row its own prompt)"
@@ -544,7 +545,8 @@ def _padded_batches(batches: dict[int, list[TokenizedResponse]], sizes: Sizes) -
     generator = torch.Generator().manual_seed(1)
     padded = {}
     for b, batch in batches.items():
-        keep = torch.randint(max(1, sizes.response_tokens // 2), sizes.response_tokens + 1, (b,), generator=generator).tolist()
+        keep = torch.randint(max(1, sizes.response_tokens // 2), sizes.response_tokens + 1, (b,),
+                             generator=generator).tolist()
         keep[0] = sizes.response_tokens
         padded[b] = [TokenizedResponse(row.input_ids[: row.response_start + n - 1] + row.input_ids[-1:],
                                        row.response_start) for row, n in zip(batch, keep, strict=True)]

@@ -129,8 +129,8 @@ def main() -> None:
                                (f"M-step minibatch (fit): {args.k} pairs of {args.k} clusters, a = 2", every)):
             rows.append((label, *measure(lambda w=weights: scorer.fit(inputs, rankings, w, 1), args.repeats)))
     print(f"## Host work per pass ({platform.processor() or platform.machine()}, torch {torch.__version__}, "
-          f"1 thread; {args.dtype} Qwen3 of {args.layers} layers, hidden 16, k = {args.k}, LoRA r = 16 on 7 projections, "
-          f"{args.rows} rows of 4 + 4 tokens)\n")
+          f"1 thread; {args.dtype} Qwen3 of {args.layers} layers, hidden 16, k = {args.k}, LoRA r = 16 on 7 "
+          f"projections, {args.rows} rows of 4 + 4 tokens)\n")
     print("| pass | aten ops | of which compute | host ms |\n|---|---|---|---|")
     for label, ops, computing, ms in rows:
         print(f"| {label} | {ops:,} | {computing:,} | {ms:.1f} |")
