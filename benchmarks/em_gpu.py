@@ -555,20 +555,21 @@ def _padded_batches(batches: dict[int, list[TokenizedResponse]], sizes: Sizes) -
 
 @contextmanager
 def _padding_mask() -> Iterator[None]:
-    """Whole-row passes inside take the padding mask moplex built until 2026-11-24 (the H200 run's
-    code): for a padded batch the [B, 1, L, L] causal-and-padding boolean mask transformers would
-    build, made on the host (no read of the device) and handed over per layer type; none without
-    padding. It stands in for `logprobs._whole_rows_mask` meanwhile."""
+    """Whole-row passes inside take the padding mask moplex gave them until it ran padded rows
+    unmasked (2026-11-24, after the H200 run): for a padded batch, the 2D mask copied to the device
+    and the [B, 1, L, L] causal-and-padding boolean mask transformers would build made there from it
+    (no read of the device); none without padding. It stands in for `logprobs._whole_rows_mask`
+    meanwhile."""
 
-    def host_mask(model: nn.Module, mask: torch.Tensor, on_device: torch.device | torch.Tensor) -> Any:
+    def padding_mask(model: nn.Module, mask: torch.Tensor, on_device: torch.device | torch.Tensor) -> Any:
         if bool(mask.all()):
             return {"full_attention": None}
-        device = on_device if isinstance(on_device, torch.device) else on_device.device
-        causal = torch.ones(mask.shape[1], mask.shape[1], dtype=torch.bool).tril()  # [L, L]
-        return to_device(causal[None, None] & mask.bool()[:, None, None, :], device)  # [B, 1, L, L]
+        on_device = to_device(mask, on_device) if isinstance(on_device, torch.device) else on_device  # [B, L]
+        causal = torch.ones(mask.shape[1], mask.shape[1], dtype=torch.bool, device=on_device.device).tril()  # [L, L]
+        return causal[None, None] & on_device.bool()[:, None, None, :]  # [B, 1, L, L]
 
     saved = logprobs._whole_rows_mask
-    logprobs._whole_rows_mask = host_mask
+    logprobs._whole_rows_mask = padding_mask
     try:
         yield
     finally:

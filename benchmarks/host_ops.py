@@ -118,7 +118,7 @@ def main() -> None:
         inputs = em_gpu.synthetic_inputs(sizes, 4, args.k, vocab_size, eos_id)  # k examples of m' = 4
         rankings = inputs.rankings()
         scorer = LoRAPolicyScorer(model_dir, args.k, anchors=2, lora=em_gpu.LORA, batch_size=args.k,
-                                  score_batch_size=2 * args.k, seed=0)
+                                  score_batch_size=2 * args.k, seed=0, dtype=sizes.dtype)
         scorer.fit(inputs, rankings, torch.ones(args.k, args.k, dtype=torch.float64), 0)  # every adapter trained once
         scorer.score(inputs, 0)  # the offsets the timed M-steps reuse
         one = torch.zeros(args.k, args.k, dtype=torch.float64)

@@ -82,7 +82,7 @@ def test_lean_modules_give_transformers_outputs_and_gradients_to_the_bit(family,
     assert torch.equal(scored, ours[0])
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_lean_modules_keep_fewer_bytes_for_the_backward(dtype, monkeypatch) -> None:
     # counted as benchmarks/activation_memory.py counts them (saved_tensors_hooks, parameters aside)
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
@@ -93,8 +93,8 @@ def test_lean_modules_keep_fewer_bytes_for_the_backward(dtype, monkeypatch) -> N
     for model in (stock, lean):
         model.requires_grad_(False)
     embeds = torch.randn(B, L, 32, generator=torch.Generator().manual_seed(1)).to(dtype)
-    # per token, in bf16: the MLP keeps SiLU(gate) no more (48 elements a layer, 2 bytes), and the four
-    # norms of a layer keep their input in bf16, not float32 (32 + 32 + 4 x 8 + 2 x 8 elements), and the
-    # final norm too (32), at 2 bytes less each; in float32 both run autograd and keep what it keeps
-    expected = 2 * 48 * 2 + (2 * (32 + 32 + 32 + 16) + 32) * 2 if dtype == torch.bfloat16 else 0
+    # per token, in bf16 and float16: the MLP keeps SiLU(gate) no more (48 elements a layer, 2 bytes), and
+    # the four norms of a layer keep their input in half precision, not float32 (32 + 32 + 4 x 8 + 2 x 8
+    # elements), and the final norm too (32), at 2 bytes less each; in float32 both run autograd
+    expected = 2 * 48 * 2 + (2 * (32 + 32 + 32 + 16) + 32) * 2 if dtype != torch.float32 else 0
     assert saved_bytes(stock, embeds, True) - saved_bytes(lean, embeds, True) == B * L * expected

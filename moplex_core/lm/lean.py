@@ -63,7 +63,8 @@ def make_lean(model: PreTrainedModel) -> int:
 
 class LeanRMSNorm(nn.Module):
     """weight * (x / rms(x)), computed in float32 and cast back to x's dtype before the weight, as
-    transformers' Qwen2/Qwen3 RMSNorm; keeps x (its own dtype) and 1/rms for the backward."""
+    transformers' Qwen2/Qwen3 RMSNorm; on a half-precision x under autograd it keeps x (its own
+    dtype) and 1/rms for the backward, otherwise it runs transformers' ops."""
 
     def __init__(self, weight: nn.Parameter, eps: float) -> None:
         super().__init__()
@@ -114,8 +115,9 @@ class _RMSNorm(torch.autograd.Function):
 
 
 class LeanSwiGLUMLP(nn.Module):
-    """down_proj(silu(gate_proj(x)) * up_proj(x)), as transformers' Qwen2/Qwen3 MLP; keeps the gate
-    and up for the backward and recomputes the SiLU there."""
+    """down_proj(silu(gate_proj(x)) * up_proj(x)), as transformers' Qwen2/Qwen3 MLP; on half-precision
+    activations under autograd it keeps the gate and up for the backward and recomputes the SiLU
+    there, otherwise it runs transformers' ops."""
 
     def __init__(self, gate_proj: nn.Module, up_proj: nn.Module, down_proj: nn.Module) -> None:
         super().__init__()
