@@ -732,8 +732,7 @@ def lora_agreement(model_dir: Path, sizes: Sizes, batch: list[TokenizedResponse]
     wide one (a cache of the other dtype); and the base model's log-probs of the same rows with their
     responses cut to different lengths, run without a mask (as moplex runs padded rows) against
     the padding mask it built until 2026-11-24 (run dtype, another attention kernel), and their input
-    gradients' largest gap relative to the largest gradient;
-    and the E-step's log-probs and input gradients of the base model with moplex's lean RMSNorm and
+    gradients' largest gap relative to the largest gradient; and the E-step's log-probs and input gradients of the base model with moplex's lean RMSNorm and
     MLP (load_model's) against transformers' own modules, next to the same pass with transformers'
     modules run twice (on a GPU attention's backward adds with atomics, so two runs need not agree
     to the bit; 0 and 0 where everything does)."""
