@@ -7,6 +7,7 @@ import torch
 
 from moplex_core.lm import device
 from moplex_core.lm.device import HostCopies, to_device
+from lm_fixtures import MetaReadsAsZeros
 
 
 @pytest.mark.parametrize("every", [1, 2, 64])
@@ -30,3 +31,19 @@ def test_host_copies_give_every_tuple_back_in_order(monkeypatch, every):
 def test_to_device_moves_a_cpu_tensor_as_to_does():
     t = torch.arange(6).view(2, 3)
     assert torch.equal(to_device(t, "cpu"), t) and to_device(t, "meta").device.type == "meta"
+
+
+def test_host_copies_bring_back_results_made_on_the_host_beside_the_devices():
+    # The E-step's first entry is made on the host (an empty split gives empty results); the passes'
+    # on the model's device. One cat over both raised on a GPU; meta stands in for it here.
+    copies = HostCopies()
+    copies.add((torch.zeros(0, dtype=torch.float64), torch.zeros(0, 3)))
+    copies.add((torch.ones(4, dtype=torch.float64, device="meta"), torch.ones(4, 3, device="meta")))
+    copies.add((torch.ones(2, dtype=torch.float64), None))
+    with MetaReadsAsZeros():
+        back = copies.results()
+    assert [[None if t is None else (tuple(t.shape), t.dtype, t.device.type) for t in group] for group in back] == [
+        [((0,), torch.float64, "cpu"), ((0, 3), torch.float32, "cpu")],
+        [((4,), torch.float64, "cpu"), ((4, 3), torch.float32, "cpu")],
+        [((2,), torch.float64, "cpu"), None]]
+    assert torch.equal(back[2][0], torch.ones(2, dtype=torch.float64))

@@ -9,7 +9,7 @@ import json
 
 import pytest
 import torch
-from lm_fixtures import float64_rmsnorm, prompt_pass_counts, tiny_model_dir  # noqa: F401  (fixtures)
+from lm_fixtures import MetaReadsAsZeros, float64_rmsnorm, prompt_pass_counts, tiny_model_dir  # noqa: F401  (fixtures)
 from peft import PeftModel
 from stage_fixtures import write_synthetic
 
@@ -54,6 +54,26 @@ def test_adapters_start_at_the_reference_and_the_m_step_moves_every_adapter(tiny
     assert policy.exact_scores(inputs).abs().max() > 1e-3
     base = [p for name, p in policy.model.named_parameters() if ".lora_" not in name]
     assert base and all(p.grad is None and not p.requires_grad for p in base)
+
+
+@pytest.mark.parametrize("anchors, share_prompts", [(None, True), (2, True), (2, False)])
+def test_em_steps_run_with_the_model_on_another_device_than_the_host(tiny_model_dir, inputs, anchors,  # noqa: F811
+                                                                      share_prompts):
+    # The meta device stands in for a GPU (MetaReadsAsZeros): a tensor the host makes and one the
+    # model's device makes cannot meet in one op there, which the CPU alone never shows (the E-step's
+    # results once did, in one cat). Two iterations: the second M-step reuses the first E-step's offsets.
+    policy = scorer(tiny_model_dir, anchors=anchors, share_prompts=share_prompts, device="meta")
+    weights = torch.full((len(inputs), 2), 0.5, dtype=torch.float64)
+    with MetaReadsAsZeros():
+        for iteration in range(2):
+            policy.fit(inputs, inputs.rankings(), weights, iteration)
+            scores = policy.score(inputs, iteration)
+        exact = policy.exact_scores(inputs)
+        features = policy.response_features(inputs)
+    assert scores.shape == exact.shape == (len(inputs), 2, 5) and scores.device.type == "cpu"
+    assert features.shape[:2] == (len(inputs), 5)
+    pairs = 2 * len(inputs)  # (example, cluster), 4 per minibatch: each minibatch stepped both adapters
+    assert policy.optimizer.steps == [2 * -(-pairs // 4)] * 2
 
 
 def test_the_first_m_step_runs_first_epochs_and_the_later_ones_epochs(tiny_model_dir, inputs):  # noqa: F811

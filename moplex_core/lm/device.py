@@ -35,8 +35,9 @@ class HostCopies:
     """The small results of many passes, brought to the host together. Copying a pass's results to the
     CPU as it ends would make the host wait for the GPU after every pass, so that it could not queue
     the next one while the GPU runs this one. ``add`` keeps a tuple of tensors (None allowed) on the
-    device; every `PASSES_PER_COPY` tuples, and at ``results``, one copy per dtype moves them all.
-    ``results`` gives every tuple on the CPU, in the order added."""
+    device; every `PASSES_PER_COPY` tuples, and at ``results``, one copy per device and dtype moves
+    them all (tensors made on the host, an empty first entry, join those of the GPU: one ``cat`` must
+    not mix the two). ``results`` gives every tuple on the CPU, in the order added."""
 
     def __init__(self) -> None:
         self._on_device: list[tuple[torch.Tensor | None, ...]] = []
@@ -54,8 +55,8 @@ class HostCopies:
     def _move(self) -> None:
         flat = [t for group in self._on_device for t in group if t is not None]
         host: dict[int, torch.Tensor] = {}
-        for dtype in dict.fromkeys(t.dtype for t in flat):
-            same = [t for t in flat if t.dtype == dtype]
+        for where in dict.fromkeys((t.device, t.dtype) for t in flat):
+            same = [t for t in flat if (t.device, t.dtype) == where]
             moved = torch.cat([t.flatten() for t in same]).cpu().split([t.numel() for t in same])
             host.update({id(t): m.view(t.shape) for t, m in zip(same, moved, strict=True)})
         self._on_host.extend(tuple(None if t is None else host[id(t)] for t in group) for group in self._on_device)
