@@ -9,7 +9,7 @@ export PREFECT_SERVER_ANALYTICS_ENABLED := false
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: test test-fast demo study compare chaos bench clean
+.PHONY: test test-fast demo study compare chaos bench gpu-wheels clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -51,5 +51,16 @@ chaos: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python benchmarks/pl_core.py
 
+# pydantic's wheels for the lent GPU machine (Python 3.12; it has torch, transformers and peft but no
+# pydantic), at this venv's versions, into .whl/ (git-ignored), for benchmarks/pipeline_stages.py there:
+# the `run` call carries .whl and installs it first (README, section GPU efficiency).
+GPU_WHEELS := pydantic pydantic-core annotated-types typing-inspection typing-extensions
+gpu-wheels: $(STAMP)
+	rm -rf .whl
+	$(BIN)/python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+		--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl \
+		$$($(BIN)/python -c 'import importlib.metadata as m, sys; print(*(f"{n}=={m.version(n)}" for n in sys.argv[1:]))' \
+		$(GPU_WHEELS)) 2>&1 | { grep -v 'is ignored: it is neither a file nor a directory' || true; }
+
 clean:
-	rm -rf $(VENV) data/artifacts .pytest_cache
+	rm -rf $(VENV) data/artifacts .pytest_cache .whl

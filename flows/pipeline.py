@@ -34,12 +34,11 @@ from prefect.states import State
 
 from moplex_core.artifacts import ArtifactError
 from moplex_core.augment import ShortfallError
-from moplex_core.config import TINY_MODEL, PipelineConfig, pipeline_preset, with_overrides
+from moplex_core.config import PipelineConfig, pipeline_preset, with_overrides
 from moplex_core.data.sources import DatasetUnavailableError
-from moplex_core.ingest import check_rankings_fit
 from moplex_core.lm.loading import ModelUnavailableError
+from moplex_core.pipeline import run_stages
 from moplex_core.processes import popen_ending_with_this_thread
-from moplex_core.tiny_model import MODEL_DIR
 from flows.augment import augment_flow
 from flows.cache import cache_flow
 from flows.evaluate import evaluate_flow
@@ -49,6 +48,9 @@ from flows.train import train_flow
 from tasks.pipeline import fail_on_purpose, publish_run_artifacts
 
 _STAGE_NOTE = "moplex pipeline stage: "
+STAGE_FLOWS = {"ingest": ingest_flow, "model": tiny_model_flow, "augment": augment_flow, "cache": cache_flow,
+               "train": train_flow, "evaluate": evaluate_flow}
+"""The subflow of each stage `moplex_core.pipeline.run_stages` names."""
 
 # Errors a rerun of the stage repeats: bad rows, files or settings (ValueError: SchemaError,
 # RawSchemaError, pydantic's ValidationError), a bug's TypeError / LookupError, an artifact that is
@@ -88,27 +90,13 @@ def moplex_pipeline(preset: str = "synthetic-demo", overrides: list[str] | None 
     config = with_overrides(config or pipeline_preset(preset), overrides or [])
     root, run_count = config.root, flow_run.get_run_count()
 
-    def stage(name: str, stage_flow, *args) -> str:
+    def stage(name: str, *args) -> str:
         if config.fault.stage == name and run_count <= config.fault.times:
             fail_on_purpose(config.fault, name, run_count)
-        return run_stage(name, lambda: stage_flow(*args, root=root), config.stage_retries,
+        return run_stage(name, lambda: STAGE_FLOWS[name](*args, root=root), config.stage_retries,
                          config.retry_delay_seconds, get_run_logger())
 
-    dirs = {"ingest": stage("ingest", ingest_flow, config.ingest)}
-    check_rankings_fit(dirs["ingest"], k=config.train.k, splits=config.evaluate.splits,  # before any model work
-                       labelled=config.train.init == "labels")
-    augment, cache = config.augment, config.cache
-    if config.uses_tiny_model():
-        dirs["model"] = stage("model", tiny_model_flow, config.tiny_model, dirs["ingest"])
-        tiny = {"model": str(Path(dirs["model"]) / MODEL_DIR)}
-        cache = cache.model_copy(update=tiny) if cache.model == TINY_MODEL else cache
-        augment = augment.model_copy(update=tiny) if augment and augment.model == TINY_MODEL else augment
-    if augment is not None:
-        dirs["augment"] = stage("augment", augment_flow, augment, dirs["ingest"])
-    dirs["cache"] = stage("cache", cache_flow, cache, dirs.get("augment", dirs["ingest"]))
-    dirs["train"] = stage("train", train_flow, config.train, dirs["cache"])
-    dirs["evaluate"] = stage("evaluate", evaluate_flow, config.evaluate, dirs["train"], dirs["cache"])
-
+    dirs = run_stages(config, stage)
     publish_run_artifacts(dirs)
     get_run_logger().info("report: %s/report.md", dirs["evaluate"])
     return {**dirs, "report": f"{dirs['evaluate']}/report.md"}

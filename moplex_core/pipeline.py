@@ -1,0 +1,60 @@
+"""The pipeline's stages in order, whatever runs each one (DESIGN 1, 4).
+
+`run_stages` is the one place that says which stages a `PipelineConfig` runs, in which order, and
+what each reads: ingest -> (tiny model) -> augment -> cache -> train -> evaluate. The Prefect flow
+(`flows.pipeline.moplex_pipeline`) hands it a stage that runs each stage's subflow, with retries;
+`in_this_process` is the stage functions themselves, called directly (no Prefect:
+`benchmarks/pipeline_stages.py`, on a machine without it). Either way a stage whose version is
+complete is found, not rebuilt, and the artifacts are the same.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from moplex_core.artifacts import ArtifactStore
+from moplex_core.augment import run_augment
+from moplex_core.cache import run_cache
+from moplex_core.config import TINY_MODEL, PipelineConfig
+from moplex_core.evaluate import run_evaluate
+from moplex_core.ingest import check_rankings_fit, run_ingest
+from moplex_core.tiny_model import MODEL_DIR, run_tiny_model
+from moplex_core.train import run_train
+
+Stage = Callable[..., str]
+"""stage(name, the stage's config, *its input artifact folders) -> its artifact folder."""
+
+def run_stages(config: PipelineConfig, stage: Stage) -> dict[str, str]:
+    """Run every stage of ``config`` through ``stage``; returns each stage's artifact folder by name
+    (``model``, the tiny model's, and ``augment`` only where the config has them)."""
+    dirs = {"ingest": stage("ingest", config.ingest)}
+    check_rankings_fit(dirs["ingest"], k=config.train.k, splits=config.evaluate.splits,  # before any model work
+                       labelled=config.train.init == "labels")
+    augment, cache = config.augment, config.cache
+    if config.uses_tiny_model():
+        dirs["model"] = stage("model", config.tiny_model, dirs["ingest"])
+        tiny = {"model": str(Path(dirs["model"]) / MODEL_DIR)}
+        cache = cache.model_copy(update=tiny) if cache.model == TINY_MODEL else cache
+        augment = augment.model_copy(update=tiny) if augment and augment.model == TINY_MODEL else augment
+    if augment is not None:
+        dirs["augment"] = stage("augment", augment, dirs["ingest"])
+    dirs["cache"] = stage("cache", cache, dirs.get("augment", dirs["ingest"]))
+    dirs["train"] = stage("train", config.train, dirs["cache"])
+    dirs["evaluate"] = stage("evaluate", config.evaluate, dirs["train"], dirs["cache"])
+    return dirs
+
+
+def in_this_process(root: str | Path) -> Stage:
+    """A `Stage` that calls each stage's function in this process, on the artifact store at ``root``."""
+    store = ArtifactStore(root)
+    calls: dict[str, Callable[..., Any]] = {
+        "ingest": lambda config: run_ingest(config, store).path,
+        "model": lambda config, rankings: run_tiny_model(config, rankings, store).parent,  # the artifact, not model/
+        "augment": lambda config, rankings: run_augment(config, rankings, store).path,
+        "cache": lambda config, rankings: run_cache(config, rankings, store).path,
+        "train": lambda config, cache_dir: run_train(config, cache_dir, store).path,
+        "evaluate": lambda config, train_dir, cache_dir: run_evaluate(config, train_dir, cache_dir, store).path,
+    }
+    return lambda name, *args: str(calls[name](*args))
