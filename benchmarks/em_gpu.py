@@ -708,6 +708,9 @@ def _profile(run: Callable[[], Any], sizes: Sizes, trace: Path) -> dict[str, Any
                if e.key.startswith("aten::") and e.self_device_time_total > 0}
         kernels = [e for e in events if e.device_type == DeviceType.CUDA]
         busy_us, launched = sum(e.self_device_time_total for e in kernels), sum(e.count for e in kernels)
+        if not launched:
+            print(f"profile of {trace.name}: the profiler recorded no CUDA kernel (CUPTI missing?), so its busy time "
+                  "and kernel count read 0 and say nothing", file=sys.stderr, flush=True)
     else:
         ops = {e.key: (e.self_cpu_time_total, e.count) for e in events if e.key.startswith("aten::")}
         busy_us, launched = sum(us for us, _ in ops.values()), None
