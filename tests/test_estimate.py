@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from lm_fixtures import float64_rmsnorm, prompt_pass_counts, tiny_model_dir  # noqa: F401  (fixtures)
+from lm_fixtures import MetaReadsAsZeros, float64_rmsnorm, prompt_pass_counts, tiny_model_dir  # noqa: F401
 
 from moplex_core.estimate import (
     estimation_error,
@@ -210,6 +210,19 @@ def test_the_shared_reference_terms_equal_one_example_at_a_time(model64, rows_pe
         expected = contraction(alone.input_grads, torch.arange(len(sequences)), emb, lengths).float()
         torch.testing.assert_close(ref_logp, alone.logp, rtol=0, atol=1e-10)
         torch.testing.assert_close(s_ref, expected, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("contractions", [True, False])
+def test_the_cache_stages_terms_come_back_from_another_device(tiny_model_dir, contractions):  # noqa: F811
+    # The cache stage's passes with the model on meta, standing in for a GPU (MetaReadsAsZeros): its
+    # results reach the host in one copy per device and dtype, each example's in its own shape.
+    model, tokenizer = load_model(tiny_model_dir, dtype=torch.float32).to("meta"), load_tokenizer(tiny_model_dir)
+    examples = [tokenize_responses(tokenizer, prompt, RESPONSES[:m]) for prompt, m in (("Best?", 4), ("Hm?", 3))]
+    with MetaReadsAsZeros():
+        terms = reference_terms_batch(model, examples, tokenizer.pad_token_id, rows_per_pass=3,
+                                      contractions=contractions)
+    assert [(ref.shape, ref.device.type, None if s is None else s.shape) for ref, s in terms] == \
+        [((m,), "cpu", (m, m) if contractions else None) for m in (4, 3)]
 
 
 def test_rows_grouped_under_one_prompt_must_share_it(model64):
