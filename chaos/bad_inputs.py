@@ -110,11 +110,15 @@ BAD_ROWS: dict[str, tuple[dict[str, Any], tuple[str, ...], str]] = {
     "ranking index twice": (_row(ranking=[[0], [0, 1], [2]]), (), "ranking"),
     "ranking leaves a response out": (_row(ranking=[[0], [1]]), (), "ranking"),
     "ranking not integers": (_row(ranking=[["first"], [1], [2]]), (), "ranking"),
+    "ranking index not a whole number": (_row(ranking=[[0], [1.5], [2]]), (), "ranking"),
     "ranked_prefix out of range": (_row(ranked_prefix=9), (), "ranked_prefix"),
+    "ranked_prefix not a whole number": (_row(ranked_prefix=2.5), (), "ranked_prefix"),
     "cluster outside the labels": (_row(cluster="purple"), ("--set", 'labels=["red","blue"]'), "cluster"),
     "split not a split name": (_row(split="dev"), ("--set", "split.from_source=true"), "split"),
     "split missing": (_row(), ("--set", "split.from_source=true"), "split"),
     "prompt in two splits": (_row(prompt=GOOD["prompt"], split="test"), ("--set", "split.from_source=true"), "split"),
+    "prompt text in two splits under two ids": (_row(prompt=GOOD["prompt"], prompt_id="its-own-id", split="test"),
+                                                ("--set", "split.from_source=true"), "split"),
 }
 SHORT_BAD_ROWS = {"duplicate example_id", "responses not a list", "ranking index out of range",
                   "ranking leaves a response out", "cluster outside the labels", "prompt in two splits"}

@@ -32,7 +32,7 @@ from moplex_core.data.sources import (
 )
 from moplex_core.data.splits import assign_splits, split_groups
 from moplex_core.data.synthetic import SyntheticConfig, generate_synthetic
-from moplex_core.schema import RANKINGS_SCHEMA, REJECTED_SCHEMA, check_rankings, split_rejected
+from moplex_core.schema import RANKINGS_SCHEMA, REJECTED_SCHEMA, SPLITS, check_rankings, split_rejected
 
 log = logging.getLogger(__name__)
 
@@ -44,10 +44,12 @@ STAGE = "ingest"
 CODE_VERSION = "ingest-1"
 # An adapter's own changes, added to its dataset's versions only (the others keep theirs). generic-2:
 # a split column that is not kept no longer rejects rows (validation=drop kept fewer before);
-# generic-3: rows that share a prompt text share a split whatever their prompt_ids. ultrafeedback-2:
+# generic-3: rows that share a prompt text share a split whatever their prompt_ids; generic-4: an
+# index or ranked_prefix with a fraction is refused (Arrow truncated it), one prompt text in two of the
+# source's own splits is refused, and drop mode's rejected record is the source record. ultrafeedback-2:
 # ratings outside 1..5 (NaN, infinity) and annotations that are not objects are refused (they were
 # ranked). persona-2: a "key:" line with no value is a field, not part of the previous value.
-ADAPTER_VERSIONS = {"generic": "generic-3", "ultrafeedback": "ultrafeedback-2", "persona": "persona-2"}
+ADAPTER_VERSIONS = {"generic": "generic-4", "ultrafeedback": "ultrafeedback-2", "persona": "persona-2"}
 
 
 def code_version(dataset: str) -> str:
@@ -156,7 +158,7 @@ def build_rankings(config: IngestConfig, inputs: dict[str, str] | None = None) -
         rejected = None
     else:
         where = None if adapted.where is None else [raw.relative(w) for w in adapted.where]
-        table, rejected = split_rejected(adapted.rows, labels, config.split.from_source, where)
+        table, rejected = split_rejected(adapted.rows, labels, config.split.from_source, where, adapted.originals)
         unreadable = pa.Table.from_pylist([{"row": None, "example_id": None, "field": None, **r} for r in raw.rows],
                                           schema=REJECTED_SCHEMA)
         rejected = pa.concat_tables([unreadable, rejected])
@@ -165,6 +167,12 @@ def build_rankings(config: IngestConfig, inputs: dict[str, str] | None = None) -
         splits = assign_splits(groups, config.split, config.seed)
         table = table.set_column(table.schema.get_field_index("split"), "split", pa.array(splits, pa.string()))
         table = table.filter(pa.array([s is not None for s in splits])).cast(RANKINGS_SCHEMA)
+        outside = splits.count(None)  # rows of prompts that fit no split's remaining room (split.sizes)
+        if outside:
+            reached = Counter(s for s in splits if s is not None)
+            log.warning("split.sizes %s reached %s: %d ranking(s) left out, their prompts' rankings fitting no "
+                        "split's remaining room", list(config.split.sizes),
+                        ", ".join(f"{name} {reached[name]}" for name in SPLITS), outside)
     if table.num_rows == 0:
         raise ValueError(
             f"no valid rankings left for dataset {config.dataset!r} ({adapted.stats}); see the rejected "
@@ -176,6 +184,7 @@ def build_rankings(config: IngestConfig, inputs: dict[str, str] | None = None) -
         "rows_per_cluster": dict(sorted(Counter(map(str, table.column("cluster").to_pylist())).items())),
         "labels": None if labels is None else list(labels),
         "rejected_rows": 0 if rejected is None else len(set(rejected.column("row").drop_null().to_pylist())),
+        "left_out_by_split_sizes": 0 if config.split.from_source else splits.count(None),
         "unreadable_records": len(raw.rows),
     }
     return BuiltRankings(table, rejected, summary)

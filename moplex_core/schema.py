@@ -49,7 +49,7 @@ REJECTED_SCHEMA = pa.schema(
         pa.field("example_id", pa.string()),
         pa.field("field", pa.string()),
         pa.field("reason", pa.string()),
-        pa.field("record", pa.string()),  # the row as JSON, to fix and re-ingest
+        pa.field("record", pa.string()),  # the row (a generic source's record as read) as JSON, to fix and re-ingest
     ]
 )
 
@@ -118,11 +118,13 @@ def split_rejected(
     labels: Collection[str] | None = None,
     require_split: bool = True,
     where: Sequence[str] | None = None,
+    originals: Sequence[dict[str, Any]] | None = None,
 ) -> tuple[pa.Table, pa.Table]:
     """(valid rows in the canonical schema, one `REJECTED_SCHEMA` row per issue of the others).
 
-    Table-level problems (missing columns, a column of the wrong type) cannot be fixed by dropping
-    rows and still raise `SchemaError`.
+    A rejected row's ``record`` is the row as JSON, or its source record as read where ``originals``
+    gives one per row (`AdapterOutput.originals`). Table-level problems (missing columns, a column of
+    the wrong type) cannot be fixed by dropping rows and still raise `SchemaError`.
     """
     table, issues = _validate(data, labels, require_split, where)
     table_level = [i for i in issues if i.row is None]
@@ -130,7 +132,7 @@ def split_rejected(
         raise SchemaError(table_level)
     bad_rows = {i.row for i in issues}
     keep = pa.array([r not in bad_rows for r in range(table.num_rows)], pa.bool_())
-    records = _records_as_json(data, sorted(bad_rows))
+    records = _records_as_json(data if originals is None else originals, sorted(bad_rows))
     rejected = pa.Table.from_pylist(
         [
             {"row": i.row, "where": i.where, "example_id": i.example_id, "field": i.field, "reason": i.reason,
@@ -215,7 +217,7 @@ def _validate(
 
     # A value of the wrong type was nulled by _convert; do not report it a second time as missing.
     typed = {(i.row, i.field) for i in issues}
-    issues += [i for i in _row_issues(values, n, labels, require_split) if (i.row, i.field) not in typed]
+    issues += [i for i in _row_issues(values, n, labels, require_split, where) if (i.row, i.field) not in typed]
     issues = [RowIssue(i.row, values["example_id"][i.row] if i.example_id is None else i.example_id, i.field,
                        i.reason, None if where is None else where[i.row])
               for i in issues]
@@ -258,29 +260,43 @@ def _convert(values: Any, f: pa.Field) -> tuple[pa.Array, list[Any], list[RowIss
         except pa.ArrowInvalid as err:
             return values, [], [RowIssue(None, None, f.name, f"does not fit {f.type}: {err}")]
         return array, array.to_pylist(), []
-    if all(_nested_lists_ok(v, f.type) for v in values):
+    if all(_fits(v, f.type) for v in values):
         try:
-            return pa.array(values, type=f.type), values, []
+            array = pa.array(values, type=f.type)
+            return array, array.to_pylist(), []  # the converted values: 2.0 read as 2
         except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, OverflowError):
             pass
     converted, issues = [], []
     for r, v in enumerate(values):
         try:
-            if not _nested_lists_ok(v, f.type):
+            if not _fits(v, f.type):
                 raise TypeError
-            pa.array([v], type=f.type)
-            converted.append(v)
+            converted.append(pa.array([v], type=f.type).to_pylist()[0])
         except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, OverflowError):
             converted.append(None)
-            issues.append(RowIssue(r, None, f.name, f"expected {f.type}, got {type(v).__name__} {_short(v)}"))
+            issues.append(RowIssue(r, None, f.name, f"expected {f.type}, got {type(v).__name__} {_short(v)}"
+                                   + ("; indices and counts are whole numbers" if _has_fraction(v) else "")))
     return pa.array(converted, type=f.type), converted, issues
 
 
-def _nested_lists_ok(value: Any, type_: pa.DataType) -> bool:
-    """Arrow would read a string as a list of characters; a list field must hold lists."""
-    if value is None or not pa.types.is_list(type_):
+def _fits(value: Any, type_: pa.DataType) -> bool:
+    """Whether Arrow's conversion to ``type_`` keeps ``value``: it would read a string as a list of
+    characters (a list field must hold lists), and truncate 2.7 to the integer 2 (an integer field
+    takes integers, or floats that are whole: 2.0, as a pandas column with a gap writes them)."""
+    if value is None:
         return True
-    return isinstance(value, (list, tuple)) and all(_nested_lists_ok(v, type_.value_type) for v in value)
+    if pa.types.is_list(type_):
+        return isinstance(value, (list, tuple)) and all(_fits(v, type_.value_type) for v in value)
+    if pa.types.is_integer(type_):
+        return (isinstance(value, int) and not isinstance(value, bool)) or (
+            isinstance(value, float) and value.is_integer())
+    return True
+
+
+def _has_fraction(value: Any) -> bool:
+    if isinstance(value, (list, tuple)):
+        return any(_has_fraction(v) for v in value)
+    return isinstance(value, float) and not value.is_integer()
 
 
 def _compatible(actual: pa.DataType, expected: pa.DataType) -> bool:
@@ -299,11 +315,16 @@ def _compatible(actual: pa.DataType, expected: pa.DataType) -> bool:
 
 
 def _row_issues(
-    columns: dict[str, list[Any]], n: int, labels: Collection[str] | None, require_split: bool
+    columns: dict[str, list[Any]], n: int, labels: Collection[str] | None, require_split: bool,
+    where: Sequence[str] | None = None,
 ) -> list[RowIssue]:
     issues: list[RowIssue] = []
+
+    def row_at(r: int) -> str:  # another row a reason points to, with its file and line where known
+        return f"row {r}" if where is None else f"row {r} ({where[r]})"
+
     first_row_of_id: dict[str, int] = {}
-    split_of_prompt: dict[str, tuple[str, int]] = {}
+    split_of_prompt: dict[Any, tuple[str, int]] = {}  # prompt_id or ("text", prompt) -> (split, first row)
     label_set = None if labels is None else set(labels)
     for r in range(n):
         row = {name: values[r] for name, values in columns.items()}
@@ -317,7 +338,7 @@ def _row_issues(
                 bad(name, "is missing or empty")
         if eid is not None and eid.strip():
             if eid in first_row_of_id:
-                bad("example_id", f"is also the example_id of row {first_row_of_id[eid]}; ids must be unique")
+                bad("example_id", f"is also the example_id of {row_at(first_row_of_id[eid])}; ids must be unique")
             else:
                 first_row_of_id[eid] = r
         if row["prompt_messages"] is not None:
@@ -353,11 +374,15 @@ def _row_issues(
                 bad("split", "is missing")
         elif split not in SPLITS:
             bad("split", f"is {split!r}; expected one of {', '.join(SPLITS)}")
-        elif row["prompt_id"] is not None:
-            seen = split_of_prompt.setdefault(row["prompt_id"], (split, r))
-            if seen[0] != split:
-                bad("split", f"prompt_id {row['prompt_id']!r} is in {split!r} here and in {seen[0]!r} at row "
-                             f"{seen[1]}; a prompt must stay in one split")
+        else:
+            # By prompt_id and by prompt text: a source's own ids may give one text two ids.
+            for key, what in ((row["prompt_id"], f"prompt_id {row['prompt_id']!r}"),
+                              (None if row["prompt"] is None else ("text", row["prompt"]), "its prompt text")):
+                seen = None if key is None else split_of_prompt.setdefault(key, (split, r))
+                if seen is not None and seen[0] != split:
+                    bad("split", f"{what} is in {split!r} here and in {seen[0]!r} at {row_at(seen[1])}; a prompt must "
+                                 "stay in one split (the rows would be trained and tested on)")
+                    break
     return issues
 
 

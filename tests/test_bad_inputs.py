@@ -144,6 +144,22 @@ def test_bad_rows_of_a_generic_source_name_file_line_and_field(tmp_path):
             in str(err.value))
 
 
+def test_a_rejected_generic_record_is_the_line_as_read_so_its_fix_re_ingests_as_meant(tmp_path):
+    # The adapter fills in ranked_prefix from the ranking (and ids, source); from a broken ranking
+    # that default would survive its fix and make a full ranking partial.
+    path = tmp_path / "rankings.jsonl"
+    line = {"prompt": "q2", "responses": ["a", "b", "c"], "ranking": [[0], [1]]}
+    path.write_text(json.dumps({"prompt": "q1", "responses": ["a", "b"], "ranking": [[1], [0]]}) + "\n"
+                    + json.dumps(line) + "\n")
+    built = build_rankings(IngestConfig(dataset="generic", path=str(path), validation="drop"))
+    [rejected] = built.rejected.to_pylist()
+    assert rejected["field"] == "ranking" and json.loads(rejected["record"]) == line
+    fixed = tmp_path / "fixed.jsonl"
+    fixed.write_text(json.dumps({**json.loads(rejected["record"]), "ranking": [[0], [1], [2]]}) + "\n")
+    again = build_rankings(IngestConfig(dataset="generic", path=str(fixed), split={"sizes": [1, 0, 0]}))
+    assert again.table.column("ranked_prefix").to_pylist() == [3]
+
+
 def test_parquet_rows_are_named_by_file_and_row(tmp_path):
     path = tmp_path / "rankings.parquet"
     pq.write_table(pa.Table.from_pylist([GOOD, {**GOOD, "example_id": "e1", "responses": ["a", " ", "c"]}]), path)
@@ -359,3 +375,24 @@ def test_a_failed_pipeline_run_reports_the_stage_and_the_exception_not_prefects_
                                     "(column 9: Expecting ',' delimiter)")
     assert failure_cause(Failed(message="the run crashed")) == "the run crashed"
 
+
+
+def test_split_sizes_that_leave_rankings_out_say_so(tmp_path, caplog):
+    # Prompts are placed whole, each in the first split with room for all its rankings: a two-ranking
+    # prompt after a one-ranking one fits nowhere in sizes [2, 1, 1]. Left out, and counted.
+    path = tmp_path / "rankings.jsonl"
+    rows = [{**GOOD, "example_id": "a", "prompt": "one"}, {**GOOD, "example_id": "b", "prompt": "two"},
+            {**GOOD, "example_id": "c", "prompt": "two", "ranking": [[2], [1], [0]]},
+            {**GOOD, "example_id": "d", "prompt": "three"}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    left_out = []
+    for seed in range(8):  # the seed's prompt order decides whether the two-ranking prompt fits
+        with caplog.at_level(logging.WARNING, logger="moplex_core.ingest"):
+            caplog.clear()
+            built = build_rankings(IngestConfig(dataset="generic", path=str(path), split={"sizes": [2, 1, 1]},
+                                                seed=seed))
+        outside = built.summary["left_out_by_split_sizes"]
+        assert outside == len(rows) - built.table.num_rows
+        assert bool(outside) == any("split.sizes [2, 1, 1] reached" in r.message for r in caplog.records)
+        left_out.append(outside)
+    assert 0 in left_out and 2 in left_out

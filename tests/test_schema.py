@@ -71,6 +71,9 @@ BAD_ROWS = [
     ("prompt_messages", {"prompt_messages": json.dumps([{"role": "user"}])}, "must be a JSON list of"),
     ("responses", {"responses": "first"}, "expected list<item: string>, got str 'first'"),
     ("ranked_prefix", {"ranked_prefix": "2"}, "expected int32, got str '2'"),
+    ("ranked_prefix", {"ranked_prefix": 1.5}, "expected int32, got float 1.5; indices and counts are whole numbers"),
+    ("ranking", {"ranking": [[1], [0.5, 2]]}, "got list [[1], [0.5, 2]]; indices and counts are whole numbers"),
+    ("ranking", {"ranking": [[True], [0, 2]]}, "expected list<item: list<item: int32>>, got list [[True], [0, 2]]"),
 ]
 
 
@@ -97,6 +100,23 @@ def test_duplicate_example_ids_and_a_prompt_in_two_splits_name_both_rows():
     reasons = {(i.row, i.field): i.reason for i in err.value.issues}
     assert "is also the example_id of row 0" in reasons[(2, "example_id")]
     assert "'test' here and in 'train' at row 0; a prompt must stay in one split" in reasons[(2, "split")]
+
+
+def test_one_prompt_text_under_two_prompt_ids_stays_in_one_split():
+    rows = good_rows()  # one prompt text under the ids p0, p1, p2
+    rows[1] = row(example_id="e1", prompt_id="p1", split="test")
+    with pytest.raises(SchemaError) as err:
+        check_rankings(rows)
+    assert [(i.row, i.field) for i in err.value.issues] == [(1, "split")]
+    assert "its prompt text is in 'test' here and in 'train' at row 0;" in err.value.issues[0].reason
+
+
+def test_whole_floats_are_read_as_the_integers_they_are():
+    # a pandas column with a gap holds floats: 2.0 is 2, where 2.5 is refused (above)
+    rows = good_rows()
+    rows[0] = row(ranking=[[1.0], [0.0, 2.0]], ranked_prefix=2.0)
+    table = check_rankings(rows)
+    assert table.column("ranking").to_pylist()[0] == [[1], [0, 2]] and table.column("ranked_prefix")[0].as_py() == 2
 
 
 def test_missing_extra_and_mistyped_columns_are_table_errors():

@@ -21,7 +21,7 @@ COLUMNS = tuple(RANKINGS_SCHEMA.names)
 
 
 def to_rankings(records: Iterable[Record], *, source: str, keep_split: bool = False) -> AdapterOutput:
-    rows, where = [], []
+    rows, where, originals = [], [], []
     stats: Counter[str] = Counter()
     for record in records:
         stats["records"] += 1
@@ -48,5 +48,6 @@ def to_rankings(records: Iterable[Record], *, source: str, keep_split: bool = Fa
             stats["ignored_column:split"] += 1
         rows.append(row)
         where.append(record.where)
+        originals.append(data)
     stats["rankings"] = len(rows)
-    return AdapterOutput(rows, dict(stats), where)
+    return AdapterOutput(rows, dict(stats), where, originals)

@@ -332,6 +332,10 @@ class AdapterOutput:
     stats: dict[str, int]
     where: list[str] | None = None
     """Per row, where its record was read (adapters that make one row per record), for error messages."""
+    originals: list[dict[str, Any]] | None = None
+    """Per row, its source record as read, where the row is that record with defaults filled in (the
+    generic adapter): what drop mode's rejected.parquet gives back to fix and re-ingest, since a
+    default derived from a bad value (ranked_prefix from a broken ranking) would outlive the fix."""
 
 
 def most_frequent_profiles(rows: list[dict[str, Any]], top: int, stats: Counter[str]) -> list[dict[str, Any]]:
