@@ -261,12 +261,20 @@ def load_table(version_dir: str | Path, columns: list[str] | None = None) -> pa.
     names = sorted(name for name in manifest["files"] if _SHARD_RE.match(name))
     if not names:
         raise ArtifactError(f"{version_dir} holds no part-*.parquet shards; its stage writes other files only")
-    changed = [name for name in names if not (version_dir / name).is_file()
-               or (version_dir / name).stat().st_size != manifest["files"][name]["bytes"]]
+    changed = off_the_manifest(version_dir, manifest, names)
     if changed:
         raise ArtifactCorruptError(f"{version_dir}: {', '.join(changed)} missing or not the size its manifest "
                                    "records (an interrupted copy?). Delete the version directory and rerun its stage.")
     return pa.concat_tables(pq.read_table(version_dir / name, columns=columns) for name in names)
+
+
+def off_the_manifest(version_dir: str | Path, manifest: dict[str, Any], names: list[str] | None = None) -> list[str]:
+    """The files the manifest lists (or those of ``names``) that are missing or not the size it
+    records: a check without reading them (`verify` hashes every file)."""
+    version_dir = Path(version_dir)
+    return [name for name in (sorted(manifest["files"]) if names is None else names)
+            if not (version_dir / name).is_file()
+            or (version_dir / name).stat().st_size != manifest["files"][name]["bytes"]]
 
 
 def verify(version_dir: str | Path) -> None:

@@ -19,8 +19,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from moplex_core.artifacts import (MANIFEST, ArtifactStore, is_stage_folder, is_version_folder, readable_manifest,
-                                   run_changes, shard_paths)
+from moplex_core.artifacts import (MANIFEST, ArtifactStore, is_stage_folder, is_version_folder, off_the_manifest,
+                                   readable_manifest, run_changes, shard_paths)
 
 StageSection = Callable[[Path, list[Path]], list[str]]
 _STAGE_SECTIONS: dict[str, StageSection] = {}
@@ -66,9 +66,15 @@ def _version_report(version_dir: Path, rows: int) -> str:
     title = f"artifact {stage}/{manifest.get('version', version_dir.name)}"
     lines = [title, "=" * len(title), f"path:     {version_dir}"]
     shards = shard_paths(version_dir)
+    damaged = off_the_manifest(version_dir, manifest) if complete else []
+    if damaged:
+        lines.append(f"status:   DAMAGED: {', '.join(damaged)} missing or not the size {MANIFEST} records (an "
+                     "interrupted copy, an edit?); the pipeline refuses it: delete the version folder and rerun its "
+                     "stage")
     if complete:
         lines += [
-            f"status:   complete{' (resumed after an interruption)' if manifest.get('resumed') else ''}",
+            *([] if damaged else
+              [f"status:   complete{' (resumed after an interruption)' if manifest.get('resumed') else ''}"]),
             f"rows:     {_size(manifest)}",
             f"code:     {manifest.get('code_version') or '-'}",
             f"started:  {manifest.get('started')}   finished: {manifest.get('finished')}",
@@ -217,7 +223,9 @@ def _listing(directory: Path) -> str:
     lines = [f"artifacts under {directory}:"]
     for info in infos:
         if info.complete:
-            lines.append(f"  {str(info.ref):<32} complete    {_size(info.manifest, short=True):>16}  {info.manifest['finished']}")
+            status = "DAMAGED " if off_the_manifest(info.path, info.manifest) else "complete"
+            lines.append(f"  {str(info.ref):<32} {status}    {_size(info.manifest, short=True):>16}  "
+                         f"{info.manifest['finished']}")
         else:
             lines.append(f"  {str(info.ref):<32} INCOMPLETE  {len(shard_paths(info.path)):>10} shard(s) so far")
     return "\n".join(lines)

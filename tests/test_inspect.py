@@ -48,6 +48,17 @@ def test_a_parquet_file_an_incomplete_version_and_listings(rankings, tmp_path):
         inspect_path(tmp_path / "nope")
 
 
+def test_a_version_whose_files_are_not_its_manifests_is_reported_damaged(rankings, tmp_path):
+    shard = rankings.path / "part-00000.parquet"
+    shard.write_bytes(shard.read_bytes()[:-10])  # a truncated copy
+    report = inspect_path(rankings.path)
+    assert "status:   DAMAGED: part-00000.parquet missing or not the size manifest.json records" in report
+    assert "status:   complete" not in report
+    assert f"{rankings.ref}" in (line := inspect_path(tmp_path).splitlines()[1]) and "DAMAGED" in line
+    shard.unlink()
+    assert "DAMAGED: part-00000.parquet" in inspect_path(rankings.path)
+
+
 def test_a_cluster_column_of_integers_with_nulls_and_an_empty_table_are_counted_as_text(tmp_path):
     pq.write_table(pa.table({"cluster": pa.array([10, 0, None, 1, 1, 2], pa.int64()), "split": ["train"] * 6}),
                    tmp_path / "ints.parquet")
