@@ -247,6 +247,10 @@ def check_cache_model(cache_dir: str | Path) -> None:
     model, and every log pi_ref in the cache would be another model's)."""
     manifest = read_manifest(cache_dir)
     model, built_with = manifest["config"]["model"], manifest["inputs"]["model"]
+    if built_with.startswith("sha256:") and not Path(model).expanduser().is_dir():
+        raise ValueError(f"the base model the cache at {cache_dir} was built with, the folder {model}, is not there "
+                         "now (a moved or deleted artifact root? the tiny model is the root's model/ stage): put "
+                         "it back at that path, or rebuild the cache on the model where it is now")
     now = model_fingerprint(model)  # memoised per process: the plan of a cache has just computed it
     if built_with == f"hub:{model}" and now != built_with:
         log.warning("the cache at %s was planned before hub model %s was in the local Hugging Face cache, so "

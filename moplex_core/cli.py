@@ -342,7 +342,7 @@ def build_parser() -> argparse.ArgumentParser:
                          help="the rankings artifact: its folder, or stage/version under --root (e.g. ingest/3fa2)")
     augment.add_argument("--backend", choices=["hf", "vllm", "borrow"],
                          help="hf: transformers generate (default); vllm: a subprocess under vllm_python; "
-                         "borrow: responses of other prompts, no model")
+                         "borrow: responses of the other rankings of the same prompt, no model")
     augment.add_argument("--model", help="local model directory or hub name (hf, vllm)")
     augment.add_argument("--root", default="data/artifacts", help="artifact root")
     augment.add_argument(

@@ -46,7 +46,8 @@ CODE_VERSION = "ingest-1"
 # a split column that is not kept no longer rejects rows (validation=drop kept fewer before);
 # generic-3: rows that share a prompt text share a split whatever their prompt_ids; generic-4: an
 # index or ranked_prefix with a fraction is refused (Arrow truncated it), one prompt text in two of the
-# source's own splits is refused, and drop mode's rejected record is the source record. ultrafeedback-2:
+# source's own splits is refused, an empty cluster label is refused, a UTF-8 byte order mark is read,
+# and drop mode's rejected record is the source record. ultrafeedback-2:
 # ratings outside 1..5 (NaN, infinity) and annotations that are not objects are refused (they were
 # ranked). persona-2: a "key:" line with no value is a field, not part of the previous value.
 ADAPTER_VERSIONS = {"generic": "generic-4", "ultrafeedback": "ultrafeedback-2", "persona": "persona-2"}

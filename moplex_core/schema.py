@@ -366,7 +366,9 @@ def _row_issues(
         elif ranking and not 1 <= prefix <= len(ranking):
             bad("ranked_prefix", f"is {prefix}; it counts observed tiers, so 1..{len(ranking)} for this ranking")
         cluster = row["cluster"]
-        if cluster is not None and label_set is not None and cluster not in label_set:
+        if cluster is not None and not cluster.strip():
+            bad("cluster", f"is {cluster!r}; leave it out (null) for a ranking without a label")
+        elif cluster is not None and label_set is not None and cluster not in label_set:
             bad("cluster", f"{cluster!r} is not in the declared label set {sorted(label_set)}")
         split = row["split"]
         if split is None:

@@ -69,6 +69,14 @@ def test_non_utf8_jsonl_names_the_file_line_and_byte(tmp_path):
                             "e.g. `iconv -f latin1 -t utf-8 IN > OUT`")
 
 
+@pytest.mark.parametrize("name", ["x.jsonl", "x.json"])
+def test_a_utf8_byte_order_mark_is_read_as_windows_tools_write_it(tmp_path, name):
+    text = json.dumps(GOOD) if name.endswith(".jsonl") else json.dumps([GOOD])
+    path = _write(tmp_path / name, b"\xef\xbb\xbf" + text.encode() + b"\n")
+    [record] = list(iter_local_records(str(path)))
+    assert record.data == GOOD and record.unreadable is None
+
+
 def test_non_utf8_json_names_the_line_within_the_file(tmp_path):
     path = _write(tmp_path / "x.json", b'[{"a": 1},\n {"b": "\xff"}]')
     assert f"{path} is not UTF-8 text (line 2, byte 9 is b'\\xff')" in _error(path)

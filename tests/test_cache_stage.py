@@ -84,6 +84,9 @@ def test_train_refuses_a_base_model_changed_since_the_cache_was_built(tiny_model
     with pytest.raises(ValueError, match="restore that model"):
         run_train(TrainConfig(k=2, anchors=None), cache, store, progress=False)
     assert not (store.root / "train").exists()
+    model.rename(tmp_path / "moved")  # a moved root: the folder is gone, not a hub name
+    with pytest.raises(ValueError, match=f"the folder {model}, is not there now"):
+        check_cache_model(cache)
 
 
 def test_a_hub_models_cache_records_its_commit_and_refuses_another(tiny_model_dir, tmp_path, monkeypatch,  # noqa: F811

@@ -65,6 +65,7 @@ BAD_ROWS = [
     ("ranked_prefix", {"ranked_prefix": 3}, "is 3; it counts observed tiers, so 1..2"),
     ("ranked_prefix", {"ranked_prefix": 0}, "is 0"),
     ("cluster", {"cluster": "verbosity"}, "'verbosity' is not in the declared label set"),
+    ("cluster", {"cluster": " "}, "is ' '; leave it out (null) for a ranking without a label"),
     ("split", {"split": "dev"}, "is 'dev'; expected one of train, validation, test"),
     ("prompt", {"prompt": "   "}, "is missing or empty"),
     ("prompt_messages", {"prompt_messages": "not json"}, "is not valid JSON"),

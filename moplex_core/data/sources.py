@@ -11,6 +11,7 @@ are read on.
 
 from __future__ import annotations
 
+import codecs
 import gzip
 import json
 import logging
@@ -165,7 +166,7 @@ def iter_local_records(path: str | Path) -> Iterator[Record]:
         if file.name.endswith(".parquet"):
             yield from _parquet_records(file)
         elif file.name.endswith(".json"):
-            text = _utf8(file.read_bytes(), str(file), whole_file=True)
+            text = _utf8(file.read_bytes().removeprefix(codecs.BOM_UTF8), str(file), whole_file=True)
             rows = _parse_json(text, str(file), whole_file=True)
             if not isinstance(rows, list):
                 raise RawSchemaError(f"{file} must hold a JSON array of records (or use .jsonl, one per line)")
@@ -185,6 +186,8 @@ def iter_local_records(path: str | Path) -> Iterator[Record]:
                 with opener(file, "rb") as f:
                     for line_no, raw in enumerate(f, start=1):
                         where = f"{file} line {line_no}"
+                        if line_no == 1:
+                            raw = raw.removeprefix(codecs.BOM_UTF8)  # as Windows tools write UTF-8
                         try:
                             line = _utf8(raw, where, whole_file=False)
                             if not line.strip():
