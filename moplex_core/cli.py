@@ -193,7 +193,7 @@ def _assign(args: argparse.Namespace) -> int:
         print(f"\nagreement with the labels: {agreement['accuracy_best_matching']:.1%} under the best matching of "
               f"adapters to labels (fitted on these rankings), adjusted Rand index {agreement['adjusted_rand_index']:.3f}")
     else:
-        print("\n(some rankings carry no `cluster` label, so there is no table of labels by adapter)")
+        print("\n(not every ranking carries a `cluster` label, so there is no table of labels by adapter)")
     return 0
 
 
