@@ -46,8 +46,8 @@ CODE_VERSION = "ingest-1"
 # a split column that is not kept no longer rejects rows (validation=drop kept fewer before);
 # generic-3: rows that share a prompt text share a split whatever their prompt_ids; generic-4: an
 # index or ranked_prefix with a fraction is refused (Arrow truncated it), one prompt text in two of the
-# source's own splits is refused, an empty cluster label is refused, a UTF-8 byte order mark is read,
-# and drop mode's rejected record is the source record. ultrafeedback-2:
+# source's own splits is refused, an empty cluster label is refused, and drop mode's rejected record is
+# the source record. ultrafeedback-2:
 # ratings outside 1..5 (NaN, infinity) and annotations that are not objects are refused (they were
 # ranked). persona-2: a "key:" line with no value is a field, not part of the previous value.
 ADAPTER_VERSIONS = {"generic": "generic-4", "ultrafeedback": "ultrafeedback-2", "persona": "persona-2"}
@@ -235,9 +235,17 @@ def default_labels(config: IngestConfig) -> tuple[str, ...] | None:
     return None
 
 
+LOCAL_READER = "local-2"
+"""Bumped when reading a local file yields other records from the same bytes, for every dataset read
+from one (an input of their versions; hub sources and the synthetic data keep theirs). local-2: a
+UTF-8 byte order mark at the start of a .json or .jsonl file is read (it made the first line
+unreadable)."""
+
+
 def _inputs(config: IngestConfig) -> dict[str, str]:
-    """A local source's content is an input of the version (a hub source is pinned by its revision)."""
-    return {"source": source_fingerprint(config.path)} if config.path else {}
+    """A local source's content is an input of the version (a hub source is pinned by its revision),
+    and so is the way it is read (LOCAL_READER)."""
+    return {"source": source_fingerprint(config.path), "reader": LOCAL_READER} if config.path else {}
 
 
 def _adapt(config: IngestConfig, source: str, raw: RawRejects) -> AdapterOutput:

@@ -69,8 +69,8 @@ def _version_report(version_dir: Path, rows: int) -> str:
     damaged = off_the_manifest(version_dir, manifest) if complete else []
     if damaged:
         lines.append(f"status:   DAMAGED: {', '.join(damaged)} missing or not the size {MANIFEST} records (an "
-                     "interrupted copy, an edit?); the pipeline refuses it: delete the version folder and rerun its "
-                     "stage")
+                     "interrupted copy, an edit?): delete the version folder and rerun its stage (the pipeline "
+                     "checks only the row shards' sizes as it reads them)")
     if complete:
         lines += [
             *([] if damaged else

@@ -14,8 +14,11 @@ the good rows and returns the bad ones with their reasons instead.
 from __future__ import annotations
 
 import json
+import math
+import numbers
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
+from decimal import Decimal
 from typing import Any
 
 import pandas as pd
@@ -242,7 +245,7 @@ def _plain(value: Any) -> Any:
     """numpy arrays and scalars from pandas/pyarrow round trips as plain Python values; NaN as None."""
     if hasattr(value, "tolist") and not isinstance(value, (str, bytes)):
         value = value.tolist()
-    if isinstance(value, list):
+    if isinstance(value, (list, tuple)):
         return [_plain(v) for v in value]
     if isinstance(value, float) and value != value:
         return None
@@ -287,16 +290,19 @@ def _fits(value: Any, type_: pa.DataType) -> bool:
         return True
     if pa.types.is_list(type_):
         return isinstance(value, (list, tuple)) and all(_fits(v, type_.value_type) for v in value)
-    if pa.types.is_integer(type_):
-        return (isinstance(value, int) and not isinstance(value, bool)) or (
-            isinstance(value, float) and value.is_integer())
+    if pa.types.is_integer(type_):  # numpy and Python integers; whole floats and decimals
+        if isinstance(value, bool):
+            return False
+        return isinstance(value, numbers.Integral) or (isinstance(value, (numbers.Real, Decimal))
+                                                       and math.isfinite(value) and value == int(value))
     return True
 
 
 def _has_fraction(value: Any) -> bool:
     if isinstance(value, (list, tuple)):
         return any(_has_fraction(v) for v in value)
-    return isinstance(value, float) and not value.is_integer()
+    return (isinstance(value, (numbers.Real, Decimal)) and not isinstance(value, numbers.Integral)
+            and math.isfinite(value) and value != int(value))
 
 
 def _compatible(actual: pa.DataType, expected: pa.DataType) -> bool:

@@ -22,7 +22,7 @@ def test_a_rankings_version_reports_manifest_schema_counts_and_rows(rankings):
     report = inspect_path(rankings.path, rows=2)
     for expected in (
         f"artifact {rankings.ref}", "status:   complete", "rows:     15 in 1 shard(s)", "code:     ingest-1",
-        "inputs:   source = sha256:", '  dataset: "ultrafeedback"', "summary:", "part-00000.parquet",
+        "inputs:   reader = local-2, source = sha256:", '  dataset: "ultrafeedback"', "summary:", "part-00000.parquet",
         "ranking: list<element: list<element: int32>> not null", "rows per cluster x split:",
         "truthfulness", "row 1:", "responses per ranking (m): 4: 15", "rankings with ties:",
     ):
