@@ -34,6 +34,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from moplex_core.artifacts import ArtifactRef, ArtifactStore, load_table, read_manifest, shard_name
 from moplex_core.config import CacheConfig
 from moplex_core.estimate import reference_terms_batch
+from moplex_core.lm.device import passes_sized_by
 from moplex_core.hashing import model_fingerprint
 from moplex_core.lm.loading import (dtype_name, identity_on_this_machine, load_model, load_tokenizer, resolve_device,
                                     resolve_dtype)
@@ -161,10 +162,13 @@ def cache_rows(
     rows = part.to_pylist()
     examples = [_tokenize(row, ended, tokenizer, config) for row, ended in zip(rows, _ended(part), strict=True)]
     terms = []
-    for batch in _whole_examples(examples, config.score_batch_size):
-        terms += reference_terms_batch(model, batch, tokenizer.pad_token_id, rows_per_pass=config.score_batch_size,
-                                       chunk_size=config.chunk_size, contractions=config.contractions)
-        advance(len(batch))
+    half = max(1, config.score_batch_size // 2)
+    with passes_sized_by(f"a cache pass holds up to cache.score_batch_size = {config.score_batch_size} responses; "
+                         f"lower it (--set cache.score_batch_size={half}), or cache.max_response_tokens"):
+        for batch in _whole_examples(examples, config.score_batch_size):
+            terms += reference_terms_batch(model, batch, tokenizer.pad_token_id, rows_per_pass=config.score_batch_size,
+                                           chunk_size=config.chunk_size, contractions=config.contractions)
+            advance(len(batch))
     return pa.Table.from_pylist([
         {
             "example_id": row["example_id"],

@@ -155,3 +155,20 @@ def test_auto_dtype_versions_as_the_dtype_it_means_on_this_machine(tiny_model_di
     assert version["auto"] == version["float32"] != version["bfloat16"]
     assert identity_on_this_machine({"dtype": "auto"}, "cpu") == {"dtype": "float32"}
     assert identity_on_this_machine({"dtype": "float64", "k": 3}, "cuda") == {"dtype": "float64", "k": 3}
+
+
+def test_a_cache_pass_out_of_device_memory_names_cache_score_batch_size(tiny_model_dir, tmp_path,  # noqa: F811
+                                                                       monkeypatch):
+    import moplex_core.estimate as estimate
+
+    def out_of_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 9.00 GiB.")
+
+    monkeypatch.setattr(estimate, "anchor_pass", out_of_memory)
+    store = ArtifactStore(tmp_path / "artifacts")
+    rankings = write_synthetic(store, n=6, m=3)
+    config = CacheConfig(model=str(tiny_model_dir), score_batch_size=8)
+    with pytest.raises(torch.OutOfMemoryError, match=r"a cache pass holds up to cache.score_batch_size = 8 "
+                       r"responses; lower it \(--set cache.score_batch_size=4\).*Tried to allocate 9.00 GiB"):
+        run_cache(config, rankings, store, progress=False)
+    assert not plan_cache(config, rankings, store).complete

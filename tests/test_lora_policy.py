@@ -19,6 +19,7 @@ from moplex_core.cache import load_policy_inputs, run_cache
 from moplex_core.config import CacheConfig
 from moplex_core.em import EMConfig, initial_responsibilities
 from moplex_core.estimate import reference_terms, response_embeddings
+from moplex_core.lm.device import PassOutOfMemoryError
 from moplex_core.lm.loading import load_model, load_tokenizer
 from moplex_core.lm.logprobs import embed, output_score_features, sequence_logprobs
 from moplex_core.lm.tokenize import TokenizedResponse, pad_batch, tokenize_responses
@@ -74,6 +75,22 @@ def test_em_steps_run_with_the_model_on_another_device_than_the_host(tiny_model_
     assert features.shape[:2] == (len(inputs), 5)
     pairs = 2 * len(inputs)  # (example, cluster), 4 per minibatch: each minibatch stepped both adapters
     assert policy.optimizer.steps == [2 * -(-pairs // 4)] * 2
+
+
+def test_a_pass_out_of_device_memory_names_the_setting_that_sizes_it(tiny_model_dir, inputs, monkeypatch):  # noqa: F811
+    policy = scorer(tiny_model_dir, anchors=2)
+
+    def out_of_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has 139.8 GiB\nmore")
+
+    monkeypatch.setattr(lora_policy, "anchor_pass", out_of_memory)
+    with pytest.raises(PassOutOfMemoryError, match=r"E-step 0 runs up to score_batch_size = 4 rows a pass \(a "
+                       r"response under one adapter, with its input gradients\); lower it \(--set "
+                       r"train.score_batch_size=2.*\(CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has"):
+        policy.score(inputs, 0)
+    weights = torch.full((len(inputs), 2), 0.5, dtype=torch.float64)
+    with pytest.raises(torch.OutOfMemoryError, match="never fewer than a pair's 2; lower train.score_batch_size"):
+        policy.fit(inputs, inputs.rankings(), weights, 0)  # still a torch.OutOfMemoryError (em_gpu records OOM)
 
 
 def test_the_first_m_step_runs_first_epochs_and_the_later_ones_epochs(tiny_model_dir, inputs):  # noqa: F811

@@ -11,6 +11,9 @@ same way; the passes take such decisions on the host copies instead (`moplex_cor
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 
 
@@ -61,3 +64,22 @@ class HostCopies:
             host.update({id(t): m.view(t.shape) for t, m in zip(same, moved, strict=True)})
         self._on_host.extend(tuple(None if t is None else host[id(t)] for t in group) for group in self._on_device)
         self._on_device.clear()
+
+
+class PassOutOfMemoryError(torch.OutOfMemoryError):
+    """A pass ran out of device memory; the message says which setting sizes the passes and what to
+    lower. Still a ``torch.OutOfMemoryError`` (benchmarks/em_gpu.py records such a configuration as OOM)."""
+
+
+@contextmanager
+def passes_sized_by(setting: str) -> Iterator[None]:
+    """A ``torch.OutOfMemoryError`` inside becomes a `PassOutOfMemoryError` naming ``setting``, what
+    sets the size of the passes and how to lower it, beside the allocator's own first line. The one a
+    rerun with the same settings would hit again."""
+    try:
+        yield
+    except PassOutOfMemoryError:
+        raise
+    except torch.OutOfMemoryError as err:
+        allocator = str(err).strip().splitlines()[0] if str(err).strip() else "out of memory"
+        raise PassOutOfMemoryError(f"the device ran out of memory in a pass: {setting} ({allocator})") from err

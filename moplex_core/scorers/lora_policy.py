@@ -62,7 +62,7 @@ from moplex_core.estimate import (
     estimation_gap,
     response_embeddings,
 )
-from moplex_core.lm.device import HostCopies, to_device
+from moplex_core.lm.device import HostCopies, passes_sized_by, to_device
 from moplex_core.lm.loading import load_model
 from moplex_core.lm.logprobs import output_score_features
 from moplex_core.lm.multi_lora import LoRASettings, MultiLoRA
@@ -300,8 +300,13 @@ class LoRAPolicyScorer:
         self.lora.train_dropout(True)
         epochs = self.first_epochs if iteration == 0 else self.epochs
         bar = self._bar(total=epochs * -(-pairs.shape[0] // self.batch_size), desc=f"M-step {iteration}")
+        largest = max(len(picks[i]) for i in pairs[:, 0].tolist())  # rows of the largest (example, cluster) pair
         try:
-            with self._dropout_masks(iteration):
+            with self._dropout_masks(iteration), passes_sized_by(
+                    f"the M-step runs whole (example, cluster) pairs, up to score_batch_size = {self.score_batch_size} "
+                    f"rows a pass but never fewer than a pair's {largest}; lower train.score_batch_size, or with "
+                    "every response exact (a pair is all its m' responses) use anchors (train.anchors) or shorter "
+                    "responses (cache.max_response_tokens)"):
                 for _ in range(epochs):
                     order = pairs[torch.randperm(pairs.shape[0], generator=self._shuffle)]
                     for start in range(0, order.shape[0], self.batch_size):
@@ -492,11 +497,15 @@ class LoRAPolicyScorer:
         copies.add(  # an empty first entry, so that no rows (an empty split) give empty results
             (torch.zeros(0, dtype=torch.float64), None if full else torch.zeros(0, m, dtype=torch.float64)))
         bar = self._bar(total=len(rows), desc=what, unit="row")
+        half = max(1, self.score_batch_size // 2)
         try:
-            for start in range(0, len(rows), self.score_batch_size):
-                chunk = rows[start : start + self.score_batch_size]
-                copies.add(self._pass(inputs, chunk, input_grads=not full, train=False))
-                bar.update(len(chunk))
+            with passes_sized_by(f"{what} runs up to score_batch_size = {self.score_batch_size} rows a pass (a response "
+                                 f"under one adapter{'' if full else ', with its input gradients'}); lower it "
+                                 f"(--set train.score_batch_size={half}, or evaluate.score_batch_size in evaluate)"):
+                for start in range(0, len(rows), self.score_batch_size):
+                    chunk = rows[start : start + self.score_batch_size]
+                    copies.add(self._pass(inputs, chunk, input_grads=not full, train=False))
+                    bar.update(len(chunk))
         finally:
             bar.close()
         passes = copies.results()
