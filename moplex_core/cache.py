@@ -34,8 +34,8 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from moplex_core.artifacts import ArtifactRef, ArtifactStore, load_table, read_manifest, shard_name
 from moplex_core.config import CacheConfig
 from moplex_core.estimate import reference_terms_batch
-from moplex_core.lm.device import passes_sized_by
 from moplex_core.hashing import model_fingerprint
+from moplex_core.lm.device import passes_sized_by
 from moplex_core.lm.loading import (dtype_name, identity_on_this_machine, load_model, load_tokenizer, resolve_device,
                                     resolve_dtype)
 from moplex_core.lm.tokenize import TokenizedResponse, encode_response, tokenize_responses

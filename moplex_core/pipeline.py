@@ -26,6 +26,7 @@ from moplex_core.train import run_train
 Stage = Callable[..., str]
 """stage(name, the stage's config, *its input artifact folders) -> its artifact folder."""
 
+
 def run_stages(config: PipelineConfig, stage: Stage) -> dict[str, str]:
     """Run every stage of ``config`` through ``stage``; returns each stage's artifact folder by name
     (``model``, the tiny model's, and ``augment`` only where the config has them)."""

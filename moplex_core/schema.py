@@ -291,18 +291,19 @@ def _fits(value: Any, type_: pa.DataType) -> bool:
     if pa.types.is_list(type_):
         return isinstance(value, (list, tuple)) and all(_fits(v, type_.value_type) for v in value)
     if pa.types.is_integer(type_):  # numpy and Python integers; whole floats and decimals
-        if isinstance(value, bool):
-            return False
-        return isinstance(value, numbers.Integral) or (isinstance(value, (numbers.Real, Decimal))
-                                                       and math.isfinite(value) and value == int(value))
+        return not isinstance(value, bool) and (isinstance(value, numbers.Integral) or _whole(value))
     return True
+
+
+def _whole(value: Any) -> bool:
+    """A finite number without a fraction (2, 2.0, Decimal("2"))."""
+    return isinstance(value, (numbers.Real, Decimal)) and math.isfinite(value) and value == int(value)
 
 
 def _has_fraction(value: Any) -> bool:
     if isinstance(value, (list, tuple)):
         return any(_has_fraction(v) for v in value)
-    return (isinstance(value, (numbers.Real, Decimal)) and not isinstance(value, numbers.Integral)
-            and math.isfinite(value) and value != int(value))
+    return isinstance(value, (numbers.Real, Decimal)) and math.isfinite(value) and not _whole(value)
 
 
 def _compatible(actual: pa.DataType, expected: pa.DataType) -> bool:

@@ -73,9 +73,9 @@ class PassOutOfMemoryError(torch.OutOfMemoryError):
 
 @contextmanager
 def passes_sized_by(setting: str) -> Iterator[None]:
-    """A ``torch.OutOfMemoryError`` inside becomes a `PassOutOfMemoryError` naming ``setting``, what
-    sets the size of the passes and how to lower it, beside the allocator's own first line. The one a
-    rerun with the same settings would hit again."""
+    """A ``torch.OutOfMemoryError`` inside becomes a `PassOutOfMemoryError` whose message is
+    ``setting`` (what sets the size of the passes, and how to lower it) and the allocator's first
+    line: a rerun with the same settings would run out again, and torch's message names no setting."""
     try:
         yield
     except PassOutOfMemoryError:
