@@ -110,7 +110,7 @@ def log_likelihood(scores: torch.Tensor, index: RankingIndex) -> torch.Tensor:
     finfo = torch.finfo(scores.dtype)
     underflow = ((partial < finfo.tiny / finfo.eps) & index.in_slate).any(-1, keepdim=True)
     risk = shift + torch.log(torch.where(underflow | ~index.in_slate, 1.0, partial))
-    if underflow.any():
+    if scores.device.type != "cpu" or underflow.any():  # on a GPU, no read of it to decide (the host would wait)
         risk = torch.where(underflow, torch.logcumsumexp(sorted_scores, dim=-1), risk)
     denominator = torch.gather(risk, -1, index.last)
     return torch.where(index.observed, sorted_scores - denominator, 0.0).sum(-1)

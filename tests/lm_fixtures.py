@@ -102,16 +102,23 @@ def prompt_pass_counts(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 
 class MetaReadsAsZeros(TorchDispatchMode):
     """The meta device standing in for a GPU where a test needs the host to read results back: a copy
-    of a meta tensor to the CPU gives zeros of its shape and dtype, and ``.item()`` 0. Everything else
-    runs as on meta (a shape and no values), and an op that mixes meta and CPU tensors still raises,
-    as one that mixes CUDA and CPU tensors does on a GPU (which the CPU alone never shows)."""
+    of a meta tensor to the CPU gives zeros of its shape and dtype, and ``.item()`` 0; ``reads``
+    counts them (on a GPU each would make the host wait for the device). Everything else runs as on
+    meta (a shape and no values), and an op that mixes meta and CPU tensors still raises, as one that
+    mixes CUDA and CPU tensors does on a GPU (which the CPU alone never shows)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         source = args[0] if args and isinstance(args[0], torch.Tensor) else None
         if source is not None and source.device.type == "meta":
             if func is torch.ops.aten._to_copy.default and torch.device(kwargs.get("device", "meta")).type == "cpu":
+                self.reads += 1
                 return torch.zeros(source.shape, dtype=kwargs.get("dtype") or source.dtype)
             if func is torch.ops.aten._local_scalar_dense.default:
+                self.reads += 1
                 return 0
         return func(*args, **kwargs)

@@ -77,6 +77,21 @@ def test_em_steps_run_with_the_model_on_another_device_than_the_host(tiny_model_
     assert policy.optimizer.steps == [2 * -(-pairs // 4)] * 2
 
 
+@pytest.mark.parametrize("anchors", [None, 2])
+def test_an_m_step_reads_the_device_back_once_not_per_pass(tiny_model_dir, inputs, anchors):  # noqa: F811
+    # On a GPU every read of a device tensor makes the host wait for the card before it can launch
+    # the next pass. The M-step's objectives (the Plackett-Luce likelihood of the passes' log-probs)
+    # stay there; the host reads them once an M-step (and every PROGRESS_EVERY steps, for the bar).
+    policy = scorer(tiny_model_dir, anchors=anchors, device="meta")  # passes of 4 rows: several a minibatch
+    weights = torch.full((len(inputs), 2), 0.5, dtype=torch.float64)
+    with MetaReadsAsZeros():
+        policy.score(inputs, 0)  # the offsets the M-step reuses (a pass of its own otherwise)
+    with MetaReadsAsZeros() as device:
+        policy.fit(inputs, inputs.rankings(), weights, 1)
+    steps = -(-2 * len(inputs) // 4)
+    assert policy.last_fit["steps"] == steps < lora_policy.PROGRESS_EVERY and device.reads == 1
+
+
 def test_a_pass_out_of_device_memory_names_the_setting_that_sizes_it(tiny_model_dir, inputs, monkeypatch):  # noqa: F811
     policy = scorer(tiny_model_dir, anchors=2)
 

@@ -68,7 +68,7 @@ from moplex_core.lm.logprobs import output_score_features
 from moplex_core.lm.multi_lora import LoRASettings, MultiLoRA
 from moplex_core.lm.routed_adam import RoutedAdam
 from moplex_core.lm.tokenize import TokenizedResponse, pad_batch
-from moplex_core.pl import PAD
+from moplex_core.pl import LIKELIHOODS, PAD, RankingIndex
 
 log = logging.getLogger(__name__)
 
@@ -295,8 +295,8 @@ class LoRAPolicyScorer:
         if pairs.shape[0] == 0:
             return
         picks = self._anchor_picks(inputs, iteration, self.anchors)
-        offsets = self._offsets(inputs, iteration, picks)  # [n, k, M]
-        losses: list[float] = []
+        on_device = _MStepTerms.of(inputs, picks, self._offsets(inputs, iteration, picks), weights, self.model.device)
+        objectives: list[torch.Tensor] = []  # per optimizer step, on the device: read back every PROGRESS_EVERY
         self.lora.train_dropout(True)
         epochs = self.first_epochs if iteration == 0 else self.epochs
         bar = self._bar(total=epochs * -(-pairs.shape[0] // self.batch_size), desc=f"M-step {iteration}")
@@ -314,16 +314,18 @@ class LoRAPolicyScorer:
                         self.optimizer.zero_grad()
                         objective = 0.0
                         for group in self._row_groups(batch.tolist(), picks):
-                            objective += self._weighted_logp(inputs, rankings, weights, group, picks, offsets,
-                                                             batch.shape[0])
+                            objective += self._weighted_logp(inputs, rankings, on_device, group, batch.shape[0])
                         self.optimizer.step(batch[:, 1].tolist())  # the clusters: the adapters it routed
-                        losses.append(objective)
+                        objectives.append(objective)
                         bar.update()
-                        bar.set_postfix(weighted_logP=f"{np.mean(losses[-20:]):.4f}")
+                        if len(objectives) % PROGRESS_EVERY == 0:  # one wait for the device per so many steps
+                            recent = torch.stack(objectives[-PROGRESS_EVERY:]).tolist()
+                            bar.set_postfix(weighted_logP=f"{np.mean(recent):.4f}")
         finally:
             bar.close()
             self.lora.train_dropout(False)
             self.optimizer.zero_grad()  # the last step's gradients, k adapters' worth, freed
+        losses = torch.stack(objectives).tolist()
         self.last_fit = {"iteration": iteration, "pairs": int(pairs.shape[0]), "steps": len(losses),
                          "weighted_log_likelihood_last_epoch": float(np.mean(losses[-(len(losses) // epochs):]))}
 
@@ -469,20 +471,27 @@ class LoRAPolicyScorer:
         if group:
             yield group
 
-    def _weighted_logp(self, inputs: PolicyInputs, rankings: Rankings, weights: torch.Tensor, pairs: list[list[int]],
-                       picks: list[torch.Tensor], offsets: torch.Tensor, batch_pairs: int) -> float:
+    def _weighted_logp(self, inputs: PolicyInputs, rankings: Rankings, terms: _MStepTerms, pairs: list[list[int]],
+                       batch_pairs: int) -> torch.Tensor:
         """One forward + backward over the anchors of ``pairs``: accumulates the gradient of
-        -sum w_ic log P_c(sigma_i) / batch_pairs into the adapters; returns the weighted log-likelihood."""
-        rows = [(i, c, j) for i, c in pairs for j in picks[i].tolist()]
-        logp = self._pass(inputs, rows, input_grads=False, train=True)[0].cpu()  # [R], the graph kept
+        -sum w_ic log P_c(sigma_i) / batch_pairs into the adapters; returns the weighted log-likelihood,
+        a float64 scalar on the model's device. Nothing here waits for the device: the Plackett-Luce
+        likelihood runs there, on the ``terms`` copied there once per M-step."""
+        rows = [(i, c, j) for i, c in pairs for j in terms.picks[i].tolist()]
+        logp = self._pass(inputs, rows, input_grads=False, train=True)[0]  # [R] on the device, the graph kept
         width = rankings.tiers.shape[1]
         deltas = [torch.nn.functional.pad(delta, (0, width - len(delta)))
-                  for delta in _pair_deltas(inputs, pairs, picks, logp, offsets)]  # [M] each
+                  for delta in _pair_deltas(terms.ref_logp, terms.sizes, pairs, terms.picks_there, logp,
+                                            terms.offsets)]  # [M] each
         examples, clusters = torch.tensor(pairs).T  # [P], [P]
-        logp_rank = rankings.subset(examples).log_likelihood(self.beta * torch.stack(deltas))  # [P]
-        objective = (weights[examples, clusters] * logp_rank).sum() / batch_pairs
+        index = rankings.subset(examples).index  # sorted on the host, copied over
+        there = RankingIndex(*(to_device(t, logp.device) for t in (index.order, index.in_slate, index.observed,
+                                                                       index.last)))
+        logp_rank = LIKELIHOODS[rankings.model](self.beta * torch.stack(deltas), there)  # [P]
+        weight = terms.weights[to_device(examples, logp.device), to_device(clusters, logp.device)]  # [P]
+        objective = (weight * logp_rank).sum() / batch_pairs
         (-objective).backward()
-        return objective.item()
+        return objective.detach()
 
     def _score_all(self, inputs: PolicyInputs, round_: int, anchors: int | None, what: str
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -524,7 +533,8 @@ class LoRAPolicyScorer:
                     inputs.ref_contraction[i, :size, :size])
             offset += len(idx)
         scores = torch.zeros(n, self.k, m, dtype=torch.float64)
-        for (i, c), delta in zip(pairs, _pair_deltas(inputs, pairs, picks, logp, offsets), strict=True):
+        sizes = [len(seqs) for seqs in inputs.sequences]
+        for (i, c), delta in zip(pairs, _pair_deltas(inputs.ref_logp, sizes, pairs, picks, logp, offsets), strict=True):
             scores[i, c, : len(delta)] = self.beta * delta
         return scores, is_anchor, offsets
 
@@ -580,21 +590,49 @@ class LoRAPolicyScorer:
         return passed.logp, torch.cat(contractions)
 
 
-def _pair_deltas(inputs: PolicyInputs, pairs: Sequence[Sequence[int]], picks: list[torch.Tensor], logp: torch.Tensor,
-                 offsets: torch.Tensor) -> list[torch.Tensor]:
+def _pair_deltas(ref_logp: torch.Tensor, sizes: Sequence[int], pairs: Sequence[Sequence[int]],
+                 picks: Sequence[torch.Tensor], logp: torch.Tensor, offsets: torch.Tensor) -> list[torch.Tensor]:
     """delta_c(y_j|x_i) = log pi_c - log pi_ref of every response of each (example i, cluster c) pair,
     float64 [m'_i] each: exact at the anchors, anchors' mean delta + offset elsewhere (DESIGN 5.4).
+    Every tensor on one device.
 
+    ref_logp: the cache's log pi_ref, float64 [n, M]; sizes: m'_i per example; picks: the anchors of
+    each example, int64 [a_i].
     logp: log pi_c of the anchors, float64 [R], one row per anchor, pair after pair in ``pairs``' order.
     offsets: float64 [n, k, M] (estimate.estimate_offsets; 0 where every response is an anchor).
     """
     deltas, start = [], 0
     for i, c in pairs:
         idx = picks[i]
-        anchor_delta = logp[start : start + len(idx)] - inputs.ref_logp[i, idx]  # [a]
-        deltas.append(apply_offsets(idx, anchor_delta, offsets[i, c, : len(inputs.sequences[i])]))
+        anchor_delta = logp[start : start + len(idx)] - ref_logp[i, idx]  # [a]
+        deltas.append(apply_offsets(idx, anchor_delta, offsets[i, c, : sizes[i]]))
         start += len(idx)
     return deltas
+
+
+PROGRESS_EVERY = 16
+"""M-step optimizer steps between two updates of the progress bar's weighted log-likelihood, each a
+wait for the device (the steps themselves never wait: their objectives stay on the device)."""
+
+
+@dataclass(frozen=True)
+class _MStepTerms:
+    """What an M-step's Plackett-Luce objective reads besides the passes' log-probs, on the model's
+    device (copied once per M-step), and the anchors on the host as the passes' rows are listed."""
+
+    picks: list[torch.Tensor]  # int64 [a_i] per example, on the host
+    picks_there: list[torch.Tensor]  # the same on the device
+    sizes: list[int]  # m'_i per example
+    ref_logp: torch.Tensor  # float64 [n, M]
+    offsets: torch.Tensor  # float64 [n, k, M]
+    weights: torch.Tensor  # float64 [n, k]
+
+    @classmethod
+    def of(cls, inputs: PolicyInputs, picks: list[torch.Tensor], offsets: torch.Tensor, weights: torch.Tensor,
+           device: torch.device) -> _MStepTerms:
+        there = to_device(torch.cat(picks), device).split([len(p) for p in picks])  # one copy
+        return cls(picks, list(there), [len(seqs) for seqs in inputs.sequences], to_device(inputs.ref_logp, device),
+                   to_device(offsets, device), to_device(weights, device))
 
 
 def _every_response_an_anchor(inputs: PolicyInputs, picks: list[torch.Tensor]) -> bool:
