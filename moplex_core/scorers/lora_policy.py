@@ -296,7 +296,8 @@ class LoRAPolicyScorer:
             return
         picks = self._anchor_picks(inputs, iteration, self.anchors)
         on_device = _MStepTerms.of(inputs, picks, self._offsets(inputs, iteration, picks), weights, self.model.device)
-        objectives: list[torch.Tensor] = []  # per optimizer step, on the device: read back every PROGRESS_EVERY
+        objectives: list[torch.Tensor] = []  # per optimizer step, on the device
+        every = 1 if self.model.device.type == "cpu" else PROGRESS_EVERY  # steps between two reads, for the bar
         self.lora.train_dropout(True)
         epochs = self.first_epochs if iteration == 0 else self.epochs
         bar = self._bar(total=epochs * -(-pairs.shape[0] // self.batch_size), desc=f"M-step {iteration}")
@@ -318,8 +319,8 @@ class LoRAPolicyScorer:
                         self.optimizer.step(batch[:, 1].tolist())  # the clusters: the adapters it routed
                         objectives.append(objective)
                         bar.update()
-                        if len(objectives) % PROGRESS_EVERY == 0:  # one wait for the device per so many steps
-                            recent = torch.stack(objectives[-PROGRESS_EVERY:]).tolist()
+                        if len(objectives) % every == 0:  # on a GPU, one wait for it per so many steps
+                            recent = torch.stack(objectives[-max(every, 20):]).tolist()
                             bar.set_postfix(weighted_logP=f"{np.mean(recent):.4f}")
         finally:
             bar.close()
@@ -611,8 +612,9 @@ def _pair_deltas(ref_logp: torch.Tensor, sizes: Sequence[int], pairs: Sequence[S
 
 
 PROGRESS_EVERY = 16
-"""M-step optimizer steps between two updates of the progress bar's weighted log-likelihood, each a
-wait for the device (the steps themselves never wait: their objectives stay on the device)."""
+"""M-step optimizer steps between two updates of the progress bar's weighted log-likelihood on a GPU,
+each a wait for it (the steps themselves never wait: their objectives stay there); every step on the
+CPU, where reading costs nothing."""
 
 
 @dataclass(frozen=True)
