@@ -806,10 +806,12 @@ def lora_agreement(model_dir: Path, sizes: Sizes, batch: list[TokenizedResponse]
 
 def host_waits(model_dir: Path, sizes: Sizes, batch: list[TokenizedResponse]) -> dict[str, list[str]] | None:
     """Every place where the E-step's and the M-step's passes make the host wait for the GPU, on all k
-    adapters mixed, rows whole and prompts shared: each pass under torch's CUDA synchronisation check
-    (`_waits`; an empty list when the pass never waits, its backward included). None on the CPU,
-    which runs each pass once unchecked (tests/test_estimate.py checks the same passes on the meta
-    device)."""
+    adapters mixed, rows whole and prompts shared, and a whole M-step (`LoRAPolicyScorer.fit`, a = 2,
+    2 examples of m' = 4, every pair weighted, 2 pairs per optimizer step; its reads of the
+    objectives once an M-step and for the progress bar are expected): each under torch's CUDA
+    synchronisation check (`_waits`; an empty list when it never waits, backward included). None on
+    the CPU, which runs each once unchecked (tests/test_estimate.py checks the same passes, and
+    tests/test_lora_policy.py the M-step, on the meta device)."""
     model, lora = _lora_model(model_dir, sizes)
     params = list(lora.named_parameters().values())
 
@@ -817,12 +819,30 @@ def host_waits(model_dir: Path, sizes: Sizes, batch: list[TokenizedResponse]) ->
         with lora.requires_grad(False):
             _mixed_pass(model, lora, batch, sizes, shared_prompts=shared)
 
-    passes = {"E-step pass, rows whole": lambda: e_pass(False), "E-step pass, prompts shared": lambda: e_pass(True),
-              "M-step pass, rows whole": lambda: _mixed_pass(model, lora, batch, sizes, params),
-              "M-step pass, prompts shared": lambda: _mixed_pass(model, lora, batch, sizes, params, True)}
+    found = _waits_of({"E-step pass, rows whole": lambda: e_pass(False),
+                       "E-step pass, prompts shared": lambda: e_pass(True),
+                       "M-step pass, rows whole": lambda: _mixed_pass(model, lora, batch, sizes, params),
+                       "M-step pass, prompts shared": lambda: _mixed_pass(model, lora, batch, sizes, params, True)},
+                      sizes)
+    del model, lora
+    _free(sizes)
+    inputs = synthetic_inputs(sizes, 4, 2, *_model_vocab(model_dir))
+    weights = torch.full((2, sizes.k), 1.0 / sizes.k, dtype=torch.float64)
+    scorer = LoRAPolicyScorer(model_dir, sizes.k, beta=BETA, anchors=2, lora=LORA, lr=1e-4, batch_size=2,
+                              score_batch_size=sizes.score_batch_size, seed=0, dtype=sizes.dtype, device=sizes.device)
+    scorer.score(inputs, 0)  # the offsets the M-step reuses
+    found.update(_waits_of({"M-step (fit), a = 2": lambda: scorer.fit(inputs, inputs.rankings(), weights, 1)}, sizes))
+    del scorer
+    _free(sizes)
+    return found if sizes.cuda else None
+
+
+def _waits_of(runs: dict[str, Callable[[], Any]], sizes: Sizes) -> dict[str, list[str]]:
+    """`_waits` of each run after one run unchecked (a first run may initialise libraries, cuBLAS
+    handles, which waits once); on the CPU each runs once, and nothing is checked."""
     found = {}
-    for name, run in passes.items():
-        run()  # a first pass may initialise libraries (cuBLAS handles), which waits once
+    for name, run in runs.items():
+        run()
         if not sizes.cuda:
             continue
         torch.cuda.synchronize()
@@ -831,9 +851,7 @@ def host_waits(model_dir: Path, sizes: Sizes, batch: list[TokenizedResponse]) ->
             found[name] = _waits(run)
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    del model, lora
-    _free(sizes)
-    return found if sizes.cuda else None
+    return found
 
 
 def _waits(run: Callable[[], Any], where: tuple[str, ...] = ("moplex_core", "transformers")) -> list[str]:
