@@ -22,11 +22,12 @@ def to_device(tensor: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     synchronisation; every other move is ``tensor.to(device)``. The copy reads a pinned duplicate,
     which torch's caching host allocator keeps until the copy has finished, so ``tensor`` may change
     at once; a ``tensor`` already pinned is read in place, and must not change until the device has
-    used the copy."""
+    used the copy. A non-contiguous tensor (a column of a table) is made contiguous first: torch
+    copies a strided one through a pageable temporary, which would wait after all."""
     device = torch.device(device)
     if device.type != "cuda" or tensor.device.type != "cpu":
         return tensor.to(device)
-    return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor.contiguous().pin_memory().to(device, non_blocking=True)
 
 
 PASSES_PER_COPY = 64

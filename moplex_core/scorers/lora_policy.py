@@ -484,12 +484,13 @@ class LoRAPolicyScorer:
         deltas = [torch.nn.functional.pad(delta, (0, width - len(delta)))
                   for delta in _pair_deltas(terms.ref_logp, terms.sizes, pairs, terms.picks_there, logp,
                                             terms.offsets)]  # [M] each
-        examples, clusters = torch.tensor(pairs).T  # [P], [P]
-        index = rankings.subset(examples).index  # sorted on the host, copied over
+        on_host = torch.tensor(pairs)  # [P, 2] (example, cluster)
+        index = rankings.subset(on_host[:, 0]).index  # sorted on the host, copied over
         there = RankingIndex(*(to_device(t, logp.device) for t in (index.order, index.in_slate, index.observed,
                                                                        index.last)))
         logp_rank = LIKELIHOODS[rankings.model](self.beta * torch.stack(deltas), there)  # [P]
-        weight = terms.weights[to_device(examples, logp.device), to_device(clusters, logp.device)]  # [P]
+        at = to_device(on_host, logp.device)  # one copy
+        weight = terms.weights[at[:, 0], at[:, 1]]  # [P]
         objective = (weight * logp_rank).sum() / batch_pairs
         (-objective).backward()
         return objective.detach()
