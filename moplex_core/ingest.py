@@ -163,12 +163,13 @@ def build_rankings(config: IngestConfig, inputs: dict[str, str] | None = None) -
         unreadable = pa.Table.from_pylist([{"row": None, "example_id": None, "field": None, **r} for r in raw.rows],
                                           schema=REJECTED_SCHEMA)
         rejected = pa.concat_tables([unreadable, rejected])
+    outside = 0  # rows of prompts that fit no split's remaining room (split.sizes)
     if not config.split.from_source:
         groups = split_groups(table.column("prompt_id").to_pylist(), table.column("prompt").to_pylist())
         splits = assign_splits(groups, config.split, config.seed)
         table = table.set_column(table.schema.get_field_index("split"), "split", pa.array(splits, pa.string()))
         table = table.filter(pa.array([s is not None for s in splits])).cast(RANKINGS_SCHEMA)
-        outside = splits.count(None)  # rows of prompts that fit no split's remaining room (split.sizes)
+        outside = splits.count(None)
         if outside:
             reached = Counter(s for s in splits if s is not None)
             log.warning("split.sizes %s reached %s: %d ranking(s) left out, their prompts' rankings fitting no "
@@ -185,7 +186,7 @@ def build_rankings(config: IngestConfig, inputs: dict[str, str] | None = None) -
         "rows_per_cluster": dict(sorted(Counter(map(str, table.column("cluster").to_pylist())).items())),
         "labels": None if labels is None else list(labels),
         "rejected_rows": 0 if rejected is None else len(set(rejected.column("row").drop_null().to_pylist())),
-        "left_out_by_split_sizes": 0 if config.split.from_source else splits.count(None),
+        "left_out_by_split_sizes": outside,
         "unreadable_records": len(raw.rows),
     }
     return BuiltRankings(table, rejected, summary)

@@ -266,7 +266,7 @@ def _convert(values: Any, f: pa.Field) -> tuple[pa.Array, list[Any], list[RowIss
     if all(_fits(v, f.type) for v in values):
         try:
             array = pa.array(values, type=f.type)
-            return array, array.to_pylist(), []  # the converted values: 2.0 read as 2
+            return array, (array.to_pylist() if _holds_integers(f.type) else values), []  # 2.0 read as 2
         except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, OverflowError):
             pass
     converted, issues = [], []
@@ -293,6 +293,11 @@ def _fits(value: Any, type_: pa.DataType) -> bool:
     if pa.types.is_integer(type_):  # numpy and Python integers; whole floats and decimals
         return not isinstance(value, bool) and (isinstance(value, numbers.Integral) or _whole(value))
     return True
+
+
+def _holds_integers(type_: pa.DataType) -> bool:
+    """An integer field, or lists of them: where Arrow's value can differ from the one given (2.0 -> 2)."""
+    return pa.types.is_integer(type_) or (pa.types.is_list(type_) and _holds_integers(type_.value_type))
 
 
 def _whole(value: Any) -> bool:

@@ -296,12 +296,12 @@ class LoRAPolicyScorer:
             return
         picks = self._anchor_picks(inputs, iteration, self.anchors)
         on_device = _MStepTerms.of(inputs, picks, self._offsets(inputs, iteration, picks), weights, self.model.device)
+        largest = max(len(picks[i]) for i in pairs[:, 0].tolist())  # rows of the largest (example, cluster) pair
         objectives: list[torch.Tensor] = []  # per optimizer step, on the device
         every = 1 if self.model.device.type == "cpu" else PROGRESS_EVERY  # steps between two reads, for the bar
         self.lora.train_dropout(True)
         epochs = self.first_epochs if iteration == 0 else self.epochs
         bar = self._bar(total=epochs * -(-pairs.shape[0] // self.batch_size), desc=f"M-step {iteration}")
-        largest = max(len(picks[i]) for i in pairs[:, 0].tolist())  # rows of the largest (example, cluster) pair
         try:
             with self._dropout_masks(iteration), passes_sized_by(
                     f"the M-step runs whole (example, cluster) pairs, up to score_batch_size = {self.score_batch_size} "
@@ -314,7 +314,7 @@ class LoRAPolicyScorer:
                         batch = order[start : start + self.batch_size]  # [B, 2]
                         self.optimizer.zero_grad()
                         objective = 0.0
-                        for group in self._row_groups(batch.tolist(), picks):
+                        for group in self._row_groups(batch.tolist(), on_device.picks):
                             objective += self._weighted_logp(inputs, rankings, on_device, group, batch.shape[0])
                         self.optimizer.step(batch[:, 1].tolist())  # the clusters: the adapters it routed
                         objectives.append(objective)
