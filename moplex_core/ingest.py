@@ -180,10 +180,12 @@ def build_rankings(config: IngestConfig, inputs: dict[str, str] | None = None) -
             f"no valid rankings left for dataset {config.dataset!r} ({adapted.stats}); see the rejected "
             "rows' reasons by ingesting with validation='strict'"
         )
+    clusters = table.column("cluster").to_pylist()
     summary = {
         "adapter": adapted.stats,
         "rows_per_split": dict(sorted(Counter(table.column("split").to_pylist()).items())),
-        "rows_per_cluster": dict(sorted(Counter(map(str, table.column("cluster").to_pylist())).items())),
+        "rows_per_cluster": dict(sorted(Counter(c for c in clusters if c is not None).items())),
+        "unlabelled_rows": clusters.count(None),
         "labels": None if labels is None else list(labels),
         "rejected_rows": 0 if rejected is None else len(set(rejected.column("row").drop_null().to_pylist())),
         "left_out_by_split_sizes": outside,

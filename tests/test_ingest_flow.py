@@ -52,6 +52,19 @@ def test_strict_mode_writes_nothing_when_a_row_is_bad(tmp_path):
     assert not (tmp_path / "artifacts").exists()
 
 
+def test_the_summary_counts_unlabelled_rows_apart_from_a_label_named_none(tmp_path):
+    source = tmp_path / "labels.jsonl"
+    source.write_text("\n".join([
+        '{"prompt": "One?", "responses": ["x", "y"], "ranking": [[0], [1]], "cluster": "None"}',
+        '{"prompt": "Two?", "responses": ["x", "y"], "ranking": [[1], [0]]}',
+        '{"prompt": "Three?", "responses": ["x", "y"], "ranking": [[1], [0]], "cluster": "a"}',
+    ]) + "\n")
+    store = ArtifactStore(tmp_path / "artifacts")
+    result = run_ingest(IngestConfig(dataset="generic", path=str(source), labels=("None", "a")), store)
+    summary = store.manifest(STAGE, result.ref.version)["summary"]
+    assert summary["rows_per_cluster"] == {"None": 1, "a": 1} and summary["unlabelled_rows"] == 1
+
+
 def test_drop_mode_writes_valid_rows_and_rejected_parquet(tmp_path):
     source = tmp_path / "bad.jsonl"
     source.write_text("\n".join(BAD_GENERIC) + "\n")
