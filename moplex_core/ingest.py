@@ -47,10 +47,11 @@ CODE_VERSION = "ingest-1"
 # generic-3: rows that share a prompt text share a split whatever their prompt_ids; generic-4: an
 # index or ranked_prefix with a fraction is refused (Arrow truncated it), one prompt text in two of the
 # source's own splits is refused, an empty cluster label is refused, and drop mode's rejected record is
-# the source record. ultrafeedback-2:
+# the source record; generic-5: a row that drop mode rejects no longer claims its example_id or its
+# prompt's split, so a later valid row that shares them is kept (it was rejected). ultrafeedback-2:
 # ratings outside 1..5 (NaN, infinity) and annotations that are not objects are refused (they were
 # ranked). persona-2: a "key:" line with no value is a field, not part of the previous value.
-ADAPTER_VERSIONS = {"generic": "generic-4", "ultrafeedback": "ultrafeedback-2", "persona": "persona-2"}
+ADAPTER_VERSIONS = {"generic": "generic-5", "ultrafeedback": "ultrafeedback-2", "persona": "persona-2"}
 
 
 def code_version(dataset: str) -> str:

@@ -220,7 +220,8 @@ def _validate(
 
     # A value of the wrong type was nulled by _convert; do not report it a second time as missing.
     typed = {(i.row, i.field) for i in issues}
-    issues += [i for i in _row_issues(values, n, labels, require_split, where) if (i.row, i.field) not in typed]
+    issues += [i for i in _row_issues(values, n, labels, require_split, where, {row for row, _ in typed})
+               if (i.row, i.field) not in typed]
     issues = [RowIssue(i.row, values["example_id"][i.row] if i.example_id is None else i.example_id, i.field,
                        i.reason, None if where is None else where[i.row])
               for i in issues]
@@ -328,76 +329,107 @@ def _compatible(actual: pa.DataType, expected: pa.DataType) -> bool:
 
 def _row_issues(
     columns: dict[str, list[Any]], n: int, labels: Collection[str] | None, require_split: bool,
-    where: Sequence[str] | None = None,
+    where: Sequence[str] | None = None, typed: Collection[int] = (),
 ) -> list[RowIssue]:
+    """Each row's own checks, then the checks across rows (a unique example_id, one split per prompt).
+    Only rows that pass their own checks (and had no value of the wrong type: ``typed``) claim an id
+    or a prompt's split, so a row that drop mode rejects does not cost a later valid row its place;
+    a rejected row is still checked against the valid rows' claims, so its reasons say everything."""
     issues: list[RowIssue] = []
-
-    def row_at(r: int) -> str:  # another row a reason points to, with its file and line where known
-        return f"row {r}" if where is None else f"row {r} ({where[r]})"
-
-    first_row_of_id: dict[str, int] = {}
-    split_of_prompt: dict[Any, tuple[str, int]] = {}  # prompt_id or ("text", prompt) -> (split, first row)
     label_set = None if labels is None else set(labels)
-    for r in range(n):
-        row = {name: values[r] for name, values in columns.items()}
+    rows = [{name: values[r] for name, values in columns.items()} for r in range(n)]
+    for r, row in enumerate(rows):
+        issues += [RowIssue(r, row["example_id"], field, reason)
+                   for field, reason in _own_issues(row, label_set, require_split)]
+    rejected = {i.row for i in issues} | set(typed)
+    claims = _Claims(where)
+    for r in [r for r in range(n) if r not in rejected] + sorted(rejected):
+        issues += [RowIssue(r, rows[r]["example_id"], field, reason)
+                   for field, reason in claims.check(r, rows[r], claim=r not in rejected)]
+    return issues
+
+
+class _Claims:
+    """The rows that hold each example_id and each prompt's split (by prompt_id and by prompt text: a
+    source's own ids may give one text two ids)."""
+
+    def __init__(self, where: Sequence[str] | None) -> None:
+        self.where = where
+        self.row_of_id: dict[str, int] = {}
+        self.split_of_prompt: dict[Any, tuple[str, int]] = {}  # prompt_id or ("text", prompt) -> (split, row)
+
+    def row_at(self, r: int) -> str:  # another row a reason points to, with its file and line where known
+        return f"row {r}" if self.where is None else f"row {r} ({self.where[r]})"
+
+    def check(self, r: int, row: dict[str, Any], *, claim: bool) -> list[tuple[str, str]]:
+        found = []
         eid = row["example_id"]
-
-        def bad(field: str, reason: str, r: int = r, eid: str | None = eid) -> None:
-            issues.append(RowIssue(r, eid, field, reason))
-
-        for name in ("example_id", "prompt_id", "prompt", "source"):
-            if row[name] is None or not row[name].strip():
-                bad(name, "is missing or empty")
         if eid is not None and eid.strip():
-            if eid in first_row_of_id:
-                bad("example_id", f"is also the example_id of {row_at(first_row_of_id[eid])}; ids must be unique")
-            else:
-                first_row_of_id[eid] = r
-        if row["prompt_messages"] is not None:
-            reason = _messages_issue(row["prompt_messages"])
-            if reason:
-                bad("prompt_messages", reason)
-        responses = row["responses"]
-        if responses is None:
-            bad("responses", "is missing")
-        else:
-            if len(responses) < 2:
-                bad("responses", f"has {len(responses)} response(s); a ranking needs at least 2")
-            for j, text in enumerate(responses):
-                if text is None or not text.strip():
-                    bad("responses", f"response {j} is empty or whitespace-only")
-        ranking = row["ranking"]
-        if ranking is None:
-            bad("ranking", "is missing")
-        elif responses is not None:
-            for reason in _ranking_issues(ranking, len(responses)):
-                bad("ranking", reason)
-        prefix = row["ranked_prefix"]
-        if prefix is None:
-            bad("ranked_prefix", "is missing")
-        elif ranking and not 1 <= prefix <= len(ranking):
-            bad("ranked_prefix", f"is {prefix}; it counts observed tiers, so 1..{len(ranking)} for this ranking")
-        cluster = row["cluster"]
-        if cluster is not None and not cluster.strip():
-            bad("cluster", f"is {cluster!r}; leave it out (null) for a ranking without a label")
-        elif cluster is not None and label_set is not None and cluster not in label_set:
-            bad("cluster", f"{cluster!r} is not in the declared label set {sorted(label_set)}")
+            other = self.row_of_id.get(eid)
+            if other is not None:
+                found.append(("example_id", f"is also the example_id of {self.row_at(other)}; ids must be unique"))
+            elif claim:
+                self.row_of_id[eid] = r
         split = row["split"]
-        if split is None:
-            if require_split:
-                bad("split", "is missing")
-        elif split not in SPLITS:
-            bad("split", f"is {split!r}; expected one of {', '.join(SPLITS)}")
-        else:
-            # By prompt_id and by prompt text: a source's own ids may give one text two ids.
+        if split in SPLITS:
             for key, what in ((row["prompt_id"], f"prompt_id {row['prompt_id']!r}"),
                               (None if row["prompt"] is None else ("text", row["prompt"]), "its prompt text")):
-                seen = None if key is None else split_of_prompt.setdefault(key, (split, r))
-                if seen is not None and seen[0] != split:
-                    bad("split", f"{what} is in {split!r} here and in {seen[0]!r} at {row_at(seen[1])}; a prompt must "
-                                 "stay in one split (the rows would be trained and tested on)")
+                seen = None if key is None else self.split_of_prompt.get(key)
+                if seen is None and key is not None and claim:
+                    self.split_of_prompt[key] = (split, r)
+                elif seen is not None and seen[0] != split:
+                    found.append(("split", f"{what} is in {split!r} here and in {seen[0]!r} at {self.row_at(seen[1])}; "
+                                           "a prompt must stay in one split (the rows would be trained and tested on)"))
                     break
-    return issues
+        return found
+
+
+def _own_issues(row: dict[str, Any], label_set: set[str] | None, require_split: bool) -> list[tuple[str, str]]:
+    """(field, reason) for what is wrong with one row by itself."""
+    found: list[tuple[str, str]] = []
+
+    def bad(field: str, reason: str) -> None:
+        found.append((field, reason))
+
+    for name in ("example_id", "prompt_id", "prompt", "source"):
+        if row[name] is None or not row[name].strip():
+            bad(name, "is missing or empty")
+    if row["prompt_messages"] is not None:
+        reason = _messages_issue(row["prompt_messages"])
+        if reason:
+            bad("prompt_messages", reason)
+    responses = row["responses"]
+    if responses is None:
+        bad("responses", "is missing")
+    else:
+        if len(responses) < 2:
+            bad("responses", f"has {len(responses)} response(s); a ranking needs at least 2")
+        for j, text in enumerate(responses):
+            if text is None or not text.strip():
+                bad("responses", f"response {j} is empty or whitespace-only")
+    ranking = row["ranking"]
+    if ranking is None:
+        bad("ranking", "is missing")
+    elif responses is not None:
+        for reason in _ranking_issues(ranking, len(responses)):
+            bad("ranking", reason)
+    prefix = row["ranked_prefix"]
+    if prefix is None:
+        bad("ranked_prefix", "is missing")
+    elif ranking and not 1 <= prefix <= len(ranking):
+        bad("ranked_prefix", f"is {prefix}; it counts observed tiers, so 1..{len(ranking)} for this ranking")
+    cluster = row["cluster"]
+    if cluster is not None and not cluster.strip():
+        bad("cluster", f"is {cluster!r}; leave it out (null) for a ranking without a label")
+    elif cluster is not None and label_set is not None and cluster not in label_set:
+        bad("cluster", f"{cluster!r} is not in the declared label set {sorted(label_set)}")
+    split = row["split"]
+    if split is None:
+        if require_split:
+            bad("split", "is missing")
+    elif split not in SPLITS:
+        bad("split", f"is {split!r}; expected one of {', '.join(SPLITS)}")
+    return found
 
 
 def _ranking_issues(ranking: list[list[int] | None], m: int) -> list[str]:

@@ -103,6 +103,22 @@ def test_duplicate_example_ids_and_a_prompt_in_two_splits_name_both_rows():
     assert "'test' here and in 'train' at row 0; a prompt must stay in one split" in reasons[(2, "split")]
 
 
+def test_a_rejected_row_claims_neither_its_id_nor_its_prompts_split():
+    rows = good_rows()
+    rows[0] = row(example_id="e0", ranking=[[7], [0, 2]])  # rejected for its ranking, in train
+    rows[1] = row(example_id="e0", prompt_id="p0", split="test")  # valid, but it shares row 0's id and prompt
+    rows[2] = row(example_id="e2", prompt_id="p0", split="test")
+    kept, rejected = split_rejected(rows)
+    assert kept.column("example_id").to_pylist() == ["e0", "e2"] and kept.column("split").to_pylist() == ["test"] * 2
+    reasons = {(r["row"], r["field"]): r["reason"] for r in rejected.to_pylist()}
+    assert set(reasons) == {(0, "ranking"), (0, "example_id"), (0, "split")}  # row 0 says everything
+    assert "is also the example_id of row 1" in reasons[(0, "example_id")]
+    assert "is in 'train' here and in 'test' at row 1;" in reasons[(0, "split")]
+    with pytest.raises(SchemaError) as err:  # strict mode names the same three
+        check_rankings(rows)
+    assert {(i.row, i.field) for i in err.value.issues} == set(reasons)
+
+
 def test_one_prompt_text_under_two_prompt_ids_stays_in_one_split():
     rows = good_rows()  # one prompt text under the ids p0, p1, p2
     rows[1] = row(example_id="e1", prompt_id="p1", split="test")
