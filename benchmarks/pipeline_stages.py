@@ -48,12 +48,12 @@ def main() -> None:
     run = in_this_process(config.root)
     rows = []
 
-    def timed(name: str, *stage_args) -> str:
+    def timed(name: str, *stage_args, **stage_kwargs) -> str:
         if cuda:
             torch.cuda.reset_peak_memory_stats()
         began = datetime.now(timezone.utc).replace(microsecond=0)
         start = time.perf_counter()
-        path = run(name, *stage_args)
+        path = run(name, *stage_args, **stage_kwargs)
         if cuda:
             torch.cuda.synchronize()
         seconds = time.perf_counter() - start

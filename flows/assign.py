@@ -11,10 +11,11 @@ from tasks.assign import plan_assignment, write_assignment
 
 @flow(name="assign")
 def assign_flow(train: str, rankings: str, root: str = DEFAULT_ROOT, device: str = "auto",
-                score_batch_size: int = 32) -> str:
+                score_batch_size: int = 32, model: str | None = None) -> str:
     """Write (or find) the posteriors of the rankings folder ``rankings`` (an ingest output) under the
-    mixture at ``train`` (a train artifact folder); returns the assign artifact's folder."""
-    plan = plan_assignment(train, rankings, root, device, score_batch_size)
+    mixture at ``train`` (a train artifact folder); returns the assign artifact's folder. ``model``:
+    where the base model is now, when it moved (default: where the train artifact's cache recorded it)."""
+    plan = plan_assignment(train, rankings, root, device, score_batch_size, model)
     if plan.complete:
         get_run_logger().info("%s is already complete at %s; nothing to do", plan.ref, plan.path)
         return str(plan.path)

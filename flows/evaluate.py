@@ -10,11 +10,13 @@ from tasks.evaluate import plan_evaluation, write_evaluation
 
 
 @flow(name="evaluate")
-def evaluate_flow(config: EvaluateConfig, train_dir: str, cache_dir: str, root: str = DEFAULT_ROOT) -> str:
+def evaluate_flow(config: EvaluateConfig, train_dir: str, cache_dir: str, root: str = DEFAULT_ROOT,
+                  model: str | None = None) -> str:
     """Write (or find) the evaluation of the mixture at ``train_dir`` (trained on ``cache_dir``);
-    returns its folder (metrics.parquet, report.md, plots/)."""
+    returns its folder (metrics.parquet, report.md, plots/). ``model``: where the cache's base model
+    is now, when it moved (default: where the cache recorded it)."""
     plan = plan_evaluation(config, train_dir, cache_dir, root)
     if plan.complete:
         get_run_logger().info("%s is already complete at %s; nothing to do", plan.ref, plan.path)
         return str(plan.path)
-    return str(write_evaluation(config, train_dir, cache_dir, root, plan).path)
+    return str(write_evaluation(config, train_dir, cache_dir, root, plan, model).path)

@@ -90,10 +90,10 @@ def moplex_pipeline(preset: str = "synthetic-demo", overrides: list[str] | None 
     config = with_overrides(config or pipeline_preset(preset), overrides or [])
     root, run_count = config.root, flow_run.get_run_count()
 
-    def stage(name: str, *args) -> str:
+    def stage(name: str, *args, **kwargs) -> str:
         if config.fault.stage == name and run_count <= config.fault.times:
             fail_on_purpose(config.fault, name, run_count)
-        return run_stage(name, lambda: STAGE_FLOWS[name](*args, root=root), config.stage_retries,
+        return run_stage(name, lambda: STAGE_FLOWS[name](*args, **kwargs, root=root), config.stage_retries,
                          config.retry_delay_seconds, get_run_logger())
 
     dirs = run_stages(config, stage)

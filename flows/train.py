@@ -10,10 +10,11 @@ from tasks.train import fit_mixture_of_adapters, plan_mixture
 
 
 @flow(name="train")
-def train_flow(config: TrainConfig, cache_dir: str, root: str = DEFAULT_ROOT) -> str:
-    """Write (or find, or resume) the train artifact of ``config`` on the cache at ``cache_dir``."""
+def train_flow(config: TrainConfig, cache_dir: str, root: str = DEFAULT_ROOT, model: str | None = None) -> str:
+    """Write (or find, or resume) the train artifact of ``config`` on the cache at ``cache_dir``.
+    ``model``: where the cache's base model is now, when it moved (default: where the cache recorded it)."""
     plan = plan_mixture(config, cache_dir, root)
     if plan.complete:
         get_run_logger().info("%s is already complete at %s; nothing to do", plan.ref, plan.path)
         return str(plan.path)
-    return str(fit_mixture_of_adapters(config, cache_dir, root, plan).path)
+    return str(fit_mixture_of_adapters(config, cache_dir, root, plan, model).path)

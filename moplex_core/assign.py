@@ -81,12 +81,13 @@ class AssignResult:
 RANKING_STAGES = ("ingest", "augment")
 
 
-def plan_assign(train_dir: str | Path, rankings_dir: str | Path, store: ArtifactStore, *,
+def plan_assign(train_dir: str | Path, rankings_dir: str | Path, store: ArtifactStore, *, model: str | None = None,
                 device: str = "auto", score_batch_size: int = 32) -> AssignPlan:
     """Where the assignment of ``rankings_dir`` (a rankings or augmented artifact) to the mixture of
-    ``train_dir`` (a finished train artifact) lives, and the cache it needs. Refuses a base model
-    whose files changed since the adapters were trained on it."""
-    from moplex_core.cache import check_cache_model, plan_cache
+    ``train_dir`` (a finished train artifact) lives, and the cache it needs. The base model is found
+    at ``model`` when given, else where the train artifact's cache recorded it (`cache_model`); one
+    whose files changed since the adapters were trained on it is refused."""
+    from moplex_core.cache import cache_model, plan_cache
     from moplex_core.lm.loading import dtype_name, identity_on_this_machine, resolve_dtype
 
     train_dir, rankings_dir = Path(train_dir).resolve(), Path(rankings_dir).resolve()
@@ -94,28 +95,30 @@ def plan_assign(train_dir: str | Path, rankings_dir: str | Path, store: Artifact
     read_manifest(rankings_dir, RANKING_STAGES)  # refuses an unfinished artifact or one of another stage
     resolved = _checked_device(device)
     trained_cache_dir = train_dir.parents[1] / train["inputs"]["cache"]
-    cache_config = _cache_config(read_manifest(trained_cache_dir), device)
+    model = cache_model(trained_cache_dir, model)
+    cache_config = _cache_config(read_manifest(trained_cache_dir), device, model)
     cache = plan_cache(cache_config, rankings_dir, store)
-    check_cache_model(trained_cache_dir)
     inputs = {"train": f"train/{train['version']}", "cache": str(cache.ref)}
     scored_in = identity_on_this_machine({"dtype": train["config"]["dtype"]}, device)
     version = store.version(STAGE, scored_in, inputs, CODE_VERSION)
-    recorded = {"train": str(train_dir), "rankings": str(rankings_dir), "device": resolved,
+    recorded = {"train": str(train_dir), "rankings": str(rankings_dir), "model": model, "device": resolved,
                 "resolved_dtype": dtype_name(resolve_dtype(train["config"]["dtype"], resolved)),
                 "score_batch_size": score_batch_size}
     return AssignPlan(ArtifactRef(STAGE, version), store.path(STAGE, version), cache, cache_config, inputs, recorded,
                       store.is_complete(STAGE, version))
 
 
-def run_assign(train_dir: str | Path, rankings_dir: str | Path, store: ArtifactStore, *, device: str = "auto",
-               score_batch_size: int = 32, progress: bool = True, plan: AssignPlan | None = None) -> AssignResult:
+def run_assign(train_dir: str | Path, rankings_dir: str | Path, store: ArtifactStore, *, model: str | None = None,
+               device: str = "auto", score_batch_size: int = 32, progress: bool = True,
+               plan: AssignPlan | None = None) -> AssignResult:
     """Cache ``rankings_dir`` as ``train_dir``'s cache was built (unless done), score every response
     under each trained adapter and write each ranking's posterior (unless this version exists). A
-    ``plan`` carries its own device and score_batch_size."""
+    ``plan`` carries its own model, device and score_batch_size."""
     from moplex_core.cache import run_cache
     from moplex_core.train import load_trained
 
-    plan = plan or plan_assign(train_dir, rankings_dir, store, device=device, score_batch_size=score_batch_size)
+    plan = plan or plan_assign(train_dir, rankings_dir, store, model=model, device=device,
+                               score_batch_size=score_batch_size)
     if plan.complete:
         return AssignResult(plan.ref, plan.path, False, store.manifest(STAGE, plan.ref.version)["rows"])
     with store.writer(STAGE, plan.ref.version, config=plan.recorded, inputs=plan.inputs,
@@ -126,7 +129,7 @@ def run_assign(train_dir: str | Path, rankings_dir: str | Path, store: ArtifactS
         cache_shards = shard_paths(plan.cache.path)  # assign shard s holds the rankings of cache shard s
         todo = [s for s in range(len(cache_shards)) if not writer.has_shard(s)]
         if todo:
-            scorer, alpha, trained = load_trained(train_dir, device=plan.recorded["device"])
+            scorer, alpha, trained = load_trained(train_dir, plan.recorded["model"], device=plan.recorded["device"])
             scorer.score_batch_size, scorer.progress = plan.recorded["score_batch_size"], progress
             rows = [pq.read_metadata(path).num_rows for path in cache_shards]
             done = sum(rows) - sum(rows[s] for s in todo)
@@ -193,13 +196,14 @@ def assignment_summary(posterior: np.ndarray, clusters: list[str | None]) -> dic
     return summary
 
 
-def _cache_config(cache_manifest: dict[str, Any], device: str) -> CacheConfig:
-    """The CacheConfig a cache artifact was built with, on ``device`` and without contractions."""
+def _cache_config(cache_manifest: dict[str, Any], device: str, model: str) -> CacheConfig:
+    """The CacheConfig a cache artifact was built with, on ``device``, with its base model at ``model``
+    and without contractions."""
     from moplex_core.config import CacheConfig
 
     recorded = dict(cache_manifest["config"])
     recorded.pop("resolved_dtype", None)  # what "auto" was where it ran (cache-N artifacts record it)
-    return CacheConfig.model_validate({**recorded, "device": device, "contractions": False})
+    return CacheConfig.model_validate({**recorded, "model": model, "device": device, "contractions": False})
 
 
 def _checked_device(device: str) -> str:

@@ -40,6 +40,8 @@ from moplex_core.lm.loading import (dtype_name, identity_on_this_machine, load_m
                                     resolve_dtype)
 from moplex_core.lm.tokenize import TokenizedResponse, encode_response, tokenize_responses
 from moplex_core.pl import encode_tiers_batch
+from moplex_core.tiny_model import MODEL_DIR
+from moplex_core.tiny_model import STAGE as TINY_MODEL_STAGE
 
 log = logging.getLogger(__name__)
 
@@ -245,27 +247,36 @@ def prompts_at_the_limit(rows: pa.Table, max_prompt_tokens: int | None) -> int:
     return int(pc.sum(pc.equal(first, max_prompt_tokens)).as_py() or 0)
 
 
-def check_cache_model(cache_dir: str | Path) -> None:
-    """Refuse when the base model the cache recorded (config ``model``) is no longer the one it was
-    built with: its files hash otherwise now (adapters trained or scored on it would sit on another
-    model, and every log pi_ref in the cache would be another model's)."""
+def cache_model(cache_dir: str | Path, model: str | None = None) -> str:
+    """The base model the cache at ``cache_dir`` was built with, where it is now: ``model`` (the
+    caller's: `cache.model` in a pipeline, `moplex assign --model`) when given; else the folder the
+    cache recorded, or, where that is gone, the same version of the tiny model in the root that holds
+    the cache (a moved artifact root). Refused unless its files hash as they did when the cache was
+    built (adapters trained or scored on another model would sit on it, and every log pi_ref in the
+    cache would be another model's)."""
+    cache_dir = Path(cache_dir)
     manifest = read_manifest(cache_dir)
-    model, built_with = manifest["config"]["model"], manifest["inputs"]["model"]
+    recorded, built_with = manifest["config"]["model"], manifest["inputs"]["model"]
+    if model is None:
+        model = recorded
+        moved = cache_dir.resolve().parents[1] / TINY_MODEL_STAGE / Path(recorded).parent.name / MODEL_DIR
+        if built_with.startswith("sha256:") and not Path(recorded).expanduser().is_dir() and moved.is_dir():
+            model = str(moved)
     if built_with.startswith("sha256:") and not Path(model).expanduser().is_dir():
         raise ValueError(f"the base model the cache at {cache_dir} was built with, the folder {model}, is not there "
-                         "now (a moved or deleted artifact root? the tiny model is the root's model/ stage): put "
-                         "it back at that path, or rebuild the cache on the model where it is now")
+                         "now: put it back, or say where it is (`cache.model` in a pipeline run, the train and "
+                         "evaluate stages' `model`, `moplex assign --model`); a folder with the same files will do")
     now = model_fingerprint(model)  # memoised per process: the plan of a cache has just computed it
     if built_with == f"hub:{model}" and now != built_with:
         log.warning("the cache at %s was planned before hub model %s was in the local Hugging Face cache, so "
                     "which commit it was built with is not recorded and cannot be checked against the one cached "
                     "now (%s); download a hub model before its first stage (`hf download %s`) to pin it",
                     cache_dir, model, now.partition("@")[2], model)
-        return
-    if now != built_with:
+    elif now != built_with:
         raise ValueError(f"the base model at {model} is not the one the cache at {cache_dir} was built with: its "
                          f"identity is {now} now, not {built_with}; restore that model (a hub name loads the commit that "
                          "refs/main names in the local Hugging Face cache), or rebuild the cache and retrain on the new one")
+    return model
 
 
 def load_policy_inputs(cache_dir: str | Path, split: str | None = "train"):

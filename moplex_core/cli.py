@@ -32,16 +32,16 @@ def _experiment_identifiability(args: argparse.Namespace) -> int:
 
 def _experiment_approximation(args: argparse.Namespace) -> int:
     from moplex_core.artifacts import ArtifactError, ArtifactStore, read_manifest
-    from moplex_core.cache import load_policy_inputs
+    from moplex_core.cache import cache_model, load_policy_inputs
     from moplex_core.experiments.approximation import ApproximationConfig, run_approximation
 
     config = ApproximationConfig(k=args.k, seeds=tuple(range(args.seed, args.seed + args.seeds)), examples=args.examples)
     try:
         cache = ArtifactStore(args.root).resolve(args.cache)
-        manifest = read_manifest(cache, ("cache",))
+        read_manifest(cache, ("cache",))  # refuses an unfinished artifact or one of another stage
         inputs, _ = load_policy_inputs(cache, args.split)
         out = Path(args.out) if args.out else Path(args.root) / "experiments" / "approximation"
-        outputs = run_approximation(manifest["config"]["model"], inputs, config, out, progress=not args.quiet)
+        outputs = run_approximation(cache_model(cache), inputs, config, out, progress=not args.quiet)
     except (ValueError, ArtifactError) as err:
         print(f"moplex experiment approximation: {err}", file=sys.stderr)
         return 1
@@ -170,8 +170,8 @@ def _assign(args: argparse.Namespace) -> int:
 
     store = ArtifactStore(args.root)
     try:
-        result = run_assign(store.resolve(args.train), store.resolve(args.rankings), store, device=args.device,
-                            score_batch_size=args.score_batch_size, progress=not args.quiet)
+        result = run_assign(store.resolve(args.train), store.resolve(args.rankings), store, model=args.model,
+                            device=args.device, score_batch_size=args.score_batch_size, progress=not args.quiet)
     except (ValueError, ArtifactError, OSError) as err:
         print(f"moplex assign: {err}", file=sys.stderr)
         return 1
@@ -364,6 +364,9 @@ def build_parser() -> argparse.ArgumentParser:
     assign.add_argument("train", help="the train artifact: its folder, or train/<version> under --root")
     assign.add_argument("rankings", help="the rankings artifact: its folder, or ingest/<version> under --root")
     assign.add_argument("--root", default="data/artifacts", help="artifact root (the cache and assign artifacts go here)")
+    assign.add_argument("--model", help="where the base model the adapters were trained on is now, when it moved: a "
+                        "folder with the same files (default: where the train artifact's cache recorded it, or the "
+                        "root's own tiny model)")
     assign.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default: %(default)s)")
     assign.add_argument("--score-batch-size", type=_positive_int, default=32,
                         help="rows (one response under one adapter) per scoring pass (default: %(default)s)")

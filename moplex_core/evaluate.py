@@ -241,10 +241,11 @@ def plan_evaluate(config: EvaluateConfig, train_dir: str | Path, cache_dir: str 
 
 
 def run_evaluate(config: EvaluateConfig, train_dir: str | Path, cache_dir: str | Path, store: ArtifactStore,
-                 plan: EvaluatePlan | None = None) -> EvaluateResult:
+                 plan: EvaluatePlan | None = None, *, model: str | None = None) -> EvaluateResult:
     """Score the held-out splits exactly with the trained adapters and write metrics.parquet,
-    diagnostics.parquet, report.md and plots/*.png (unless this version exists)."""
-    from moplex_core.cache import check_cache_model, load_policy_inputs
+    diagnostics.parquet, report.md and plots/*.png (unless this version exists), on the cache's base
+    model, found at ``model`` when given (`cache_model`)."""
+    from moplex_core.cache import cache_model, load_policy_inputs
     from moplex_core.lm.loading import resolve_device
     from moplex_core.report import write_report
     from moplex_core.train import load_trained
@@ -253,8 +254,8 @@ def run_evaluate(config: EvaluateConfig, train_dir: str | Path, cache_dir: str |
     if plan.complete:
         return EvaluateResult(plan.ref, plan.path, False, pd.read_parquet(plan.path / METRICS_FILE))
     train_dir, cache_dir = Path(train_dir), Path(cache_dir)
-    check_cache_model(cache_dir)
-    scorer, alpha, trained = load_trained(train_dir, device=resolve_device(config.device))
+    model = cache_model(cache_dir, model)
+    scorer, alpha, trained = load_trained(train_dir, model, device=resolve_device(config.device))
     scorer.score_batch_size = config.score_batch_size
     label_names = cache_label_names(cache_dir)
     outputs = {}

@@ -24,7 +24,8 @@ from moplex_core.tiny_model import MODEL_DIR, run_tiny_model
 from moplex_core.train import run_train
 
 Stage = Callable[..., str]
-"""stage(name, the stage's config, *its input artifact folders) -> its artifact folder."""
+"""stage(name, the stage's config, *its input artifact folders, [model=the base model where it is now]) -> its
+artifact folder."""
 
 
 def run_stages(config: PipelineConfig, stage: Stage) -> dict[str, str]:
@@ -42,8 +43,10 @@ def run_stages(config: PipelineConfig, stage: Stage) -> dict[str, str]:
     if augment is not None:
         dirs["augment"] = stage("augment", augment, dirs["ingest"])
     dirs["cache"] = stage("cache", cache, dirs.get("augment", dirs["ingest"]))
-    dirs["train"] = stage("train", config.train, dirs["cache"])
-    dirs["evaluate"] = stage("evaluate", config.evaluate, dirs["train"], dirs["cache"])
+    # The cache records where its model was; train and evaluate load it from where the config says it is
+    # now (a moved model folder or artifact root: the same files elsewhere keep the cache's version).
+    dirs["train"] = stage("train", config.train, dirs["cache"], model=cache.model)
+    dirs["evaluate"] = stage("evaluate", config.evaluate, dirs["train"], dirs["cache"], model=cache.model)
     return dirs
 
 
@@ -55,7 +58,8 @@ def in_this_process(root: str | Path) -> Stage:
         "model": lambda config, rankings: run_tiny_model(config, rankings, store).parent,  # the artifact, not model/
         "augment": lambda config, rankings: run_augment(config, rankings, store).path,
         "cache": lambda config, rankings: run_cache(config, rankings, store).path,
-        "train": lambda config, cache_dir: run_train(config, cache_dir, store).path,
-        "evaluate": lambda config, train_dir, cache_dir: run_evaluate(config, train_dir, cache_dir, store).path,
+        "train": lambda config, cache_dir, model: run_train(config, cache_dir, store, model=model).path,
+        "evaluate": lambda config, train_dir, cache_dir, model: run_evaluate(config, train_dir, cache_dir, store,
+                                                                             model=model).path,
     }
-    return lambda name, *args: str(calls[name](*args))
+    return lambda name, *args, **kwargs: str(calls[name](*args, **kwargs))

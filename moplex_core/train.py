@@ -47,7 +47,7 @@ import torch
 from tqdm.auto import tqdm
 
 from moplex_core.artifacts import ArtifactRef, ArtifactStore, atomic_path, read_manifest
-from moplex_core.cache import check_cache_model, load_policy_inputs
+from moplex_core.cache import cache_model, load_policy_inputs
 from moplex_core.config import TrainConfig, no_contractions_message
 from moplex_core.em import (START_FILE, EMConfig, EMState, fit_mixture, posteriors_table, read_posteriors,
                             soft_one_hot)
@@ -84,7 +84,6 @@ class TrainPlan:
     ref: ArtifactRef
     path: Path
     inputs: dict[str, str]  # {"cache": "cache/<version>"}
-    model: str  # the cache's base model
     complete: bool
 
 
@@ -106,8 +105,7 @@ def plan_train(config: TrainConfig, cache_dir: str | Path, store: ArtifactStore)
     if identity["dtype"] == "bfloat16":  # train-11 summed a mixed batch's adapter gradients in bfloat16, now in
         identity["adapter_gradient_sum"] = "float32"  # float32: new bf16 versions; a float32 run is unchanged
     version = store.version(STAGE, identity, inputs, CODE_VERSION)
-    return TrainPlan(ArtifactRef(STAGE, version), store.path(STAGE, version), inputs, manifest["config"]["model"],
-                     store.is_complete(STAGE, version))
+    return TrainPlan(ArtifactRef(STAGE, version), store.path(STAGE, version), inputs, store.is_complete(STAGE, version))
 
 
 def make_scorer(config: TrainConfig, model: str, *, progress: bool = False, restart: int = 0) -> LoRAPolicyScorer:
@@ -128,21 +126,22 @@ def make_scorer(config: TrainConfig, model: str, *, progress: bool = False, rest
 
 
 def run_train(config: TrainConfig, cache_dir: str | Path, store: ArtifactStore, plan: TrainPlan | None = None,
-              *, progress: bool = True) -> TrainResult:
-    """Fit the mixture on the cache's train split and write the train artifact (or resume it)."""
+              *, model: str | None = None, progress: bool = True) -> TrainResult:
+    """Fit the mixture on the cache's train split and write the train artifact (or resume it), on
+    the cache's base model, found at ``model`` when given (`cache_model`)."""
     plan = plan or plan_train(config, cache_dir, store)
     if plan.complete:
         return _finished(plan)
     inputs, labels = load_policy_inputs(cache_dir, TRAIN_SPLIT)
     check_config_fits_data(config, inputs, cache_dir)
-    check_cache_model(cache_dir)
+    model = cache_model(cache_dir, model)
     warm_start = label_start(labels, config.k, inputs.example_ids, cache_dir) if config.init == "labels" else None
     rankings = inputs.rankings(config.likelihood)
     em_config = EMConfig(k=config.k, max_iter=config.em_iterations, tol=config.tol, gamma_min=config.gamma_min,
                          init=config.init, restarts=config.restarts, hard=config.hard, seed=config.seed,
                          backtracks=config.backtracks)
     dtype = resolve_dtype(config.dtype, resolve_device(config.device))
-    recorded = {**config.model_dump(mode="json"), "model": plan.model, "resolved_dtype": dtype_name(dtype)}
+    recorded = {**config.model_dump(mode="json"), "model": model, "resolved_dtype": dtype_name(dtype)}
     with store.writer(STAGE, plan.ref.version, config=recorded, inputs=plan.inputs, code_version=CODE_VERSION) as writer:
         if writer.complete:
             return _finished(plan)
@@ -159,7 +158,7 @@ def run_train(config: TrainConfig, cache_dir: str | Path, store: ArtifactStore, 
         restarts = itertools.count()  # fit_mixture makes one scorer per restart, in order
 
         def new_scorer() -> LoRAPolicyScorer:
-            scorer = make_scorer(config, plan.model, progress=progress, restart=next(restarts))
+            scorer = make_scorer(config, model, progress=progress, restart=next(restarts))
             if not gap:
                 gap.append(check_reference_gap(scorer, inputs, cache_dir))
             return scorer
@@ -317,13 +316,16 @@ def check_config_fits_data(config: TrainConfig, inputs: PolicyInputs, cache_dir:
                  int((responses < config.anchors).sum()), config.anchors)
 
 
-def load_trained(train_dir: str | Path, *, device: str | None = None
+def load_trained(train_dir: str | Path, model: str | None = None, *, device: str | None = None
                  ) -> tuple[LoRAPolicyScorer, torch.Tensor, TrainConfig]:
     """The final adapters of a finished train artifact as a scorer, the mixing weights alpha, and
-    the config it was trained with (its ``likelihood`` is how its posteriors are computed)."""
+    the config it was trained with (its ``likelihood`` is how its posteriors are computed), on the
+    base model at ``model``: where its cache's model is now (`cache_model`), or by default where the
+    model was when it trained."""
     manifest = read_manifest(train_dir)
     recorded = dict(manifest["config"])
-    model = recorded.pop("model")
+    trained_on = recorded.pop("model")  # where the model was when it trained
+    model = trained_on if model is None else model
     recorded.pop("resolved_dtype", None)  # what "auto" was where it trained (artifacts of train-6 on)
     if device is not None:
         recorded["device"] = device

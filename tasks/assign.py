@@ -12,9 +12,11 @@ from moplex_core.assign import AssignPlan, AssignResult, plan_assign, run_assign
 
 
 @task(name="plan-assignment", cache_policy=NO_CACHE)
-def plan_assignment(train: str, rankings: str, root: str, device: str, score_batch_size: int) -> AssignPlan:
+def plan_assignment(train: str, rankings: str, root: str, device: str, score_batch_size: int,
+                    model: str | None = None) -> AssignPlan:
     """The version these train and rankings artifacts map to, and whether it is done."""
-    return plan_assign(train, rankings, ArtifactStore(root), device=device, score_batch_size=score_batch_size)
+    return plan_assign(train, rankings, ArtifactStore(root), model=model, device=device,
+                       score_batch_size=score_batch_size)
 
 
 @task(name="write-assignment", cache_policy=NO_CACHE)

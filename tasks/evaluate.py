@@ -19,8 +19,8 @@ def plan_evaluation(config: EvaluateConfig, train_dir: str, cache_dir: str, root
 
 @task(name="write-evaluation", cache_policy=NO_CACHE)
 def write_evaluation(config: EvaluateConfig, train_dir: str, cache_dir: str, root: str,
-                     plan: EvaluatePlan) -> EvaluateResult:
+                     plan: EvaluatePlan, model: str | None = None) -> EvaluateResult:
     """Score the held-out splits exactly and write metrics.parquet, report.md and the plots."""
-    result = run_evaluate(config, train_dir, cache_dir, ArtifactStore(root), plan)
+    result = run_evaluate(config, train_dir, cache_dir, ArtifactStore(root), plan, model=model)
     get_run_logger().info("evaluation %s: %d metric rows, report at %s", result.ref, len(result.metrics), result.report)
     return result

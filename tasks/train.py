@@ -18,9 +18,10 @@ def plan_mixture(config: TrainConfig, cache_dir: str, root: str) -> TrainPlan:
 
 
 @task(name="fit-mixture", cache_policy=NO_CACHE)
-def fit_mixture_of_adapters(config: TrainConfig, cache_dir: str, root: str, plan: TrainPlan) -> TrainResult:
+def fit_mixture_of_adapters(config: TrainConfig, cache_dir: str, root: str, plan: TrainPlan,
+                            model: str | None = None) -> TrainResult:
     """Run (or resume) EM over the k LoRA adapters and write the train artifact."""
-    result = run_train(config, cache_dir, ArtifactStore(root), plan)
+    result = run_train(config, cache_dir, ArtifactStore(root), plan, model=model)
     get_run_logger().info("train %s: LL %.4f after %d iterations at %s", result.ref, result.log_likelihood,
                           result.iterations, result.path)
     return result

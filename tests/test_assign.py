@@ -138,6 +138,24 @@ def test_assign_refuses_what_it_cannot_use_before_writing_anything(trained, caps
     assert not (tmp_path / "elsewhere").exists()
 
 
+def test_assign_takes_a_moved_model_with_the_same_files(trained, tmp_path, capsys):
+    store, train, _, new = trained
+    cache = next(info.path for info in store.list("cache") if info.manifest["config"]["contractions"])
+    model = Path(store.manifest("cache", cache.name)["config"]["model"])
+    moved = tmp_path / "moved-model"
+    root = ["--root", str(tmp_path / "artifacts"), "--quiet"]
+    model.rename(moved)
+    try:
+        assert main(["assign", str(train), str(new), *root]) == 1
+        assert f"the folder {model}, is not there now" in capsys.readouterr().err
+        assert main(["assign", str(train), str(new), "--model", str(moved), *root]) == 0
+    finally:
+        moved.rename(model)
+    assigned = ArtifactStore(tmp_path / "artifacts").list("assign")[0]
+    assert assigned.manifest["config"]["model"] == str(moved)
+    assert load_table(assigned.path).num_rows == 6
+
+
 def test_assign_flow_on_the_local_prefect_server(prefect_env, trained, tmp_path):
     from flows.assign import assign_flow
 

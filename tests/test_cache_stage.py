@@ -14,14 +14,14 @@ import torch
 from lm_fixtures import HUB_NAME, as_cached_hub_model, tiny_model_dir  # noqa: F401  (fixture)
 from stage_fixtures import write_synthetic
 
-from moplex_core.artifacts import ArtifactStore, load_table
-from moplex_core.cache import check_cache_model, load_policy_inputs, plan_cache, policy_inputs, run_cache
+from moplex_core.artifacts import ArtifactStore, load_table, read_manifest
+from moplex_core.cache import cache_model, load_policy_inputs, plan_cache, policy_inputs, run_cache
 from moplex_core.config import CacheConfig, TrainConfig
 from moplex_core.estimate import reference_terms
 from moplex_core.lm.loading import identity_on_this_machine, load_model, load_tokenizer
 from moplex_core.lm.tokenize import tokenize_responses
 from moplex_core.pl import UNRANKED
-from moplex_core.train import make_scorer, run_train
+from moplex_core.train import load_trained, make_scorer, run_train
 
 
 def test_augmented_input_caches_originals_then_generated_with_reference_terms(tiny_model_dir, tmp_path):  # noqa: F811
@@ -76,17 +76,43 @@ def test_train_refuses_a_base_model_changed_since_the_cache_was_built(tiny_model
     shutil.copytree(tiny_model_dir, model)
     store = ArtifactStore(tmp_path / "artifacts")
     cache = run_cache(CacheConfig(model=str(model)), write_synthetic(store, n=6, m=3), store, progress=False).path
-    check_cache_model(cache)
+    cache_model(cache)
     with open(model / "config.json", "a") as f:
         f.write("\n")  # retrained or replaced at the same path: other files
     with pytest.raises(ValueError, match=f"the base model at {model} is not the one the cache at"):
-        check_cache_model(cache)
+        cache_model(cache)
     with pytest.raises(ValueError, match="restore that model"):
         run_train(TrainConfig(k=2, anchors=None), cache, store, progress=False)
     assert not (store.root / "train").exists()
-    model.rename(tmp_path / "moved")  # a moved root: the folder is gone, not a hub name
-    with pytest.raises(ValueError, match=f"the folder {model}, is not there now"):
-        check_cache_model(cache)
+    model.rename(tmp_path / "moved")  # the folder is gone, not a hub name
+    with pytest.raises(ValueError, match=f"the folder {model}, is not there now: put it back, or say where it is"):
+        cache_model(cache)
+    with pytest.raises(ValueError, match="is not the one the cache at"):  # where it is now, still changed
+        cache_model(cache, str(tmp_path / "moved"))
+
+
+def test_a_moved_model_or_artifact_root_is_found_by_its_files(tiny_model_dir, tmp_path):  # noqa: F811
+    root = tmp_path / "root"
+    model = root / "model" / "abc123" / "model"  # the tiny model stage's folder in the root
+    shutil.copytree(tiny_model_dir, model)
+    cache = run_cache(CacheConfig(model=str(model)), write_synthetic(ArtifactStore(root), n=6, m=3),
+                      ArtifactStore(root), progress=False).path
+    assert cache_model(cache) == str(model)
+    root.rename(tmp_path / "moved")  # the whole root: its own tiny model is found
+    moved = tmp_path / "moved" / "cache" / cache.name
+    assert cache_model(moved) == str(tmp_path / "moved" / "model" / "abc123" / "model")
+    result = run_train(TrainConfig(k=2, anchors=None, em_iterations=1, epochs=1), moved,
+                       ArtifactStore(tmp_path / "moved"), progress=False)
+    assert read_manifest(result.path)["config"]["model"] == str(tmp_path / "moved" / "model" / "abc123" / "model")
+
+    elsewhere = tmp_path / "models" / "mine"  # a model kept outside the root, moved: say where it is
+    (tmp_path / "moved" / "model").rename(tmp_path / "models")
+    (tmp_path / "models" / "abc123" / "model").rename(elsewhere)
+    with pytest.raises(ValueError, match="is not there now"):
+        cache_model(moved)
+    assert cache_model(moved, str(elsewhere)) == str(elsewhere)
+    scorer, _, _ = load_trained(result.path, str(elsewhere))
+    assert scorer.exact_scores(load_policy_inputs(moved, "train")[0]).shape[1] == 2
 
 
 def test_a_hub_models_cache_records_its_commit_and_refuses_another(tiny_model_dir, tmp_path, monkeypatch,  # noqa: F811
@@ -95,15 +121,15 @@ def test_a_hub_models_cache_records_its_commit_and_refuses_another(tiny_model_di
     store = ArtifactStore(tmp_path / "artifacts")
     cache = run_cache(CacheConfig(model=HUB_NAME), write_synthetic(store, n=6, m=3), store, progress=False).path
     assert store.manifest("cache", cache.name)["inputs"]["model"] == f"hub:{HUB_NAME}@{'a' * 40}"
-    check_cache_model(cache)
+    cache_model(cache)
     as_cached_hub_model(tiny_model_dir, tmp_path / "hub", "b" * 40, monkeypatch)  # the hub's main moved on
     with pytest.raises(ValueError, match=f"its identity is hub:{HUB_NAME}@b+ now, not hub:{HUB_NAME}@a+"):
-        check_cache_model(cache)
+        cache_model(cache)
 
     manifest = json.loads((cache / "manifest.json").read_text())
     manifest["inputs"]["model"] = f"hub:{HUB_NAME}"  # what a cache planned before the model was downloaded records
     (cache / "manifest.json").write_text(json.dumps(manifest))
-    check_cache_model(cache)
+    cache_model(cache)
     assert f"which commit it was built with is not recorded and cannot be checked against the one cached now " \
            f"({'b' * 40})" in caplog.text
 

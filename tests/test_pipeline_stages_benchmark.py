@@ -1,9 +1,11 @@
 """benchmarks/pipeline_stages.py runs the pipeline's stages without Prefect (moplex_core.pipeline), as
-on the GPU machine, which has no Prefect, datasets or vLLM: every stage built, then every stage found."""
+on the GPU machine, which has no Prefect, datasets or vLLM: every stage built, then every stage found,
+then on the root moved elsewhere, the evaluation redone on the moved root's own tiny model."""
 
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -42,3 +44,9 @@ def test_the_stages_run_in_order_without_prefect_and_a_rerun_finds_every_one(tmp
     second = _run(tmp_path / "root")
     assert [row[:3] for row in second] == [row[:3] for row in first]  # the same versions and rows
     assert all(row[3] == "yes" for row in second[:-1])
+
+    (tmp_path / "root").rename(tmp_path / "moved")  # the cache recorded the tiny model's old path
+    shutil.rmtree(tmp_path / "moved" / "evaluate")
+    third = _run(tmp_path / "moved")
+    assert [row[:3] for row in third] == [row[:3] for row in first]
+    assert [row[3] for row in third[:-1]] == ["yes"] * 5 + [""]
