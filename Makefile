@@ -9,13 +9,20 @@ export PREFECT_SERVER_ANALYTICS_ENABLED := false
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: test test-fast demo study compare chaos bench gpu-wheels clean
+.PHONY: test test-fast demo study compare chaos bench gpu-wheels lock clean
 
-$(STAMP): pyproject.toml
+# constraints.txt pins every package: the same versions on every clone give the same artifacts on
+# the same CPU (a newer transformers or torch moves the tiny model's floats, and so every version).
+$(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	# pip (not uv/poetry) sees the local torch 2.13.0 CPU wheel; the grep drops pip's index noise.
-	$(BIN)/pip install -q -e '.[test,bench]' 2>&1 | { grep -v 'is ignored: it is neither a file nor a directory' || true; }
+	$(BIN)/pip install -q -c constraints.txt -e '.[test,bench]' 2>&1 | { grep -v 'is ignored: it is neither a file nor a directory' || true; }
 	touch $(STAMP)
+
+# After upgrading a package in .venv (and running the tests): pin what .venv now holds.
+lock: $(STAMP)
+	{ sed -n '1,3p' constraints.txt; $(BIN)/pip freeze --exclude-editable | grep -v '^-e'; } > constraints.txt.new
+	mv constraints.txt.new constraints.txt
 
 # One pytest worker per core, at most 4 (pytest-xdist): most tests use one core (one torch thread, or
 # a subprocess the test waits on). Whole files per worker (loadfile), so module fixtures (a tiny model,
