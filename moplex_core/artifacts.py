@@ -28,7 +28,7 @@ import re
 import shutil
 import sys
 import uuid
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Collection, Iterable, Iterator, Mapping
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -492,7 +492,8 @@ class ArtifactWriter:
                 log.info("%s resumes an interrupted run; reusing %d finished file(s)", self.ref, len(self.reused))
             marker = self.path / _STARTED
             run = {"started": _now(), "config": self._config, "library_versions": _library_versions()}
-            changes = sorted({change for earlier in _runs(marker) for change in run_changes(earlier, run)})
+            # Where a model lies is left out: its files are the version's input, so they are the same.
+            changes = sorted({change for earlier in _runs(marker) for change in run_changes(earlier, run, ("model",))})
             if self.reused and changes:
                 log.warning("%s resumes from files that earlier runs wrote with %s: settings outside the version "
                             "(how, not what), but a float they hold can differ from this run's in its last digits "
@@ -702,12 +703,12 @@ def _fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
-def run_changes(earlier: dict[str, Any], later: dict[str, Any]) -> list[str]:
+def run_changes(earlier: dict[str, Any], later: dict[str, Any], ignore: Collection[str] = ()) -> list[str]:
     """What run record ``earlier`` (a manifest's ``runs`` entry) ran with that ``later`` did not: one
-    ``key value (last: value)`` per config value or library version."""
+    ``key value (last: value)`` per config value (but those in ``ignore``) or library version."""
     return [f"{key} {json.dumps(value, default=str)} (last: {json.dumps((later.get(field) or {}).get(key), default=str)})"
             for field in ("config", "library_versions") for key, value in sorted((earlier.get(field) or {}).items())
-            if value != (later.get(field) or {}).get(key)]
+            if value != (later.get(field) or {}).get(key) and not (field == "config" and key in ignore)]
 
 
 def _runs(started: Path) -> list[dict[str, Any]]:

@@ -32,7 +32,7 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from moplex_core.artifacts import ArtifactRef, ArtifactStore, load_table, read_manifest, shard_name
-from moplex_core.config import CacheConfig
+from moplex_core.config import CacheConfig, local_model_absolute
 from moplex_core.estimate import reference_terms_batch
 from moplex_core.hashing import model_fingerprint
 from moplex_core.lm.device import passes_sized_by
@@ -259,13 +259,15 @@ def cache_model(cache_dir: str | Path, model: str | None = None) -> str:
     recorded, built_with = manifest["config"]["model"], manifest["inputs"]["model"]
     if model is None:
         model = recorded
-        moved = cache_dir.resolve().parents[1] / TINY_MODEL_STAGE / Path(recorded).parent.name / MODEL_DIR
+        root = ArtifactStore(cache_dir.resolve().parents[1])  # the root that holds the cache now
+        moved = root.path(TINY_MODEL_STAGE, Path(recorded).parent.name) / MODEL_DIR
         if built_with.startswith("sha256:") and not Path(recorded).expanduser().is_dir() and moved.is_dir():
             model = str(moved)
     if built_with.startswith("sha256:") and not Path(model).expanduser().is_dir():
         raise ValueError(f"the base model the cache at {cache_dir} was built with, the folder {model}, is not there "
                          "now: put it back, or say where it is (`cache.model` in a pipeline run, the train and "
-                         "evaluate stages' `model`, `moplex assign --model`); a folder with the same files will do")
+                         "evaluate stages' `model`, `--model` of `moplex assign` or `moplex experiment approximation`); "
+                         "a folder with the same files will do")
     now = model_fingerprint(model)  # memoised per process: the plan of a cache has just computed it
     if built_with == f"hub:{model}" and now != built_with:
         log.warning("the cache at %s was planned before hub model %s was in the local Hugging Face cache, so "
@@ -276,7 +278,7 @@ def cache_model(cache_dir: str | Path, model: str | None = None) -> str:
         raise ValueError(f"the base model at {model} is not the one the cache at {cache_dir} was built with: its "
                          f"identity is {now} now, not {built_with}; restore that model (a hub name loads the commit that "
                          "refs/main names in the local Hugging Face cache), or rebuild the cache and retrain on the new one")
-    return model
+    return local_model_absolute(model)
 
 
 def load_policy_inputs(cache_dir: str | Path, split: str | None = "train"):

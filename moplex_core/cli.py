@@ -41,7 +41,7 @@ def _experiment_approximation(args: argparse.Namespace) -> int:
         read_manifest(cache, ("cache",))  # refuses an unfinished artifact or one of another stage
         inputs, _ = load_policy_inputs(cache, args.split)
         out = Path(args.out) if args.out else Path(args.root) / "experiments" / "approximation"
-        outputs = run_approximation(cache_model(cache), inputs, config, out, progress=not args.quiet)
+        outputs = run_approximation(cache_model(cache, args.model), inputs, config, out, progress=not args.quiet)
     except (ValueError, ArtifactError) as err:
         print(f"moplex experiment approximation: {err}", file=sys.stderr)
         return 1
@@ -280,6 +280,8 @@ def build_parser() -> argparse.ArgumentParser:
     approx.add_argument("--cache", required=True,
                         help="a cache artifact: its folder, or cache/<version prefix> under --root (its model is pi_ref)")
     approx.add_argument("--root", default="data/artifacts", help="artifact root (default: %(default)s)")
+    approx.add_argument("--model", help="where the cache's base model is now, when it moved: a folder with the same "
+                        "files (default: where the cache recorded it, or the root's own tiny model)")
     approx.add_argument("--out", help="folder for errors.parquet, table.parquet and table.md (default: "
                                       "ROOT/experiments/approximation)")
     approx.add_argument("--split", default="train", help="cache split to measure on")

@@ -26,7 +26,7 @@ def absolute_path(path: str) -> str:
     return os.path.abspath(os.path.expanduser(path))
 
 
-def _local_model_absolute(model: str | None) -> str | None:
+def local_model_absolute(model: str | None) -> str | None:
     """A model naming an existing local directory, made absolute; a hub name or "tiny" as given."""
     if model is None or model == TINY_MODEL or not Path(model).expanduser().is_dir():
         return model
@@ -497,7 +497,7 @@ class AugmentConfig(StageConfig):
     @field_validator("model")
     @classmethod
     def _absolute_model(cls, v: str | None) -> str | None:
-        return _local_model_absolute(v)
+        return local_model_absolute(v)
     n_generated: int = Field(3, ge=1)
     """m' - m: responses added to every ranking."""
     temperature: float = Field(2.0, gt=0.0)
@@ -569,7 +569,7 @@ class CacheConfig(StageConfig):
     @field_validator("model")
     @classmethod
     def _absolute_model(cls, v: str) -> str:
-        return _local_model_absolute(v)
+        return local_model_absolute(v)
     use_chat_template: bool = True
     max_prompt_tokens: int | None = Field(512, ge=1)
     """Longer prompts lose their start."""

@@ -40,7 +40,8 @@ STAGE = "ingest"
 # Bump when a change to this stage changes what it writes. Kept at ingest-1 on 2026-11-24: a strict
 # ingest writes what it wrote; a drop-mode artifact of before then lacks rejected.parquet's `where`
 # column and the summary's unreadable_records (nothing reads either; a source with unreadable records
-# made no artifact before, it stopped).
+# made no artifact before, it stopped); one written before unlabelled_rows (2026-11-24) counts the
+# unlabelled rankings under "None" in the summary's rows_per_cluster (nothing reads it either).
 CODE_VERSION = "ingest-1"
 # An adapter's own changes, added to its dataset's versions only (the others keep theirs). generic-2:
 # a split column that is not kept no longer rejects rows (validation=drop kept fewer before);

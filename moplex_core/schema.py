@@ -332,9 +332,12 @@ def _row_issues(
     where: Sequence[str] | None = None, typed: Collection[int] = (),
 ) -> list[RowIssue]:
     """Each row's own checks, then the checks across rows (a unique example_id, one split per prompt).
-    Only rows that pass their own checks (and had no value of the wrong type: ``typed``) claim an id
-    or a prompt's split, so a row that drop mode rejects does not cost a later valid row its place;
-    a rejected row is still checked against the valid rows' claims, so its reasons say everything."""
+
+    The rows valid by themselves (with no value of the wrong type either: ``typed``) claim, in order,
+    an id and their prompt's split, each unless an earlier kept row holds it, which rejects the row;
+    so a row that drop mode rejects never costs a later valid row its place. Each rejected row is then
+    checked against the kept rows' claims and against the rejected rows before it, so that its
+    reasons, and strict mode's error, still name every conflict."""
     issues: list[RowIssue] = []
     label_set = None if labels is None else set(labels)
     rows = [{name: values[r] for name, values in columns.items()} for r in range(n)]
@@ -342,16 +345,30 @@ def _row_issues(
         issues += [RowIssue(r, row["example_id"], field, reason)
                    for field, reason in _own_issues(row, label_set, require_split)]
     rejected = {i.row for i in issues} | set(typed)
-    claims = _Claims(where)
-    for r in [r for r in range(n) if r not in rejected] + sorted(rejected):
-        issues += [RowIssue(r, rows[r]["example_id"], field, reason)
-                   for field, reason in claims.check(r, rows[r], claim=r not in rejected)]
+    kept, among_rejected = _Claims(where), _Claims(where)
+    for r in range(n):
+        if r in rejected:
+            continue
+        found = kept.conflicts(r, rows[r])
+        if found:
+            rejected.add(r)
+            issues += [RowIssue(r, rows[r]["example_id"], field, reason) for field, reason in found]
+        else:
+            kept.claim(r, rows[r])
+    reported = {(i.row, i.field) for i in issues}
+    for r in sorted(rejected):
+        found = kept.conflicts(r, rows[r])
+        found += [(field, reason) for field, reason in among_rejected.conflicts(r, rows[r])
+                  if field not in {f for f, _ in found}]
+        issues += [RowIssue(r, rows[r]["example_id"], field, reason) for field, reason in found
+                   if (r, field) not in reported]
+        among_rejected.claim(r, rows[r])
     return issues
 
 
 class _Claims:
-    """The rows that hold each example_id and each prompt's split (by prompt_id and by prompt text: a
-    source's own ids may give one text two ids)."""
+    """The first row that holds each example_id, and each prompt's split with the first row that put
+    it there (by prompt_id and by prompt text: a source's own ids may give one text two ids)."""
 
     def __init__(self, where: Sequence[str] | None) -> None:
         self.where = where
@@ -361,27 +378,35 @@ class _Claims:
     def row_at(self, r: int) -> str:  # another row a reason points to, with its file and line where known
         return f"row {r}" if self.where is None else f"row {r} ({self.where[r]})"
 
-    def check(self, r: int, row: dict[str, Any], *, claim: bool) -> list[tuple[str, str]]:
+    def conflicts(self, r: int, row: dict[str, Any]) -> list[tuple[str, str]]:
+        """(field, reason) for each claim of another row that ``row`` contradicts."""
         found = []
+        other = self.row_of_id.get(row["example_id"])
+        if other is not None and other != r:
+            found.append(("example_id", f"is also the example_id of {self.row_at(other)}; ids must be unique"))
+        for key, what in _prompt_keys(row):
+            seen = self.split_of_prompt.get(key)
+            if seen is not None and seen[0] != row["split"]:
+                found.append(("split", f"{what} is in {row['split']!r} here and in {seen[0]!r} at "
+                                       f"{self.row_at(seen[1])}; a prompt must stay in one split (the rows would be "
+                                       "trained and tested on)"))
+                break
+        return found
+
+    def claim(self, r: int, row: dict[str, Any]) -> None:
         eid = row["example_id"]
         if eid is not None and eid.strip():
-            other = self.row_of_id.get(eid)
-            if other is not None:
-                found.append(("example_id", f"is also the example_id of {self.row_at(other)}; ids must be unique"))
-            elif claim:
-                self.row_of_id[eid] = r
-        split = row["split"]
-        if split in SPLITS:
-            for key, what in ((row["prompt_id"], f"prompt_id {row['prompt_id']!r}"),
-                              (None if row["prompt"] is None else ("text", row["prompt"]), "its prompt text")):
-                seen = None if key is None else self.split_of_prompt.get(key)
-                if seen is None and key is not None and claim:
-                    self.split_of_prompt[key] = (split, r)
-                elif seen is not None and seen[0] != split:
-                    found.append(("split", f"{what} is in {split!r} here and in {seen[0]!r} at {self.row_at(seen[1])}; "
-                                           "a prompt must stay in one split (the rows would be trained and tested on)"))
-                    break
-        return found
+            self.row_of_id.setdefault(eid, r)
+        for key, _ in _prompt_keys(row):
+            self.split_of_prompt.setdefault(key, (row["split"], r))
+
+
+def _prompt_keys(row: dict[str, Any]) -> list[tuple[Any, str]]:
+    """The keys a row with a known split holds its prompt's split under, each with how a reason names it."""
+    if row["split"] not in SPLITS:
+        return []
+    return ([] if row["prompt_id"] is None else [(row["prompt_id"], f"prompt_id {row['prompt_id']!r}")]) + \
+           ([] if row["prompt"] is None else [(("text", row["prompt"]), "its prompt text")])
 
 
 def _own_issues(row: dict[str, Any], label_set: set[str] | None, require_split: bool) -> list[tuple[str, str]]:

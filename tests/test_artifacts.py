@@ -193,7 +193,7 @@ def test_a_failed_writer_commits_nothing_and_the_next_one_reuses_finished_shards
 def test_the_manifest_of_a_resumed_version_records_every_run_with_its_config_and_libraries(tmp_path, caplog):
     store = ArtifactStore(tmp_path)
     with pytest.raises(RuntimeError, match="boom"):
-        with store.writer("demo", "v1", config={"threads": 2}) as w:
+        with store.writer("demo", "v1", config={"threads": 2, "model": "/old/root/model"}) as w:
             w.write_shard(0, table(0))
             raise RuntimeError("boom")
     marker = tmp_path / "demo" / "v1" / ".started"
@@ -201,14 +201,15 @@ def test_the_manifest_of_a_resumed_version_records_every_run_with_its_config_and
     first["library_versions"]["torch"] = "0.0.1"  # as if the first run had another torch
     marker.write_text(json.dumps(first) + "\n")
     with caplog.at_level(logging.WARNING, logger="moplex_core.artifacts"):
-        with store.writer("demo", "v1", config={"threads": 1}) as w:
+        with store.writer("demo", "v1", config={"threads": 1, "model": "/new/root/model"}) as w:
             w.write_shard(1, table(1))
     manifest = store.manifest("demo", "v1")
-    # the shard it reuses was written with other settings outside the version: said when it resumes
+    # the shard it reuses was written with other settings outside the version: said when it resumes (but
+    # not a model's new place: its files are the version's input)
     assert (f'demo/v1 resumes from files that earlier runs wrote with threads 2 (last: 1); torch "0.0.1" (last: '
-            f'"{manifest["library_versions"]["torch"]}")') in caplog.text
-    assert [run["config"] for run in manifest["runs"]] == [{"threads": 2}, {"threads": 1}]
-    assert manifest["started"] == manifest["runs"][0]["started"] and manifest["config"] == {"threads": 1}
+            f'"{manifest["library_versions"]["torch"]}"): settings outside') in caplog.text
+    assert [run["config"]["threads"] for run in manifest["runs"]] == [2, 1]
+    assert manifest["started"] == manifest["runs"][0]["started"] and manifest["config"]["threads"] == 1
     assert manifest["runs"][1]["library_versions"] == manifest["library_versions"]
     report = inspect_path(tmp_path / "demo" / "v1")
     assert "runs:     2 (this version was worked on by 1 earlier run(s))" in report

@@ -119,6 +119,29 @@ def test_a_rejected_row_claims_neither_its_id_nor_its_prompts_split():
     assert {(i.row, i.field) for i in err.value.issues} == set(reasons)
 
 
+@pytest.mark.parametrize("rows, kept_ids, rejected", [
+    ([row(example_id="e0", prompt_id="p0", prompt="P"),  # a row rejected for its id still claims nothing
+      row(example_id="e0", prompt_id="q", prompt="Q", split="test"),
+      row(example_id="e2", prompt_id="q", prompt="Q")],
+     ["e0", "e2"], {(1, "example_id"), (1, "split")}),
+    ([row(example_id="e0", prompt_id="p0", prompt="T"),  # nor one rejected for its prompt text's split
+      row(example_id="e1", prompt_id="p1", prompt="T", split="test"),
+      row(example_id="e2", prompt_id="p1", prompt="U")],
+     ["e0", "e2"], {(1, "split")}),
+    ([row(example_id="e0", prompt_id="p0", ranking=[[7], [0, 2]]),  # two rejected rows still name their conflicts
+      row(example_id="e0", prompt_id="p0", ranking=[[7], [0, 2]], split="test"),
+      row(example_id="e9", prompt_id="p9", prompt="other")],
+     ["e9"], {(0, "ranking"), (1, "ranking"), (1, "example_id"), (1, "split")}),
+])
+def test_rows_rejected_for_a_conflict_claim_nothing_either(rows, kept_ids, rejected):
+    kept, reasons = split_rejected(rows)
+    assert kept.column("example_id").to_pylist() == kept_ids
+    assert {(r["row"], r["field"]) for r in reasons.to_pylist()} == rejected
+    with pytest.raises(SchemaError) as err:
+        check_rankings(rows)
+    assert {(i.row, i.field) for i in err.value.issues} == rejected
+
+
 def test_one_prompt_text_under_two_prompt_ids_stays_in_one_split():
     rows = good_rows()  # one prompt text under the ids p0, p1, p2
     rows[1] = row(example_id="e1", prompt_id="p1", split="test")
