@@ -403,10 +403,13 @@ class _Claims:
 
 def _prompt_keys(row: dict[str, Any]) -> list[tuple[Any, str]]:
     """The keys a row with a known split holds its prompt's split under, each with how a reason names it."""
-    if row["split"] not in SPLITS:
-        return []
-    return ([] if row["prompt_id"] is None else [(row["prompt_id"], f"prompt_id {row['prompt_id']!r}")]) + \
-           ([] if row["prompt"] is None else [(("text", row["prompt"]), "its prompt text")])
+    keys: list[tuple[Any, str]] = []
+    if row["split"] in SPLITS:
+        if row["prompt_id"] is not None:
+            keys.append((row["prompt_id"], f"prompt_id {row['prompt_id']!r}"))
+        if row["prompt"] is not None:
+            keys.append((("text", row["prompt"]), "its prompt text"))
+    return keys
 
 
 def _own_issues(row: dict[str, Any], label_set: set[str] | None, require_split: bool) -> list[tuple[str, str]]:
