@@ -257,12 +257,16 @@ def cache_model(cache_dir: str | Path, model: str | None = None) -> str:
     cache_dir = Path(cache_dir)
     manifest = read_manifest(cache_dir)
     recorded, built_with = manifest["config"]["model"], manifest["inputs"]["model"]
+    given = model is not None
     if model is None:
         model = recorded
         root = ArtifactStore(cache_dir.resolve().parents[1])  # the root that holds the cache now
         moved = root.path(TINY_MODEL_STAGE, Path(recorded).parent.name) / MODEL_DIR
         if built_with.startswith("sha256:") and not Path(recorded).expanduser().is_dir() and moved.is_dir():
             model = str(moved)
+    if given and built_with.startswith("sha256:") and not Path(model).expanduser().is_dir():
+        raise ValueError(f"the base model given, {model}, is not a folder; give the folder that now holds the model the "
+                         f"cache at {cache_dir} was built with (at {recorded} then)")
     if built_with.startswith("sha256:") and not Path(model).expanduser().is_dir():
         raise ValueError(f"the base model the cache at {cache_dir} was built with, the folder {model}, is not there "
                          "now: put it back, or say where it is (`cache.model` in a pipeline run, the train and "
@@ -274,6 +278,10 @@ def cache_model(cache_dir: str | Path, model: str | None = None) -> str:
                     "which commit it was built with is not recorded and cannot be checked against the one cached "
                     "now (%s); download a hub model before its first stage (`hf download %s`) to pin it",
                     cache_dir, model, now.partition("@")[2], model)
+    elif now != built_with and given:
+        raise ValueError(f"the base model given, {model}, is not the one the cache at {cache_dir} was built with (at "
+                         f"{recorded} then): its identity is {now}, not {built_with}; give the folder that holds that "
+                         "model's files")
     elif now != built_with:
         raise ValueError(f"the base model at {model} is not the one the cache at {cache_dir} was built with: its "
                          f"identity is {now} now, not {built_with}; restore that model (a hub name loads the commit that "

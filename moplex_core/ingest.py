@@ -155,6 +155,10 @@ def build_rankings(config: IngestConfig, inputs: dict[str, str] | None = None) -
             f"({adapted.stats}); check the source and the dataset options"
             + (f"; {len(raw.rows)} record(s) were set aside, the first: {raw.rows[0]['reason']}" if raw.rows else "")
         )
+    if adapted.stats.get("ignored_column:split"):
+        log.warning("%d ranking(s) of the source name a split, which ingest does not keep: it splits by prompt "
+                    "(split.fractions, seed). To keep the source's splits, set split.from_source=true (every row "
+                    "then needs one of %s)", adapted.stats["ignored_column:split"], ", ".join(SPLITS))
     labels = default_labels(config)
     if config.validation == "strict":
         table = check_rankings(adapted.rows, labels, config.split.from_source, adapted.where)

@@ -83,8 +83,9 @@ class SchemaError(ValueError):
     def __init__(self, issues: Sequence[RowIssue], what: str = "rankings"):
         self.issues = list(issues)
         rows = sorted({i.row for i in self.issues if i.row is not None})
-        shown = "\n  ".join(str(i) for i in self.issues[:_MESSAGE_ROWS])
-        more = len(self.issues) - _MESSAGE_ROWS
+        listed = _MESSAGE_ROWS + (len(self.issues) == _MESSAGE_ROWS + 1)  # not "... and 1 more"
+        shown = "\n  ".join(str(i) for i in self.issues[:listed])
+        more = len(self.issues) - listed
         head = (
             f"{what}: {len(rows)} invalid row(s)" if rows else f"{what}: the table does not have the canonical schema"
         )
@@ -345,7 +346,7 @@ def _row_issues(
         issues += [RowIssue(r, row["example_id"], field, reason)
                    for field, reason in _own_issues(row, label_set, require_split)]
     rejected = {i.row for i in issues} | set(typed)
-    kept, among_rejected = _Claims(where), _Claims(where)
+    kept, among_rejected = _Claims(rows, where), _Claims(rows, where)
     for r in range(n):
         if r in rejected:
             continue
@@ -370,8 +371,8 @@ class _Claims:
     """The first row that holds each example_id, and each prompt's split with the first row that put
     it there (by prompt_id and by prompt text: a source's own ids may give one text two ids)."""
 
-    def __init__(self, where: Sequence[str] | None) -> None:
-        self.where = where
+    def __init__(self, rows: Sequence[dict[str, Any]], where: Sequence[str] | None) -> None:
+        self.rows, self.where = rows, where
         self.row_of_id: dict[str, int] = {}
         self.split_of_prompt: dict[Any, tuple[str, int]] = {}  # prompt_id or ("text", prompt) -> (split, row)
 
@@ -383,7 +384,10 @@ class _Claims:
         found = []
         other = self.row_of_id.get(row["example_id"])
         if other is not None and other != r:
-            found.append(("example_id", f"is also the example_id of {self.row_at(other)}; ids must be unique"))
+            same = all(row[name] == self.rows[other][name] for name in _CONTENT)
+            found.append(("example_id", f"is also the example_id of {self.row_at(other)}; ids must be unique"
+                          + ("; the two rows are the same ranking (a generic source without example_ids gives "
+                             "them one id): give each row its own example_id to keep both" if same else "")))
         for key, what in _prompt_keys(row):
             seen = self.split_of_prompt.get(key)
             if seen is not None and seen[0] != row["split"]:
@@ -399,6 +403,10 @@ class _Claims:
             self.row_of_id.setdefault(eid, r)
         for key, _ in _prompt_keys(row):
             self.split_of_prompt.setdefault(key, (row["split"], r))
+
+
+_CONTENT = ("prompt_id", "prompt", "responses", "ranking", "cluster")
+"""What two rows hold the same ranking in (a generic source's missing example_id is made from it)."""
 
 
 def _prompt_keys(row: dict[str, Any]) -> list[tuple[Any, str]]:

@@ -148,6 +148,8 @@ def test_assign_takes_a_moved_model_with_the_same_files(trained, tmp_path, capsy
     try:
         assert main(["assign", str(train), str(new), *root]) == 1
         assert f"the folder {model}, is not there now" in capsys.readouterr().err
+        assert main(["assign", str(train), str(new), "--model", str(tmp_path / "nowhere"), *root]) == 1
+        assert f"the base model given, {tmp_path / 'nowhere'}, is not a folder" in capsys.readouterr().err
         assert main(["assign", str(train), str(new), "--model", str(moved), *root]) == 0
     finally:
         moved.rename(model)

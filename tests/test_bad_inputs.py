@@ -66,7 +66,8 @@ def _error(path: Path) -> str:
 def test_non_utf8_jsonl_names_the_file_line_and_byte(tmp_path):
     path = _write(tmp_path / "x.jsonl", json.dumps(GOOD).encode() + b'\n{"prompt": "caf\xe9"}\n')
     assert _error(path) == (f"{path} line 2 is not UTF-8 text (byte 16 is b'\\xe9'); re-encode the file as UTF-8, "
-                            "e.g. `iconv -f latin1 -t utf-8 IN > OUT`")
+                            "e.g. `iconv -f latin1 -t utf-8 IN > OUT`; to set such records aside in rejected.parquet "
+                            "and read the rest, ingest with `--set validation=drop`")
 
 
 @pytest.mark.parametrize("name", ["x.jsonl", "x.json"])

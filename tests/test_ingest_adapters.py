@@ -401,7 +401,8 @@ def test_generic_fills_derivable_columns_and_keeps_the_source_split(fixtures_dir
     ({1: "test"}, "a prompt must stay in one split"),  # rows 0 and 1 share prompt p1; row 0 is train
     ({2: "dev"}, "'dev'"),
 ])
-def test_a_generic_split_column_that_is_not_kept_is_not_checked_either(tmp_path, fixtures_dir, change, error):
+def test_a_generic_split_column_that_is_not_kept_is_not_checked_either(tmp_path, fixtures_dir, change, error,
+                                                                       caplog):
     # Without split.from_source the ingest assigns the splits, so the source's own can neither be kept
     # nor reject a row; kept, they are checked.
     rows = [json.loads(line) for line in (fixtures_dir / "generic.jsonl").read_text().splitlines()]
@@ -413,6 +414,7 @@ def test_a_generic_split_column_that_is_not_kept_is_not_checked_either(tmp_path,
         assert built.table.num_rows == len(rows) and built.summary["rejected_rows"] == 0
         assert set(built.table.column("split").to_pylist()) <= set(SPLITS)
         assert built.summary["adapter"]["ignored_column:split"] == sum(1 for row in rows if row.get("split"))
+    assert "name a split, which ingest does not keep" in caplog.text and "set split.from_source=true" in caplog.text
     with pytest.raises(SchemaError, match=error):
         build_rankings(IngestConfig(dataset="generic", path=str(tmp_path / "rows.jsonl"),
                                     split=SplitConfig(from_source=True)))
@@ -518,6 +520,15 @@ def test_a_data_folder_skips_moplex_artifacts_below_it_but_not_the_users_own_man
         records(data / "artifacts" / "ingest" / "finished")
     (data / "raw" / "gone.jsonl").symlink_to(data / "nowhere.jsonl")  # a dangling link is not a data file
     assert [r.where for r in records(data)] == [r.where for r in before]
+
+
+def test_a_data_folder_says_which_files_it_does_not_read(tmp_path, fixtures_dir, caplog):
+    shutil.copy(fixtures_dir / "generic.jsonl", tmp_path / "a.jsonl")
+    (tmp_path / "b.csv").write_text("prompt,responses\n")  # a user's other export: not read, and said so
+    (tmp_path / ".hidden").write_text("x")
+    assert {Path(r.where.split(" line ")[0]).name for r in records(tmp_path)} == {"a.jsonl"}
+    assert f"{tmp_path}: 1 file(s) that are not .jsonl, .jsonl.gz, .json, .parquet files are not read, e.g. b.csv" \
+        in caplog.text
 
 
 # --- splits ----------------------------------------------------------------------------------------

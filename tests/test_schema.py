@@ -142,6 +142,25 @@ def test_rows_rejected_for_a_conflict_claim_nothing_either(rows, kept_ids, rejec
     assert {(i.row, i.field) for i in err.value.issues} == rejected
 
 
+def test_two_identical_rankings_under_one_id_are_told_to_take_their_own_ids():
+    rows = good_rows()
+    rows[1] = dict(rows[0])  # the same ranking again: a generic source without ids gives both one id
+    rows[2] = row(example_id="e0", prompt_id="p2", ranking=[[0], [1, 2]])  # the same id on another ranking
+    with pytest.raises(SchemaError) as err:
+        check_rankings(rows)
+    reasons = {(i.row, i.field): i.reason for i in err.value.issues}
+    assert reasons[(1, "example_id")].endswith("give each row its own example_id to keep both")
+    assert reasons[(2, "example_id")].endswith("ids must be unique")
+
+
+def test_the_error_lists_a_last_issue_rather_than_saying_one_more():
+    rows = [row(example_id=f"e{i}", prompt_id=f"p{i}", ranking=[[9], [0]]) for i in range(6)]
+    message = str(pytest.raises(SchemaError, check_rankings, rows).value)
+    assert "row 5" in message and "more" not in message
+    rows.append(row(example_id="e6", prompt_id="p6", ranking=[[9], [0]]))
+    assert "... and 2 more" in str(pytest.raises(SchemaError, check_rankings, rows).value)
+
+
 def test_one_prompt_text_under_two_prompt_ids_stays_in_one_split():
     rows = good_rows()  # one prompt text under the ids p0, p1, p2
     rows[1] = row(example_id="e1", prompt_id="p1", split="test")

@@ -101,7 +101,8 @@ class RawRejects:
 
     def _reject(self, record: Record, err: RawSchemaError) -> None:
         if not self.drop:
-            raise err
+            raise RawSchemaError(f"{err}; to set such records aside in rejected.parquet and read the rest, ingest with "
+                                 "`--set validation=drop`") from err
         text = record.raw if record.unreadable is not None else json_text(record.data)
         self.rows.append({"where": self.relative(record.where), "reason": self.relative(str(err)), "record": text})
 
@@ -117,8 +118,9 @@ class RawRejects:
 STRICT = RawRejects()  # for adapters called without an ingest's settings
 
 
-def local_files(path: str | Path) -> list[Path]:
-    """The data files of a local source: the file itself, or every data file below a folder, sorted."""
+def local_files(path: str | Path, *, say_skipped: bool = False) -> list[Path]:
+    """The data files of a local source: the file itself, or every data file below a folder, sorted.
+    ``say_skipped`` warns of a folder's other visible files (not read: a .csv, a README)."""
     path = Path(path)
     if path.is_file():
         if not path.name.endswith(DATA_SUFFIXES):
@@ -128,7 +130,7 @@ def local_files(path: str | Path) -> list[Path]:
         if is_version_folder(path):
             raise DatasetUnavailableError(f"{path} is a moplex artifact, not a dataset: give the file or folder the "
                                           "rankings came from (an ingest artifact is read with load_table)")
-        files, artifacts = [], []
+        files, artifacts, others = [], [], []
         for folder, subfolders, names in os.walk(path):
             folder = Path(folder)
             # Hidden entries are never data; moplex's own artifacts (a root under the data folder,
@@ -138,6 +140,10 @@ def local_files(path: str | Path) -> list[Path]:
             subfolders[:] = sorted(d for d in visible if folder / d not in artifacts)
             files += [folder / n for n in names if n.endswith(DATA_SUFFIXES) and not n.startswith(".")
                       and (folder / n).is_file()]  # not a dangling link or a FIFO
+            others += [folder / n for n in names if not n.endswith(DATA_SUFFIXES) and not n.startswith(".")]
+        if others and say_skipped:
+            log.warning("%s: %d file(s) that are not %s files are not read, e.g. %s", path, len(others),
+                        ", ".join(DATA_SUFFIXES), ", ".join(str(f.relative_to(path)) for f in others[:3]))
         if artifacts:
             log.info("%s: skipped %d moplex artifact version folder(s), e.g. %s", path, len(artifacts), artifacts[0])
         if not files:
@@ -162,7 +168,7 @@ def iter_local_records(path: str | Path) -> Iterator[Record]:
     `RawSchemaError` naming the file (and line); a line of a .jsonl file that cannot be read (not
     UTF-8, not JSON, not an object, a lone UTF-16 surrogate escape) is yielded as an unreadable
     record, for `RawRejects` to raise or set aside."""
-    for file in local_files(path):
+    for file in local_files(path, say_skipped=True):
         if file.name.endswith(".parquet"):
             yield from _parquet_records(file)
         elif file.name.endswith(".json"):
