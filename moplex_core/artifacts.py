@@ -48,6 +48,8 @@ log = logging.getLogger(__name__)
 
 DEFAULT_ROOT = "data/artifacts"
 MANIFEST = "manifest.json"
+CHECKPOINTS = "em"
+"""A version's folder of checkpoints (train's EM iterations): files like any other, listed apart by inspect."""
 VERSION_LENGTH = 12
 _SHARD_RE = re.compile(r"^part-(\d{5})\.parquet$")
 _STARTED = ".started"

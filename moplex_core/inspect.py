@@ -19,8 +19,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from moplex_core.artifacts import (MANIFEST, ArtifactStore, is_stage_folder, is_version_folder, off_the_manifest,
-                                   readable_manifest, run_changes, shard_paths)
+from moplex_core.artifacts import (CHECKPOINTS, MANIFEST, ArtifactStore, is_stage_folder, is_version_folder,
+                                   off_the_manifest, readable_manifest, run_changes, shard_paths)
 
 StageSection = Callable[[Path, list[Path]], list[str]]
 _STAGE_SECTIONS: dict[str, StageSection] = {}
@@ -84,10 +84,15 @@ def _version_report(version_dir: Path, rows: int) -> str:
         ]
         if manifest.get("summary"):
             lines += ["summary:", *_key_lines(manifest["summary"])]
+        checkpoints = {name: entry for name, entry in manifest["files"].items() if name.startswith(f"{CHECKPOINTS}/")}
         lines += ["files:"] + [
             f"  {name:<40} {entry['bytes']:>12,} B  sha256 {entry['sha256'][:12]}"
-            for name, entry in sorted(manifest["files"].items())
+            for name, entry in sorted(manifest["files"].items()) if name not in checkpoints
         ]
+        if checkpoints:
+            lines.append(f"  {CHECKPOINTS + '/':<40} {sum(e['bytes'] for e in checkpoints.values()):>12,} B  in "
+                         f"{len(checkpoints)} files: every EM iteration's checkpoint (`moplex inspect "
+                         f"{version_dir / CHECKPOINTS}` lists them; a Parquet file there opens on its own)")
         libs = manifest.get("library_versions", {})
         lines.append("libraries: " + ", ".join(f"{k} {v}" for k, v in sorted(libs.items())))
     elif (version_dir / MANIFEST).is_file():
@@ -107,7 +112,8 @@ def _version_report(version_dir: Path, rows: int) -> str:
             except (pa.ArrowException, OSError) as err:
                 lines += ["", f"-- {stage} section: unreadable: {err} --"]
     others = sorted(p for p in version_dir.rglob("*.parquet") if p not in shards
-                    and not any(part.startswith(".") for part in p.relative_to(version_dir).parts))
+                    and not any(part.startswith(".") for part in p.relative_to(version_dir).parts)
+                    and not p.relative_to(version_dir).as_posix().startswith(f"{CHECKPOINTS}/"))
     for other in others:
         lines += [""] + _table_report(other.relative_to(version_dir).as_posix(), [other], rows)
     return "\n".join(lines)
@@ -203,6 +209,16 @@ def _size(manifest: dict[str, Any], short: bool = False) -> str:
     return f"{files} files" if short else f"no part-*.parquet shards: the stage writes the {files} named files below"
 
 
+def _made_from(manifest: dict[str, Any]) -> str:
+    """What a version was made from, in a few words: an ingest's dataset (and file or folder name),
+    another stage's input artifacts by short version."""
+    if manifest["stage"] == "ingest":
+        config = manifest["config"]
+        return config.get("dataset", "") + (f" {Path(config['path']).name}" if config.get("path") else "")
+    refs = [value for value in manifest["inputs"].values() if "/" in value and not value.startswith(("sha256:", "hub:"))]
+    return ("from " + ", ".join(ref.split("/")[0] + "/" + ref.split("/")[1][:4] for ref in refs)) if refs else ""
+
+
 def _folder_in_version(folder: Path, version_dir: Path) -> str:
     """A folder inside an artifact (a train artifact's adapters/ or em/): its files, and where the
     artifact's own report is."""
@@ -225,7 +241,7 @@ def _listing(directory: Path) -> str:
         if info.complete:
             status = "DAMAGED " if off_the_manifest(info.path, info.manifest) else "complete"
             lines.append(f"  {str(info.ref):<32} {status}    {_size(info.manifest, short=True):>16}  "
-                         f"{info.manifest['finished']}")
+                         f"{info.manifest['finished']}  {_made_from(info.manifest)}")
         else:
             lines.append(f"  {str(info.ref):<32} INCOMPLETE  {len(shard_paths(info.path)):>10} shard(s) so far")
     return "\n".join(lines)

@@ -46,7 +46,7 @@ import pyarrow.parquet as pq
 import torch
 from tqdm.auto import tqdm
 
-from moplex_core.artifacts import ArtifactRef, ArtifactStore, atomic_path, read_manifest
+from moplex_core.artifacts import CHECKPOINTS, ArtifactRef, ArtifactStore, atomic_path, read_manifest
 from moplex_core.cache import cache_model, load_policy_inputs
 from moplex_core.config import TrainConfig, no_contractions_message
 from moplex_core.em import (START_FILE, EMConfig, EMState, fit_mixture, posteriors_table, read_posteriors,
@@ -164,14 +164,14 @@ def run_train(config: TrainConfig, cache_dir: str | Path, store: ArtifactStore, 
             return scorer
 
         with bar:
-            result, scorer = fit_mixture(new_scorer, inputs, rankings, em_config, checkpoint_dir=writer.path / "em",
+            result, scorer = fit_mixture(new_scorer, inputs, rankings, em_config, checkpoint_dir=writer.path / CHECKPOINTS,
                                          on_iteration=on_iteration, warm_start=warm_start,
                                          checkpoint_files=partial(_iteration_files, inputs=inputs, config=config))
         best = result.best
         with writer.directory("adapters") as staging:
             scorer.save_adapters(staging)
         writer.write_table(POSTERIORS, posteriors_table(inputs.example_ids, best.gamma))
-        start_file = writer.path / "em" / f"restart-{best.restart:02d}" / START_FILE
+        start_file = writer.path / CHECKPOINTS / f"restart-{best.restart:02d}" / START_FILE
         writer.write_file(START_POSTERIORS, start_file.read_bytes())  # EM wrote it for these example ids
         summary = {
             "restart": best.restart, "iterations": best.iteration + 1, "converged": best.converged,

@@ -48,6 +48,21 @@ def test_a_parquet_file_an_incomplete_version_and_listings(rankings, tmp_path):
         inspect_path(tmp_path / "nope")
 
 
+def test_a_listing_says_what_each_version_was_made_from_and_checkpoints_are_summed_up(rankings, tmp_path):
+    store = ArtifactStore(tmp_path)
+    with store.writer("train", "t1", config={}, inputs={"cache": "cache/abcdef123456"}) as w:
+        w.write_shard(0, pa.table({"x": [1]}))
+        for t in range(3):
+            (w.path / "em" / "restart-00" / f"iter-{t:04d}").mkdir(parents=True)
+            pq.write_table(pa.table({"gamma": [0.5]}), w.path / "em" / "restart-00" / f"iter-{t:04d}" / "p.parquet")
+    lines = {line.split()[0]: line for line in inspect_path(tmp_path).splitlines()[1:]}
+    assert lines[str(rankings.ref)].endswith("ultrafeedback ultrafeedback.jsonl")
+    assert lines["train/t1"].endswith("from cache/abcd")
+    report = inspect_path(w.path)
+    assert "em/restart-00/iter-0000/p.parquet" not in report and "-- em/" not in report
+    assert f"in 3 files: every EM iteration's checkpoint (`moplex inspect {w.path / 'em'}` lists them" in report
+
+
 def test_a_version_whose_files_are_not_its_manifests_is_reported_damaged(rankings, tmp_path):
     shard = rankings.path / "part-00000.parquet"
     shard.write_bytes(shard.read_bytes()[:-10])  # a truncated copy
@@ -111,7 +126,7 @@ def test_other_stages_plug_in_their_own_section(tmp_path, monkeypatch):
     store = ArtifactStore(tmp_path)
     with store.writer("demo-kind", "v1", config={}) as w:
         w.write_shard(0, pa.table({"split": ["train", "test"], "score": [0.5, 0.25]}))
-        w.write_table("em/iter-0001/posteriors.parquet", pa.table({"example_id": ["a"], "assigned": [0]}))
+        w.write_table("extra/posteriors.parquet", pa.table({"example_id": ["a"], "assigned": [0]}))
 
     @stage_section("demo-kind")
     def _demo(version_dir, shards):
@@ -119,7 +134,7 @@ def test_other_stages_plug_in_their_own_section(tmp_path, monkeypatch):
 
     report = inspect_path(w.path)
     assert "-- demo: 1 shard(s) --" in report and "rows per split:" in report
-    assert "-- em/iter-0001/posteriors.parquet: 1 rows --" in report
+    assert "-- extra/posteriors.parquet: 1 rows --" in report
 
 
 def test_a_version_of_named_files_counts_its_files_not_zero_rows(tmp_path):
