@@ -86,9 +86,13 @@ def with_overrides(config: C, assignments: Sequence[str]) -> C:
             value = raw
         node = data
         *parents, leaf = key.split(".")
-        for part in parents:
+        for depth, part in enumerate(parents):
             if not isinstance(node.get(part), dict):
-                problems.append(f"  {key}: {part!r} is not a block of {type(config).__name__}")
+                block = ".".join(parents[:depth + 1])
+                meant = _closest_key(block, [k for k in known if isinstance(_at(data, k), dict)])
+                within = ".".join(parents[:depth]) or type(config).__name__
+                problems.append(f"  {key}: {part!r} is not a block of {within}"
+                                + (f"; did you mean {meant}?" if meant else ""))
                 break
             node = node[part]
         else:
@@ -140,6 +144,13 @@ def _dotted_keys(data: dict[str, Any], prefix: str = "") -> list[str]:
     return keys
 
 
+def _at(data: dict[str, Any], key: str) -> Any:
+    """The value at dotted ``key`` of a dumped config."""
+    for part in key.split("."):
+        data = data[part]
+    return data
+
+
 def _closest_key(key: str, known: Sequence[str]) -> str | None:
     """The setting ``key`` was probably meant as: one of that name in another block (``em_iterations``
     for ``train.em_iterations``), else the nearest spelling."""
@@ -163,7 +174,8 @@ def describe_validation_error(err: ValidationError, known: Sequence[str] = ()) -
             lines.append(f"  {key}: unknown key (not a setting of this block; {hint})")
             continue
         message = problem["msg"].removeprefix("Value error, ")
-        got = "" if isinstance(problem.get("input"), dict) else f" (got {problem.get('input')!r})"
+        said = isinstance(problem.get("input"), dict) or ", got " in message  # a validator's own message names it
+        got = "" if said else f" (got {problem.get('input')!r})"
         lines.append(f"  {key + ': ' if key else ''}{message}{got}")
     return "\n".join(lines)
 

@@ -243,6 +243,9 @@ def test_a_hub_server_error_is_worth_retrying_and_an_unknown_dataset_is_not(tmp_
     ("em_iterations=3", "em_iterations: unknown key (not a setting of this block; did you mean train.em_iterations?)"),
     ("train.em_iteration=3", "train.em_iteration: unknown key (not a setting of this block; did you mean "
                              "train.em_iterations?)"),
+    ("trian.k=3", "trian.k: 'trian' is not a block of PipelineConfig; did you mean train?"),
+    ("ingest.splt.sizes=[1,1,1]", "ingest.splt.sizes: 'splt' is not a block of ingest; did you mean ingest.split?"),
+    ("ingest.split.fractions=[0.9,0.2,0.1]", "must be >= 0 and sum to 1, got (0.9, 0.2, 0.1)\n"),
     ("train.k=0", "train.k: Input should be greater than or equal to 1 (got 0)"),
     ("train.beta=0", "train.beta: Input should be greater than 0 (got 0)"),
     ("augment.temperature=-0.5", "augment.temperature: Input should be greater than 0 (got -0.5)"),
@@ -253,7 +256,7 @@ def test_a_hub_server_error_is_worth_retrying_and_an_unknown_dataset_is_not(tmp_
 def test_config_errors_name_the_key_in_one_line(assignment, expected):
     with pytest.raises(ValueError) as err:
         with_overrides(pipeline_preset("synthetic-demo"), [assignment])
-    assert expected in str(err.value)
+    assert expected in str(err.value) + "\n"
     assert "errors.pydantic.dev" not in str(err.value)
 
 
