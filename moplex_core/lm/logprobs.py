@@ -29,6 +29,7 @@ adapter (the tests and benchmarks compare against it).
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -39,6 +40,12 @@ from torch.utils.checkpoint import checkpoint
 from transformers import DynamicCache, PreTrainedModel
 
 from moplex_core.lm.device import to_device
+
+
+def _cache_name(decoder: nn.Module) -> str:
+    """What the decoder calls its key/value cache, in and out: ``past_key_values`` in transformers up
+    to 5.17 (the GPU machine's), ``cache`` since (the old name is deprecated there, and goes in 5.40)."""
+    return "cache" if "cache" in inspect.signature(decoder.forward).parameters else "past_key_values"
 
 
 def causal_lm_parts(model: PreTrainedModel | PeftModel) -> tuple[nn.Module, nn.Module]:
@@ -115,8 +122,9 @@ def prompt_prefix(
     # Right padding: a pad's query sees real keys before it (no fully masked row, so no NaN that a
     # masked key could carry into the continuation), and the continuation masks the pads' keys.
     on_device = to_device(mask, device)
-    cache = decoder(input_ids=to_device(ids, device), attention_mask=_whole_rows_mask(model, mask, on_device),
-                    use_cache=True).past_key_values
+    out = decoder(input_ids=to_device(ids, device), attention_mask=_whole_rows_mask(model, mask, on_device),
+                  use_cache=True)
+    cache = getattr(out, _cache_name(decoder))
     mask, rows = on_device, to_device(rows, device)
     cache.batch_select_indices(rows)  # [G, ...] -> [B, ...], differentiable indexing
     return PromptPrefix(cache, mask[rows], mask.sum(1)[rows])
@@ -293,7 +301,7 @@ def _response_hidden(
         attention_mask = _whole_rows_mask(model, attention_mask.to("cpu"), device)
     else:
         positions = torch.arange(input_ids.shape[1], device=device)
-        inputs.update(past_key_values=prefix.cache, position_ids=prefix.lengths[:, None] + positions[None, :])
+        inputs.update({_cache_name(decoder): prefix.cache}, position_ids=prefix.lengths[:, None] + positions[None, :])
         attention_mask = torch.cat([prefix.attention_mask, to_device(attention_mask, device).to(prefix.attention_mask)],
                                    dim=1)
     hidden = decoder(**inputs, attention_mask=attention_mask, use_cache=False).last_hidden_state  # [B, L, d]
