@@ -445,6 +445,10 @@ def main(argv: list[str] | None = None) -> int:
     # The temporary server `moplex run` starts would send Prefect's usage telemetry: off unless asked for.
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     args = build_parser().parse_args(argv)
+    if getattr(args, "quiet", False):  # transformers' own bars too (a model's weights loading)
+        from transformers.utils import logging as transformers_logging
+
+        transformers_logging.disable_progress_bar()
     try:
         status = args.func(args)
         sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's exit
