@@ -215,7 +215,8 @@ def _made_from(manifest: dict[str, Any]) -> str:
     if manifest["stage"] == "ingest":
         config = manifest["config"]
         return config.get("dataset", "") + (f" {Path(config['path']).name}" if config.get("path") else "")
-    refs = [value for value in manifest["inputs"].values() if "/" in value and not value.startswith(("sha256:", "hub:"))]
+    refs = [str(value) for value in (manifest.get("inputs") or {}).values()
+            if "/" in str(value) and not str(value).startswith(("sha256:", "hub:"))]
     return ("from " + ", ".join(ref.split("/")[0] + "/" + ref.split("/")[1][:4] for ref in refs)) if refs else ""
 
 
