@@ -12,7 +12,8 @@ export TOKENIZERS_PARALLELISM := false
 .PHONY: test test-fast demo study compare chaos bench gpu-wheels lock clean
 
 # constraints.txt pins every package: the same versions on every clone give the same artifacts on
-# the same CPU (a newer transformers or torch moves the tiny model's floats, and so every version).
+# the same CPU (the tiny model's files record the transformers version that saved them, so even a
+# transformers release that computes the same floats gives other versions from augment on).
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	# pip (not uv/poetry) sees the local torch 2.13.0 CPU wheel; the grep drops pip's index noise.
