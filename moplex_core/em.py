@@ -115,7 +115,9 @@ class Scorer(Protocol):
     # Optional, for init="linearized": response_features(inputs) -> float64 [n, M, d], features in
     # which every cluster's score is (to first order) linear at the scorer's start.
     # Optional, for EMConfig.backtracks: scale_steps(factor) sets the M-step's step size (learning
-    # rate) to factor times the configured one, until it is called again.
+    # rate) to factor times the configured one, until it is called again; ``estimates`` (true when an
+    # iteration's E-step scores are estimates from that iteration's draw of anchors) makes
+    # backtracking compare the scorer before and after an M-step under one draw.
 
     def state_dict(self) -> dict[str, Any]: ...
 
@@ -468,7 +470,10 @@ def _m_and_e_step(scorer: Scorer, inputs: Any, rankings: Rankings, weights: torc
     With ``config.backtracks`` (soft EM, a scorer with ``scale_steps``, an LL to compare with), an
     M-step after which the LL per ranking falls below ``previous`` is redone from the scorer's state
     before it, with its step halved, until the LL does not fall or the backtracks are spent (the
-    last attempt is kept). Each attempt costs one M-step and one E-step more.
+    last attempt is kept). Each attempt costs one M-step and one E-step more. With estimated scores
+    (``scorer.estimates``) ``previous`` came from the last iteration's anchors, so the comparison is
+    made instead with the scorer before the M-step scored under this iteration's: one E-step more
+    per iteration, and a fall is the M-step's, not another draw's.
 
     With a scorer that falls back to exact scores (``exact_fallback``, ``fell_back``: the LoRA
     scorer's `train.exact_fallback`), an E-step whose estimates failed is redone exactly, and so is
@@ -480,6 +485,9 @@ def _m_and_e_step(scorer: Scorer, inputs: Any, rankings: Rankings, weights: torc
     backtracks = config.backtracks if scale_steps is not None and previous is not None and not config.hard else 0
     fallback = bool(getattr(scorer, "exact_fallback", 0)) and getattr(scorer, "fell_back", None) is None
     before = scorer.state_dict() if backtracks or fallback else None
+    if backtracks and getattr(scorer, "estimates", False):
+        previous = posteriors(scorer, inputs, rankings, alpha, iteration)[1].mean().item()
+        scorer.load_state_dict(before)  # the E-step's offsets and fallback as they were
     for halved in range(backtracks + 1):
         if backtracks:
             scale_steps(0.5 ** halved)

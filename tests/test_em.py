@@ -396,6 +396,32 @@ def test_backtracking_redoes_an_m_step_that_lowered_the_likelihood_and_resumes_a
         EMConfig(backtracks=-1)
 
 
+class Drawing(Overshooting):
+    """An estimating scorer (``estimates``) whose M-step does not move it at all, and whose E-step
+    scores carry a noise of their iteration's own (as the LoRA scorer's anchors are drawn anew each
+    iteration): any fall of its log-likelihood comes from the draws, none from an M-step."""
+
+    estimates = True
+
+    def fit(self, inputs, rankings, weights, iteration=0):
+        pass
+
+    def score(self, inputs, iteration=0):
+        noise = torch.randn(super().score(inputs, iteration).shape, dtype=torch.float64,
+                            generator=torch.Generator().manual_seed(iteration))
+        return super().score(inputs, iteration) + 0.3 * noise
+
+
+def test_backtracking_with_estimated_scores_compares_one_draw_before_and_after_the_m_step():
+    _, rankings, x = synthetic(k=2, m=4, n=200)
+    with pytest.warns(RuntimeWarning, match="fell from"):  # the draws alone lower it between iterations
+        plain, _ = fit_mixture(lambda: Drawing(2, 2), x, rankings, EMConfig(k=2, max_iter=5, tol=0))
+    assert likelihood_falls(plain.best.history)
+    result, _ = fit_mixture(lambda: Drawing(2, 2), x, rankings, EMConfig(k=2, max_iter=5, tol=0, backtracks=2))
+    assert result.best.halvings == [0] * 5  # nothing for a smaller step to mend: no M-step redone
+    assert result.best.history == plain.best.history
+
+
 def test_a_start_from_labels_is_soft_one_hot_and_all_ones_for_one_cluster():
     torch.testing.assert_close(soft_one_hot(np.array([1, 0]), 3), torch.tensor(
         [[0.05, 0.9, 0.05], [0.9, 0.05, 0.05]], dtype=torch.float64))

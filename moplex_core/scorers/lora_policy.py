@@ -251,6 +251,12 @@ class LoRAPolicyScorer:
         """a per example, None = every response exact: as configured, until an exact fallback."""
         return None if self.fell_back is not None else self._anchors
 
+    @property
+    def estimates(self) -> bool:
+        """Whether the E-step's scores are estimated from its iteration's anchors (EM's backtracking
+        then compares like with like, `em._m_and_e_step`)."""
+        return self.anchors is not None
+
     def _estimates_off_by(self, inputs: PolicyInputs, scores: torch.Tensor, is_anchor: torch.Tensor
                           ) -> tuple[float | None, torch.Tensor | None]:
         """(mean |r_hat - r| / the spread of the exact scores (`estimate.estimation_gap`), their exact
