@@ -278,7 +278,7 @@ def cache_model(cache_dir: str | Path, model: str | None = None) -> str:
                     "which commit it was built with is not recorded and cannot be checked against the one cached "
                     "now (%s); download a hub model before its first stage (`hf download %s`) to pin it",
                     cache_dir, model, now.partition("@")[2], model)
-    elif now != built_with and given:
+    elif now != built_with and given and built_with.startswith("sha256:"):
         raise ValueError(f"the base model given, {model}, is not the one the cache at {cache_dir} was built with (at "
                          f"{recorded} then): its identity is {now}, not {built_with}; give the folder that holds that "
                          "model's files")

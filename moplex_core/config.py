@@ -74,6 +74,7 @@ def with_overrides(config: C, assignments: Sequence[str]) -> C:
     """
     data = config.model_dump(mode="json")
     known = _dotted_keys(data)
+    blocks = [key for key in known if isinstance(_at(data, key), dict)]  # before any assignment changes data
     problems = []
     for assignment in assignments:
         key, sep, raw = assignment.partition("=")
@@ -89,7 +90,7 @@ def with_overrides(config: C, assignments: Sequence[str]) -> C:
         for depth, part in enumerate(parents):
             if not isinstance(node.get(part), dict):
                 block = ".".join(parents[:depth + 1])
-                meant = _closest_key(block, [k for k in known if isinstance(_at(data, k), dict)])
+                meant = _closest_key(block, blocks)
                 within = ".".join(parents[:depth]) or type(config).__name__
                 problems.append(f"  {key}: {part!r} is not a block of {within}"
                                 + (f"; did you mean {meant}?" if meant else ""))
@@ -654,7 +655,9 @@ class TrainConfig(StageConfig):
     ``backtracks``: when the training log-likelihood falls after an M-step, redo that M-step from
     where it started at half the learning rate, up to this many times per iteration (each costs one
     M-step and one E-step more; soft EM only). Soft EM never lowers the log-likelihood when every
-    M-step raises its own objective; a few Adam steps may not.
+    M-step raises its own objective; a few Adam steps may not. With anchors the log-likelihood before
+    the M-step is taken again under this iteration's anchors, to compare like with like: one E-step
+    more per iteration.
 
     ``estimation_check``: after every E-step, its estimated scores of this many training examples (a
     seeded draw, the same each iteration; 0 = none) are compared with their exact scores under the

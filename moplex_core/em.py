@@ -117,7 +117,8 @@ class Scorer(Protocol):
     # Optional, for EMConfig.backtracks: scale_steps(factor) sets the M-step's step size (learning
     # rate) to factor times the configured one, until it is called again; ``estimates`` (true when an
     # iteration's E-step scores are estimates from that iteration's draw of anchors) makes
-    # backtracking compare the scorer before and after an M-step under one draw.
+    # backtracking compare the scorer before and after an M-step under one draw, scoring the one
+    # before with score(inputs, iteration, check=False): no check of its own that could change it.
 
     def state_dict(self) -> dict[str, Any]: ...
 
@@ -185,13 +186,14 @@ class EMResult:
 
 
 def posteriors(
-    scorer: Scorer, inputs: Any, rankings: Rankings, alpha: torch.Tensor, iteration: int = 0
+    scorer: Scorer, inputs: Any, rankings: Rankings, alpha: torch.Tensor, iteration: int = 0, **score_options: Any
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """E-step: (gamma float64 [n, k], per-ranking mixture log-likelihood float64 [n]).
+    """E-step: (gamma float64 [n, k], per-ranking mixture log-likelihood float64 [n]); ``score_options``
+    go to ``scorer.score`` (an estimating scorer's ``check``).
 
     Scores of any finite size are fine (the likelihood is a logsumexp in float64); a non-finite
     score of a response in a slate raises `FloatingPointError` instead of spreading NaN."""
-    scores = scorer.score(inputs, iteration)  # [n, k, M]
+    scores = scorer.score(inputs, iteration, **score_options)  # [n, k, M]
     bad = ~torch.isfinite(scores) & (rankings.tiers != PAD).unsqueeze(1)
     if bad.any():
         clusters = bad.any(2).any(0).nonzero().flatten().tolist()
@@ -472,8 +474,11 @@ def _m_and_e_step(scorer: Scorer, inputs: Any, rankings: Rankings, weights: torc
     before it, with its step halved, until the LL does not fall or the backtracks are spent (the
     last attempt is kept). Each attempt costs one M-step and one E-step more. With estimated scores
     (``scorer.estimates``) ``previous`` came from the last iteration's anchors, so the comparison is
-    made instead with the scorer before the M-step scored under this iteration's: one E-step more
-    per iteration, and a fall is the M-step's, not another draw's.
+    made instead with the scorer before the M-step scored under this iteration's anchors and
+    ``alpha``: one E-step more per iteration, and a fall is the M-step's (the adapters' step, the
+    only thing a halving changes), not another draw's. (Exact EM's claim is against the last
+    iteration's alpha; under another draw the alpha taken from the last draw's posteriors is no
+    better than this one, and a fall it caused no halving could mend.)
 
     With a scorer that falls back to exact scores (``exact_fallback``, ``fell_back``: the LoRA
     scorer's `train.exact_fallback`), an E-step whose estimates failed is redone exactly, and so is
@@ -486,8 +491,8 @@ def _m_and_e_step(scorer: Scorer, inputs: Any, rankings: Rankings, weights: torc
     fallback = bool(getattr(scorer, "exact_fallback", 0)) and getattr(scorer, "fell_back", None) is None
     before = scorer.state_dict() if backtracks or fallback else None
     if backtracks and getattr(scorer, "estimates", False):
-        previous = posteriors(scorer, inputs, rankings, alpha, iteration)[1].mean().item()
-        scorer.load_state_dict(before)  # the E-step's offsets and fallback as they were
+        previous = posteriors(scorer, inputs, rankings, alpha, iteration, check=False)[1].mean().item()
+        scorer.load_state_dict(before)  # the E-step's offsets as they were
     for halved in range(backtracks + 1):
         if backtracks:
             scale_steps(0.5 ** halved)

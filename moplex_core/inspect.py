@@ -113,7 +113,7 @@ def _version_report(version_dir: Path, rows: int) -> str:
                 lines += ["", f"-- {stage} section: unreadable: {err} --"]
     others = sorted(p for p in version_dir.rglob("*.parquet") if p not in shards
                     and not any(part.startswith(".") for part in p.relative_to(version_dir).parts)
-                    and not p.relative_to(version_dir).as_posix().startswith(f"{CHECKPOINTS}/"))
+                    and not (complete and p.relative_to(version_dir).as_posix().startswith(f"{CHECKPOINTS}/")))
     for other in others:
         lines += [""] + _table_report(other.relative_to(version_dir).as_posix(), [other], rows)
     return "\n".join(lines)
@@ -212,10 +212,11 @@ def _size(manifest: dict[str, Any], short: bool = False) -> str:
 def _made_from(manifest: dict[str, Any]) -> str:
     """What a version was made from, in a few words: an ingest's dataset (and file or folder name),
     another stage's input artifacts by short version."""
-    if manifest["stage"] == "ingest":
-        config = manifest["config"]
-        return config.get("dataset", "") + (f" {Path(config['path']).name}" if config.get("path") else "")
-    refs = [str(value) for value in (manifest.get("inputs") or {}).values()
+    if manifest.get("stage") == "ingest":
+        config = manifest.get("config") or {}
+        return str(config.get("dataset", "")) + (f" {Path(str(config['path'])).name}" if config.get("path") else "")
+    inputs = manifest.get("inputs")
+    refs = [str(value) for value in (inputs.values() if isinstance(inputs, dict) else ())
             if "/" in str(value) and not str(value).startswith(("sha256:", "hub:"))]
     return ("from " + ", ".join(ref.split("/")[0] + "/" + ref.split("/")[1][:4] for ref in refs)) if refs else ""
 

@@ -77,6 +77,11 @@ class RowIssue:
         return f"row {self.row}{f' ({about})' if about else ''}, field {self.field!r}: {self.reason}"
 
 
+DROP_MODE = ("`moplex ingest ... --set validation=drop` (`--set ingest.validation=drop` with `moplex run`; "
+             "IngestConfig(validation='drop') in Python)")
+"""How to ingest in drop mode, from each entry point: every error that suggests it says it so."""
+
+
 class SchemaError(ValueError):
     """Rows or columns that break the `rankings` contract; ``issues`` lists all of them."""
 
@@ -90,9 +95,8 @@ class SchemaError(ValueError):
             f"{what}: {len(rows)} invalid row(s)" if rows else f"{what}: the table does not have the canonical schema"
         )
         tail = (
-            "Fix the source rows, or ingest in drop mode to keep the valid rows and record these in "
-            "rejected.parquet: `moplex ingest ... --set validation=drop` (`--set ingest.validation=drop` "
-            "with `moplex run`; IngestConfig(validation='drop') in Python)."
+            f"Fix the source rows, or ingest in drop mode to keep the valid rows and record these in "
+            f"rejected.parquet: {DROP_MODE}."
             if rows
             else "Produce the columns of moplex_core.schema.RANKINGS_SCHEMA with those types."
         )

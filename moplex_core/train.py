@@ -104,6 +104,8 @@ def plan_train(config: TrainConfig, cache_dir: str | Path, store: ArtifactStore)
         identity["device_type"] = torch.device(resolve_device(config.device)).type
     if identity["dtype"] == "bfloat16":  # train-11 summed a mixed batch's adapter gradients in bfloat16, now in
         identity["adapter_gradient_sum"] = "float32"  # float32: new bf16 versions; a float32 run is unchanged
+    if config.anchors is not None and config.backtracks:  # backtracking compared across anchor draws before
+        identity["backtracking_compares"] = "one draw"  # 2026-11-25: new versions; other runs are unchanged
     version = store.version(STAGE, identity, inputs, CODE_VERSION)
     return TrainPlan(ArtifactRef(STAGE, version), store.path(STAGE, version), inputs, store.is_complete(STAGE, version))
 

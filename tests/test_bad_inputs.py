@@ -67,7 +67,9 @@ def test_non_utf8_jsonl_names_the_file_line_and_byte(tmp_path):
     path = _write(tmp_path / "x.jsonl", json.dumps(GOOD).encode() + b'\n{"prompt": "caf\xe9"}\n')
     assert _error(path) == (f"{path} line 2 is not UTF-8 text (byte 16 is b'\\xe9'); re-encode the file as UTF-8, "
                             "e.g. `iconv -f latin1 -t utf-8 IN > OUT`; to set such records aside in rejected.parquet "
-                            "and read the rest, ingest with `--set validation=drop`")
+                            "and read the rest, ingest in drop mode: `moplex ingest ... --set validation=drop` "
+                            "(`--set ingest.validation=drop` with `moplex run`; IngestConfig(validation='drop') in "
+                            "Python)")
 
 
 @pytest.mark.parametrize("name", ["x.jsonl", "x.json"])
@@ -258,6 +260,11 @@ def test_config_errors_name_the_key_in_one_line(assignment, expected):
         with_overrides(pipeline_preset("synthetic-demo"), [assignment])
     assert expected in str(err.value) + "\n"
     assert "errors.pydantic.dev" not in str(err.value)
+
+
+def test_a_mistyped_block_after_a_block_set_to_a_value_is_still_named():
+    with pytest.raises(ValueError, match="'trian' is not a block of PipelineConfig; did you mean train"):
+        with_overrides(pipeline_preset("synthetic-demo"), ["train=3", "trian.k=3"])
 
 
 def test_anchors_up_to_m_prime_and_generic_sources_pass_the_config_check():

@@ -102,6 +102,8 @@ def test_odd_folders_are_reported_not_crashed_on(tmp_path):
     assert inside.splitlines()[0] == (f"{running / 'em'}: a folder of the artifact train/bbb222 "
                                       f"(`moplex inspect {running}` reports it; a Parquet file here opens on its own)")
     assert inside.splitlines()[1].split() == ["restart-00/state.json", "2", "B"]
+    pq.write_table(pa.table({"gamma": [0.25]}), running / "em" / "restart-00" / "posteriors.parquet")
+    assert "-- em/restart-00/posteriors.parquet: 1 rows --" in inspect_path(running)  # a killed run's last EM state
     user = tmp_path / "mine"
     user.mkdir()
     (user / "manifest.json").write_text('{"name": "my dataset"}')  # a user's own manifest, not moplex's

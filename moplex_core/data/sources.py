@@ -30,7 +30,7 @@ import pyarrow.parquet as pq
 
 from moplex_core.artifacts import is_version_folder
 from moplex_core.hashing import canonical_json, sha256_file, short_hash
-from moplex_core.schema import json_text
+from moplex_core.schema import DROP_MODE, json_text
 
 DATA_SUFFIXES = (".jsonl", ".jsonl.gz", ".json", ".parquet")
 _HUB_SPLIT_ORDER = ("train", "validation", "test")
@@ -101,8 +101,8 @@ class RawRejects:
 
     def _reject(self, record: Record, err: RawSchemaError) -> None:
         if not self.drop:
-            raise RawSchemaError(f"{err}; to set such records aside in rejected.parquet and read the rest, ingest with "
-                                 "`--set validation=drop`") from err
+            raise RawSchemaError(f"{err}; to set such records aside in rejected.parquet and read the rest, ingest in "
+                                 f"drop mode: {DROP_MODE}") from err
         text = record.raw if record.unreadable is not None else json_text(record.data)
         self.rows.append({"where": self.relative(record.where), "reason": self.relative(str(err)), "record": text})
 

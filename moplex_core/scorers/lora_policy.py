@@ -229,11 +229,12 @@ class LoRAPolicyScorer:
 
     # -- the Scorer protocol -------------------------------------------------------------------
 
-    def score(self, inputs: PolicyInputs, iteration: int = 0) -> torch.Tensor:
+    def score(self, inputs: PolicyInputs, iteration: int = 0, *, check: bool = True) -> torch.Tensor:
         """E-step scores float64 [n, k, M] (estimated for non-anchors when anchors < m'), with the
-        anchors of round ``iteration + 1``, whose offsets the next M-step reuses."""
+        anchors of round ``iteration + 1``, whose offsets the next M-step reuses; ``check=False``
+        skips the exact fallback's check (backtracking's look at the adapters before an M-step)."""
         scores, is_anchor, offsets = self._score_all(inputs, iteration + 1, self.anchors, f"E-step {iteration}")
-        relative, check_exact = (self._estimates_off_by(inputs, scores, is_anchor) if self.exact_fallback
+        relative, check_exact = (self._estimates_off_by(inputs, scores, is_anchor) if self.exact_fallback and check
                                  else (None, None))
         if relative is not None and not relative <= self.fallback_above:  # NaN falls back too
             log.warning("E-step %d: the anchors' estimates are off by %.2f times the spread of the exact scores on "
