@@ -110,10 +110,8 @@ def write_report(writer, metrics: pd.DataFrame, diagnostics: pd.DataFrame, em_re
     redone = [f"{t} ({h}x)" for t, h in enumerate(halvings) if h]
     if redone:
         lines += [f"The M-step was redone at half its learning rate (`train.backtracks`), at iteration(s) "
-                  f"{', '.join(redone)} (times halved), because the log-likelihood had fallen after it (with "
-                  "anchors: below the adapters' before it, scored under the same anchors, which is not the value "
-                  "listed for the iteration before); once the halvings are spent the last attempt is kept, fallen "
-                  "or not.", ""]
+                  f"{', '.join(redone)} (times halved), because the log-likelihood had fallen after it; once the "
+                  "halvings are spent the last attempt is kept, fallen or not.", ""]
     lines += ["![EM log-likelihood](plots/em_log_likelihood.png)", ""]
     lines += _estimation_section(em_result.get("estimation_check"), em_result.get("fell_back"))
     lines += _em_start_section(start_rows)
