@@ -452,7 +452,10 @@ def _run_restart(
         history.append(ll.mean().item())
         halvings.append(halved)
         if not config.hard:
-            _warn_if_the_likelihood_fell(history, iteration)
+            # With anchors and backtracking, an M-step that left no fall under its own draw (halvings
+            # to spare) did not cause a fall between two draws: the estimates did.
+            across_draws = bool(config.backtracks) and getattr(scorer, "estimates", False) and halved < config.backtracks
+            _warn_if_the_likelihood_fell(history, iteration, across_draws)
         converged = len(history) > 1 and abs(history[-1] - history[-2]) <= config.tol * abs(history[-2])
         state = EMState(restart, iteration, gamma, alpha, history, converged, scorer.state_dict(), halvings)
         if restart_dir is not None:
@@ -547,8 +550,17 @@ def likelihood_falls(history: list[float]) -> list[int]:
     return [t for t in range(1, len(history)) if history[t - 1] - history[t] > LIKELIHOOD_FALL * abs(history[t - 1])]
 
 
-def _warn_if_the_likelihood_fell(history: list[float], iteration: int) -> None:
-    if likelihood_falls(history[-2:]):
+def _warn_if_the_likelihood_fell(history: list[float], iteration: int, across_draws: bool = False) -> None:
+    if likelihood_falls(history[-2:]) and across_draws:
+        warnings.warn(
+            f"EM iteration {iteration}: the log-likelihood per ranking fell from {history[-2]:.6f} to "
+            f"{history[-1]:.6f} between two draws of anchors; under this iteration's anchors the M-step did not "
+            "lower it (train.backtracks compared them), so the fall is the estimates': raise train.anchors, set it "
+            "to null for exact scores, or let train.exact_fallback switch to them when they fail",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+    elif likelihood_falls(history[-2:]):
         warnings.warn(
             f"EM iteration {iteration}: the log-likelihood per ranking fell from {history[-2]:.6f} to "
             f"{history[-1]:.6f}. EM only lowers it when an M-step lowers its own weighted objective: for the LoRA "
