@@ -257,28 +257,28 @@ def cache_model(cache_dir: str | Path, model: str | None = None) -> str:
     cache_dir = Path(cache_dir)
     manifest = read_manifest(cache_dir)
     recorded, built_with = manifest["config"]["model"], manifest["inputs"]["model"]
+    local = built_with.startswith("sha256:")  # a folder's files, not a hub name
     given = model is not None
     if model is None:
         model = recorded
         root = ArtifactStore(cache_dir.resolve().parents[1])  # the root that holds the cache now
         moved = root.path(TINY_MODEL_STAGE, Path(recorded).parent.name) / MODEL_DIR
-        if built_with.startswith("sha256:") and not Path(recorded).expanduser().is_dir() and moved.is_dir():
+        if local and not Path(recorded).expanduser().is_dir() and moved.is_dir():
             model = str(moved)
-    if given and built_with.startswith("sha256:") and not Path(model).expanduser().is_dir():
-        raise ValueError(f"the base model given, {model}, is not a folder; give the folder that now holds the model the "
-                         f"cache at {cache_dir} was built with (at {recorded} then)")
-    if built_with.startswith("sha256:") and not Path(model).expanduser().is_dir():
-        raise ValueError(f"the base model the cache at {cache_dir} was built with, the folder {model}, is not there "
-                         "now: put it back, or say where it is (`cache.model` in a pipeline run, the train and "
-                         "evaluate stages' `model`, `--model` of `moplex assign` or `moplex experiment approximation`); "
-                         "a folder with the same files will do")
+    if local and not Path(model).expanduser().is_dir():
+        raise ValueError(
+            f"the base model given, {model}, is not a folder; give the folder that now holds the model the cache at "
+            f"{cache_dir} was built with (at {recorded} then)" if given else
+            f"the base model the cache at {cache_dir} was built with, the folder {model}, is not there now: put it "
+            "back, or say where it is (`cache.model` in a pipeline run, the train and evaluate stages' `model`, "
+            "`--model` of `moplex assign` or `moplex experiment approximation`); a folder with the same files will do")
     now = model_fingerprint(model)  # memoised per process: the plan of a cache has just computed it
     if built_with == f"hub:{model}" and now != built_with:
         log.warning("the cache at %s was planned before hub model %s was in the local Hugging Face cache, so "
                     "which commit it was built with is not recorded and cannot be checked against the one cached "
                     "now (%s); download a hub model before its first stage (`hf download %s`) to pin it",
                     cache_dir, model, now.partition("@")[2], model)
-    elif now != built_with and given and built_with.startswith("sha256:"):
+    elif now != built_with and given and local:
         raise ValueError(f"the base model given, {model}, is not the one the cache at {cache_dir} was built with (at "
                          f"{recorded} then): its identity is {now}, not {built_with}; give the folder that holds that "
                          "model's files")

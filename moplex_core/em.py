@@ -551,25 +551,17 @@ def likelihood_falls(history: list[float]) -> list[int]:
 
 
 def _warn_if_the_likelihood_fell(history: list[float], iteration: int, across_draws: bool = False) -> None:
-    if likelihood_falls(history[-2:]) and across_draws:
-        warnings.warn(
-            f"EM iteration {iteration}: the log-likelihood per ranking fell from {history[-2]:.6f} to "
-            f"{history[-1]:.6f} between two draws of anchors; under this iteration's anchors the M-step did not "
-            "lower it (train.backtracks compared them), so the fall is the estimates': raise train.anchors, set it "
-            "to null for exact scores, or let train.exact_fallback switch to them when they fail",
-            RuntimeWarning,
-            stacklevel=3,
-        )
-    elif likelihood_falls(history[-2:]):
-        warnings.warn(
-            f"EM iteration {iteration}: the log-likelihood per ranking fell from {history[-2]:.6f} to "
-            f"{history[-1]:.6f}. EM only lowers it when an M-step lowers its own weighted objective: for the LoRA "
-            "adapters, steps too large (lower train.lr, or let train.backtracks redo such an M-step at half the "
-            "rate) or too few to recover from the last ones (raise train.epochs). A small fall can also come "
-            "from estimated scores (anchors) or from the weights below train.gamma_min that the M-step drops",
-            RuntimeWarning,
-            stacklevel=3,
-        )
+    if not likelihood_falls(history[-2:]):
+        return
+    fell = f"EM iteration {iteration}: the log-likelihood per ranking fell from {history[-2]:.6f} to {history[-1]:.6f}"
+    why = (" between two draws of anchors; under this iteration's anchors the M-step did not lower it "
+           "(train.backtracks compared them), so the fall is the estimates': raise train.anchors, set it to null for "
+           "exact scores, or let train.exact_fallback switch to them when they fail" if across_draws else
+           ". EM only lowers it when an M-step lowers its own weighted objective: for the LoRA adapters, steps too "
+           "large (lower train.lr, or let train.backtracks redo such an M-step at half the rate) or too few to "
+           "recover from the last ones (raise train.epochs). A small fall can also come from estimated scores "
+           "(anchors) or from the weights below train.gamma_min that the M-step drops")
+    warnings.warn(fell + why, RuntimeWarning, stacklevel=3)
 
 
 def _warn_on_empty_clusters(alpha: torch.Tensor, n: int, iteration: int) -> None:
