@@ -8,7 +8,10 @@ import re
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import get_args
+from typing import TYPE_CHECKING, get_args
+
+if TYPE_CHECKING:
+    from moplex_core.config import PipelineConfig
 
 
 def _experiment_identifiability(args: argparse.Namespace) -> int:
@@ -62,7 +65,7 @@ def _experiment_compare(args: argparse.Namespace) -> int:
         return 1
     overrides = args.set + ([f"root={args.root}"] if args.root else [])
     try:
-        base = with_overrides(pipeline_preset(args.data), overrides)
+        base = _with_root(with_overrides(pipeline_preset(args.data), args.set), args.root)
         runs = plan_runs(base, methods, list(range(args.seed, args.seed + args.seeds)))
     except ValueError as err:
         print(f"moplex experiment compare: {err}", file=sys.stderr)
@@ -82,6 +85,14 @@ def _experiment_compare(args: argparse.Namespace) -> int:
     print(message if completed else f"moplex experiment compare: {message}",
           file=sys.stdout if completed else sys.stderr)
     return 0 if completed else 1
+
+
+def _with_root(config: PipelineConfig, root: str | None) -> PipelineConfig:
+    """``config`` with ``--root`` applied after the ``--set`` overrides, so that an error in those
+    lists only what was typed after ``--set``."""
+    from moplex_core.config import with_overrides
+
+    return with_overrides(config, [f"root={root}"]) if root else config
 
 
 def _prefect_unreachable(command: str, err: RuntimeError) -> int:
@@ -209,9 +220,8 @@ def _run(args: argparse.Namespace) -> int:
         for name in preset_names():
             print(f"  {name:<22} {preset_description(name)}")
         return 0 if args.list else 1
-    overrides = args.set + ([f"root={args.root}"] if args.root else [])
     try:
-        config = with_overrides(pipeline_preset(args.preset), overrides)
+        config = _with_root(with_overrides(pipeline_preset(args.preset), args.set), args.root)
     except ValueError as err:
         print(f"moplex run: {err}", file=sys.stderr)
         return 1

@@ -22,6 +22,7 @@ from lm_fixtures import tiny_model_dir  # noqa: F401  (fixture)
 
 from moplex_core.artifacts import ArtifactStore, read_manifest
 from moplex_core.cache import run_cache, truncated_responses
+from moplex_core.cli import main
 from moplex_core.config import CacheConfig, IngestConfig, TrainConfig, pipeline_preset, with_overrides
 from moplex_core.data.sources import RawRejects, RawSchemaError, iter_local_records
 from moplex_core.ingest import build_rankings, run_ingest
@@ -265,6 +266,13 @@ def test_config_errors_name_the_key_in_one_line(assignment, expected):
 def test_a_mistyped_block_after_a_block_set_to_a_value_is_still_named():
     with pytest.raises(ValueError, match="'trian' is not a block of PipelineConfig; did you mean train"):
         with_overrides(pipeline_preset("synthetic-demo"), ["train=3", "trian.k=3"])
+
+
+@pytest.mark.parametrize("command", [["run", "synthetic-demo"], ["experiment", "compare", "full"]])
+def test_a_set_error_lists_only_what_was_set(command, tmp_path, capsys):
+    assert main([*command, "--root", str(tmp_path), "--set", "train.kk=3"]) == 1
+    err = capsys.readouterr().err
+    assert "(overrides ['train.kk=3'])" in err and "did you mean train.k?" in err and "root=" not in err
 
 
 def test_anchors_up_to_m_prime_and_generic_sources_pass_the_config_check():
