@@ -735,7 +735,8 @@ def lora_agreement(model_dir: Path, sizes: Sizes, batch: list[TokenizedResponse]
     wide one (a cache of the other dtype); and the base model's log-probs of the same rows with their
     responses cut to different lengths, run without a mask (as moplex runs padded rows) against
     the padding mask it built until 2026-11-24 (run dtype, another attention kernel), and their input
-    gradients' largest gap relative to the largest gradient; and the E-step's log-probs and input gradients of the base model with moplex's lean RMSNorm and
+    gradients' largest gap relative to the largest gradient; the same for the rows through the
+    shared-prompt pass (`groups`: the prompt pass, then the continuation) against the rows whole; and the E-step's log-probs and input gradients of the base model with moplex's lean RMSNorm and
     MLP (load_model's) against transformers' own modules, next to the same pass with transformers'
     modules run twice (on a GPU attention's backward adds with atomics, so two runs need not agree
     to the bit; 0 and 0 where everything does)."""
@@ -765,7 +766,11 @@ def lora_agreement(model_dir: Path, sizes: Sizes, batch: list[TokenizedResponse]
                         "padding_mask_input_grads": float((unmasked.input_grads - masked.input_grads).abs().max()
                                                           / masked.input_grads.abs().max())}
         lean = anchor_pass(model, batch, PAD_ID, input_grads=True)
-        del model, lora, unmasked, masked
+        shared = anchor_pass(model, batch, PAD_ID, input_grads=True, groups=list(range(len(batch))))
+        padding_gaps.update(shared_prompts=float((shared.logp - lean.logp).abs().max()),
+                            shared_prompts_input_grads=float((shared.input_grads - lean.input_grads).abs().max()
+                                                             / lean.input_grads.abs().max()))
+        del model, lora, unmasked, masked, shared
         _free(sizes)
         stock_model = _stock_model(model_dir, sizes)
         stock, again = (anchor_pass(stock_model, batch, PAD_ID, input_grads=True) for _ in range(2))
@@ -980,6 +985,11 @@ def print_report(results: dict[str, Any]) -> None:
         if "padding_mask_input_grads" in check:
             print(f"Padded rows' input gradients, no mask against the padding mask: largest gap "
                   f"{check['padding_mask_input_grads']:.3g} of the largest gradient.\n")
+        if "shared_prompts" in check:
+            print(f"The base model's rows through the shared-prompt pass (each row its own prompt, all of one "
+                  f"length: the continuation under a bottom-right causal bias) against the same rows whole: "
+                  f"log pi {check['shared_prompts']:.3g} nats, input gradients "
+                  f"{check['shared_prompts_input_grads']:.3g} of the largest gradient.\n")
         print("Base model's batched-vs-alone and dtype gaps: what every delta starts from when the cache computed "
               "log pi_ref in another pass shape or dtype (the train stage's reference_gap). Padded rows: moplex's "
               "unmasked pass against the padding mask it used before, the same rows.\n")

@@ -129,10 +129,15 @@ def test_reference_terms_match_the_reference_log_probs(model64):
     assert s_ref.shape == (4, 4) and s_ref.dtype == torch.float32
 
 
-def test_a_shared_prompt_pass_gives_the_whole_rows_log_probs_and_gradients(tiny_model_dir, float64_rmsnorm):  # noqa: F811
-    # Two prompts of different lengths, responses of different lengths, three adapters mixed in one
-    # batch, rows of one (prompt, adapter) group not adjacent: the prompt pass once per group must give
-    # what running every row whole gives, for log pi, the input gradients and the LoRA gradients.
+@pytest.mark.parametrize("prompts", ["of different lengths", "of one length"])
+def test_a_shared_prompt_pass_gives_the_whole_rows_log_probs_and_gradients(tiny_model_dir, float64_rmsnorm,  # noqa: F811
+                                                                          monkeypatch, prompts):
+    # Responses of different lengths, three adapters mixed in one batch, rows of one (prompt, adapter)
+    # group not adjacent: the prompt pass once per group must give what running every row whole
+    # gives, for log pi, the input gradients and the LoRA gradients. Prompts of different lengths pad
+    # the shorter prefix, and the continuation takes a 2D mask; prompts of one length leave no pad
+    # before the continuation, which then runs under a bottom-right causal bias (the flash kernel on a GPU).
+    from moplex_core.lm import logprobs
     from moplex_core.lm.multi_lora import LoRASettings, MultiLoRA
 
     model, tokenizer = load_model(tiny_model_dir, dtype=torch.float64), load_tokenizer(tiny_model_dir)
@@ -141,12 +146,17 @@ def test_a_shared_prompt_pass_gives_the_whole_rows_log_probs_and_gradients(tiny_
         for p in lora.named_parameters().values():
             p.normal_(0, 0.2)
     short = tokenize_responses(tokenizer, "Best?", RESPONSES)
-    long = tokenize_responses(tokenizer, "Which of these lists is the best one, and why?", RESPONSES[:3])
-    assert short[0].response_start != long[0].response_start
+    other = "Which of these lists is the best one, and why?" if prompts == "of different lengths" else "Best!"
+    long = tokenize_responses(tokenizer, other, RESPONSES[:3])
+    assert (short[0].response_start != long[0].response_start) == (prompts == "of different lengths")
+    assert short[0].input_ids[: short[0].response_start] != long[0].input_ids[: long[0].response_start]
     rows = [short[0], long[1], short[2], long[0], short[0], long[2], short[3]]
     adapters = [0, 1, 0, 1, 2, 1, 0]
-    groups = [(len(seq.input_ids[: seq.response_start]), c) for seq, c in zip(rows, adapters)]
+    groups = [(seq is short[0] or seq in short, c) for seq, c in zip(rows, adapters)]
     params = list(lora.named_parameters().values())
+    masks = []
+    continuation_mask = logprobs._continuation_mask
+    monkeypatch.setattr(logprobs, "_continuation_mask", lambda *args: masks.append(continuation_mask(*args)) or masks[-1])
 
     def run(grouped: bool):
         passed = anchor_pass(model, rows, tokenizer.pad_token_id, input_grads=True, keep_graph=True,
@@ -158,6 +168,7 @@ def test_a_shared_prompt_pass_gives_the_whole_rows_log_probs_and_gradients(tiny_
 
     whole, whole_grads = run(grouped=False)
     shared, shared_grads = run(grouped=True)
+    assert len(masks) == 1 and isinstance(masks[0], dict) == (prompts == "of one length")
     torch.testing.assert_close(shared.logp, whole.logp, rtol=0, atol=1e-10)
     torch.testing.assert_close(shared.input_grads, whole.input_grads, rtol=0, atol=1e-9)
     assert torch.equal(shared.lengths, whole.lengths)

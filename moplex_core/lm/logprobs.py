@@ -36,6 +36,8 @@ from dataclasses import dataclass
 import torch
 from peft import PeftModel
 from torch import nn
+from torch.nn.attention.bias import CausalBias, causal_lower_right
+from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils.checkpoint import checkpoint
 from transformers import DynamicCache, PreTrainedModel
 
@@ -98,6 +100,7 @@ class PromptPrefix:
     cache: DynamicCache  # per layer [B, heads, P, head_dim]; single use: a forward appends to it
     attention_mask: torch.Tensor  # int64 [B, P], 1 at real prompt tokens (right padding)
     lengths: torch.Tensor  # int64 [B] real prompt tokens: the continuation's first position
+    padded: bool  # whether a prefix is shorter than P (read on the host, so that nothing waits for the device)
 
 
 def prompt_prefix(
@@ -127,7 +130,7 @@ def prompt_prefix(
     cache = getattr(out, _cache_name(decoder))
     mask, rows = on_device, to_device(rows, device)
     cache.batch_select_indices(rows)  # [G, ...] -> [B, ...], differentiable indexing
-    return PromptPrefix(cache, mask[rows], mask.sum(1)[rows])
+    return PromptPrefix(cache, mask[rows], mask.sum(1)[rows], min(len(p) for p in prefixes) < width)
 
 
 def sequence_logprobs(
@@ -256,6 +259,15 @@ against transformers' own results with the 2D mask in tests/test_lm_logprobs.py)
 2D mask and transformers builds theirs, reading it back from the device first."""
 
 
+def _refuse_pads_before_real_tokens(mask: torch.Tensor) -> None:
+    """Refuse a [B, L] CPU mask (1 at real tokens) with a pad before a real token in some row."""
+    pad_before_real = (mask[:, 1:] > mask[:, :-1]).any(1)  # [B]
+    if bool(pad_before_real.any()):
+        rows = torch.nonzero(pad_before_real).flatten().tolist()
+        raise ValueError(f"the attention mask has a pad before a real token in rows {rows[:10]}; moplex's passes "
+                         "take right-padded rows (moplex_core.lm.tokenize.pad_batch)")
+
+
 def _whole_rows_mask(model: PreTrainedModel | PeftModel, mask: torch.Tensor, on_device: torch.device | torch.Tensor
                      ) -> torch.Tensor | dict[str, None] | None:
     """The attention mask of a decoder pass over whole right-padded rows, ``mask`` [B, L] on the CPU
@@ -270,17 +282,34 @@ def _whole_rows_mask(model: PreTrainedModel | PeftModel, mask: torch.Tensor, on_
     sequences, and given a 2D mask, the mask, to see whether it has padding; either makes the host
     wait for the GPU. Otherwise the 2D mask on the device (``on_device``: the mask there already, or
     the device to copy it to), or None without padding."""
-    pad_before_real = (mask[:, 1:] > mask[:, :-1]).any(1)  # [B]
-    if bool(pad_before_real.any()):
-        rows = torch.nonzero(pad_before_real).flatten().tolist()
-        raise ValueError(f"the attention mask has a pad before a real token in rows {rows[:10]}; moplex's passes "
-                         "take right-padded rows (moplex_core.lm.tokenize.pad_batch)")
+    _refuse_pads_before_real_tokens(mask)
     config = causal_lm_parts(model)[0].config
     if config.model_type in UNMASKED_MODELS and config._attn_implementation == "sdpa" and prefix_is_exact(model):
         return {"full_attention": None}
     if bool(mask.all()):
         return None
     return to_device(mask, on_device) if isinstance(on_device, torch.device) else on_device
+
+
+def _continuation_mask(model: PreTrainedModel | PeftModel, prefix: PromptPrefix, mask: torch.Tensor,
+                       device: torch.device) -> torch.Tensor | dict[str, CausalBias]:
+    """The attention mask of a pass that continues ``prefix`` with right-padded rows, ``mask`` [B, L]
+    on the CPU (1 at real tokens). Its queries sit after the P prefix keys, so causal attention is
+    aligned to the bottom right: query t sees keys 0..P + t. When no prefix is padded, that is the
+    whole mask for `UNMASKED_MODELS` under SDPA (the rows' own pads come after their real tokens, as
+    in `_whole_rows_mask`): a `causal_lower_right` bias, which SDPA runs with its flash kernel on a
+    GPU. Otherwise the [B, P + L] 2D mask of the prefix's and the rows' real tokens, from which
+    transformers builds a 4D mask (a masked kernel, key/value heads repeated)."""
+    config = causal_lm_parts(model)[0].config
+    if (not prefix.padded and config.model_type in UNMASKED_MODELS and config._attn_implementation == "sdpa"
+            and prefix_is_exact(model)):
+        _refuse_pads_before_real_tokens(mask)
+        width = prefix.attention_mask.shape[1]
+        # A Tensor subclass cannot be made under a TorchDispatchMode (a FlopCounterMode, an op count),
+        # where the raw tensor it wraps comes back already wrapped; make it outside any such mode.
+        with _disable_current_modes():
+            return {"full_attention": causal_lower_right(mask.shape[1], width + mask.shape[1])}
+    return torch.cat([prefix.attention_mask, to_device(mask, device).to(prefix.attention_mask)], dim=1)
 
 
 def _response_hidden(
@@ -302,8 +331,7 @@ def _response_hidden(
     else:
         positions = torch.arange(input_ids.shape[1], device=device)
         inputs.update({_cache_name(decoder): prefix.cache}, position_ids=prefix.lengths[:, None] + positions[None, :])
-        attention_mask = torch.cat([prefix.attention_mask, to_device(attention_mask, device).to(prefix.attention_mask)],
-                                   dim=1)
+        attention_mask = _continuation_mask(model, prefix, attention_mask.to("cpu"), device)
     hidden = decoder(**inputs, attention_mask=attention_mask, use_cache=False).last_hidden_state  # [B, L, d]
     return hidden.flatten(0, 1)[at.hidden], input_ids.flatten()[at.hidden + 1], at, lm_head
 
