@@ -137,7 +137,8 @@ class EMConfig:
     """``labels``: the caller's known groups, given to `fit_mixture` as ``warm_start`` (`soft_one_hot`)."""
     dirichlet_concentration: float = 1.0
     restarts: int = 1
-    """Independent runs from different initialisations; the best final log-likelihood is kept."""
+    """Independent runs from different initialisations; the best final log-likelihood is kept (with
+    every response exact where a restart's scores are estimated: each restart's anchors are its own)."""
     hard: bool = False
     """Hard EM: gamma is one-hot at argmax_c (log alpha_c + log P_c), from the start on. MaxMin-RLHF
     assigns by the likelihood alone; with the alpha prior a large cluster keeps borderline rankings."""
@@ -173,10 +174,17 @@ class EMState:
     converged: bool = False
     scorer_state: dict[str, Any] = field(default_factory=dict)
     halvings: list[int] = field(default_factory=list)  # per iteration: times its M-step was redone
+    compared_on: float | None = None  # the LL per ranking restarts are compared on, when not history[-1]
 
     @property
     def log_likelihood(self) -> float:
         return self.history[-1]
+
+    @property
+    def comparable_log_likelihood(self) -> float:
+        """What `fit_mixture` ranks restarts by: the final LL per ranking with every response exact
+        where this restart ended on estimated scores (``compared_on``), else its last LL."""
+        return self.log_likelihood if self.compared_on is None else self.compared_on
 
 
 @dataclass
@@ -361,7 +369,11 @@ def fit_mixture(
         scorer = make_scorer()  # the only scorer alive: on a GPU each holds a model
         state = _run_restart(scorer, inputs, rankings, config, restart, checkpoint_dir, on_iteration, warm_start,
                              checkpoint_files, starts)
-        if best is None or state.log_likelihood > best.log_likelihood:
+        if config.restarts > 1 and getattr(scorer, "estimates", False):
+            state = replace(state, compared_on=_exact_log_likelihood(scorer, inputs, rankings, state))
+            log.info("restart %d: log-likelihood per ranking %.6f with every response exact (%.6f estimated)",
+                     restart, state.compared_on, state.log_likelihood)
+        if best is None or state.comparable_log_likelihood > best.comparable_log_likelihood:
             best = state
         # Only the best restart's scorer state is used: the others' (adapters, Adam moments) free their memory.
         finished = [s if s is best else replace(s, scorer_state={}) for s in [*finished, state]]
@@ -370,6 +382,13 @@ def fit_mixture(
     if best is not state:
         scorer.load_state_dict(best.scorer_state)  # the last restart's scorer takes the best one's state
     return EMResult(best, finished), scorer
+
+
+def _exact_log_likelihood(scorer: Scorer, inputs: Any, rankings: Rankings, state: EMState) -> float:
+    """The LL per ranking of ``state``'s scorer with every response exact (``scorer.exact()``) and its
+    last alpha: each restart's estimates come from anchors of its own seed, so estimated LLs of two
+    restarts differ by their draws as well as by their fits. One exact E-step per restart."""
+    return mixture_posteriors(scorer.exact().score(inputs), rankings, state.alpha)[1].mean().item()
 
 
 def _claim_checkpoint_dir(checkpoint_dir: Path, config: EMConfig, rankings: Rankings,
@@ -445,19 +464,19 @@ def _run_restart(
         alpha = gamma.mean(0)
         _warn_on_empty_clusters(alpha, n, iteration)
         weights = torch.where(gamma >= config.gamma_min, gamma, 0.0)
-        gamma, ll, halved = _m_and_e_step(scorer, inputs, rankings, weights, alpha, iteration,
-                                          history[-1] if history else None, config)
-        if config.hard:
-            gamma = _one_hot(gamma)
-        history.append(ll.mean().item())
-        halvings.append(halved)
-        if not config.hard:
-            # With anchors and backtracking, an M-step that left no fall under its own draw (halvings
-            # to spare) did not cause a fall between two draws: the estimates did.
-            across_draws = bool(config.backtracks) and getattr(scorer, "estimates", False) and halved < config.backtracks
-            _warn_if_the_likelihood_fell(history, iteration, across_draws)
-        converged = len(history) > 1 and abs(history[-1] - history[-2]) <= config.tol * abs(history[-2])
-        state = EMState(restart, iteration, gamma, alpha, history, converged, scorer.state_dict(), halvings)
+        step = _m_and_e_step(scorer, inputs, rankings, weights, alpha, iteration, history[-1] if history else None,
+                             config)
+        gamma = _one_hot(step.gamma) if config.hard else step.gamma
+        history.append(step.ll.mean().item())
+        halvings.append(step.halved)
+        # An iteration that switched to exact scores has an LL that the estimated one before it cannot
+        # be compared with: neither a fall nor convergence is read from that pair.
+        comparable = len(history) > 1 and not step.became_exact
+        if comparable and not config.hard:
+            _warn_if_the_likelihood_fell(history, iteration, across_draws=step.held_under_its_draw)
+        converged = comparable and abs(history[-1] - history[-2]) <= config.tol * abs(history[-2])
+        state = EMState(restart, iteration, gamma, alpha, list(history), converged, scorer.state_dict(),
+                        list(halvings))
         if restart_dir is not None:
             extra = None if checkpoint_files is None else lambda it_dir: checkpoint_files(it_dir, state, scorer)
             save_checkpoint(restart_dir, state, rankings.example_ids, extra)
@@ -468,39 +487,58 @@ def _run_restart(
     return state
 
 
+@dataclass(frozen=True)
+class _Step:
+    """What `_m_and_e_step` did in one iteration."""
+
+    gamma: torch.Tensor  # float64 [n, k] posteriors of the E-step
+    ll: torch.Tensor  # float64 [n] per-ranking mixture log-likelihood
+    halved: int  # times the M-step was redone at half the step
+    held_under_its_draw: bool  # estimated scores: under this iteration's anchors the kept M-step did not lower the LL
+    became_exact: bool  # the exact fallback switched to exact scores in this iteration
+
+
 def _m_and_e_step(scorer: Scorer, inputs: Any, rankings: Rankings, weights: torch.Tensor, alpha: torch.Tensor,
-                  iteration: int, previous: float | None, config: EMConfig) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """The M-step and E-step of one iteration: (gamma [n, k], LL [n], how often the M-step was redone).
+                  iteration: int, previous: float | None, config: EMConfig) -> _Step:
+    """The M-step and E-step of one iteration.
 
     With ``config.backtracks`` (soft EM, a scorer with ``scale_steps``, an LL to compare with), an
-    M-step after which the LL per ranking falls below ``previous`` is redone from the scorer's state
-    before it, with its step halved, until the LL does not fall or the backtracks are spent (the
-    last attempt is kept). Each attempt costs one M-step and one E-step more. With estimated scores
-    (``scorer.estimates``) ``previous`` came from the last iteration's anchors, so the comparison is
-    made instead with the scorer before the M-step scored under this iteration's anchors and
-    ``alpha``: one E-step more per iteration, and a fall is the M-step's (the adapters' step, the
-    only thing a halving changes), not another draw's. (Exact EM's claim is against the last
-    iteration's alpha; under another draw the alpha taken from the last draw's posteriors is no
-    better than this one, and a fall it caused no halving could mend.)
+    M-step after which the LL per ranking falls below ``previous``, or whose scores are no longer
+    finite, is redone from the scorer's state before it, with its step halved, until the LL does not
+    fall or the backtracks are spent (the last attempt is kept; non-finite scores then raise). Each
+    attempt costs one M-step and one E-step more. With estimated scores (``scorer.estimates``)
+    ``previous`` came from the last iteration's anchors, so the comparison is made instead with the
+    scorer before the M-step scored under this iteration's anchors and ``alpha``: one E-step more
+    per iteration, and a fall is the M-step's (the adapters' step, the only thing a halving
+    changes), not another draw's. (Exact EM's claim is against the last iteration's alpha; under
+    another draw the alpha taken from the last draw's posteriors is no better than this one, and a
+    fall it caused no halving could mend.)
 
     With a scorer that falls back to exact scores (``exact_fallback``, ``fell_back``: the LoRA
-    scorer's `train.exact_fallback`), an E-step whose estimates failed is redone exactly, and so is
-    the M-step before it (its estimated objective led there), from the same state at the same step
-    size. That iteration backtracks no further: its exact log-likelihood and the estimated one
-    before it are not comparable.
+    scorer's `train.exact_fallback`), an E-step whose estimates failed (also when they are not
+    finite) is redone exactly, and so is the M-step before it (its estimated objective led there),
+    from the same state at the same step size. That iteration backtracks no further: its exact
+    log-likelihood and the estimated one before it are not comparable.
     """
     scale_steps = getattr(scorer, "scale_steps", None)
     backtracks = config.backtracks if scale_steps is not None and previous is not None and not config.hard else 0
     fallback = bool(getattr(scorer, "exact_fallback", 0)) and getattr(scorer, "fell_back", None) is None
     before = scorer.state_dict() if backtracks or fallback else None
-    if backtracks and getattr(scorer, "estimates", False):
+    under_one_draw = bool(backtracks) and getattr(scorer, "estimates", False)
+    if under_one_draw:
         previous = posteriors(scorer, inputs, rankings, alpha, iteration, check=False)[1].mean().item()
         scorer.load_state_dict(before)  # the E-step's offsets as they were
     for halved in range(backtracks + 1):
         if backtracks:
             scale_steps(0.5 ** halved)
         scorer.fit(inputs, rankings, weights, iteration)
-        gamma, ll = posteriors(scorer, inputs, rankings, alpha, iteration)
+        try:
+            gamma, ll = posteriors(scorer, inputs, rankings, alpha, iteration)
+            fell = likelihood_falls([previous, ll.mean().item()]) if previous is not None else []
+        except FloatingPointError:
+            if not (fallback and scorer.fell_back is not None) and halved == backtracks:
+                raise
+            gamma = ll = None
         if fallback and scorer.fell_back is not None:
             log.info("EM iteration %d: redoing the M-step and E-step with every response exact", iteration)
             scorer.load_state_dict({**before, "fell_back": scorer.fell_back})
@@ -508,15 +546,21 @@ def _m_and_e_step(scorer: Scorer, inputs: Any, rankings: Rankings, weights: torc
                 scale_steps(0.5 ** halved)  # the restored optimizer state holds the full step
             scorer.fit(inputs, rankings, weights, iteration)
             gamma, ll = posteriors(scorer, inputs, rankings, alpha, iteration)
+            if backtracks:
+                scale_steps(1.0)
+            return _Step(gamma, ll, halved, held_under_its_draw=False, became_exact=True)
+        if ll is not None and (halved == backtracks or not fell):
             break
-        if halved == backtracks or not likelihood_falls([previous, ll.mean().item()]):
-            break
-        log.info("EM iteration %d: the log-likelihood per ranking fell from %.6f to %.6f; redoing the M-step "
-                 "with its step halved (%d of %d)", iteration, previous, ll.mean().item(), halved + 1, backtracks)
+        if ll is None:
+            log.info("EM iteration %d: the M-step left scores that are inf or NaN; redoing it with its step halved "
+                     "(%d of %d)", iteration, halved + 1, backtracks)
+        else:
+            log.info("EM iteration %d: the log-likelihood per ranking fell from %.6f to %.6f; redoing the M-step "
+                     "with its step halved (%d of %d)", iteration, previous, ll.mean().item(), halved + 1, backtracks)
         scorer.load_state_dict(before)
     if backtracks:
         scale_steps(1.0)
-    return gamma, ll, halved
+    return _Step(gamma, ll, halved, held_under_its_draw=under_one_draw and not fell, became_exact=False)
 
 
 def _warn_on_tied_rankings(rankings: Rankings) -> None:
@@ -542,12 +586,21 @@ LIKELIHOOD_FALL = 1e-6
 """Relative fall of the log-likelihood per ranking between two EM iterations that counts as one."""
 
 
-def likelihood_falls(history: list[float]) -> list[int]:
+def likelihood_falls(history: list[float], became_exact: int | None = None) -> list[int]:
     """The iterations (counted from 0, as iter-NNNN) whose log-likelihood per ranking fell below the
     one before. Soft EM never lowers it when each M-step raises its own weighted objective, so a fall
     says an M-step lowered it (with estimated scores, a stochastic M-step or weights dropped below
-    gamma_min a small fall can also be noise; hard EM may lower it)."""
-    return [t for t in range(1, len(history)) if history[t - 1] - history[t] > LIKELIHOOD_FALL * abs(history[t - 1])]
+    gamma_min a small fall can also be noise; hard EM may lower it). ``became_exact``: the iteration
+    whose scores were exact after estimated ones (an exact fallback), not compared with the one before."""
+    return [t for t in range(1, len(history))
+            if t != became_exact and history[t - 1] - history[t] > LIKELIHOOD_FALL * abs(history[t - 1])]
+
+
+def estimates_off_by(relative_error: float | None) -> str:
+    """How far off an exact fallback found the estimates (the scorer's ``fell_back["relative_error"]``;
+    None where they were not finite), as the train log and the report say it."""
+    return "not finite" if relative_error is None else \
+        f"off by {relative_error:.2f} times the spread of the exact scores"
 
 
 def _warn_if_the_likelihood_fell(history: list[float], iteration: int, across_draws: bool = False) -> None:

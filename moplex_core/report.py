@@ -20,7 +20,7 @@ import pandas as pd
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-from moplex_core.em import likelihood_falls
+from moplex_core.em import estimates_off_by, likelihood_falls
 from moplex_core.evaluate import EM_START_SPLIT, MATCHED_ADAPTER
 
 HEADLINE = ("clustering_accuracy", "ari", "nmi", "ranking_accuracy_posterior", "ranking_accuracy_oracle",
@@ -100,7 +100,8 @@ def write_report(writer, metrics: pd.DataFrame, diagnostics: pd.DataFrame, em_re
     lines += ["## EM training log-likelihood", "",
               f"{len(history)} iteration(s); log-likelihood per training ranking: "
               + ", ".join(f"{v:.4f}" for v in history), ""]
-    falls = likelihood_falls(history)
+    fell_back = em_result.get("fell_back")
+    falls = likelihood_falls(history, None if fell_back is None else fell_back["iteration"])
     if falls:
         lines += [f"It fell at iteration(s) {', '.join(map(str, falls))} (counted from 0, as the train log and "
                   "`em/restart-RR/iter-NNNN` count them). Soft EM does not lower it unless an M-step lowers its own "
@@ -113,7 +114,7 @@ def write_report(writer, metrics: pd.DataFrame, diagnostics: pd.DataFrame, em_re
                   f"{', '.join(redone)} (times halved), because the log-likelihood had fallen after it; once the "
                   "halvings are spent the last attempt is kept, fallen or not.", ""]
     lines += ["![EM log-likelihood](plots/em_log_likelihood.png)", ""]
-    lines += _estimation_section(em_result.get("estimation_check"), em_result.get("fell_back"))
+    lines += _estimation_section(em_result.get("estimation_check"), fell_back)
     lines += _em_start_section(start_rows)
     for name in confusion:
         lines += [f"## Posterior confusion ({name})", "", "Mean gamma per true label (rows) and EM cluster (columns).",
@@ -198,8 +199,8 @@ def _cluster_accuracy_plot(clusters: pd.DataFrame, split: str) -> bytes:
 
 def _estimation_section(check: dict[str, Any] | None, fell_back: dict[str, Any] | None) -> list[str]:
     fallback = [] if fell_back is None else [
-        f"At E-step {fell_back['iteration']} the estimates were off by {fell_back['relative_error']:.2f} times the "
-        "spread of the exact scores, so EM redid that iteration's M-step and E-step, and computed every later "
+        f"At E-step {fell_back['iteration']} the estimates were {estimates_off_by(fell_back['relative_error'])}, "
+        "so EM redid that iteration's M-step and E-step, and computed every later "
         "step, with every response exact (`train.exact_fallback`): the final partition rests on exact scores.", ""]
     if check is None:
         return ["## The anchors' estimates", "", *fallback] if fallback else []

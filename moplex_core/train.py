@@ -49,8 +49,8 @@ from tqdm.auto import tqdm
 from moplex_core.artifacts import CHECKPOINTS, ArtifactRef, ArtifactStore, atomic_path, read_manifest
 from moplex_core.cache import cache_model, load_policy_inputs
 from moplex_core.config import TrainConfig, no_contractions_message
-from moplex_core.em import (START_FILE, EMConfig, EMState, fit_mixture, posteriors_table, read_posteriors,
-                            soft_one_hot)
+from moplex_core.em import (START_FILE, EMConfig, EMState, estimates_off_by, fit_mixture, posteriors_table,
+                            read_posteriors, soft_one_hot)
 from moplex_core.estimate import check_sample, estimation_error
 from moplex_core.ingest import check_clusters_fit, check_labels_fit
 from moplex_core.pl import PAD
@@ -106,6 +106,10 @@ def plan_train(config: TrainConfig, cache_dir: str | Path, store: ArtifactStore)
         identity["adapter_gradient_sum"] = "float32"  # float32: new bf16 versions; a float32 run is unchanged
     if config.anchors is not None and config.backtracks:  # backtracking compared across anchor draws before
         identity["backtracking_compares"] = "one draw"  # 2026-11-25: new versions; other runs are unchanged
+    if config.anchors is not None and config.restarts > 1:  # restarts were ranked by their estimated LL before
+        identity["restarts_compared"] = "exact"  # 2026-11-25: new versions; other runs are unchanged
+    if config.anchors is not None and config.exact_fallback is not None:  # the fallback's iteration was compared
+        identity["fallback_iteration"] = "not compared"  # with the estimated one before it (2026-11-25)
     version = store.version(STAGE, identity, inputs, CODE_VERSION)
     return TrainPlan(ArtifactRef(STAGE, version), store.path(STAGE, version), inputs, store.is_complete(STAGE, version))
 
@@ -179,7 +183,8 @@ def run_train(config: TrainConfig, cache_dir: str | Path, store: ArtifactStore, 
             "restart": best.restart, "iterations": best.iteration + 1, "converged": best.converged,
             "log_likelihood": best.log_likelihood, "history": best.history, "step_halvings": best.halvings,
             "alpha": best.alpha.tolist(),
-            "restarts": [{"restart": s.restart, "log_likelihood": s.log_likelihood, "iterations": s.iteration + 1}
+            "restarts": [{"restart": s.restart, "log_likelihood": s.log_likelihood, "iterations": s.iteration + 1,
+                          **({} if s.compared_on is None else {"exact_log_likelihood": s.compared_on})}
                          for s in result.restarts],
             "train_examples": len(inputs), "seed": config.seed, "reference_gap": gap[0],
             "estimation_check": check_estimates(best, writer.path / "em", scorer.fell_back),
@@ -242,9 +247,9 @@ def check_estimates(best: EMState, em_dir: Path, fell_back: dict[str, Any] | Non
     measured = [json.loads((restart_dir / f"iter-{t:04d}" / ESTIMATES).read_text())
                 for t in range(best.iteration + 1) if (restart_dir / f"iter-{t:04d}" / ESTIMATES).is_file()]
     if fell_back is not None:
-        log.info("the anchors' estimates at E-step %d were off by %.2f times the spread of the exact scores: EM redid "
-                 "that iteration and computed every later step exactly (train.exact_fallback)",
-                 fell_back["iteration"], fell_back["relative_error"])
+        log.info("the anchors' estimates at E-step %d were %s: EM redid that iteration and computed every later "
+                 "step exactly (train.exact_fallback)", fell_back["iteration"],
+                 estimates_off_by(fell_back["relative_error"]))
     if not measured:
         return None
     failed = [] if fell_back is None else [{"iteration": fell_back["iteration"], "relative_error":

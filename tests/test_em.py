@@ -470,3 +470,130 @@ def test_an_m_step_whose_estimates_then_failed_is_redone_exact_from_the_same_sta
     _, scorer = fit_mixture(lambda: FallingBack(2, 2, fail_below=1.0), x, rankings,
                             EMConfig(k=2, max_iter=2, tol=0, backtracks=2))
     assert [fit[:3] for fit in scorer.fits] == [(0, False, 1.0), (1, False, 1.0), (1, False, 0.5), (1, True, 0.5)]
+
+
+def test_estimates_that_are_not_finite_fall_back_to_exact_scores_instead_of_stopping_em():
+    class NaNEstimates(FallingBack):  # E-step 1's "estimates" are NaN, as an overflowing input gradient makes them
+        def score(self, inputs, iteration=0):
+            scores = super().score(inputs, iteration)
+            return scores * float("nan") if self.fell_back is not None and not self.fits[-1][1] else scores
+
+    _, rankings, x = synthetic(k=2, m=4, n=200)
+    result, scorer = fit_mixture(lambda: NaNEstimates(2, 2, fail_below=2.0), x, rankings,
+                                 EMConfig(k=2, max_iter=3, tol=0))
+    assert [fit[:2] for fit in scorer.fits] == [(0, False), (1, False), (1, True), (2, True)]
+    assert all(np.isfinite(result.best.history))
+
+
+class Diverging(Overshooting):
+    """Its full step at iteration 2 leaves scores that are inf (the clearest fall); half steps do not."""
+
+    def fit(self, inputs, rankings, weights, iteration=0):
+        super().fit(inputs, rankings, weights, iteration)
+        if iteration == 2 and self.step == 1.0:
+            self.theta = self.theta * float("inf")
+
+
+def test_backtracking_redoes_an_m_step_whose_scores_diverged_and_without_it_em_stops():
+    _, rankings, x = synthetic(k=2, m=4, n=200)
+    result, _ = fit_mixture(lambda: Diverging(2, 2), x, rankings, EMConfig(k=2, max_iter=4, tol=0, backtracks=2))
+    assert result.best.halvings[2] >= 1 and all(np.isfinite(result.best.history))
+    with pytest.raises(FloatingPointError, match="EM iteration 2: .* inf or NaN"):
+        fit_mixture(lambda: Diverging(2, 2), x, rankings, EMConfig(k=2, max_iter=4, tol=0))
+
+
+class BiasedEstimates(Overshooting):
+    """Estimates (before its exact fallback at E-step 2) carry a bias toward each ranking's observed
+    order, so the estimated LL is above the exact one: the switch alone "lowers" it."""
+
+    exact_fallback = 1
+
+    def __init__(self, *args, rankings, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.fell_back, self.tiers = None, rankings.tiers.to(torch.float64).clamp(min=0)  # 0 = best tier
+
+    @property
+    def estimates(self):
+        return self.fell_back is None
+
+    def score(self, inputs, iteration=0, check=True):
+        scores = super().score(inputs, iteration)
+        if self.fell_back is None:
+            if check and iteration == 2:
+                self.fell_back = {"iteration": 2, "relative_error": 3.0}
+            scores = scores - 0.7 * self.tiers.unsqueeze(1)
+        return scores
+
+    def state_dict(self):
+        return {**super().state_dict(), "fell_back": self.fell_back, "step": self.step}
+
+    def load_state_dict(self, state):
+        super().load_state_dict(state)
+        self.fell_back, self.step = state["fell_back"], state["step"]
+
+
+def test_the_iteration_that_falls_back_to_exact_scores_is_not_compared_with_the_estimated_one_before():
+    _, rankings, x = synthetic(k=2, m=4, n=200)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result, scorer = fit_mixture(lambda: BiasedEstimates(2, 2, rankings=rankings), x, rankings,
+                                     EMConfig(k=2, max_iter=4, tol=0, backtracks=2))
+    history = result.best.history
+    assert scorer.fell_back["iteration"] == 2 and history[2] < history[1]  # the switch alone "fell"
+    assert 2 in likelihood_falls(history) and 2 not in likelihood_falls(history, became_exact=2)
+    assert not [w for w in caught if "EM iteration 2:" in str(w.message)]
+
+
+class DrawingOvershooting(Overshooting):
+    """Overshooting M-steps and an E-step noise of each iteration's own (anchors drawn anew)."""
+
+    estimates = True
+
+    def score(self, inputs, iteration=0, check=True):
+        scores = super().score(inputs, iteration)
+        noise = torch.randn(scores.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(100 + iteration))
+        return scores + 0.5 * noise
+
+
+def test_a_fall_between_draws_is_blamed_on_the_step_only_where_the_kept_m_step_fell_under_its_draw(monkeypatch):
+    from moplex_core import em
+
+    under_draw = []  # per iteration: the LL before its M-step and after the kept one, under its draw
+    real_posteriors = em.posteriors
+
+    def recording(scorer, inputs, rankings, alpha, iteration=0, **options):
+        gamma, ll = real_posteriors(scorer, inputs, rankings, alpha, iteration, **options)
+        under_draw.append((iteration, options.get("check", True), ll.mean().item()))
+        return gamma, ll
+
+    monkeypatch.setattr(em, "posteriors", recording)
+    _, rankings, x = synthetic(k=2, m=4, n=200)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result, _ = fit_mixture(lambda: DrawingOvershooting(2, 2), x, rankings,
+                                EMConfig(k=2, max_iter=6, tol=0, backtracks=2))
+    blamed = []
+    for t in range(1, 6):
+        before = next(ll for it, check, ll in under_draw if it == t and not check)
+        after = [ll for it, _, ll in under_draw if it == t][-1]
+        messages = [str(w.message) for w in caught if f"EM iteration {t}:" in str(w.message)]
+        if any("steps too large" in m for m in messages):
+            blamed.append(t)
+            assert likelihood_falls([before, after]), t  # blamed on the step only where it fell under its own draw
+    assert 2 in result.best.halvings and any("between two draws" in str(w.message) for w in caught)
+
+    # An estimating scorer that cannot scale its steps is not compared under one draw: no claim that it was.
+    class NoSteps(DrawingOvershooting):
+        scale_steps = None
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fit_mixture(lambda: NoSteps(2, 2), x, rankings, EMConfig(k=2, max_iter=6, tol=0, backtracks=2))
+    assert not [w for w in caught if "train.backtracks compared them" in str(w.message)]
+
+
+def test_each_iterations_state_keeps_its_own_history():
+    _, rankings, x = synthetic(k=2, m=4, n=200)
+    states = []
+    fit_mixture(lambda: LinearScorer(2, 2), x, rankings, EMConfig(k=2, max_iter=3, tol=0), on_iteration=states.append)
+    assert [len(s.history) for s in states] == [1, 2, 3] and [len(s.halvings) for s in states] == [1, 2, 3]

@@ -448,6 +448,17 @@ def test_estimates_within_the_fallback_threshold_change_nothing(tiny_model_dir, 
     assert guarded.anchors == 2 and guarded.fell_back is None
 
 
+def test_adapters_that_diverged_are_not_an_estimates_failure(tiny_model_dir, inputs):  # noqa: F811
+    # Exact scores that are not finite are the adapters', not the anchors': no fallback, and EM's
+    # finite check (a halved step with train.backtracks, else an error) takes it from there.
+    policy = scorer(tiny_model_dir, anchors=2, exact_fallback=4, fallback_above=0.0)
+    policy.fit(inputs, inputs.rankings(), torch.ones(len(inputs), 2, dtype=torch.float64), 0)
+    with torch.no_grad():
+        next(iter(policy.lora.named_parameters().values())).fill_(float("inf"))
+    assert not torch.isfinite(policy.score(inputs, 0)).all()
+    assert policy.fell_back is None and policy.anchors == 2
+
+
 @pytest.mark.parametrize("estimation", ["delta", "logpi"])
 def test_estimates_under_moved_adapters_are_algorithm_1_by_finite_differences(tiny_model_dir, float64_rmsnorm,  # noqa: F811
                                                                                estimation):

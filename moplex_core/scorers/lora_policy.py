@@ -38,6 +38,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import sys
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -237,11 +238,12 @@ class LoRAPolicyScorer:
         relative, check_exact = (self._estimates_off_by(inputs, scores, is_anchor) if self.exact_fallback and check
                                  else (None, None))
         if relative is not None and not relative <= self.fallback_above:  # NaN falls back too
-            log.warning("E-step %d: the anchors' estimates are off by %.2f times the spread of the exact scores on "
-                        "%d training examples (train.exact_fallback = %g); this iteration and every later one "
-                        "compute every response exactly", iteration, relative,
+            finite = math.isfinite(relative)
+            log.warning("E-step %d: the anchors' estimates are %s on %d training examples (train.exact_fallback = "
+                        "%g); this iteration and every later one compute every response exactly", iteration,
+                        f"off by {relative:.2f} times the spread of the exact scores" if finite else "not finite",
                         min(self.exact_fallback, len(inputs)), self.fallback_above)
-            self.fell_back = {"iteration": iteration, "relative_error": relative}
+            self.fell_back = {"iteration": iteration, "relative_error": relative if finite else None}
         self._estep = _EStepOffsets(iteration + 1, _inputs_key(inputs), offsets)
         self.last_scores = ScoreRecord(iteration, inputs.example_ids, scores, is_anchor, inputs.tiers != PAD,
                                        check_exact)
@@ -262,7 +264,8 @@ class LoRAPolicyScorer:
                           ) -> tuple[float | None, torch.Tensor | None]:
         """(mean |r_hat - r| / the spread of the exact scores (`estimate.estimation_gap`), their exact
         scores float64 [n', k, M']) on the fallback's examples; (None, None) when none of their scores
-        is estimated, None for the ratio when their spread is 0."""
+        is estimated, None for the ratio when their spread is 0 or when the exact scores are not finite
+        themselves (the adapters diverged: not the estimates' failure, and EM's to handle)."""
         picked = torch.as_tensor(check_sample(len(inputs), self.exact_fallback, self.seed))
         checked = inputs.subset(picked)
         in_slate = checked.tiers != PAD  # [n', M]
@@ -271,6 +274,8 @@ class LoRAPolicyScorer:
         if not estimated.any():
             return None, None
         exact = self.exact_scores(checked)
+        if not torch.isfinite(exact[in_slate.unsqueeze(1).expand_as(exact)]).all():
+            return None, exact
         error, spread = estimation_gap(scores[picked, :, :width], exact, estimated, in_slate)
         return (error / spread if spread > 0 else None), exact
 
