@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 from prefect import flow, get_run_logger
-from prefect.runtime import flow_run
+from prefect.runtime import deployment, flow_run
 from prefect.settings import PREFECT_API_URL, PREFECT_FLOWS_HEARTBEAT_FREQUENCY, PREFECT_UI_URL, temporary_settings
 from prefect.states import State
 
@@ -92,7 +92,7 @@ def moplex_pipeline(preset: str = "synthetic-demo", overrides: list[str] | None 
 
     def stage(name: str, *args, **kwargs) -> str:
         if config.fault.stage == name and run_count <= config.fault.times:
-            fail_on_purpose(config.fault, name, run_count)
+            fail_on_purpose(config.fault, name, run_count, retry_command(flow_run.get_id()))
         return run_stage(name, lambda: STAGE_FLOWS[name](*args, **kwargs, root=root), config.stage_retries,
                          config.retry_delay_seconds, get_run_logger())
 
@@ -100,6 +100,14 @@ def moplex_pipeline(preset: str = "synthetic-demo", overrides: list[str] | None 
     publish_run_artifacts(dirs)
     get_run_logger().info("report: %s/report.md", dirs["evaluate"])
     return {**dirs, "report": f"{dirs['evaluate']}/report.md"}
+
+
+def retry_command(run_id) -> str:
+    """The command that retries pipeline run ``run_id``: a run of a deployment by its id alone; a run
+    without one (``moplex run``) also needs the flow's entrypoint."""
+    if deployment.get_id() is not None:
+        return f"prefect flow-run retry {run_id}"
+    return f"prefect flow-run retry {run_id} --entrypoint {Path(__file__).resolve()}:moplex_pipeline"
 
 
 def flow_run_url(run_id) -> str:
@@ -229,8 +237,7 @@ def run_in_process(config: PipelineConfig) -> tuple[bool, str]:
             f"{failure_cause(state)}\n"
             f"(pipeline run {run_id} ended {state.type.value}; Prefect's log above has the traceback.) Finished "
             f"stages are kept: fix the cause and rerun the command, or retry the run (same PREFECT_HOME) with "
-            f"`prefect flow-run retry {run_id} --entrypoint {Path(__file__).resolve()}:moplex_pipeline` (a fault.stage set on "
-            f"purpose fails again on a new run). Prefect UI: {ui}"
+            f"`{retry_command(run_id)}` (a fault.stage set on purpose fails again on a new run). Prefect UI: {ui}"
         )
     dirs = state.result()
     lines = [Path(dirs["report"]).read_text(), "artifacts (moplex inspect PATH shows any of them):"]

@@ -10,7 +10,6 @@ import pandas as pd
 from prefect import get_run_logger, task
 from prefect.artifacts import create_link_artifact, create_markdown_artifact, create_table_artifact
 from prefect.cache_policies import NO_CACHE
-from prefect.runtime import flow_run
 
 from moplex_core.artifacts import read_manifest
 from moplex_core.config import FaultConfig
@@ -22,12 +21,13 @@ class InjectedFault(RuntimeError):
 
 
 @task(name="injected-fault", cache_policy=NO_CACHE)
-def fail_on_purpose(fault: FaultConfig, stage: str, run_count: int) -> None:
-    """Raise when ``fault.stage`` is ``stage`` and this is one of the first ``fault.times`` runs."""
+def fail_on_purpose(fault: FaultConfig, stage: str, run_count: int, retry: str) -> None:
+    """Raise when ``fault.stage`` is ``stage`` and this is one of the first ``fault.times`` runs;
+    ``retry``: the command that retries this flow run."""
     raise InjectedFault(
         f"stage {stage!r} fails on purpose (fault.stage = {fault.stage!r}, run {run_count} of the first "
-        f"{fault.times} that fail). Retry this flow run (UI: Retry; CLI: prefect flow-run retry "
-        f"{flow_run.get_id()}): the finished stages are reused, or set fault.stage to null."
+        f"{fault.times} that fail). Retry this flow run (UI: Retry; CLI: {retry}): the finished stages are "
+        "reused, or set fault.stage to null."
     )
 
 

@@ -247,3 +247,17 @@ def test_a_prefect_server_that_does_not_answer_is_one_line_saying_what_to_do(tmp
     assert run.returncode == 1 and "Traceback" not in run.stderr, run.stderr[-3000:]
     assert f"no Prefect server answers at http://127.0.0.1:{port}/api (PREFECT_API_URL)" in run.stderr
     assert "prefect config unset PREFECT_API_URL" in run.stderr
+
+
+def test_a_fault_in_a_run_without_a_deployment_names_the_retry_command_that_works(prefect_env, tmp_path):
+    # `prefect flow-run retry ID` alone refuses a run that has no deployment: it needs the entrypoint.
+    from flows.pipeline import moplex_pipeline
+    from moplex_core.config import pipeline_preset, with_overrides
+    from tasks.pipeline import InjectedFault
+
+    config = with_overrides(pipeline_preset("synthetic-demo"), [f"root={tmp_path}", "fault.stage=ingest"])
+    state = moplex_pipeline(config=config, return_state=True)
+    with pytest.raises(InjectedFault) as err:
+        state.result()
+    entrypoint = f"--entrypoint {Path('flows/pipeline.py').resolve()}:moplex_pipeline"
+    assert f"CLI: prefect flow-run retry {state.state_details.flow_run_id} {entrypoint})" in str(err.value)
