@@ -51,8 +51,10 @@ CODE_VERSION = "ingest-1"
 # the source record; generic-5: a row that drop mode rejects no longer claims its example_id or its
 # prompt's split, so a later valid row that shares them is kept (it was rejected). ultrafeedback-2:
 # ratings outside 1..5 (NaN, infinity) and annotations that are not objects are refused (they were
-# ranked). persona-2: a "key:" line with no value is a field, not part of the previous value.
-ADAPTER_VERSIONS = {"generic": "generic-5", "ultrafeedback": "ultrafeedback-2", "persona": "persona-2"}
+# ranked). persona-2: a "key:" line with no value is a field, not part of the previous value. prism-2:
+# the release's "EMPTY STRING" (its empty texts) is no prompt or response (it was ranked as one).
+ADAPTER_VERSIONS = {"generic": "generic-5", "ultrafeedback": "ultrafeedback-2", "persona": "persona-2",
+                    "prism": "prism-2"}
 
 
 def code_version(dataset: str) -> str:

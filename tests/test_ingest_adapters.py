@@ -189,7 +189,7 @@ def test_persona_reads_parquet_with_the_spaced_question_type_column(tmp_path, fi
     rows = [r.data for r in records(fixtures_dir / "persona.jsonl")]
     pq.write_table(pa.Table.from_pylist(rows), tmp_path / "train-00000-of-00001.parquet")
     from_parquet = records(tmp_path)
-    assert from_parquet[0].data["question type"] == "what"
+    assert from_parquet[0].data["question type"] == "train"
     assert from_parquet[0].where.endswith("train-00000-of-00001.parquet row 0")
     a = persona.to_rankings(from_parquet, PersonaOptions(), source="p", seed=0)
     b = persona.to_rankings(records(fixtures_dir / "persona.jsonl"), PersonaOptions(), source="p", seed=0)
@@ -311,6 +311,25 @@ def test_prism_ranks_each_opening_turn_by_score_with_the_participants_region(fix
                                                 for region in ("UK", "US", "Europe", "Africa")}
 
 
+def test_prism_reads_the_releases_empty_text_as_no_text(tmp_path, fixtures_dir):
+    # The release writes "EMPTY STRING" for a text that was empty: never a prompt or a response.
+    shutil.copy(fixtures_dir / "prism" / "survey.jsonl", tmp_path / "survey.jsonl")
+    conversation = _prism_lines(fixtures_dir, "conversations.jsonl")[0]
+    history = conversation["conversation_history"]
+    no_answer = [dict(m, content="EMPTY STRING") if m.get("within_turn_id") == 1 else m for m in history]
+    no_prompt = [dict(m, content=" EMPTY STRING ") if m["role"] == "user" and m["turn"] == 0 else m for m in history]
+    lines = [conversation, conversation | {"conversation_id": "c-no-answer", "conversation_history": no_answer},
+             conversation | {"conversation_id": "c-no-prompt", "conversation_history": no_prompt}]
+    (tmp_path / "conversations.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    out = prism.to_rankings(records(tmp_path), PrismOptions(top_profiles=None, min_responses=3), source="p")
+    by_id = {row["example_id"]: row for row in out.rows}
+    assert set(by_id) == {short_hash("prism", "c0"), short_hash("prism", "c-no-answer")}
+    assert len(by_id[short_hash("prism", "c0")]["responses"]) == 4
+    assert "EMPTY STRING" not in by_id[short_hash("prism", "c-no-answer")]["responses"]
+    assert len(by_id[short_hash("prism", "c-no-answer")]["responses"]) == 3
+    assert out.stats["skipped_no_opening_prompt"] == 1
+
+
 def test_prism_profiles_from_nested_and_plain_survey_columns(fixtures_dir):
     options = PrismOptions(fields=("gender", "ethnicity.simplified"), top_profiles=None, min_responses=3)
     out = prism.to_rankings(records(fixtures_dir / "prism"), options, source="p")
@@ -424,7 +443,8 @@ def test_adapter_changes_change_only_their_datasets_versions():
     assert code_version("generic") == "ingest-1+generic-5"
     assert code_version("ultrafeedback") == "ingest-1+ultrafeedback-2"
     assert code_version("persona") == "ingest-1+persona-2"
-    assert code_version("synthetic") == code_version("helpsteer2") == code_version("prism") == "ingest-1"  # the demo's kept
+    assert code_version("prism") == "ingest-1+prism-2"
+    assert code_version("synthetic") == code_version("helpsteer2") == "ingest-1"  # the demo's kept
 
 
 def test_a_json_array_file_reads_like_jsonl(tmp_path, fixtures_dir):

@@ -2,7 +2,9 @@
 
 Raw record: ``persona`` (newline-separated ``key: value`` text; keys vary between personas and a
 value may itself contain ": "), ``instruction``, ``original`` (the model's answer), ``critique``,
-``data`` (the answer revised for the persona) and ``question type`` (with a space). Each record is
+``data`` (the answer revised for the persona) and ``question type`` (with a space; it holds the
+dataset's own "train" / "test" split of its questions, as public loaders of the release read it: not
+used, ingest splits every dataset by prompt). Each record is
 one ranking [data] > [original]; the two responses are placed in a seeded, per-row order so the
 position of the preferred response carries no signal. Records with an empty or unchanged revision
 are skipped (there is nothing to prefer). The profile rules are `moplex_core.config.PersonaOptions`.

@@ -7,7 +7,8 @@ Two of the release's files are read, in their raw schema (DESIGN.md 6):
 - ``conversations.jsonl``, one conversation per record: ``conversation_id``, ``user_id``,
   ``opening_prompt`` and ``conversation_history``, a list of ``{"turn", "role", "content",
   "within_turn_id", "model_name", "score", "if_chosen", ...}`` (role "user" or "model"; turn 0 is
-  the opening turn, where four models answered and the participant scored each 1-100).
+  the opening turn, where four models answered and the participant scored each 1-100). A text the
+  release left empty reads "EMPTY STRING" (`EMPTY_TEXT`), and is no text here.
 
 Records are told apart by their fields, so a folder holding the whole release (``hf download``
 brings ``utterances.jsonl`` and ``metadata.jsonl`` too) or the hub's per-config Parquet reads as
@@ -33,6 +34,10 @@ CONVERSATION_FIELDS = ("conversation_id", "user_id", "conversation_history")
 SURVEY_MARK = "survey_only"  # a column only the survey has
 SCORE_RANGE = (1, 100)
 ROLES = ("user", "model")
+EMPTY_TEXT = "EMPTY STRING"
+"""What the release writes for a text that was empty, whitespace or "None" (``process_text`` in the
+authors' HannahKirk/prism-alignment processing scripts; 147 model answers of utterances.jsonl are it):
+read as no text, never as a prompt or a response."""
 
 
 def to_rankings(records: Iterable[Record], options: PrismOptions, *, source: str,
@@ -161,7 +166,7 @@ def _opening_turn(record: Record) -> tuple[str, list[str], list[float]] | None:
         if turn != 0:
             continue
         if role == "user":
-            prompt = content if content.strip() else None
+            prompt = None if _empty(content) else content
         else:
             answers.append((message.get("within_turn_id"), content, _score(message.get("score"), where)))
     if len(answers) > PRISM_OPENING_RESPONSES:
@@ -173,10 +178,14 @@ def _opening_turn(record: Record) -> tuple[str, list[str], list[float]] | None:
         answers.sort(key=lambda answer: answer[0])  # stable: else the history's own order
     responses, scores = [], []
     for _, content, score in answers:
-        if content.strip() and content.strip() not in {r.strip() for r in responses}:
+        if not _empty(content) and content.strip() not in {r.strip() for r in responses}:
             responses.append(content)
             scores.append(score)
     return prompt, responses, scores
+
+
+def _empty(text: str) -> bool:
+    return text.strip() in ("", EMPTY_TEXT)
 
 
 def _score(value: object, where: str) -> float:
