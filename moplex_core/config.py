@@ -192,9 +192,12 @@ PRISM_OPENING_RESPONSES = 4  # models answering a PRISM conversation's opening p
 
 HUB_SOURCES: dict[str, tuple[str, str | None]] = {
     # dataset -> (hub name, pinned revision); UltraFeedback's revision has the Dec 2023 score fix.
+    # HelpSteer2's (2026-11-25, as public projects pin it) has preference/ and disagreements/ in their
+    # own folders (earlier revisions kept them at the top), as helpsteer2.data = "preference" reads them.
+    # PERSONA is gated and its revisions could not be seen from here: unpinned.
     "ultrafeedback": ("openbmb/UltraFeedback", "40b436560ca83a8dba36114c22ab3c66e43f6d5e"),
     "persona": ("SynthLabsAI/PERSONA", None),
-    "helpsteer2": ("nvidia/HelpSteer2", None),
+    "helpsteer2": ("nvidia/HelpSteer2", "990b2711a36180dd19d9c94b8627844866f8982a"),
     "prism": ("HannahRoseKirk/prism-alignment", "18ab5cfb37456f4ec8cbc00212ce54cf7b1239f6"),
 }
 

@@ -91,8 +91,9 @@ def test_presets_are_valid_configs_with_the_paper_split_sizes():
 
 
 def test_existing_datasets_keep_their_ingest_versions_as_options_are_added():
-    # the default configs' fingerprints before PRISM and HelpSteer2's preference data (6699fdc)
-    pinned = {"ultrafeedback": "4c24b0514f8486e0", "persona": "fa809a5475b4e53d", "helpsteer2": "bb40d15d51118cd2",
+    # the default configs' fingerprints before PRISM and HelpSteer2's preference data (6699fdc); HelpSteer2's
+    # changed once, when its hub revision was pinned (2026-11-25: another source, so another version)
+    pinned = {"ultrafeedback": "4c24b0514f8486e0", "persona": "fa809a5475b4e53d", "helpsteer2": "cd05b9ddba4a54f4",
               "generic": "dc59e397a60b926c", "synthetic": "fd0f62a6f9f5848b"}
     for dataset, fingerprint in pinned.items():
         config = IngestConfig(dataset=dataset, **({"path": "x.jsonl"} if dataset == "generic" else {}))
