@@ -85,20 +85,36 @@ def run_stage(name: str, call: Callable[[], str], retries: int, delay_seconds: f
 @flow(name="moplex-pipeline")
 def moplex_pipeline(preset: str = "synthetic-demo", overrides: list[str] | None = None,
                     config: PipelineConfig | None = None) -> dict[str, str]:
-    """Run every stage of ``config`` (default: the preset ``preset``), with ``overrides`` (key=value,
-    dotted, as ``moplex run --set``) applied; returns each stage's artifact folder and the report."""
+    """Run every stage of ``config`` (default: the preset ``preset``), with ``overrides`` applied;
+    returns each stage's artifact folder and the report.
+
+    Args:
+        preset: a pipeline preset of data/presets (`moplex run --list`), e.g. synthetic-demo,
+            synthetic-compare, ultrafeedback-paper, persona-paper, helpsteer2, prism.
+        overrides: settings as `moplex run --set` takes them, dotted key=value, e.g.
+            train.em_iterations=3, root=/data/moplex (where the artifacts go; relative to the
+            worker's directory otherwise), ingest.path=/data/persona.
+        config: a whole PipelineConfig, replacing the preset when given (overrides still apply).
+    """
+    source = f"preset {preset}" if config is None else "the config given"
     config = with_overrides(config or pipeline_preset(preset), overrides or [])
     root, run_count = config.root, flow_run.get_run_count()
+    logger = get_run_logger()
+    logger.info("%s with overrides %s; artifacts under %s", source, overrides or [], Path(root).resolve())
 
     def stage(name: str, *args, **kwargs) -> str:
         if config.fault.stage == name and run_count <= config.fault.times:
             fail_on_purpose(config.fault, name, run_count, retry_command(flow_run.get_id()))
-        return run_stage(name, lambda: STAGE_FLOWS[name](*args, **kwargs, root=root), config.stage_retries,
-                         config.retry_delay_seconds, get_run_logger())
+        try:
+            return run_stage(name, lambda: STAGE_FLOWS[name](*args, **kwargs, root=root), config.stage_retries,
+                             config.retry_delay_seconds, logger)
+        except Exception as err:
+            logger.error("the %s stage failed: %s: %s", name, type(err).__name__, err)
+            raise
 
     dirs = run_stages(config, stage)
     publish_run_artifacts(dirs)
-    get_run_logger().info("report: %s/report.md", dirs["evaluate"])
+    logger.info("report: %s/report.md", dirs["evaluate"])
     return {**dirs, "report": f"{dirs['evaluate']}/report.md"}
 
 

@@ -101,6 +101,17 @@ def test_the_config_round_trips_through_json_as_a_flow_parameter_does():
     assert {"ingest", "augment", "cache", "train", "evaluate", "fault"} <= set(schema["properties"])
 
 
+def test_the_pipeline_flows_parameters_are_described_in_the_run_form():
+    from prefect.utilities.callables import parameter_schema
+
+    from flows.pipeline import moplex_pipeline
+
+    described = {name: field.get("description", "") for name, field in
+                 parameter_schema(moplex_pipeline.fn).model_dump()["properties"].items()}
+    assert set(described) == {"preset", "overrides", "config"} and all(described.values())
+    assert "root=" in described["overrides"] and all(name in described["preset"] for name in preset_names())
+
+
 def test_moplex_run_lists_the_presets_and_refuses_a_bad_override(capsys):
     from moplex_core.cli import main
 
