@@ -99,10 +99,8 @@ def _version_report(version_dir: Path, rows: int) -> str:
         lines.append(f"status:   INCOMPLETE ({MANIFEST} cannot be read): damaged after it was written; delete the "
                      "version folder and rerun the stage")
     else:
-        lines.append(
-            f"status:   INCOMPLETE (no {MANIFEST}): {len(shards)} finished shard(s); rerun the stage with "
-            "the same config to resume"
-        )
+        lines.append(f"status:   INCOMPLETE (no {MANIFEST}): {_so_far(version_dir)}; rerun the stage with the same "
+                     "config to resume")
     if shards:
         lines += [""] + _table_report("rows (part-*.parquet)", shards, rows)
         section = _STAGE_SECTIONS.get(stage)
@@ -111,9 +109,11 @@ def _version_report(version_dir: Path, rows: int) -> str:
                 lines += [""] + section(version_dir, shards)
             except (pa.ArrowException, OSError) as err:
                 lines += ["", f"-- {stage} section: unreadable: {err} --"]
+    last = {path.parent for path in _last_iterations(version_dir)}
     others = sorted(p for p in version_dir.rglob("*.parquet") if p not in shards
                     and not any(part.startswith(".") for part in p.relative_to(version_dir).parts)
-                    and not (complete and p.relative_to(version_dir).as_posix().startswith(f"{CHECKPOINTS}/")))
+                    and not (p.relative_to(version_dir).as_posix().startswith(f"{CHECKPOINTS}/")
+                             and (complete or (p.parent.name.startswith("iter-") and p.parent not in last))))
     for other in others:
         lines += [""] + _table_report(other.relative_to(version_dir).as_posix(), [other], rows)
     return "\n".join(lines)
@@ -245,8 +245,23 @@ def _listing(directory: Path) -> str:
             lines.append(f"  {str(info.ref):<32} {status}    {_size(info.manifest, short=True):>16}  "
                          f"{info.manifest['finished']}  {_made_from(info.manifest)}")
         else:
-            lines.append(f"  {str(info.ref):<32} INCOMPLETE  {len(shard_paths(info.path)):>10} shard(s) so far")
+            lines.append(f"  {str(info.ref):<32} INCOMPLETE  {_so_far(info.path)} so far")
     return "\n".join(lines)
+
+
+def _last_iterations(version_dir: Path) -> list[Path]:
+    """The state.json of each restart's last finished EM iteration of a train version, in restart order."""
+    restarts = sorted((version_dir / CHECKPOINTS).glob("restart-*"))
+    return [done[-1] for done in (sorted(r.glob("iter-*/state.json")) for r in restarts) if done]
+
+
+def _so_far(version_dir: Path) -> str:
+    """What an unfinished version has finished: EM iterations (train), else row shards."""
+    last = _last_iterations(version_dir)
+    if last:
+        done = len(list((version_dir / CHECKPOINTS).glob("restart-*/iter-*/state.json")))
+        return f"{done} finished EM iteration(s), the last {last[-1].parent.relative_to(version_dir).as_posix()}"
+    return f"{len(shard_paths(version_dir))} finished shard(s)"
 
 
 @stage_section("ingest")

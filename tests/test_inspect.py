@@ -104,6 +104,17 @@ def test_odd_folders_are_reported_not_crashed_on(tmp_path):
     assert inside.splitlines()[1].split() == ["restart-00/state.json", "2", "B"]
     pq.write_table(pa.table({"gamma": [0.25]}), running / "em" / "restart-00" / "posteriors.parquet")
     assert "-- em/restart-00/posteriors.parquet: 1 rows --" in inspect_path(running)  # a killed run's last EM state
+    for t in range(2):  # a train run killed after its second EM iteration: counted, and its last one shown
+        iteration = running / "em" / "restart-00" / f"iter-{t:04d}"
+        iteration.mkdir()
+        pq.write_table(pa.table({"gamma": [0.5, 0.5]}), iteration / "posteriors.parquet")
+        (iteration / "state.json").write_text("{}")
+    (running / "em" / "restart-00" / "iter-0002").mkdir()  # the third, under way: no state.json yet
+    so_far = "2 finished EM iteration(s), the last em/restart-00/iter-0001"
+    assert f"INCOMPLETE  {so_far} so far" in inspect_path(tmp_path / "train")
+    report = inspect_path(running)
+    assert f"INCOMPLETE (no manifest.json): {so_far}; rerun" in report
+    assert "-- em/restart-00/iter-0001/posteriors.parquet: 2 rows --" in report and "iter-0000/" not in report
     user = tmp_path / "mine"
     user.mkdir()
     (user / "manifest.json").write_text('{"name": "my dataset"}')  # a user's own manifest, not moplex's
