@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from prefect import flow, get_run_logger
 
-from moplex_core.artifacts import DEFAULT_ROOT
+from moplex_core.artifacts import ALREADY_COMPLETE, DEFAULT_ROOT
 from tasks.assign import plan_assignment, write_assignment
 
 
@@ -17,6 +17,6 @@ def assign_flow(train: str, rankings: str, root: str = DEFAULT_ROOT, device: str
     where the base model is now, when it moved (default: where the train artifact's cache recorded it)."""
     plan = plan_assignment(train, rankings, root, device, score_batch_size, model)
     if plan.complete:
-        get_run_logger().info("%s is already complete at %s; nothing to do", plan.ref, plan.path)
+        get_run_logger().info(ALREADY_COMPLETE, plan.ref, plan.path)
         return str(plan.path)
     return str(write_assignment(train, rankings, root, plan).path)

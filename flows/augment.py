@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prefect import flow, get_run_logger
 
-from moplex_core.artifacts import DEFAULT_ROOT
+from moplex_core.artifacts import ALREADY_COMPLETE, DEFAULT_ROOT
 from moplex_core.config import AugmentConfig
 from tasks.augment import plan_augmented, write_augmented
 
@@ -17,6 +17,5 @@ def augment_flow(config: AugmentConfig, rankings: str, root: str = DEFAULT_ROOT)
     logger = get_run_logger()
     plan = plan_augmented(config, rankings, root)
     if plan.complete:
-        logger.info("%s is already complete at %s (same config, rankings and model); nothing to generate",
-                    plan.ref, plan.path)
+        logger.info(ALREADY_COMPLETE, plan.ref, plan.path)
     return str(write_augmented(config, root, plan).path)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prefect import flow, get_run_logger
 
-from moplex_core.artifacts import DEFAULT_ROOT
+from moplex_core.artifacts import ALREADY_COMPLETE, DEFAULT_ROOT
 from moplex_core.config import CacheConfig
 from tasks.cache import plan_reference_cache, write_reference_cache
 
@@ -14,6 +14,6 @@ def cache_flow(config: CacheConfig, rankings_dir: str, root: str = DEFAULT_ROOT)
     """Write (or find) the cache of the artifact at ``rankings_dir`` under ``root``; returns its folder."""
     plan = plan_reference_cache(config, rankings_dir, root)
     if plan.complete:
-        get_run_logger().info("%s is already complete at %s; nothing to do", plan.ref, plan.path)
+        get_run_logger().info(ALREADY_COMPLETE, plan.ref, plan.path)
         return str(plan.path)
     return str(write_reference_cache(config, rankings_dir, root, plan).path)

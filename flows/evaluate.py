@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prefect import flow, get_run_logger
 
-from moplex_core.artifacts import DEFAULT_ROOT
+from moplex_core.artifacts import ALREADY_COMPLETE, DEFAULT_ROOT
 from moplex_core.config import EvaluateConfig
 from tasks.evaluate import plan_evaluation, write_evaluation
 
@@ -17,6 +17,6 @@ def evaluate_flow(config: EvaluateConfig, train_dir: str, cache_dir: str, root: 
     is now, when it moved (default: where the cache recorded it)."""
     plan = plan_evaluation(config, train_dir, cache_dir, root)
     if plan.complete:
-        get_run_logger().info("%s is already complete at %s; nothing to do", plan.ref, plan.path)
+        get_run_logger().info(ALREADY_COMPLETE, plan.ref, plan.path)
         return str(plan.path)
     return str(write_evaluation(config, train_dir, cache_dir, root, plan, model).path)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prefect import flow, get_run_logger
 
-from moplex_core.artifacts import DEFAULT_ROOT
+from moplex_core.artifacts import ALREADY_COMPLETE, DEFAULT_ROOT
 from moplex_core.config import IngestConfig
 from tasks.ingest import plan_rankings, write_rankings
 
@@ -15,6 +15,6 @@ def ingest_flow(config: IngestConfig, root: str = DEFAULT_ROOT) -> str:
     logger = get_run_logger()
     plan = plan_rankings(config, root)
     if plan.complete:
-        logger.info("%s is already complete at %s (same config and source); nothing to do", plan.ref, plan.path)
+        logger.info(ALREADY_COMPLETE, plan.ref, plan.path)
         return str(plan.path)
     return str(write_rankings(config, root, plan).path)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prefect import flow, get_run_logger
 
-from moplex_core.artifacts import DEFAULT_ROOT
+from moplex_core.artifacts import ALREADY_COMPLETE, DEFAULT_ROOT
 from moplex_core.config import TrainConfig
 from tasks.train import fit_mixture_of_adapters, plan_mixture
 
@@ -15,6 +15,6 @@ def train_flow(config: TrainConfig, cache_dir: str, root: str = DEFAULT_ROOT, mo
     ``model``: where the cache's base model is now, when it moved (default: where the cache recorded it)."""
     plan = plan_mixture(config, cache_dir, root)
     if plan.complete:
-        get_run_logger().info("%s is already complete at %s; nothing to do", plan.ref, plan.path)
+        get_run_logger().info(ALREADY_COMPLETE, plan.ref, plan.path)
         return str(plan.path)
     return str(fit_mixture_of_adapters(config, cache_dir, root, plan, model).path)

@@ -47,6 +47,9 @@ from moplex_core.hashing import canonical_json, sha256_file, short_hash
 log = logging.getLogger(__name__)
 
 DEFAULT_ROOT = "data/artifacts"
+ALREADY_COMPLETE = ("%s is already complete at %s (the same versioned settings and inputs; settings that do not "
+                    "change what is written, such as batch sizes, make no new version); nothing to do")
+"""What a stage flow logs for a version it finds complete (its ref and folder)."""
 MANIFEST = "manifest.json"
 CHECKPOINTS = "em"
 """A version's folder of checkpoints (train's EM iterations): files like any other, listed apart by inspect."""
