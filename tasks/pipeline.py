@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pandas as pd
 from prefect import get_run_logger, task
-from prefect.artifacts import create_link_artifact, create_markdown_artifact, create_table_artifact
+from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.cache_policies import NO_CACHE
 
 from moplex_core.artifacts import read_manifest
@@ -34,7 +34,7 @@ def fail_on_purpose(fault: FaultConfig, stage: str, run_count: int, retry: str) 
 @task(name="publish-run-artifacts", cache_policy=NO_CACHE)
 def publish_run_artifacts(stage_dirs: dict[str, str]) -> None:
     """Prefect artifacts of one pipeline run: the stage versions with their row counts, the metrics
-    table, the report (plots embedded as data URIs) and links to every Parquet file."""
+    table, the report (plots embedded as data URIs) and the paths of every stage's Parquet files."""
     manifests = {stage: read_manifest(path) for stage, path in stage_dirs.items()}
     create_table_artifact(
         key="moplex-stages",
@@ -48,12 +48,21 @@ def publish_run_artifacts(stage_dirs: dict[str, str]) -> None:
     create_table_artifact(key="moplex-metrics", table=metrics.astype({"value": float}).to_dict("records"),
                           description=f"{evaluation / METRICS_FILE}")
     create_markdown_artifact(key="moplex-report", markdown=_embed_plots(evaluation), description=f"{evaluation}/report.md")
+    create_markdown_artifact(key="moplex-files", markdown=_files_markdown(stage_dirs, manifests),
+                             description="Where each stage's Parquet files are, on the machine that ran the stage.")
+    get_run_logger().info("report: %s", evaluation / "report.md")
+
+
+def _files_markdown(stage_dirs: dict[str, str], manifests: dict[str, dict]) -> str:
+    """Every stage's top-level Parquet files as paths to copy (a browser opens no file:// link from the
+    UI, nor one on another machine), and the command that reports each version."""
+    lines = ["| stage | version | file |", "|---|---|---|"]
     for stage, path in stage_dirs.items():
         for name in sorted(manifests[stage]["files"]):
             if name.endswith(".parquet") and "/" not in name:
-                create_link_artifact(link=(Path(path) / name).resolve().as_uri(), link_text=f"{stage}: {name}",
-                                     description=f"{stage} {manifests[stage]['version']}")
-    get_run_logger().info("report: %s", evaluation / "report.md")
+                lines.append(f"| {stage} | {manifests[stage]['version']} | `{(Path(path) / name).resolve()}` |")
+    commands = "\n".join(f"    moplex inspect {Path(path).resolve()}" for path in stage_dirs.values())
+    return "\n".join([*lines, "", "Each version's report (rows, columns, summary, EM iterations):", "", commands])
 
 
 def _embed_plots(evaluation: Path) -> str:

@@ -119,8 +119,9 @@ def test_deployed_pipeline_runs_fails_on_purpose_and_a_retry_reuses_finished_sta
         assert [row["stage"] for row in stages] == [*EARLY_STAGES, "train", "evaluate"]
         assert {row["stage"]: row["rows"] for row in stages}["ingest"] == 60
         assert "data:image/png;base64," in by_key["moplex-report"]["data"]
-        links = [a["data"] for a in artifacts if a["data"] and "file://" in a["data"]]  # link artifacts are markdown
-        assert any(str(evaluation / "metrics.parquet") in link for link in links)
+        files = by_key["moplex-files"]["data"]
+        assert f"| evaluate | {evaluation.name} | `{evaluation / 'metrics.parquet'}` |" in files
+        assert f"moplex inspect {evaluation}" in files
 
         warnings = client.post("/logs/filter", json={"logs": {"level": {"ge_": 30}}, "limit": 200}).raise_for_status().json()
         truncation = [w for w in warnings if "longer than cache.max_response_tokens = 4" in w["message"]]
