@@ -152,11 +152,13 @@ def _assigned_rows(part: pa.Table, scorer: LoRAPolicyScorer, alpha: torch.Tensor
     """ASSIGN_SCHEMA rows of some CACHE_SCHEMA rows: each response scored exactly under every adapter,
     and each ranking's posterior over the clusters."""
     from moplex_core.cache import policy_inputs
-    from moplex_core.em import mixture_posteriors
+    from moplex_core.em import check_finite, mixture_posteriors
 
     inputs, clusters = policy_inputs(part)
     scores = scorer.exact_scores(inputs)  # float64 [n, k, M]
-    posterior, log_likelihood = mixture_posteriors(scores, inputs.rankings(likelihood), alpha)  # [n, k], [n]
+    rankings = inputs.rankings(likelihood)
+    check_finite(scores, rankings, "moplex assign", "The trained adapters' scores of these rankings are not usable.")
+    posterior, log_likelihood = mixture_posteriors(scores, rankings, alpha)  # [n, k], [n]
     return pa.Table.from_pydict({
         "example_id": list(inputs.example_ids),
         "split": part.column("split").to_pylist(),

@@ -202,15 +202,24 @@ def posteriors(
     Scores of any finite size are fine (the likelihood is a logsumexp in float64); a non-finite
     score of a response in a slate raises `FloatingPointError` instead of spreading NaN."""
     scores = scorer.score(inputs, iteration, **score_options)  # [n, k, M]
+    check_finite(scores, rankings, f"EM iteration {iteration}",
+                 "Lower the learning rate (train.lr) or beta, or check the inputs; the last finished iteration's "
+                 "checkpoint is kept.")
+    return mixture_posteriors(scores, rankings, alpha)
+
+
+def check_finite(scores: torch.Tensor, rankings: Rankings, where: str, advice: str) -> None:
+    """Raise `FloatingPointError` when a score [n, k, M] of a response in a slate is inf or NaN (a NaN
+    posterior's argmax would quietly be cluster 0); padding slots may hold anything."""
     bad = ~torch.isfinite(scores) & (rankings.tiers != PAD).unsqueeze(1)
     if bad.any():
         clusters = bad.any(2).any(0).nonzero().flatten().tolist()
+        examples = bad.any(2).any(1).nonzero().flatten().tolist()
         raise FloatingPointError(
-            f"EM iteration {iteration}: {int(bad.sum())} score(s) of cluster(s) {clusters} are inf or NaN, so "
-            "their parameters diverged (or the inputs hold inf/NaN). Lower the learning rate (train.lr) or "
-            "beta, or check the inputs; the last finished iteration's checkpoint is kept."
+            f"{where}: {int(bad.sum())} score(s) of cluster(s) {clusters} are inf or NaN (rankings "
+            f"{examples[:5]}{' ...' if len(examples) > 5 else ''}), so their parameters diverged (or the inputs "
+            f"hold inf/NaN). {advice}"
         )
-    return mixture_posteriors(scores, rankings, alpha)
 
 
 def mixture_posteriors(

@@ -3,15 +3,22 @@
 Always exact scores. The Hungarian matching from EM's cluster ids to the true labels is fitted on
 the `validation` split and applied to `test`. Ranking accuracy is reported three ways, labelled:
 
-    posterior  each ranking routed to argmax_c gamma_ic, gamma computed from that same ranking
-               (the paper's number; optimistic, the ranking chooses its own scorer)
-    oracle     routed by the true label through the matching (needs labels; a label left without a
-               partner, as with k = 1, or whose partner holds none of its members, goes to the
-               cluster holding most of its validation members)
-    marginal   the alpha-weighted sum of the k scorers' scores (a log-linear pool, not the mixture of
-               their Plackett-Luce probabilities), no label and no ranking used
+    posterior       each ranking routed to argmax_c gamma_ic, gamma computed from that same ranking
+                    (the paper's number; optimistic: the ranking chooses its own scorer, and the more
+                    clusters, the more it gains, also from adapters that order nothing)
+    leave_pair_out  each pair (i, j) of a ranking predicted by the cluster argmax_c gamma_ic computed
+                    from the ranking without i and j (a Plackett-Luce ranking's marginal over the
+                    other items is Plackett-Luce over them): the posterior's routing without the
+                    pair it predicts, so k = 1 and a mixture of adapters that know nothing score alike
+    oracle          routed by the true label through the matching (needs labels; a label left without
+                    a partner, as with k = 1, or whose partner holds none of its members, goes to the
+                    cluster holding most of its validation members)
+    marginal        the mixture's own prediction, no label and no ranking used: i above j when
+                    sum_c alpha_c sigmoid(r_ci - r_cj), the mixture's probability that i precedes j
+                    (a Plackett-Luce ranking's pairwise marginal), is above 1/2
 
-Output rows: (split, metric, cluster, value); cluster is "all" for averages. ``matched_adapter`` rows
+Output rows: (split, metric, cluster, value); cluster is "all" for averages over the split's rankings
+(the paper averages over clusters: the per-cluster rows give that mean). ``matched_adapter`` rows
 (split: the one the matching was fitted on; cluster: a true label) give the EM cluster, the adapter
 ``c<value>``, that serves that label (oracle routing, `ClusterMatching.routing`). The evaluate stage adds
 rows of split ``train_em``, from the train artifact's own posteriors of the training rankings (no
@@ -45,17 +52,19 @@ import torch
 from moplex_core.artifacts import ArtifactRef, ArtifactStore, load_table, read_manifest
 from moplex_core.config import EvaluateConfig
 from moplex_core.diagnostics import generated_score_diagnostics
-from moplex_core.em import Rankings, Scorer, mixture_posteriors
+from moplex_core.em import Rankings, Scorer, check_finite, mixture_posteriors
 from moplex_core.metrics import (
     ClusterMatching,
     adjusted_rand_index,
     clustering_accuracy,
     fit_matching,
     normalized_mutual_information,
-    pairwise_ranking_accuracy,
+    pair_accuracy,
     per_cluster_accuracy,
+    score_credit,
+    score_order,
 )
-from moplex_core.pl import PAD
+from moplex_core.pl import PAD, UNRANKED
 
 
 @dataclass(frozen=True)
@@ -66,6 +75,8 @@ class EvalSplit:
 
 
 MATCHED_ADAPTER = "matched_adapter"
+RANKING_VARIANTS = ("posterior", "leave_pair_out", "oracle", "marginal")
+"""The ranking accuracies, as ``ranking_accuracy_<variant>`` rows (module docstring)."""
 
 
 def evaluate_mixture(
@@ -104,6 +115,7 @@ def evaluate_mixture(
 
 def _posterior_outputs(scorer: Scorer, alpha: torch.Tensor, split: EvalSplit) -> dict[str, Any]:
     scores = scorer.score(split.inputs, 0)  # [n, k, M]
+    check_finite(scores, split.rankings, "evaluation", "The trained adapters' scores are not usable.")
     gamma, ll = mixture_posteriors(scores, split.rankings, alpha)
     return {"scores": scores, "assigned": gamma.argmax(1).numpy(), "ll": ll}
 
@@ -119,15 +131,17 @@ def _ranking_rows(
 ) -> list[tuple[str, str, str, float]]:
     scores, rankings = out["scores"], split.rankings
     n = scores.shape[0]
-    routed = {
-        "posterior": scores[torch.arange(n), torch.as_tensor(out["assigned"])],
-        "marginal": torch.einsum("k,nkm->nm", alpha.to(scores.dtype), scores),
-    }
+    routed = {"posterior": scores[torch.arange(n), torch.as_tensor(out["assigned"])]}
     if matching is not None and split.labels is not None:
         routed["oracle"] = scores[torch.arange(n), torch.as_tensor(matching.routing[split.labels])]
+    credits = {variant: score_credit(s) for variant, s in routed.items()}
+    credits["leave_pair_out"] = _leave_pair_out_credit(scores, rankings, alpha)
+    credits["marginal"] = _mixture_credit(scores, alpha)
     rows = []
-    for variant, routed_scores in routed.items():
-        acc = pairwise_ranking_accuracy(routed_scores, rankings.tiers, rankings.ranked_prefix).numpy()
+    for variant in RANKING_VARIANTS:
+        if variant not in credits:
+            continue
+        acc = pair_accuracy(credits[variant], rankings.tiers, rankings.ranked_prefix).numpy()
         metric = f"ranking_accuracy_{variant}"
         rows.append((split_name, metric, "all", float(np.nanmean(acc))))
         if split.labels is not None:
@@ -136,6 +150,33 @@ def _ranking_rows(
                 if members.any():
                     rows.append((split_name, metric, _name(c, label_names), float(np.nanmean(acc[members]))))
     return rows
+
+
+def _leave_pair_out_credit(scores: torch.Tensor, rankings: Rankings, alpha: torch.Tensor) -> torch.Tensor:
+    """float64 [n, M, M]: the credit of predicting i above j by the cluster whose posterior, computed
+    from the ranking with i and j left out (padding), is largest. Only pairs of ranked slots."""
+    n, _, width = scores.shape
+    credit = torch.full((n, width, width), 0.5, dtype=torch.float64)
+    ranked = ((rankings.tiers != PAD) & (rankings.tiers != UNRANKED)).any(0).nonzero().flatten().tolist()
+    rows = torch.arange(n)
+    for a, i in enumerate(ranked):
+        for j in ranked[a + 1:]:
+            tiers = rankings.tiers.clone()
+            tiers[:, [i, j]] = PAD
+            held_out = Rankings(tiers, rankings.ranked_prefix, model=rankings.model)
+            routed = scores[rows, mixture_posteriors(scores, held_out, alpha)[0].argmax(1)]  # [n, M]
+            credit[:, i, j] = score_order(routed[:, i], routed[:, j])
+            credit[:, j, i] = 1.0 - credit[:, i, j]
+    return credit
+
+
+def _mixture_credit(scores: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
+    """float64 [n, M, M]: the credit of predicting i above j when the mixture's probability that i
+    precedes j, sum_c alpha_c sigmoid(r_ci - r_cj), is above 1/2 (0.5 at exactly 1/2)."""
+    first, second = scores.unsqueeze(3), scores.unsqueeze(2)  # [n, k, M, 1], [n, k, 1, M]
+    precedes = torch.sigmoid((first - second).to(torch.float64))  # [n, k, M, M]; NaN only at padding
+    probability = torch.einsum("k,nkij->nij", alpha.to(torch.float64), precedes)  # [n, M, M]
+    return score_order(probability, torch.full_like(probability, 0.5))  # NaN (padding) credits 0, never counted
 
 
 EM_START_SPLIT = "train_em"  # not a cache split: EM's own posteriors of the training rankings
@@ -176,7 +217,8 @@ def _name(c: int, label_names: list[str] | None) -> str:
 # the evaluate stage: a train artifact and its cache in, `evaluation` out (DESIGN 3, 7)
 
 STAGE = "evaluate"
-CODE_VERSION = "evaluate-8"  # bump when a change to this stage changes what it writes (8: plots, "|" in labels)
+CODE_VERSION = "evaluate-9"  # bump when a change to this stage changes what it writes (8: plots, "|" in labels;
+# 9: ranking accuracy leave_pair_out, marginal = the mixture's pairwise probability, non-finite scores refused)
 METRICS_FILE = "metrics.parquet"
 METRICS_COLUMNS = ("method", "split", "metric", "cluster", "value", "seed")
 

@@ -75,21 +75,31 @@ def normalized_mutual_information(predicted: np.ndarray, true: np.ndarray) -> fl
     return float(normalized_mutual_info_score(true, predicted))
 
 
-def pairwise_ranking_accuracy(scores: torch.Tensor, tiers: torch.Tensor,
-                              ranked_prefix: torch.Tensor | None = None) -> torch.Tensor:
-    """Per ranking, the fraction of its known pairs that the scores order correctly; float64 [n].
+def score_credit(scores: torch.Tensor) -> torch.Tensor:
+    """float64 [n, M, M]: the credit of ordering item i above item j by the scores [n, M]
+    (`score_order`), for `pair_accuracy`."""
+    return score_order(scores.unsqueeze(2), scores.unsqueeze(1))
 
-    scores: float [n, M]; tiers: int64 [n, M] (moplex_core.pl codes); ranked_prefix: int64 [n] or
-    None. A pair is known when both items are ranked and in different tiers; with a top-l prefix,
-    also a ranked item of the top l against one below it (its order among those below is unknown).
-    Unranked slots (generated responses) and padding never count; a tie in the scores counts half.
-    Rankings with no known pair give NaN.
+
+def score_order(first: torch.Tensor, second: torch.Tensor) -> torch.Tensor:
+    """float64 credit of predicting "first above second" from scores: 1 when first > second, 0.5 when
+    equal, else 0 (compared, not subtracted: -inf ties -inf)."""
+    return torch.where(first > second, 1.0, torch.where(first == second, 0.5, 0.0)).to(torch.float64)
+
+
+def pair_accuracy(credit: torch.Tensor, tiers: torch.Tensor, ranked_prefix: torch.Tensor | None = None) -> torch.Tensor:
+    """Per ranking, the mean credit of its known pairs; float64 [n].
+
+    credit: float64 [n, M, M], the credit of predicting item i above item j (1 right, 0.5 a tie, 0
+    wrong, when i is truly above j). tiers: int64 [n, M] (moplex_core.pl codes); ranked_prefix:
+    int64 [n] or None. A pair is known when both items are ranked and in different tiers; with a
+    top-l prefix, also a ranked item of the top l against one below it (its order among those below
+    is unknown). Unranked slots (generated responses) and padding never count. Rankings with no
+    known pair give NaN.
     """
     ranked = (tiers != PAD) & (tiers != UNRANKED)  # [n, M]
     shown = ranked if ranked_prefix is None else ranked & (tiers < ranked_prefix.unsqueeze(1))  # in the top l
     pairs = (tiers.unsqueeze(2) < tiers.unsqueeze(1)) & shown.unsqueeze(2) & ranked.unsqueeze(1)  # [n, M, M]: i above j
-    above, below = scores.unsqueeze(2), scores.unsqueeze(1)  # compared, not subtracted: -inf ties -inf
-    credit = torch.where(above > below, 1.0, torch.where(above == below, 0.5, 0.0)).to(torch.float64)
     n_pairs = pairs.sum((1, 2)).to(torch.float64)
     correct = (credit * pairs).sum((1, 2))
     return torch.where(n_pairs > 0, correct / n_pairs.clamp_min(1), float("nan"))

@@ -73,7 +73,8 @@ def test_without_labels_only_label_free_metrics_are_reported(noise_free):
     _, splits = noise_free
     unlabeled = {"test": EvalSplit(splits["test"].inputs, splits["test"].rankings)}
     metrics = evaluate_mixture(LinearScorer(2, 2), torch.tensor([0.5, 0.5], dtype=torch.float64), unlabeled)
-    assert set(metrics.metric) == {"heldout_log_likelihood", "ranking_accuracy_posterior", "ranking_accuracy_marginal"}
+    assert set(metrics.metric) == {"heldout_log_likelihood", "ranking_accuracy_posterior",
+                                   "ranking_accuracy_leave_pair_out", "ranking_accuracy_marginal"}
     # a zero scorer ties every pair: half credit each
     values = metrics.set_index("metric").value
     assert values["ranking_accuracy_marginal"] == pytest.approx(0.5)
@@ -148,3 +149,67 @@ def test_the_reports_tables_keep_a_metric_or_label_that_is_nan_as_a_dash():
                            columns=["split", "metric", "cluster", "value"])
     assert markdown_table(per_cluster_table(metrics, "test")).splitlines()[2:] == ["| a | 0.5000 |", "| b | - |"]
     assert "| heldout_log_likelihood | - |" in markdown_table(headline_table(metrics))
+
+
+class FixedScores:
+    """A Scorer whose scores are given: float64 [n, k, M]."""
+
+    def __init__(self, scores: torch.Tensor) -> None:
+        self.scores, self.k = scores, scores.shape[1]
+
+    def score(self, inputs, iteration=0):
+        return self.scores
+
+
+def _ranking_metric(scores, tiers, alpha, metric):
+    metrics = evaluate_mixture(FixedScores(scores), alpha, {"test": EvalSplit(None, Rankings(tiers))})
+    return metrics.set_index("metric").value[metric]
+
+
+def test_leave_pair_out_routing_does_not_reward_clusters_that_know_nothing_and_the_posterior_does():
+    # Adapters with random scores on random 4-item rankings: any routing orders half the pairs. The
+    # posterior picks, for each ranking, the adapter that fits it best (more to pick from with k), the
+    # leave-pair-out routing picks without the pair it predicts.
+    generator = torch.Generator().manual_seed(0)
+    n, m = 2000, 4
+    tiers = torch.stack([torch.randperm(m, generator=generator) for _ in range(n)])
+    posterior, held_out = [], []
+    for k in (1, 4, 12):
+        scores = torch.randn(n, k, m, generator=generator, dtype=torch.float64)
+        alpha = torch.full((k,), 1 / k, dtype=torch.float64)
+        posterior.append(_ranking_metric(scores, tiers, alpha, "ranking_accuracy_posterior"))
+        held_out.append(_ranking_metric(scores, tiers, alpha, "ranking_accuracy_leave_pair_out"))
+    assert posterior[0] == pytest.approx(held_out[0]) and posterior[0] == pytest.approx(0.5, abs=0.02)
+    assert posterior[1] > 0.65 and posterior[2] > posterior[1] + 0.05  # the optimism grows with k
+    assert held_out == pytest.approx([0.5] * 3, abs=0.02)
+
+
+def test_leave_pair_out_routes_each_pair_by_the_rest_of_its_ranking():
+    # Two adapters ordering 4 items oppositely; a ranking that follows adapter 1 on the first three
+    # items: every pair is predicted by adapter 1, the one the other items point to.
+    scores = torch.tensor([[[3.0, 2.0, 1.0, 0.0], [0.0, 1.0, 2.0, 3.0]]], dtype=torch.float64)
+    tiers = torch.tensor([[3, 2, 1, 0]])  # item 3 best
+    half = torch.tensor([0.5, 0.5], dtype=torch.float64)
+    assert _ranking_metric(scores, tiers, half, "ranking_accuracy_leave_pair_out") == 1.0
+    # two items: nothing left to route by, so the larger cluster (alpha) predicts the pair
+    two = scores[:, :, :2]
+    assert _ranking_metric(two, torch.tensor([[1, 0]]), torch.tensor([0.3, 0.7], dtype=torch.float64),
+                           "ranking_accuracy_leave_pair_out") == 1.0
+    assert _ranking_metric(two, torch.tensor([[1, 0]]), torch.tensor([0.7, 0.3], dtype=torch.float64),
+                           "ranking_accuracy_leave_pair_out") == 0.0
+
+
+def test_the_marginal_is_the_mixtures_pairwise_probability_not_a_pool_of_scores():
+    # alpha (0.3, 0.7), score gaps +10 and -2 for item 0 over item 1: the pool 0.3 * 10 - 0.7 * 2 > 0
+    # puts item 0 first, the mixture puts it first with probability 0.3 sigmoid(10) + 0.7 sigmoid(-2) = 0.38.
+    scores = torch.tensor([[[10.0, 0.0], [0.0, 2.0]]], dtype=torch.float64)
+    alpha = torch.tensor([0.3, 0.7], dtype=torch.float64)
+    assert _ranking_metric(scores, torch.tensor([[1, 0]]), alpha, "ranking_accuracy_marginal") == 1.0  # item 1 best
+    assert _ranking_metric(scores, torch.tensor([[1, 0]]), alpha.flip(0), "ranking_accuracy_marginal") == 0.0
+
+
+def test_scores_that_are_not_finite_are_refused_not_routed_to_cluster_0():
+    scores = torch.tensor([[[float("nan"), 0.0], [1.0, 0.0]]], dtype=torch.float64)
+    with pytest.raises(FloatingPointError, match=r"evaluation: 1 score\(s\) of cluster\(s\) \[0\] are inf or NaN"):
+        _ranking_metric(scores, torch.tensor([[0, 1]]), torch.tensor([0.5, 0.5], dtype=torch.float64),
+                        "ranking_accuracy_posterior")

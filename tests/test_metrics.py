@@ -9,7 +9,8 @@ from moplex_core.metrics import (
     clustering_accuracy,
     fit_matching,
     normalized_mutual_information,
-    pairwise_ranking_accuracy,
+    pair_accuracy,
+    score_credit,
     per_cluster_accuracy,
 )
 from moplex_core.pl import PAD, UNRANKED
@@ -60,15 +61,15 @@ def test_pairwise_accuracy_excludes_ground_truth_ties_unranked_and_padding():
     tiers = torch.tensor([[0, 1, 1, UNRANKED, PAD]])
     scores = torch.tensor([[0.0, 1.0, -1.0, 9.0, 9.0]])
     # comparable pairs: (0,1) wrong, (0,2) right; the tie (1,2) is excluded
-    assert pairwise_ranking_accuracy(scores, tiers).tolist() == [0.5]
-    assert pairwise_ranking_accuracy(torch.tensor([[2.0, 1.0, 1.0, 0, 0]]), tiers).tolist() == [1.0]
+    assert pair_accuracy(score_credit(scores), tiers).tolist() == [0.5]
+    assert pair_accuracy(score_credit(torch.tensor([[2.0, 1.0, 1.0, 0, 0]])), tiers).tolist() == [1.0]
     # a tie in the scores earns half a pair
-    assert pairwise_ranking_accuracy(torch.tensor([[1.0, 1.0, 0.0, 0, 0]]), tiers).tolist() == [0.75]
+    assert pair_accuracy(score_credit(torch.tensor([[1.0, 1.0, 0.0, 0, 0]])), tiers).tolist() == [0.75]
     all_tied = torch.tensor([[0, 0, PAD, PAD, PAD]])
-    assert np.isnan(pairwise_ranking_accuracy(scores, all_tied).item())
+    assert np.isnan(pair_accuracy(score_credit(scores), all_tied).item())
     # so does a tie at -inf (a response no adapter can produce), which a difference would make NaN
     inf = float("-inf")
-    assert pairwise_ranking_accuracy(torch.tensor([[inf, inf, 0.0, 0, 0]]), tiers).tolist() == [0.25]
+    assert pair_accuracy(score_credit(torch.tensor([[inf, inf, 0.0, 0, 0]])), tiers).tolist() == [0.25]
 
 
 def test_nmi_of_a_merged_cluster_matches_the_hand_computed_value():

@@ -29,6 +29,7 @@ adapter (the tests and benchmarks compare against it).
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -304,12 +305,18 @@ def _continuation_mask(model: PreTrainedModel | PeftModel, prefix: PromptPrefix,
     if (not prefix.padded and config.model_type in UNMASKED_MODELS and config._attn_implementation == "sdpa"
             and prefix_is_exact(model)):
         _refuse_pads_before_real_tokens(mask)
-        width = prefix.attention_mask.shape[1]
-        # A Tensor subclass cannot be made under a TorchDispatchMode (a FlopCounterMode, an op count),
-        # where the raw tensor it wraps comes back already wrapped; make it outside any such mode.
-        with _disable_current_modes():
-            return {"full_attention": causal_lower_right(mask.shape[1], width + mask.shape[1])}
+        return {"full_attention": _bottom_right_causal(mask.shape[1], prefix.attention_mask.shape[1] + mask.shape[1])}
     return torch.cat([prefix.attention_mask, to_device(mask, device).to(prefix.attention_mask)], dim=1)
+
+
+@functools.lru_cache(maxsize=16)
+def _bottom_right_causal(queries: int, keys: int) -> CausalBias:
+    """SDPA's bottom-right causal bias for ``queries`` queries after ``keys - queries`` earlier keys,
+    made once per shape (its wrapped tensor is an unfilled [2, queries, keys] allocation)."""
+    # A Tensor subclass cannot be made under a TorchDispatchMode (a FlopCounterMode, an op count),
+    # where the raw tensor it wraps comes back already wrapped; make it outside any such mode.
+    with _disable_current_modes():
+        return causal_lower_right(queries, keys)
 
 
 def _response_hidden(
