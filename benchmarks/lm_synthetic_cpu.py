@@ -147,7 +147,7 @@ def main() -> None:
         else:
             estimates = "exact" if fell_back is None else "-"
         if fell_back is not None:
-            estimates += f"; exact from E-step {fell_back['iteration']} ({fell_back['relative_error']:.2f})"
+            estimates += f"; exact from E-step {fell_back['iteration']} ({_relative(fell_back)})"
         results[label] = {**evaluate(train_dir, cache_dir), "seconds": time.time() - t0, "start": start, "end": end,
                           "estimates": estimates}
 

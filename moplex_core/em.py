@@ -119,6 +119,8 @@ class Scorer(Protocol):
     # iteration's E-step scores are estimates from that iteration's draw of anchors) makes
     # backtracking compare the scorer before and after an M-step under one draw, scoring the one
     # before with score(inputs, iteration, check=False): no check of its own that could change it.
+    # An estimating scorer run with EMConfig.restarts > 1 also needs exact() (a Scorer whose scores
+    # are every response exact): restarts are ranked by that log-likelihood (`fit_mixture`).
 
     def state_dict(self) -> dict[str, Any]: ...
 
@@ -397,7 +399,10 @@ def _exact_log_likelihood(scorer: Scorer, inputs: Any, rankings: Rankings, state
     """The LL per ranking of ``state``'s scorer with every response exact (``scorer.exact()``) and its
     last alpha: each restart's estimates come from anchors of its own seed, so estimated LLs of two
     restarts differ by their draws as well as by their fits. One exact E-step per restart."""
-    return mixture_posteriors(scorer.exact().score(inputs), rankings, state.alpha)[1].mean().item()
+    scores = scorer.exact().score(inputs)  # [n, k, M]
+    check_finite(scores, rankings, f"restart {state.restart}'s final adapters, every response exact",
+                 "Lower the learning rate (train.lr) or beta, or check the inputs.")
+    return mixture_posteriors(scores, rankings, state.alpha)[1].mean().item()
 
 
 def _claim_checkpoint_dir(checkpoint_dir: Path, config: EMConfig, rankings: Rankings,
@@ -535,7 +540,12 @@ def _m_and_e_step(scorer: Scorer, inputs: Any, rankings: Rankings, weights: torc
     before = scorer.state_dict() if backtracks or fallback else None
     under_one_draw = bool(backtracks) and getattr(scorer, "estimates", False)
     if under_one_draw:
-        previous = posteriors(scorer, inputs, rankings, alpha, iteration, check=False)[1].mean().item()
+        try:
+            previous = posteriors(scorer, inputs, rankings, alpha, iteration, check=False)[1].mean().item()
+        except FloatingPointError:  # this draw's estimates are not finite: the E-step after the M-step will say
+            under_one_draw = False  # so (the exact fallback, or EM's error); compare with the last LL meanwhile
+            log.info("EM iteration %d: this iteration's anchors give scores that are inf or NaN before the M-step; "
+                     "backtracking compares with the last iteration's log-likelihood instead", iteration)
         scorer.load_state_dict(before)  # the E-step's offsets as they were
     for halved in range(backtracks + 1):
         if backtracks:

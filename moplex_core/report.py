@@ -1,7 +1,7 @@
 """The evaluation report: report.md and its PNG plots, written into an `evaluate` artifact.
 
-    plots/cluster_accuracy.png   per true cluster: clustering accuracy and the three labelled
-                                 ranking accuracies (posterior, oracle, marginal), on the last split
+    plots/cluster_accuracy.png   per true cluster: clustering accuracy and the labelled ranking
+                                 accuracies (evaluate.RANKING_VARIANTS), on the last split
                                  that did not fit the matching (the fit split when it is the only one)
     plots/em_log_likelihood.png  training log-likelihood per ranking at every EM iteration
     plots/confusion_<split>.png  mean posterior gamma per true label (rows) and EM cluster (columns)

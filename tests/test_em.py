@@ -558,7 +558,7 @@ class DrawingOvershooting(Overshooting):
 def test_a_fall_between_draws_is_blamed_on_the_step_only_where_the_kept_m_step_fell_under_its_draw(monkeypatch):
     from moplex_core import em
 
-    under_draw = []  # per iteration: the LL before its M-step and after the kept one, under its draw
+    under_draw = []  # (iteration, checked, LL): the look before each M-step is the unchecked one
     real_posteriors = em.posteriors
 
     def recording(scorer, inputs, rankings, alpha, iteration=0, **options):
@@ -568,19 +568,24 @@ def test_a_fall_between_draws_is_blamed_on_the_step_only_where_the_kept_m_step_f
 
     monkeypatch.setattr(em, "posteriors", recording)
     _, rankings, x = synthetic(k=2, m=4, n=200)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        result, _ = fit_mixture(lambda: DrawingOvershooting(2, 2), x, rankings,
-                                EMConfig(k=2, max_iter=6, tol=0, backtracks=2))
-    blamed = []
-    for t in range(1, 6):
-        before = next(ll for it, check, ll in under_draw if it == t and not check)
-        after = [ll for it, _, ll in under_draw if it == t][-1]
-        messages = [str(w.message) for w in caught if f"EM iteration {t}:" in str(w.message)]
-        if any("steps too large" in m for m in messages):
-            blamed.append(t)
-            assert likelihood_falls([before, after]), t  # blamed on the step only where it fell under its own draw
-    assert 2 in result.best.halvings and any("between two draws" in str(w.message) for w in caught)
+    blamed = {}
+    for backtracks in (1, 2):  # one halving leaves overshooting M-steps that fall under their own draw; two do not
+        under_draw.clear()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            fit_mixture(lambda: DrawingOvershooting(2, 2), x, rankings,
+                        EMConfig(k=2, max_iter=6, tol=0, backtracks=backtracks))
+        for t in range(1, 6):
+            before = next(ll for it, checked, ll in under_draw if it == t and not checked)
+            after = [ll for it, _, ll in under_draw if it == t][-1]
+            messages = [str(w.message) for w in caught if f"EM iteration {t}:" in str(w.message)]
+            if any("steps too large" in m for m in messages):
+                blamed.setdefault(backtracks, []).append(t)
+                assert likelihood_falls([before, after]), (backtracks, t)  # it did fall under its own draw
+            if any("between two draws" in m for m in messages):
+                assert not likelihood_falls([before, after]), (backtracks, t)
+                blamed.setdefault(f"draws {backtracks}", []).append(t)
+    assert blamed == {1: [1, 3, 5], "draws 2": [3, 5]}
 
     # An estimating scorer that cannot scale its steps is not compared under one draw: no claim that it was.
     class NoSteps(DrawingOvershooting):
@@ -590,6 +595,19 @@ def test_a_fall_between_draws_is_blamed_on_the_step_only_where_the_kept_m_step_f
         warnings.simplefilter("always")
         fit_mixture(lambda: NoSteps(2, 2), x, rankings, EMConfig(k=2, max_iter=6, tol=0, backtracks=2))
     assert not [w for w in caught if "train.backtracks compared them" in str(w.message)]
+
+
+def test_a_draw_whose_estimates_are_not_finite_before_the_m_step_does_not_stop_em():
+    class NaNBefore(DrawingOvershooting):  # iteration 2's look before its M-step scores NaN, the E-step after does not
+        def score(self, inputs, iteration=0, check=True):
+            scores = super().score(inputs, iteration, check)
+            return scores * float("nan") if iteration == 2 and not check else scores
+
+    _, rankings, x = synthetic(k=2, m=4, n=200)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        result, _ = fit_mixture(lambda: NaNBefore(2, 2), x, rankings, EMConfig(k=2, max_iter=4, tol=0, backtracks=2))
+    assert len(result.best.history) == 4 and all(np.isfinite(result.best.history))
 
 
 def test_each_iterations_state_keeps_its_own_history():

@@ -299,11 +299,14 @@ def _continuation_mask(model: PreTrainedModel | PeftModel, prefix: PromptPrefix,
     aligned to the bottom right: query t sees keys 0..P + t. When no prefix is padded, that is the
     whole mask for `UNMASKED_MODELS` under SDPA (the rows' own pads come after their real tokens, as
     in `_whole_rows_mask`): a `causal_lower_right` bias, which SDPA runs with its flash kernel on a
-    GPU. Otherwise the [B, P + L] 2D mask of the prefix's and the rows' real tokens, from which
-    transformers builds a 4D mask (a masked kernel, key/value heads repeated)."""
+    GPU in bf16/fp16 (its memory-efficient one in float32) and no [B, 1, P + L, L] mask. Otherwise the
+    [B, P + L] 2D mask of the prefix's and the rows' real tokens, from which transformers builds a 4D
+    mask (a masked kernel). Both repeat the key/value heads (transformers gives SDPA its grouped-query
+    path only without a mask). One query is left to the 2D mask: transformers folds the heads of a
+    single query into its query axis, which a bottom-right bias would misalign."""
     config = causal_lm_parts(model)[0].config
-    if (not prefix.padded and config.model_type in UNMASKED_MODELS and config._attn_implementation == "sdpa"
-            and prefix_is_exact(model)):
+    if (not prefix.padded and mask.shape[1] > 1 and config.model_type in UNMASKED_MODELS
+            and config._attn_implementation == "sdpa" and prefix_is_exact(model)):
         _refuse_pads_before_real_tokens(mask)
         return {"full_attention": _bottom_right_causal(mask.shape[1], prefix.attention_mask.shape[1] + mask.shape[1])}
     return torch.cat([prefix.attention_mask, to_device(mask, device).to(prefix.attention_mask)], dim=1)
