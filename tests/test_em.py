@@ -502,15 +502,13 @@ def test_backtracking_redoes_an_m_step_whose_scores_diverged_and_without_it_em_s
         fit_mixture(lambda: Diverging(2, 2), x, rankings, EMConfig(k=2, max_iter=4, tol=0))
 
 
-class BiasedEstimates(Overshooting):
+class BiasedEstimates(FallingBack):
     """Estimates (before its exact fallback at E-step 2) carry a bias toward each ranking's observed
     order, so the estimated LL is above the exact one: the switch alone "lowers" it."""
 
-    exact_fallback = 1
-
     def __init__(self, *args, rankings, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.fell_back, self.tiers = None, rankings.tiers.to(torch.float64).clamp(min=0)  # 0 = best tier
+        super().__init__(*args, fail_below=0.0, **kwargs)  # FallingBack's own failure never comes
+        self.tiers = rankings.tiers.to(torch.float64).clamp(min=0)  # 0 = best tier
 
     @property
     def estimates(self):
@@ -523,13 +521,6 @@ class BiasedEstimates(Overshooting):
                 self.fell_back = {"iteration": 2, "relative_error": 3.0}
             scores = scores - 0.7 * self.tiers.unsqueeze(1)
         return scores
-
-    def state_dict(self):
-        return {**super().state_dict(), "fell_back": self.fell_back, "step": self.step}
-
-    def load_state_dict(self, state):
-        super().load_state_dict(state)
-        self.fell_back, self.step = state["fell_back"], state["step"]
 
 
 def test_the_iteration_that_falls_back_to_exact_scores_is_not_compared_with_the_estimated_one_before():
