@@ -483,6 +483,10 @@ GeneratorBackend = Literal["hf", "vllm", "borrow"]
 _SAMPLING_FIELDS = ("temperature", "top_p", "max_new_tokens", "dtype", "use_chat_template", "max_prompt_tokens")
 
 
+VLLM_MAX_TEMPERATURE = 2.0
+"""vLLM's SamplingParams refuse higher temperatures (vllm-project/vllm PR 44965, in 0.33.0)."""
+
+
 class AugmentConfig(StageConfig):
     """How the augment stage adds m' - m generated responses to every ranking (paper section 4.1).
 
@@ -498,8 +502,10 @@ class AugmentConfig(StageConfig):
     ``on_shortfall="fail"`` stops the stage there, ``"keep_fewer"`` keeps those rankings with fewer
     generated responses.
 
-    Sampling is seeded per prompt and attempt, so texts do not depend on sharding or batching (on
-    one machine and dtype). What is left out of the version (`identity`): ``batch_size``,
+    Sampling is seeded per prompt and attempt, so with ``hf`` texts do not depend on sharding or
+    batching (on one machine and dtype). vLLM's texts can: its kernels are not batch-invariant by
+    default (its reproducibility docs), so a resumed shard may sample other texts than a clean run;
+    the seeds still fix the draws, and the version is the same. What is left out of the version (`identity`): ``batch_size``,
     ``device``, ``vllm_python`` and ``vllm_gpu_memory_utilization`` (where and how fast, not what),
     ``on_shortfall`` (what to accept, not what is generated), and ``model`` itself: a local model
     directory's content is an input of the version (moving it keeps the version, retraining it does
@@ -517,7 +523,7 @@ class AugmentConfig(StageConfig):
     n_generated: int = Field(3, ge=1)
     """m' - m: responses added to every ranking."""
     temperature: float = Field(2.0, gt=0.0)
-    """The paper's best (appendix, temperature ablation: 0.5 / 1 / 2 / 4)."""
+    """The paper's best (appendix, temperature ablation: 0.5 / 1 / 2 / 4); at most 2 with vLLM."""
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     max_new_tokens: int = Field(512, ge=1)
     seed: int = Field(0, ge=0)
@@ -548,6 +554,10 @@ class AugmentConfig(StageConfig):
             raise ValueError("backend 'vllm' runs vLLM under another interpreter (it cannot share Prefect's "
                              "environment); set vllm_python to that environment's python, e.g. "
                              "/opt/vllm-env/bin/python")
+        if self.backend == "vllm" and self.temperature > VLLM_MAX_TEMPERATURE:
+            raise ValueError(f"temperature = {self.temperature}: vLLM's SamplingParams refuse a temperature above "
+                             f"{VLLM_MAX_TEMPERATURE:g} (since 2026-06, after the model has loaded); use backend "
+                             "'hf' for the paper's temperature 4")
         return self
 
     def identity(self) -> dict[str, Any]:

@@ -213,6 +213,10 @@ def test_cli_augment_and_inspect(tmp_path, tiny_model_dir, capsys):
     assert main(["augment", "--rankings", str(rankings), "--root", str(root), "--backend", "vllm",
                  "--model", str(tiny_model_dir)]) == 1
     assert "set vllm_python" in capsys.readouterr().err
+    # vLLM refuses a temperature above 2, but only once its model has loaded: refused here first
+    assert main(["augment", "--rankings", str(rankings), "--root", str(root), "--backend", "vllm",
+                 "--model", str(tiny_model_dir), "--set", "vllm_python=/opt/vllm/bin/python", "--set", "temperature=4"]) == 1
+    assert "vLLM's SamplingParams refuse a temperature above 2" in capsys.readouterr().err
     assert main(["augment", "--rankings", str(rankings), "--root", str(root)]) == 1  # hf needs a model
     err = capsys.readouterr().err
     assert err.startswith("moplex augment: invalid AugmentConfig settings:\n  backend 'hf' samples from a model")
