@@ -190,6 +190,21 @@ def test_a_failing_worker_is_reported_with_its_status_and_log(tmp_path, tiny_mod
         _vllm(tiny_model_dir, python=str(tmp_path / "no-such-python"))
 
 
+def test_a_prompt_beyond_the_models_context_is_refused_before_vllm_sees_it(tmp_path, tiny_model_dir):
+    # vLLM refuses such a prompt and aborts the whole call: the worker would exit on every resume.
+    waiting = tmp_path / "waiting_worker.py"
+    waiting.write_text("import sys\nsys.stdin.read()\n")
+    generator = _vllm(tiny_model_dir, worker=waiting)
+    try:
+        long = SampleRequest("long", "Which list is best? " * 2000, None, 1, 0)
+        with pytest.raises(ValueError, match=rf"1 prompt\(s\) have at least the model's {generator.context} positions "
+                                             r"of context \(e.g. 'long': \d+ tokens\).*augment.max_prompt_tokens"):
+            generator.sample([*requests(n=1)[:1], long])
+        assert generator._calls == 0 and not generator._ready  # nothing was sent
+    finally:
+        generator.close(failed=True)
+
+
 # A stand-in for vllm_worker.py that speaks its protocol and, like vLLM, starts a process of its own
 # (here `sleep`) that inherits the protocol pipe; it writes that process's pid to engine.pid.
 ENGINE_WORKER = """

@@ -34,7 +34,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import IO, Any
 
-from transformers import PreTrainedTokenizerBase
+from transformers import AutoConfig, PreTrainedTokenizerBase
 
 from moplex_core.generate import vllm_worker
 from moplex_core.generate.base import Sample, SampleRequest, request_prompt_ids
@@ -129,6 +129,8 @@ class VLLMGenerator:
                 "to the python of an environment with vllm and pyarrow installed"
             )
         self._tokenizer = load_tokenizer(model)
+        text_config = AutoConfig.from_pretrained(model).get_text_config()
+        self.context: int | None = getattr(text_config, "max_position_embeddings", None)
         self.exchange = Path(tempfile.mkdtemp(prefix="moplex-vllm-"))
         snapshot = hub_snapshot(model)  # a cached hub model: the commit its fingerprint names
         self.settings = {
@@ -156,14 +158,15 @@ class VLLMGenerator:
         if len(set(keys)) != len(keys) or min(r.n for r in requests) < 1:
             raise ValueError(f"requests need distinct keys and n >= 1 each (keys {keys[:5]}, n "
                              f"{[r.n for r in requests][:5]}); the worker answers one row per key")
+        rows = request_rows(self._tokenizer, requests, self.use_chat_template, self.max_prompt_tokens)
+        self._refuse_prompts_beyond_the_context(rows)
         if not self._ready:
             self._expect("ready")  # the first call waits for the model to load
             self._ready = True
         requests_path = self.exchange / f"requests-{self._calls:05d}.parquet"
         responses_path = self.exchange / f"responses-{self._calls:05d}.parquet"
         self._calls += 1
-        vllm_worker.write_requests(requests_path, request_rows(self._tokenizer, requests, self.use_chat_template,
-                                                             self.max_prompt_tokens))
+        vllm_worker.write_requests(requests_path, rows)
         self._send({"requests": str(requests_path), "responses": str(responses_path)})
         self._expect("responses", str(responses_path))
         rows = vllm_worker.read_responses(responses_path)
@@ -181,6 +184,18 @@ class VLLMGenerator:
                                             by_key[r.key]["finish_reasons"], strict=True)]
             for r in requests
         ]
+
+    def _refuse_prompts_beyond_the_context(self, rows: list[dict[str, Any]]) -> None:
+        """vLLM refuses a prompt of the model's context length or more, and its engine then aborts
+        every request of the call: the worker would exit, and the shard fail on every resume."""
+        if self.context is None:
+            return
+        long = [(row["key"], len(row["prompt_token_ids"])) for row in rows if len(row["prompt_token_ids"]) >= self.context]
+        if long:
+            key, tokens = long[0]
+            raise ValueError(f"{len(long)} prompt(s) have at least the model's {self.context} positions of context "
+                             f"(e.g. {key!r}: {tokens} tokens), which vLLM refuses; set augment.max_prompt_tokens "
+                             f"(e.g. {max(1, self.context - self.settings['max_tokens'])}) to keep their last tokens")
 
     def close(self, failed: bool = False) -> None:
         """End the worker and check that it exited cleanly: at the end of its input it finishes the
