@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+import types
 from pathlib import Path
 
 import numpy as np
@@ -158,6 +159,28 @@ def test_vllm_request_shards_round_trip_and_build_vllm_arguments(tmp_path, tiny_
     responses = [{"key": "p0", "texts": ["a", "b"], "token_counts": [3, 1], "finish_reasons": ["stop", "length"]}]
     vllm_worker.write_responses(tmp_path / "responses.parquet", responses)
     assert vllm_worker.read_responses(tmp_path / "responses.parquet") == responses
+
+
+def test_a_completion_ending_with_eos_at_the_length_cap_is_finished():
+    # vLLM releases that checked the length cap before the stop tokens said "length" for an EOS drawn
+    # as the last allowed token; the worker reads the tokens instead (EOS 2 here).
+    completion = types.SimpleNamespace
+    row = vllm_worker.response_row({"key": "p"}, [completion(text="a", token_ids=[7, 2], finish_reason="length"),
+                                                  completion(text="b", token_ids=[7, 7], finish_reason="length"),
+                                                  completion(text="c", token_ids=[2], finish_reason="stop"),
+                                                  completion(text="", token_ids=[2], finish_reason="abort")], [2])
+    assert row["finish_reasons"] == ["stop", "length", "stop", "abort"] and row["token_counts"] == [2, 2, 1, 1]
+
+
+def test_the_worker_is_told_the_models_stop_tokens(tiny_model_dir, tmp_path):
+    waiting = tmp_path / "waiting_worker.py"
+    waiting.write_text("import sys\nsys.stdin.read()\n")
+    generator = _vllm(tiny_model_dir, worker=waiting)
+    try:
+        settings = json.loads((generator.exchange / "settings.json").read_text())
+        assert settings["stop_token_ids"] == [generator._tokenizer.eos_token_id]
+    finally:
+        generator.close(failed=True)
     assert not [p for p in os.listdir(tmp_path) if p.startswith(".")]  # written through a renamed temporary
     (tmp_path / "settings.json").write_text('{"model": "m"}')
     with pytest.raises(ValueError, match="lacks settings"):

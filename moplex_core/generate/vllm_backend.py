@@ -34,7 +34,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import IO, Any
 
-from transformers import AutoConfig, PreTrainedTokenizerBase
+from transformers import AutoConfig, GenerationConfig, PreTrainedTokenizerBase
 
 from moplex_core.generate import vllm_worker
 from moplex_core.generate.base import Sample, SampleRequest, request_prompt_ids
@@ -95,6 +95,18 @@ def request_rows(
     ]
 
 
+def _stop_token_ids(model: str, tokenizer: PreTrainedTokenizerBase) -> list[int]:
+    """The tokens vLLM ends a completion at: the tokenizer's EOS and the generation config's (Qwen3:
+    <|im_end|> and <|endoftext|>), which vLLM merges into every request's stop tokens."""
+    ids = set() if tokenizer.eos_token_id is None else {tokenizer.eos_token_id}
+    try:
+        eos = GenerationConfig.from_pretrained(model).eos_token_id
+    except OSError:  # the model has no generation_config.json
+        eos = None
+    ids |= set(eos) if isinstance(eos, list) else set() if eos is None else {eos}
+    return sorted(ids)
+
+
 class VLLMWorkerError(RuntimeError):
     """The vLLM worker could not start, died, or broke the protocol."""
 
@@ -136,7 +148,7 @@ class VLLMGenerator:
         self.settings = {
             "model": model, "revision": snapshot.name if snapshot is not None else None, "dtype": dtype, "seed": seed,
             "gpu_memory_utilization": gpu_memory_utilization, "temperature": temperature, "top_p": top_p,
-            "max_tokens": max_new_tokens,
+            "max_tokens": max_new_tokens, "stop_token_ids": _stop_token_ids(model, self._tokenizer),
         }
         (self.exchange / "settings.json").write_text(json.dumps(self.settings, indent=2))
         self._log = open(self.exchange / "worker.log", "wb")  # noqa: SIM115 - open for the worker's lifetime

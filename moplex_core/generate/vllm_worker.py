@@ -26,6 +26,7 @@ import json
 import os
 import sys
 import traceback
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -94,14 +95,18 @@ def token_prompt(request: dict[str, Any]) -> dict[str, list[int]]:
     return {"prompt_token_ids": list(request["prompt_token_ids"])}
 
 
-def response_row(request: dict[str, Any], completions: list[Any]) -> dict[str, Any]:
+def response_row(request: dict[str, Any], completions: list[Any], stop_token_ids: Sequence[int] = ()) -> dict[str, Any]:
     """A RESPONSE_SCHEMA row from a request and its vLLM CompletionOutputs (.text, .token_ids,
-    .finish_reason)."""
+    .finish_reason). A completion that ends with one of ``stop_token_ids`` (the model's EOS) is
+    "stop" also where vLLM said "length": vLLM releases that checked the length cap before the stop
+    tokens called an EOS drawn as the last allowed token so (current ones check the EOS first)."""
+    stops = set(stop_token_ids)
     return {
         "key": request["key"],
         "texts": [c.text for c in completions],
         "token_counts": [len(c.token_ids) for c in completions],
-        "finish_reasons": [str(c.finish_reason) for c in completions],
+        "finish_reasons": ["stop" if str(c.finish_reason) == "length" and c.token_ids and c.token_ids[-1] in stops
+                           else str(c.finish_reason) for c in completions],
     }
 
 
@@ -129,8 +134,9 @@ def serve(settings: dict[str, Any], commands: Any, protocol: Any) -> None:
             [SamplingParams(**sampling_kwargs(r, settings)) for r in requests],
             use_tqdm=False,
         )
+        stops = settings.get("stop_token_ids", ())
         write_responses(command["responses"],
-                        [response_row(r, list(o.outputs)) for r, o in zip(requests, outputs, strict=True)])
+                        [response_row(r, list(o.outputs), stops) for r, o in zip(requests, outputs, strict=True)])
         _say(protocol, {"responses": command["responses"]})
 
 
