@@ -736,7 +736,8 @@ def lora_agreement(model_dir: Path, sizes: Sizes, batch: list[TokenizedResponse]
     responses cut to different lengths, run without a mask (as moplex runs padded rows) against
     the padding mask it built until 2026-11-24 (run dtype, another attention kernel), and their input
     gradients' largest gap relative to the largest gradient; the same for the rows through the
-    shared-prompt pass (`groups`: the prompt pass, then the continuation) against the rows whole; and the E-step's log-probs and input gradients of the base model with moplex's lean RMSNorm and
+    shared-prompt pass (`groups`: the prompt pass, then the continuation) against the rows whole;
+    and the E-step's log-probs and input gradients of the base model with moplex's lean RMSNorm and
     MLP (load_model's) against transformers' own modules, next to the same pass with transformers'
     modules run twice (on a GPU attention's backward adds with atomics, so two runs need not agree
     to the bit; 0 and 0 where everything does)."""

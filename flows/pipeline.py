@@ -261,5 +261,6 @@ def run_in_process(config: PipelineConfig) -> tuple[bool, str]:
     root = shlex.quote(config.root)
     lines.append(f"\nNew rankings to these clusters (README, Using the trained mixture): moplex ingest --dataset generic "
                  f"--path FILE --root {root}, then moplex assign {shlex.quote(dirs['train'])} ingest/<version> --root {root}")
-    lines.append(f"\nPrefect flow run {run_id} (stage versions, metrics, report and file paths under Artifacts):\n  {ui}")
+    lines.append(f"\nPrefect flow run {run_id} (stage versions, metrics, report and file paths under "
+                 f"Artifacts):\n  {ui}")
     return True, "\n".join(lines)

@@ -505,11 +505,11 @@ class AugmentConfig(StageConfig):
     Sampling is seeded per prompt and attempt, so with ``hf`` texts do not depend on sharding or
     batching (on one machine and dtype). vLLM's texts can: its kernels are not batch-invariant by
     default (its reproducibility docs), so a resumed shard may sample other texts than a clean run;
-    the seeds still fix the draws, and the version is the same. What is left out of the version (`identity`): ``batch_size``,
-    ``device``, ``vllm_python`` and ``vllm_gpu_memory_utilization`` (where and how fast, not what),
-    ``on_shortfall`` (what to accept, not what is generated), and ``model`` itself: a local model
-    directory's content is an input of the version (moving it keeps the version, retraining it does
-    not).
+    the seeds still fix the draws, and the version is the same. What is left out of the version
+    (`identity`): ``batch_size``, ``device``, ``vllm_python`` and ``vllm_gpu_memory_utilization``
+    (where and how fast, not what), ``on_shortfall`` (what to accept, not what is generated), and
+    ``model`` itself: a local model directory's content is an input of the version (moving it keeps
+    the version, retraining it does not).
     """
 
     backend: GeneratorBackend = "hf"

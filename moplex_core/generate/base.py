@@ -4,8 +4,8 @@ A `SampleRequest` asks for ``n`` texts for one key (a prompt_id; an example_id f
 one seed. The augment stage derives that seed from (its seed, the key, the attempt) with
 `request_seed`, and a sampling backend seeds sample ``j`` of a request with `sample_seed`, so a text
 depends on neither the other requests in its batch nor the shard it lands in (the hf backend's; vLLM
-seeds a request's samples seed, seed + 1, ..., and its kernels are not batch-invariant by default). Deduplication and
-resampling are the augment stage's (moplex_core.augment); `normalise` is the equality it uses.
+seeds a request's samples seed, seed + 1, ..., and its kernels are not batch-invariant by default).
+Deduplication and resampling are the augment stage's (moplex_core.augment); `normalise` is the equality it uses.
 """
 
 from __future__ import annotations

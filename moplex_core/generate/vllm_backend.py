@@ -202,7 +202,8 @@ class VLLMGenerator:
         every request of the call: the worker would exit, and the shard fail on every resume."""
         if self.context is None:
             return
-        long = [(row["key"], len(row["prompt_token_ids"])) for row in rows if len(row["prompt_token_ids"]) >= self.context]
+        long = [(row["key"], len(row["prompt_token_ids"])) for row in rows
+                if len(row["prompt_token_ids"]) >= self.context]
         if long:
             key, tokens = long[0]
             raise ValueError(f"{len(long)} prompt(s) have at least the model's {self.context} positions of context "

@@ -95,7 +95,8 @@ def token_prompt(request: dict[str, Any]) -> dict[str, list[int]]:
     return {"prompt_token_ids": list(request["prompt_token_ids"])}
 
 
-def response_row(request: dict[str, Any], completions: list[Any], stop_token_ids: Sequence[int] = ()) -> dict[str, Any]:
+def response_row(request: dict[str, Any], completions: list[Any],
+                 stop_token_ids: Sequence[int] = ()) -> dict[str, Any]:
     """A RESPONSE_SCHEMA row from a request and its vLLM CompletionOutputs (.text, .token_ids,
     .finish_reason). A completion that ends with one of ``stop_token_ids`` (the model's EOS) is
     "stop" also where vLLM said "length": vLLM releases that checked the length cap before the stop
