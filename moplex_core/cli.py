@@ -245,9 +245,12 @@ def _inspect(args: argparse.Namespace) -> int:
 
     store = ArtifactStore(args.root)
     try:
-        target = store.resolve(args.path)
-        if not target.exists() and is_stage_folder(store.root / args.path):  # a stage's name: its listing
-            target = store.root / args.path
+        if args.path is None:  # the root's listing
+            target = store.root
+        else:
+            target = store.resolve(args.path)
+            if not target.exists() and is_stage_folder(store.root / args.path):  # a stage's name: its listing
+                target = store.root / args.path
         print(inspect_path(target, rows=args.rows))
     except (FileNotFoundError, ArtifactError, ValueError) as err:
         print(f"moplex inspect: {err}", file=sys.stderr)
@@ -409,8 +412,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="A readable report of an artifact version (manifest, schema, counts per cluster and split, "
                     "first rows, the stage's own summary), a manifest.json, a Parquet file, or a listing of a "
                     "root or stage folder.")
-    inspect.add_argument("path", help="a version folder, manifest.json, Parquet file, root or stage folder, "
-                                      "or stage/version under --root (a version prefix is enough, e.g. ingest/3fa2)")
+    inspect.add_argument("path", nargs="?", help="a version folder, manifest.json, Parquet file, root or stage "
+                                                 "folder, or stage/version under --root (a version prefix is "
+                                                 "enough, e.g. ingest/3fa2); without it, the listing of --root")
     inspect.add_argument("--root", default="data/artifacts", help="artifact root for stage/version")
     inspect.add_argument("--rows", type=_int_at_least(0), default=3, help="first rows to show per table")
     inspect.set_defaults(func=_inspect)

@@ -115,6 +115,8 @@ def test_cli_ingest_and_inspect(tmp_path, fixtures_dir, capsys):
     assert f"no artifact {STAGE}/ffffffff under {root}" in capsys.readouterr().err
     assert main(["inspect", STAGE, "--root", str(root)]) == 0  # a stage's name: its versions
     assert f"{STAGE}/{version_dir.name}" in capsys.readouterr().out
+    assert main(["inspect", "--root", str(root)]) == 0  # no path: the root's listing
+    assert f"artifacts under {root}" in capsys.readouterr().out
     (root / "notes.md").write_text("hello")
     assert main(["inspect", str(root / "notes.md")]) == 1
     assert "(it exists: open it with a viewer of its own kind)" in capsys.readouterr().err
