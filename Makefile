@@ -20,9 +20,12 @@ $(STAMP): pyproject.toml constraints.txt
 	$(BIN)/pip install -q -c constraints.txt -e '.[test,bench]' 2>&1 | { grep -v 'is ignored: it is neither a file nor a directory' || true; }
 	touch $(STAMP)
 
-# After upgrading a package in .venv (and running the tests): pin what .venv now holds.
+# After upgrading a package in .venv (and running the tests): pin what .venv now holds. Local version
+# labels (torch's +cpu) are dropped: torch==2.13.0 takes the CPU wheel where pip's find-links has it
+# (a local label sorts above the plain release) and PyPI's build elsewhere, where 2.13.0+cpu is not.
 lock: $(STAMP)
-	{ sed -n '1,3p' constraints.txt; $(BIN)/pip freeze --exclude-editable | grep -v '^-e'; } > constraints.txt.new
+	{ sed -n '1,3p' constraints.txt; $(BIN)/pip freeze --exclude-editable | grep -v '^-e' | sed 's/+[^+]*$$//'; } \
+		> constraints.txt.new
 	mv constraints.txt.new constraints.txt
 
 # One pytest worker per core, at most 4 (pytest-xdist): most tests use one core (one torch thread, or
