@@ -261,16 +261,28 @@ def shard_paths(version_dir: str | Path) -> list[Path]:
 
 def load_table(version_dir: str | Path, columns: list[str] | None = None) -> pa.Table:
     """All shards of a finished artifact as one Arrow table, rows in shard order."""
+    return pa.concat_tables(pq.read_table(path, columns=columns) for path in finished_shards(version_dir))
+
+
+def finished_shards(version_dir: str | Path) -> list[Path]:
+    """The row shards a finished artifact's manifest lists, in shard order, each checked to be there at
+    the size the manifest records (`ArtifactCorruptError` otherwise; `ArtifactError` when it has none)."""
     version_dir = Path(version_dir)
     manifest = read_manifest(version_dir)
     names = sorted(name for name in manifest["files"] if _SHARD_RE.match(name))
     if not names:
         raise ArtifactError(f"{version_dir} holds no part-*.parquet shards; its stage writes other files only")
+    check_files(version_dir, manifest, names)
+    return [version_dir / name for name in names]
+
+
+def check_files(version_dir: str | Path, manifest: dict[str, Any], names: list[str] | None = None) -> None:
+    """Raise `ArtifactCorruptError` when a file the manifest lists (or one of ``names``) is missing or
+    not the size it records (`off_the_manifest`)."""
     changed = off_the_manifest(version_dir, manifest, names)
     if changed:
         raise ArtifactCorruptError(f"{version_dir}: {', '.join(changed)} missing or not the size its manifest "
                                    "records (an interrupted copy?). Delete the version directory and rerun its stage.")
-    return pa.concat_tables(pq.read_table(version_dir / name, columns=columns) for name in names)
 
 
 def off_the_manifest(version_dir: str | Path, manifest: dict[str, Any], names: list[str] | None = None) -> list[str]:

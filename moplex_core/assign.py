@@ -35,7 +35,7 @@ import pyarrow.parquet as pq
 import torch
 from tqdm.auto import tqdm
 
-from moplex_core.artifacts import ArtifactRef, ArtifactStore, read_manifest, shard_name, shard_paths
+from moplex_core.artifacts import ArtifactRef, ArtifactStore, check_files, finished_shards, read_manifest, shard_name
 
 if TYPE_CHECKING:
     from moplex_core.cache import CachePlan
@@ -120,13 +120,15 @@ def run_assign(train_dir: str | Path, rankings_dir: str | Path, store: ArtifactS
     plan = plan or plan_assign(train_dir, rankings_dir, store, model=model, device=device,
                                score_batch_size=score_batch_size)
     if plan.complete:
-        return AssignResult(plan.ref, plan.path, False, store.manifest(STAGE, plan.ref.version)["rows"])
+        manifest = store.manifest(STAGE, plan.ref.version)
+        check_files(plan.path, manifest)  # a damaged version is not "already complete"
+        return AssignResult(plan.ref, plan.path, False, manifest["rows"])
     with store.writer(STAGE, plan.ref.version, config=plan.recorded, inputs=plan.inputs,
                       code_version=CODE_VERSION) as writer:
         if writer.complete:
             return AssignResult(plan.ref, plan.path, False, store.manifest(STAGE, plan.ref.version)["rows"])
         run_cache(plan.cache_config, rankings_dir, store, plan.cache, progress=progress)
-        cache_shards = shard_paths(plan.cache.path)  # assign shard s holds the rankings of cache shard s
+        cache_shards = finished_shards(plan.cache.path)  # assign shard s holds the rankings of cache shard s
         todo = [s for s in range(len(cache_shards)) if not writer.has_shard(s)]
         if todo:
             scorer, alpha, trained = load_trained(train_dir, plan.recorded["model"], device=plan.recorded["device"])

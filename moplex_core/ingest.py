@@ -176,7 +176,7 @@ def build_rankings(config: IngestConfig, inputs: dict[str, str] | None = None) -
         groups = split_groups(table.column("prompt_id").to_pylist(), table.column("prompt").to_pylist())
         splits = assign_splits(groups, config.split, config.seed)
         table = table.set_column(table.schema.get_field_index("split"), "split", pa.array(splits, pa.string()))
-        table = table.filter(pa.array([s is not None for s in splits])).cast(RANKINGS_SCHEMA)
+        table = table.filter(pa.array([s is not None for s in splits], pa.bool_())).cast(RANKINGS_SCHEMA)
         outside = splits.count(None)
         if outside:
             reached = Counter(s for s in splits if s is not None)
@@ -184,9 +184,16 @@ def build_rankings(config: IngestConfig, inputs: dict[str, str] | None = None) -
                         "split's remaining room", list(config.split.sizes),
                         ", ".join(f"{name} {reached[name]}" for name in SPLITS), outside)
     if table.num_rows == 0:
+        detail = ""
+        if rejected is not None and rejected.num_rows:
+            first = rejected.slice(0, 1).to_pylist()[0]
+            place = first["where"] or f"row {first['row']}"
+            rows = len(set(rejected.column("row").to_pylist()))
+            detail = (f"; every row was rejected ({rows} row(s), {rejected.num_rows} reason(s)), the first "
+                      f"({place}, field {first['field']!r}): {first['reason']}")
         raise ValueError(
-            f"no valid rankings left for dataset {config.dataset!r} ({adapted.stats}); see the rejected "
-            "rows' reasons by ingesting with validation='strict'"
+            f"no valid rankings left for dataset {config.dataset!r} ({adapted.stats}){detail}; every rejected "
+            "row's reason: ingest with validation='strict'"
         )
     clusters = table.column("cluster").to_pylist()
     summary = {

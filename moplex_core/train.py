@@ -46,7 +46,7 @@ import pyarrow.parquet as pq
 import torch
 from tqdm.auto import tqdm
 
-from moplex_core.artifacts import CHECKPOINTS, ArtifactRef, ArtifactStore, atomic_path, read_manifest
+from moplex_core.artifacts import CHECKPOINTS, ArtifactRef, ArtifactStore, atomic_path, check_files, read_manifest
 from moplex_core.cache import cache_model, load_policy_inputs
 from moplex_core.config import TrainConfig, no_contractions_message
 from moplex_core.em import (START_FILE, EMConfig, EMState, estimates_off_by, fit_mixture, posteriors_table,
@@ -330,6 +330,8 @@ def load_trained(train_dir: str | Path, model: str | None = None, *, device: str
     base model at ``model``: where its cache's model is now (`cache_model`), or by default where the
     model was when it trained."""
     manifest = read_manifest(train_dir)
+    check_files(train_dir, manifest, sorted(name for name in manifest["files"]  # a truncated adapter, say
+                                            if name.startswith("adapters/") or name == "result.json"))
     recorded = dict(manifest["config"])
     trained_on = recorded.pop("model")  # where the model was when it trained
     model = trained_on if model is None else model

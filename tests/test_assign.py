@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -10,7 +11,7 @@ import pytest
 import torch
 from scipy.optimize import linear_sum_assignment
 
-from moplex_core.artifacts import ArtifactStore, load_table, shard_paths, verify
+from moplex_core.artifacts import ArtifactCorruptError, ArtifactStore, load_table, shard_paths, verify
 from moplex_core.assign import ASSIGN_SCHEMA, plan_assign, run_assign
 from moplex_core.cache import load_policy_inputs
 from moplex_core.cli import main
@@ -74,6 +75,28 @@ def test_a_killed_assign_resumes_at_the_first_missing_shard(trained):
     assert load_table(again.path).equals(whole)
     assert store.manifest("assign", again.ref.version)["summary"] == summary
     verify(again.path)
+
+
+def test_assign_refuses_damaged_artifacts_naming_the_file(trained, tmp_path):
+    # A shard missing from the new rankings' cache, from a finished assign version, or a truncated adapter:
+    # each is named, and nothing is scored from the rest or called "already complete".
+    store, train, rankings, _ = trained
+    first = run_assign(train, rankings, store, device="cpu", progress=False)
+    cache = plan_assign(train, rankings, store, device="cpu").cache.path
+    for damaged in (first.path / "part-00002.parquet", cache / "part-00001.parquet",
+                    train / "adapters" / "c1" / "adapter_model.safetensors"):
+        original = damaged.read_bytes()
+        try:
+            damaged.write_bytes(original[:1000])
+            with pytest.raises(ArtifactCorruptError, match=f"{damaged.name} missing or not the size"):
+                run_assign(train, rankings, store, device="cpu", progress=False)
+        finally:
+            damaged.write_bytes(original)
+        if damaged.parent == first.path:  # then: no assign version, so the cache and train are read
+            first.path.rename(tmp_path / "assign")
+    shutil.rmtree(first.path, ignore_errors=True)  # what the refused runs began
+    (tmp_path / "assign").rename(first.path)
+    verify(first.path)
 
 
 def test_new_rankings_get_a_posterior_an_adapter_and_every_score(trained, capsys):

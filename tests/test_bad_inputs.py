@@ -115,6 +115,16 @@ def test_a_lone_surrogate_escape_names_the_line_and_field_and_drop_mode_sets_the
     assert _error(path).startswith(f"{path} record 1, field 'responses[1]': character 2 is a lone UTF-16 surrogate")
 
 
+def test_drop_mode_with_every_row_rejected_says_so_with_the_first_reason(tmp_path):
+    lone = json.dumps({**GOOD, "example_id": "e1", "responses": ["only one"], "ranking": [[0]]})
+    empty = json.dumps({**GOOD, "example_id": "e2", "prompt": ""})
+    path = _write(tmp_path / "x.jsonl", f"{lone}\n{empty}\n".encode())
+    with pytest.raises(ValueError) as raised:
+        build_rankings(IngestConfig(dataset="generic", path=str(path), validation="drop"))
+    assert "every row was rejected (2 row(s)" in str(raised.value)
+    assert "the first (line 1, field 'responses'): has 1 response(s)" in str(raised.value)
+
+
 def test_drop_mode_sets_aside_unreadable_lines_and_records_without_the_raw_schema(tmp_path, fixtures_dir):
     lines = (fixtures_dir / "helpsteer2.jsonl").read_text().splitlines()
     out_of_range = json.dumps({**json.loads(lines[1]), "verbosity": 7})
