@@ -416,6 +416,14 @@ def test_generic_fills_derivable_columns_and_keeps_the_source_split(fixtures_dir
     assert built.summary["adapter"]["dropped_column:notes"] == 1
 
 
+def test_generic_reads_a_nan_ranked_prefix_as_null_every_tier(tmp_path):
+    # Python's json.dumps writes float("nan") as NaN, which json.loads reads back: absent, as null is.
+    row = {"prompt": "p", "responses": ["a", "b", "c"], "ranking": [[0], [2], [1]], "ranked_prefix": float("nan")}
+    (tmp_path / "nan.jsonl").write_text(json.dumps(row) + "\n")
+    built = build_rankings(IngestConfig(dataset="generic", path=str(tmp_path / "nan.jsonl"), labels=None))
+    assert built.table.column("ranked_prefix").to_pylist() == [3]
+
+
 @pytest.mark.parametrize("change, error", [
     ({1: "test"}, "a prompt must stay in one split"),  # rows 0 and 1 share prompt p1; row 0 is train
     ({2: "dev"}, "'dev'"),

@@ -32,7 +32,8 @@ def to_rankings(records: Iterable[Record], *, source: str, keep_split: bool = Fa
         row = {name: data.get(name) for name in COLUMNS}
         if row["prompt_id"] is None and isinstance(row["prompt"], str):
             row["prompt_id"] = prompt_id(row["prompt"])
-        if row["ranked_prefix"] is None and isinstance(row["ranking"], list):
+        prefix = row["ranked_prefix"]
+        if (prefix is None or prefix != prefix) and isinstance(row["ranking"], list):  # null or NaN: every tier
             row["ranked_prefix"] = len(row["ranking"])
         if row["example_id"] is None and row["prompt_id"] is not None:
             try:
