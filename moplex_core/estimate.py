@@ -22,9 +22,15 @@ their input gradients:
     delta mode:  o_c[j] = mean_i ( s_c[i][j] - s_ref[i][j] )
     logpi mode:  o_c[j] = mean_i ( log pi_ref(y_i) + s_c[i][j] ) - log pi_ref(y_j)
 
-so an E-step's offsets (`estimate_offsets`) serve the next M-step, which starts from the same
-parameters and recomputes only the anchors' exact deltas (`apply_offsets`): the M-step then needs
-no input-gradient pass of its own (DESIGN 5.4's pass count).
+The E-step computes both at its parameters (`estimate_offsets`, `apply_offsets`). The next M-step,
+which starts from the same parameters on the same anchors, holds the E-step's estimates as constants
+and recomputes only the anchors' exact deltas, with their graph (`hold_estimates`): it needs no
+input-gradient pass of its own (DESIGN 5.4's pass count), and its gradient is the gradient of the
+objective it computes. (Estimates that followed the anchors' current mean delta without its gradient,
+a reading of the paper's "we do not backpropagate gradients on the outputs estimated by gradients",
+would shift with the anchors while the gradient ignores the shift: at a = 1 that objective is
+constant in the parameters, the slate moving as one, yet its gradient moves the anchor's delta
+without end.)
 
 The contraction never forms a [L, V] product: the embedding rows of y_j are gathered ([T, d]) and
 multiplied elementwise with the anchor's gradient ([T, d]).
@@ -222,8 +228,14 @@ def estimate_offsets(
 def apply_offsets(anchor_idx: torch.Tensor, anchor_delta: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """delta_hat_c of one example: float64 [M]. Anchors keep their exact delta (float64 [a], with its
     graph); every other entry is the constant mean_i delta_c(y_i) + o_c[j]."""
-    estimate = anchor_delta.detach().mean() + offsets  # [M]
-    return estimate.index_put((anchor_idx,), anchor_delta)
+    return hold_estimates(anchor_idx, anchor_delta, anchor_delta.detach().mean() + offsets)
+
+
+def hold_estimates(anchor_idx: torch.Tensor, anchor_delta: torch.Tensor, estimates: torch.Tensor) -> torch.Tensor:
+    """delta_hat_c of one example in an M-step: float64 [M], the ``estimates`` (float64 [M], an
+    E-step's delta_hat) held as constants, the anchors' entries replaced by their current exact delta
+    (float64 [a], with its graph)."""
+    return estimates.detach().index_put((anchor_idx,), anchor_delta)
 
 
 def estimate_delta(

@@ -110,6 +110,8 @@ def plan_train(config: TrainConfig, cache_dir: str | Path, store: ArtifactStore)
         identity["restarts_compared"] = "exact"  # 2026-11-25: new versions; other runs are unchanged
     if config.anchors is not None and config.exact_fallback is not None:  # the fallback's iteration was compared
         identity["fallback_iteration"] = "not compared"  # with the estimated one before it (2026-11-25)
+    if config.anchors is not None:  # the M-step's estimates followed its anchors' current mean delta before
+        identity["m_step_estimates"] = "held"  # 2026-11-25: new versions; runs without anchors are unchanged
     version = store.version(STAGE, identity, inputs, CODE_VERSION)
     return TrainPlan(ArtifactRef(STAGE, version), store.path(STAGE, version), inputs, store.is_complete(STAGE, version))
 

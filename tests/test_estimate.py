@@ -15,6 +15,7 @@ from moplex_core.estimate import (
     contraction,
     estimate_delta,
     estimate_offsets,
+    hold_estimates,
     reference_terms,
     reference_terms_batch,
     response_embeddings,
@@ -101,11 +102,13 @@ def test_offsets_plus_the_anchors_mean_delta_are_the_per_anchor_mean_of_algorith
         assert offsets[anchors].abs().max() == 0
         torch.testing.assert_close(apply_offsets(anchors, delta, offsets), expected)
         torch.testing.assert_close(estimate_delta(mode, anchors, logp, s_pol, ref_logp, s_ref), expected)
-    # The M-step's view: the anchors' deltas move, the offsets stay; estimates follow their mean.
-    moved = delta + torch.tensor([0.3, -0.1], dtype=torch.float64)
-    offsets = estimate_offsets("delta", anchors, s_pol, ref_logp, s_ref)
-    shifted = apply_offsets(anchors, moved, offsets) - apply_offsets(anchors, delta, offsets)
-    torch.testing.assert_close(shifted[[0, 2, 3, 5]], torch.full((4,), 0.1, dtype=torch.float64))
+    # The M-step's view: the anchors' deltas move (with their graph), the E-step's estimates stay.
+    estimates = apply_offsets(anchors, delta, estimate_offsets("delta", anchors, s_pol, ref_logp, s_ref))
+    moved = (delta + torch.tensor([0.3, -0.1], dtype=torch.float64)).requires_grad_(True)
+    held = hold_estimates(anchors, moved, estimates)
+    assert torch.equal(held[[0, 2, 3, 5]], estimates[[0, 2, 3, 5]]) and torch.equal(held[anchors], moved.detach())
+    (grad,) = torch.autograd.grad(held.sum(), moved)
+    assert torch.equal(grad, torch.ones(2, dtype=torch.float64))
 
 
 def test_anchors_depend_only_on_seed_iteration_and_example():

@@ -62,7 +62,7 @@ def test_em_steps_run_with_the_model_on_another_device_than_the_host(tiny_model_
                                                                       share_prompts):
     # The meta device stands in for a GPU (MetaReadsAsZeros): a tensor the host makes and one the
     # model's device makes cannot meet in one op there, which the CPU alone never shows (the E-step's
-    # results once did, in one cat). Two iterations: the second M-step reuses the first E-step's offsets.
+    # results once did, in one cat). Two iterations: the second M-step reuses the first E-step's estimates.
     policy = scorer(tiny_model_dir, anchors=anchors, share_prompts=share_prompts, device="meta")
     weights = torch.full((len(inputs), 2), 0.5, dtype=torch.float64)
     with MetaReadsAsZeros():
@@ -85,7 +85,7 @@ def test_an_m_step_reads_the_device_back_once_not_per_pass(tiny_model_dir, input
     policy = scorer(tiny_model_dir, anchors=anchors, device="meta")  # passes of 4 rows: several a minibatch
     weights = torch.full((len(inputs), 2), 0.5, dtype=torch.float64)
     with MetaReadsAsZeros():
-        policy.score(inputs, 0)  # the offsets the M-step reuses (a pass of its own otherwise)
+        policy.score(inputs, 0)  # the estimates the M-step holds (a pass of its own otherwise)
     with MetaReadsAsZeros() as device:
         policy.fit(inputs, inputs.rankings(), weights, 1)
     steps = -(-2 * len(inputs) // 4)
@@ -150,7 +150,7 @@ def test_shared_prompts_change_neither_the_scores_nor_the_training(tiny_model_di
         policy.score_batch_size = 3
         policy.fit(varied, varied.rankings(), weights, 0)
         estimated = policy.score(varied, 0)  # anchors with input gradients, the rest estimated
-        policy.fit(varied, varied.rankings(), weights, 1)  # reuses that E-step's offsets
+        policy.fit(varied, varied.rankings(), weights, 1)  # holds that E-step's estimates
         runs.append((estimated, policy.exact_scores(varied)))
     assert runs[0][1].abs().max() > 1e-2
     for unshared, shared in zip(*runs):
@@ -187,7 +187,7 @@ def test_the_m_step_reuses_the_previous_e_steps_anchors_and_runs_no_input_gradie
     calls = record_passes(monkeypatch, inputs)
     policy = scorer(tiny_model_dir, anchors=2)
     weights = torch.ones(len(inputs), 2, dtype=torch.float64)
-    policy.fit(inputs, inputs.rankings(), weights, 0)  # at the base model: offsets from the cache
+    policy.fit(inputs, inputs.rankings(), weights, 0)  # at the base model: estimates from the cache
     assert calls and all(phase == "train" and not grads for phase, _, grads in calls)
     calls.clear()
     policy.score(inputs, 0)
@@ -201,39 +201,79 @@ def test_the_m_step_reuses_the_previous_e_steps_anchors_and_runs_no_input_gradie
     assert set().union(*(rows for _, rows, _ in calls)) == e_step_rows
 
 
-def test_offsets_from_the_cache_equal_an_input_gradient_pass_at_the_base_model(tiny_model_dir, inputs):  # noqa: F811
+def test_estimates_from_the_cache_equal_an_input_gradient_pass_at_the_base_model(tiny_model_dir, inputs):  # noqa: F811
     policy = scorer(tiny_model_dir, anchors=2)
     picks = policy._anchor_picks(inputs, 0, 2)
-    from_cache = policy._offsets(inputs, 0, picks)
+    from_cache = policy._estimates(inputs, 0, picks)
     passed = policy._score_all(inputs, 0, 2, "check")[2]
-    assert from_cache.abs().max() == 0  # delta mode: s_c = s_ref at the base model
+    assert from_cache.abs().max() == 0  # delta mode: s_c = s_ref and delta_c = 0 at the base model
     torch.testing.assert_close(passed, from_cache, atol=1e-5, rtol=0)
     logpi = scorer(tiny_model_dir, anchors=2, estimation="logpi")
-    torch.testing.assert_close(logpi._score_all(inputs, 0, 2, "check")[2], logpi._offsets(inputs, 0, picks),
+    torch.testing.assert_close(logpi._score_all(inputs, 0, 2, "check")[2], logpi._estimates(inputs, 0, picks),
                                atol=1e-4, rtol=1e-5)
 
 
-def test_m_step_gives_non_anchor_scores_no_gradient(tiny_model_dir, inputs, monkeypatch):  # noqa: F811
+def test_the_m_step_holds_the_e_steps_estimates_and_differentiates_the_objective_it_computes(
+        tiny_model_dir, inputs, monkeypatch):  # noqa: F811
+    """Non-anchor scores are the E-step's, constant (no gradient, the same value at every step), the
+    anchors' exact; so the M-step's gradient is its objective's (checked by a finite difference)."""
+    weights = torch.full((len(inputs), 2), 0.5, dtype=torch.float64)
     policy = scorer(tiny_model_dir, anchors=2)
-    policy.score(inputs, 0)
+    policy.fit(inputs, inputs.rankings(), weights, 0)
+    scores = policy.score(inputs, 0)  # [n, k, M]
+    e_step, is_anchor = policy._estep.deltas, policy.last_scores.is_anchor
+    torch.testing.assert_close(scores, policy.beta * e_step, rtol=0, atol=0)
     params = list(policy._lora.values())
-    norms: list[tuple[list[int], list[float]]] = []
-    real_apply = lora_policy.apply_offsets
+    seen: list[tuple[int, int, torch.Tensor, list[float]]] = []
+    real_hold = lora_policy.hold_estimates
 
-    def checking_apply(idx, anchor_delta, offsets):  # inside the M-step, while its graph is alive
-        delta = real_apply(idx, anchor_delta, offsets)
+    def checking_hold(idx, anchor_delta, estimates):  # inside the M-step, while its graph is alive
+        delta = real_hold(idx, anchor_delta, estimates)
         per_response = []
         for j in range(delta.shape[0]):
             grads = torch.autograd.grad(delta[j], params, retain_graph=True, allow_unused=True)
             per_response.append(sum(g.abs().sum().item() for g in grads if g is not None))
-        norms.append((idx.tolist(), per_response))
+        seen.append((idx.tolist(), delta.detach().cpu(), per_response))
         return delta
 
-    monkeypatch.setattr(lora_policy, "apply_offsets", checking_apply)
-    policy.fit(inputs, inputs.rankings(), torch.full((len(inputs), 2), 0.5, dtype=torch.float64), 1)
-    assert len(norms) == 2 * len(inputs)
-    for anchors, per_response in norms:
+    monkeypatch.setattr(lora_policy, "hold_estimates", checking_hold)
+    policy.fit(inputs, inputs.rankings(), weights, 1)
+    assert len(seen) == 2 * len(inputs)
+    held = torch.stack([e_step[i, c] for i in range(len(inputs)) for c in range(2)])  # [n * k, M] in some order
+    for anchors, delta, per_response in seen:
         assert [j for j, norm in enumerate(per_response) if norm > 0] == anchors
+        estimated = [j for j in range(len(delta)) if j not in anchors]
+        assert any(torch.equal(delta[estimated], row[: len(delta)][estimated]) for row in held)
+    monkeypatch.undo()
+
+    # One pair's gradient against a central difference of its objective along that gradient.
+    one = scorer(tiny_model_dir, anchors=2)
+    one.fit(inputs, inputs.rankings(), weights, 0)
+    one.score(inputs, 0)
+    i = int(torch.nonzero(~is_anchor.all(1))[0])  # an example with an estimated response
+    only = torch.zeros_like(weights)
+    only[i, 0] = 1.0
+    picks = one._anchor_picks(inputs, 1, 2)
+    terms = lora_policy._MStepTerms.of(inputs, picks, one._estimates(inputs, 1, picks), only, one.model.device)
+
+    def objective() -> float:  # log P_0(sigma_i), held estimates; accumulates its gradient's negative
+        one.optimizer.zero_grad()
+        return float(one._weighted_logp(inputs, inputs.rankings(), terms, [[i, 0]], 1))
+
+    objective()
+    ascent = {name: -p.grad.detach().clone() for name, p in one._lora.items()}
+    step = 1e-3
+    with torch.no_grad():
+        for name, p in one._lora.items():
+            p.add_(ascent[name], alpha=step)
+    up = objective()
+    with torch.no_grad():
+        for name, p in one._lora.items():
+            p.add_(ascent[name], alpha=-2 * step)
+    down = objective()
+    squared = sum(float(g.pow(2).sum()) for g in ascent.values())
+    assert squared > 0
+    torch.testing.assert_close((up - down) / (2 * step), squared, rtol=2e-2, atol=0)
 
 
 def test_a_resumed_scorer_repeats_the_m_step_exactly(tiny_model_dir, inputs, monkeypatch):  # noqa: F811
@@ -246,7 +286,7 @@ def test_a_resumed_scorer_repeats_the_m_step_exactly(tiny_model_dir, inputs, mon
     first.fit(inputs, inputs.rankings(), weights, 1)
     calls = record_passes(monkeypatch, inputs)
     resumed.fit(inputs, inputs.rankings(), weights, 1)
-    assert calls and not any(grads for _, _, grads in calls), "the resumed M-step lost the E-step's offsets"
+    assert calls and not any(grads for _, _, grads in calls), "the resumed M-step lost the E-step's estimates"
     for name, p in first._lora.items():
         torch.testing.assert_close(resumed._lora[name], p, rtol=0, atol=0)
     # the next checkpoint's bytes too (the chaos tests compare state.pt by its hash)
@@ -272,7 +312,7 @@ def test_an_m_step_undone_twice_and_redone_at_a_quarter_is_one_taken_only_at_a_q
         backtracked.score(inputs, 1)
         assert backtracked._estep.round == 2
         backtracked.load_state_dict(before)
-        assert backtracked._estep.round == 1 and torch.equal(backtracked._estep.offsets, before["estep"]["offsets"])
+        assert backtracked._estep.round == 1 and torch.equal(backtracked._estep.deltas, before["estep"]["deltas"])
     backtracked.scale_steps(0.25)
     backtracked.fit(inputs, inputs.rankings(), weights, 1)
     straight.optimizer.lr = 0.25e-2

@@ -15,21 +15,21 @@ Passes per EM iteration t, per example (full computation: a = m'):
     M-step t   one forward + backward into the LoRA weights over the a anchors of every (example,
                cluster) pair with nonzero weight, in minibatches of ``batch_size`` pairs (clusters
                mixed; passes of at most ``score_batch_size`` rows, gradients accumulated, one
-               optimizer step per minibatch). A non-anchor score is a constant: the anchors' current
-               mean delta plus the offsets o_c of the E-step of iteration t-1 (moplex_core.estimate),
-               which ran at the parameters this M-step starts from, on the same anchors. So the
-               M-step runs no input-gradient pass of its own. The offsets (the first-order terms)
-               stay at the M-step's starting parameters for all its minibatches and epochs while
-               the anchors' deltas follow the current ones: exact at the first minibatch, then
-               stale by the M-step's own progress (recomputing them would cost an input-gradient
-               pass per minibatch). At t = 0 every adapter is the base model, so s_c = s_ref and
-               the offsets come from the cache alone.
+               optimizer step per minibatch). A non-anchor score is a constant: the estimate of the
+               E-step of iteration t-1 (moplex_core.estimate), which ran at the parameters this
+               M-step starts from, on the same anchors, while the anchors' scores are exact at the
+               current parameters, with their gradient. So the M-step runs no input-gradient pass of
+               its own, and its gradient is that of the objective it computes. The estimates stay at
+               the M-step's starting parameters for all its minibatches and epochs (recomputing them
+               would cost an input-gradient pass per minibatch). At t = 0 every adapter is the base
+               model, so s_c = s_ref and delta_c = 0 at the anchors: the estimates come from the cache
+               alone.
     E-step t   one forward + input-gradient pass over the a anchors under each of the k adapters
                (full computation: a forward only), ``score_batch_size`` rows per pass, clusters
-               mixed; its offsets are kept for the M-step of t + 1.
+               mixed; its estimates are kept for the M-step of t + 1.
 
 The anchors of round t serve the M-step of t and the E-step of t - 1; they are drawn from
-(seed, t, example_id), so they never depend on batching, and a resumed run (the offsets are part of
+(seed, t, example_id), so they never depend on batching, and a resumed run (the estimates are part of
 `state_dict`) repeats an uninterrupted one exactly.
 """
 
@@ -61,6 +61,7 @@ from moplex_core.estimate import (
     contraction,
     estimate_offsets,
     estimation_gap,
+    hold_estimates,
     response_embeddings,
 )
 from moplex_core.lm.device import HostCopies, passes_sized_by, to_device
@@ -143,12 +144,13 @@ class ScoreRecord:
 
 
 @dataclass(frozen=True)
-class _EStepOffsets:
-    """What an E-step leaves for the next M-step: the offsets o_c of its anchors (round ``round``)."""
+class _EStepEstimates:
+    """What an E-step leaves for the next M-step: the deltas its anchors (round ``round``) gave,
+    estimated and exact (the M-step recomputes the anchors')."""
 
     round: int
-    inputs: str  # sha256 of the example ids: the offsets belong to these inputs only
-    offsets: torch.Tensor  # float64 [n, k, M], 0 at anchors and padding
+    inputs: str  # sha256 of the example ids: the estimates belong to these inputs only
+    deltas: torch.Tensor  # float64 [n, k, M], 0 at padding
 
 
 Row = tuple[int, int, int]  # (example in the inputs, cluster, response): one response under one adapter
@@ -224,7 +226,7 @@ class LoRAPolicyScorer:
         self.lr = lr
         self.optimizer = RoutedAdam(self._lora, k, lr=lr)
         self._shuffle = torch.Generator().manual_seed(seed)
-        self._estep: _EStepOffsets | None = None
+        self._estep: _EStepEstimates | None = None
         self.last_scores: ScoreRecord | None = None
         self.last_fit: dict[str, Any] = {}
 
@@ -232,9 +234,9 @@ class LoRAPolicyScorer:
 
     def score(self, inputs: PolicyInputs, iteration: int = 0, *, check: bool = True) -> torch.Tensor:
         """E-step scores float64 [n, k, M] (estimated for non-anchors when anchors < m'), with the
-        anchors of round ``iteration + 1``, whose offsets the next M-step reuses; ``check=False``
+        anchors of round ``iteration + 1``, whose estimates the next M-step holds; ``check=False``
         skips the exact fallback's check (backtracking's look at the adapters before an M-step)."""
-        scores, is_anchor, offsets = self._score_all(inputs, iteration + 1, self.anchors, f"E-step {iteration}")
+        scores, is_anchor, deltas = self._score_all(inputs, iteration + 1, self.anchors, f"E-step {iteration}")
         relative, check_exact = (self._estimates_off_by(inputs, scores, is_anchor) if self.exact_fallback and check
                                  else (None, None))
         if relative is not None and not relative <= self.fallback_above:  # NaN falls back too
@@ -244,7 +246,7 @@ class LoRAPolicyScorer:
                         f"off by {relative:.2f} times the spread of the exact scores" if finite else "not finite",
                         min(self.exact_fallback, len(inputs)), self.fallback_above)
             self.fell_back = {"iteration": iteration, "relative_error": relative if finite else None}
-        self._estep = _EStepOffsets(iteration + 1, _inputs_key(inputs), offsets)
+        self._estep = _EStepEstimates(iteration + 1, _inputs_key(inputs), deltas)
         self.last_scores = ScoreRecord(iteration, inputs.example_ids, scores, is_anchor, inputs.tiers != PAD,
                                        check_exact)
         return scores
@@ -307,7 +309,7 @@ class LoRAPolicyScorer:
         if pairs.shape[0] == 0:
             return
         picks = self._anchor_picks(inputs, iteration, self.anchors)
-        on_device = _MStepTerms.of(inputs, picks, self._offsets(inputs, iteration, picks), weights, self.model.device)
+        on_device = _MStepTerms.of(inputs, picks, self._estimates(inputs, iteration, picks), weights, self.model.device)
         largest = max(len(picks[i]) for i in pairs[:, 0].tolist())  # rows of the largest (example, cluster) pair
         objectives: list[torch.Tensor] = []  # per optimizer step, on the device
         every = 1 if self.model.device.type == "cpu" else PROGRESS_EVERY  # steps between two reads, for the bar
@@ -408,7 +410,7 @@ class LoRAPolicyScorer:
     def state_dict(self) -> dict[str, Any]:
         """A snapshot on the CPU (copies, not views) of everything a resumed run needs."""
         estep = None if self._estep is None else {"round": self._estep.round, "inputs": self._estep.inputs,
-                                                   "offsets": self._estep.offsets.clone()}
+                                                   "deltas": self._estep.deltas.clone()}
         return {
             "adapters": {name: p.detach().cpu().clone() for name, p in self._lora.items()},
             "optimizer": self.optimizer.state_dict(),
@@ -428,8 +430,8 @@ class LoRAPolicyScorer:
         self.optimizer.load_state_dict(state["optimizer"])  # copies: a state restored twice shares nothing
         self._shuffle.set_state(state["shuffle_rng"])
         estep = state.get("estep")
-        self._estep = None if estep is None else _EStepOffsets(estep["round"], estep["inputs"],
-                                                               estep["offsets"].clone())
+        self._estep = None if estep is None else _EStepEstimates(estep["round"], estep["inputs"],
+                                                                 estep["deltas"].clone())
         fell_back = state.get("fell_back")  # absent from states saved before the exact fallback existed
         self.fell_back = None if fell_back is None else dict(fell_back)
 
@@ -493,9 +495,9 @@ class LoRAPolicyScorer:
         rows = [(i, c, j) for i, c in pairs for j in terms.picks[i].tolist()]
         logp = self._pass(inputs, rows, input_grads=False, train=True)[0]  # [R] on the device, the graph kept
         width = rankings.tiers.shape[1]
-        deltas = [torch.nn.functional.pad(delta, (0, width - len(delta)))
-                  for delta in _pair_deltas(terms.ref_logp, terms.sizes, pairs, terms.picks_there, logp,
-                                            terms.offsets)]  # [M] each
+        deltas = [torch.nn.functional.pad(hold_estimates(idx, anchor_delta, terms.estimates[i, c, : terms.sizes[i]]),
+                                          (0, width - terms.sizes[i]))
+                  for (i, c), idx, anchor_delta in _anchor_deltas(terms.ref_logp, pairs, terms.picks_there, logp)]
         on_host = torch.tensor(pairs)  # [P, 2] (example, cluster)
         index = rankings.subset(on_host[:, 0]).index  # sorted on the host, copied over
         there = RankingIndex(*(to_device(t, logp.device) for t in (index.order, index.in_slate, index.observed,
@@ -510,7 +512,8 @@ class LoRAPolicyScorer:
     def _score_all(self, inputs: PolicyInputs, round_: int, anchors: int | None, what: str
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Scores float64 [n, k, M] with the anchors of round ``round_``, the anchor mask bool [n, M]
-        and the offsets float64 [n, k, M] (0 where every response is an anchor)."""
+        and the deltas float64 [n, k, M] (the scores over beta: exact at the anchors, estimated
+        elsewhere)."""
         n, m = inputs.tiers.shape
         picks = self._anchor_picks(inputs, round_, anchors)
         full = _every_response_an_anchor(inputs, picks)
@@ -546,30 +549,31 @@ class LoRAPolicyScorer:
                     self.estimation, idx, s_policy[offset : offset + len(idx), :size], inputs.ref_logp[i, :size],
                     inputs.ref_contraction[i, :size, :size])
             offset += len(idx)
-        scores = torch.zeros(n, self.k, m, dtype=torch.float64)
-        sizes = [len(seqs) for seqs in inputs.sequences]
-        for (i, c), delta in zip(pairs, _pair_deltas(inputs.ref_logp, sizes, pairs, picks, logp, offsets), strict=True):
-            scores[i, c, : len(delta)] = self.beta * delta
-        return scores, is_anchor, offsets
+        deltas = torch.zeros(n, self.k, m, dtype=torch.float64)
+        for (i, c), idx, anchor_delta in _anchor_deltas(inputs.ref_logp, pairs, picks, logp):
+            size = len(inputs.sequences[i])
+            deltas[i, c, :size] = apply_offsets(idx, anchor_delta, offsets[i, c, :size])
+        return self.beta * deltas, is_anchor, deltas
 
-    def _offsets(self, inputs: PolicyInputs, round_: int, picks: list[torch.Tensor]) -> torch.Tensor:
-        """The offsets float64 [n, k, M] of round ``round_``'s anchors at the current parameters: the
-        last E-step's when it ran on these inputs with these anchors; from the cache when every
-        adapter is still the base model (s_c = s_ref); else an input-gradient pass now."""
+    def _estimates(self, inputs: PolicyInputs, round_: int, picks: list[torch.Tensor]) -> torch.Tensor:
+        """The deltas float64 [n, k, M] that round ``round_``'s anchors estimate at the current
+        parameters, which an M-step holds: the last E-step's when it ran on these inputs with these
+        anchors; from the cache when every adapter is still the base model (s_c = s_ref, and the
+        anchors' delta_c 0, up to the cache's reference gap); else an input-gradient pass now."""
         n, m = inputs.tiers.shape
         if _every_response_an_anchor(inputs, picks):
             return torch.zeros(n, self.k, m, dtype=torch.float64)
         if self._estep is not None and self._estep.round == round_ and self._estep.inputs == _inputs_key(inputs):
-            return self._estep.offsets
+            return self._estep.deltas
         if self.lora.at_base():
-            offsets = torch.zeros(n, self.k, m, dtype=torch.float64)
+            deltas = torch.zeros(n, self.k, m, dtype=torch.float64)
             for i, idx in enumerate(picks):
                 size = len(inputs.sequences[i])
                 if len(idx) < size:
                     s_ref = inputs.ref_contraction[i, :size, :size]
-                    offsets[i, :, :size] = estimate_offsets(self.estimation, idx, s_ref[idx], inputs.ref_logp[i, :size],
-                                                            s_ref)
-            return offsets
+                    deltas[i, :, :size] = estimate_offsets(self.estimation, idx, s_ref[idx], inputs.ref_logp[i, :size],
+                                                           s_ref)
+            return deltas
         log.info("M-step %d: no E-step of these inputs at these anchors; computing their input gradients first",
                  round_)
         return self._score_all(inputs, round_, self.anchors, f"input gradients {round_}")[2]
@@ -604,24 +608,19 @@ class LoRAPolicyScorer:
         return passed.logp, torch.cat(contractions)
 
 
-def _pair_deltas(ref_logp: torch.Tensor, sizes: Sequence[int], pairs: Sequence[Sequence[int]],
-                 picks: Sequence[torch.Tensor], logp: torch.Tensor, offsets: torch.Tensor) -> list[torch.Tensor]:
-    """delta_c(y_j|x_i) = log pi_c - log pi_ref of every response of each (example i, cluster c) pair,
-    float64 [m'_i] each: exact at the anchors, anchors' mean delta + offset elsewhere (DESIGN 5.4).
-    Every tensor on one device.
+def _anchor_deltas(ref_logp: torch.Tensor, pairs: Sequence[Sequence[int]], picks: Sequence[torch.Tensor],
+                   logp: torch.Tensor) -> Iterator[tuple[tuple[int, int], torch.Tensor, torch.Tensor]]:
+    """((example i, cluster c), the anchors int64 [a_i], their exact delta_c(y_j|x_i) = log pi_c -
+    log pi_ref float64 [a_i], with logp's graph) of each pair. Every tensor on one device.
 
-    ref_logp: the cache's log pi_ref, float64 [n, M]; sizes: m'_i per example; picks: the anchors of
-    each example, int64 [a_i].
+    ref_logp: the cache's log pi_ref, float64 [n, M]; picks: the anchors of each example, int64 [a_i].
     logp: log pi_c of the anchors, float64 [R], one row per anchor, pair after pair in ``pairs``' order.
-    offsets: float64 [n, k, M] (estimate.estimate_offsets; 0 where every response is an anchor).
     """
-    deltas, start = [], 0
+    start = 0
     for i, c in pairs:
         idx = picks[i]
-        anchor_delta = logp[start : start + len(idx)] - ref_logp[i, idx]  # [a]
-        deltas.append(apply_offsets(idx, anchor_delta, offsets[i, c, : sizes[i]]))
+        yield (i, c), idx, logp[start : start + len(idx)] - ref_logp[i, idx]  # [a]
         start += len(idx)
-    return deltas
 
 
 PROGRESS_EVERY = 16
@@ -639,19 +638,19 @@ class _MStepTerms:
     picks_there: list[torch.Tensor]  # the same on the device
     sizes: list[int]  # m'_i per example
     ref_logp: torch.Tensor  # float64 [n, M]
-    offsets: torch.Tensor  # float64 [n, k, M]
+    estimates: torch.Tensor  # float64 [n, k, M]: the deltas the M-step holds (`LoRAPolicyScorer._estimates`)
     weights: torch.Tensor  # float64 [n, k]
 
     @classmethod
-    def of(cls, inputs: PolicyInputs, picks: list[torch.Tensor], offsets: torch.Tensor, weights: torch.Tensor,
+    def of(cls, inputs: PolicyInputs, picks: list[torch.Tensor], estimates: torch.Tensor, weights: torch.Tensor,
            device: torch.device) -> _MStepTerms:
         there = to_device(torch.cat(picks), device).split([len(p) for p in picks])  # one copy
         return cls(picks, list(there), [len(seqs) for seqs in inputs.sequences], to_device(inputs.ref_logp, device),
-                   to_device(offsets, device), to_device(weights, device))
+                   to_device(estimates, device), to_device(weights, device))
 
 
 def _every_response_an_anchor(inputs: PolicyInputs, picks: list[torch.Tensor]) -> bool:
-    """Full computation: no response is estimated, so no input gradients and every offset is 0."""
+    """Full computation: no response is estimated, so no input gradients, offsets or estimates."""
     return all(len(p) == len(seqs) for p, seqs in zip(picks, inputs.sequences, strict=True))
 
 
