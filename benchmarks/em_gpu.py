@@ -437,8 +437,9 @@ def _batches(model_dir: Path, sizes: Sizes) -> dict[int, list[TokenizedResponse]
 
 
 def _input_grad_pass(model: nn.Module, rows: list[TokenizedResponse], **route: Any) -> AnchorPass:
-    """The E-step's anchor pass, as the scorer runs it: log pi(y|x) of every row and d/d inputs_embeds
-    at the response positions. ``route``: anchor_pass's ``groups`` and ``route``, if any."""
+    """The E-step's anchor pass, as the scorer runs it but for the target terms' gather (m' logits a
+    position from the logits the log-probs compute anyway; section 1 runs it): log pi(y|x) of every row
+    and d/d inputs_embeds at the response positions. ``route``: anchor_pass's ``groups`` and ``route``."""
     return anchor_pass(model, rows, PAD_ID, input_grads=True, **route)
 
 

@@ -46,8 +46,8 @@ from moplex_core.tiny_model import STAGE as TINY_MODEL_STAGE
 log = logging.getLogger(__name__)
 
 STAGE = "cache"
-CODE_VERSION = "cache-5"  # bump when a change to this stage changes what it writes (5: no appended EOS in a
-# template-less prompt, special-token prompts counted; 4: special-token text in responses)
+CODE_VERSION = "cache-6"  # bump when a change to this stage changes what it writes (6: s_ref with the target
+# terms; 5: no appended EOS in a template-less prompt, special-token prompts counted; 4: special-token text in responses)
 
 CACHE_SCHEMA = pa.schema([
     pa.field("example_id", pa.string()),
@@ -298,6 +298,17 @@ def load_policy_inputs(cache_dir: str | Path, split: str | None = "train"):
             raise ValueError(f"the cache at {cache_dir} has no rows of split {split!r}; "
                              "ingest with a split that has some")
     return policy_inputs(table)
+
+
+def contractions_out_of_date(cache_dir: str | Path) -> str | None:
+    """Why the s_ref of the cache at ``cache_dir`` cannot serve estimates (it predates cache-6, whose
+    s_ref has the target terms that the policy's first-order terms now have too), or None."""
+    code = read_manifest(cache_dir).get("code_version", "")
+    if code.startswith("cache-") and int(code.removeprefix("cache-")) < 6:
+        return (f"the cache at {cache_dir} was built by {code}, whose reference contractions s_ref leave out the "
+                "target terms that estimates now add (moplex_core.estimate): rerun the cache stage (a new "
+                "version), or set train.anchors to null to compute every response exactly")
+    return None
 
 
 def policy_inputs(table: pa.Table):

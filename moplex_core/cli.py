@@ -35,13 +35,16 @@ def _experiment_identifiability(args: argparse.Namespace) -> int:
 
 def _experiment_approximation(args: argparse.Namespace) -> int:
     from moplex_core.artifacts import ArtifactError, ArtifactStore, read_manifest
-    from moplex_core.cache import cache_model, load_policy_inputs
+    from moplex_core.cache import cache_model, contractions_out_of_date, load_policy_inputs
     from moplex_core.experiments.approximation import ApproximationConfig, run_approximation
 
     config = ApproximationConfig(k=args.k, seeds=tuple(range(args.seed, args.seed + args.seeds)), examples=args.examples)
     try:
         cache = ArtifactStore(args.root).resolve(args.cache)
         read_manifest(cache, ("cache",))  # refuses an unfinished artifact or one of another stage
+        out_of_date = contractions_out_of_date(cache)
+        if out_of_date:
+            raise ValueError(out_of_date)
         inputs, _ = load_policy_inputs(cache, args.split)
         out = Path(args.out) if args.out else Path(args.root) / "experiments" / "approximation"
         outputs = run_approximation(cache_model(cache, args.model), inputs, config, out, progress=not args.quiet)

@@ -2,10 +2,19 @@
 
 For one example with m' responses sharing one prompt, the input embeddings h(x, y_j) and h(x, y_i)
 differ only at response positions. Positions are aligned from the response start and cut at the
-shorter response (paper, after eq. 3). With delta_c(y) = log pi_c(y|x) - log pi_ref(y|x):
+shorter response (paper, after eq. 3). A response enters log pi(y|x) twice: as the inputs (the
+contexts) and as the targets, the token each context scores. The first-order term of y_i -> y_j
+takes the inputs to first order, as the paper does, and the targets exactly at y_i's contexts (the
+softmax's normaliser depends on the context only, so a target's change is a difference of two
+log-probs there, the target term u, computed in the anchor's own pass, `anchor_pass`'s alternatives):
 
-    s_c[i][j]   = <grad_h log pi_c(y_i|x),   h(x, y_j) - h(x, y_i)>      anchor i, any j
-    s_ref[i][j] = <grad_h log pi_ref(y_i|x), h(x, y_j) - h(x, y_i)>      cached once (pi_ref is fixed)
+    s_pi[i][j] = <grad_h log pi(y_i|x), h(x, y_j) - h(x, y_i)>
+                 + sum_{t < min(n_i, n_j)} log pi(y_j[t] | x, y_i[:t]) - log pi(y_i[t] | x, y_i[:t])
+
+for pi = pi_c (s_c, anchor i, any j) and pi = pi_ref (s_ref, cached once: pi_ref is fixed). The
+paper's Algorithm 1 has the input term alone; on the tiny model the target term removes most of its
+error (`moplex experiment approximation` reports both; README, docs/design-changes.md 5.4). With
+delta_c(y) = log pi_c(y|x) - log pi_ref(y|x):
 
     delta mode:  delta_hat_c(y_j) = mean_{i in anchors} ( delta_c(y_i) + s_c[i][j] - s_ref[i][j] )
     logpi mode:  delta_hat_c(y_j) = mean_{i in anchors} ( log pi_c(y_i) + s_c[i][j] ) - log pi_ref(y_j)
@@ -33,7 +42,8 @@ constant in the parameters, the slate moving as one, yet its gradient moves the 
 without end.)
 
 The contraction never forms a [L, V] product: the embedding rows of y_j are gathered ([T, d]) and
-multiplied elementwise with the anchor's gradient ([T, d]).
+multiplied elementwise with the anchor's gradient ([T, d]); the target terms gather m' logits per
+position from the [chunk, V] logits the anchor's own log-probs already compute.
 
 Anchors are drawn per example from a generator seeded by (seed, round, example_id), never by batch
 composition or call order; the scorer (moplex_core.scorers.lora_policy) gives the E-step of EM
@@ -81,11 +91,21 @@ def anchor_indices(example_id: str, n_responses: int, a: int | None, seed: int, 
 
 @dataclass
 class AnchorPass:
-    """log pi(y_i|x) of anchor rows and, when asked, d log pi / d h at their response positions."""
+    """log pi(y_i|x) of anchor rows and, when asked, d log pi / d h at their response positions and
+    the target terms u[i][j] of the responses given as their alternatives (module docstring)."""
 
     logp: torch.Tensor  # float64 [R] on the model's device; carries the parameters' graph when they require grad
     input_grads: torch.Tensor | None  # float32 [R, T, d] on the model's device, t = 0 at the response start
     lengths: torch.Tensor  # int64 [R] response tokens (EOS included)
+    target_terms: torch.Tensor | None = None  # float64 [R, K] on the model's device: u[i][j] of row i's alternatives
+
+    def first_order(self, rows: slice, anchor_idx: torch.Tensor, emb: torch.Tensor, lengths: torch.Tensor
+                    ) -> torch.Tensor:
+        """s[i][j] of the anchors in ``rows`` (one example's, which are its responses ``anchor_idx``,
+        given that example's responses as their alternatives) with every response j: float64 [a, M],
+        the `contraction` plus the target terms. emb, lengths: `response_embeddings` of the example."""
+        s = contraction(self.input_grads[rows], anchor_idx, emb, lengths)  # [a, M]
+        return s + self.target_terms[rows, : s.shape[1]]
 
 
 def anchor_pass(
@@ -98,6 +118,7 @@ def anchor_pass(
     chunk_size: int = 1024,
     groups: Sequence[Hashable] | None = None,
     route: RowRoute | None = None,
+    alternatives: Sequence[Sequence[TokenizedResponse]] | None = None,
 ) -> AnchorPass:
     """The log-probs of ``sequences`` in one forward (two with shared prompts: the prompts, then the
     rows' continuations).
@@ -114,6 +135,8 @@ def anchor_pass(
     route:       the adapters of each forward (`RowRoute`); None: the model as it is (the base model,
                  or, without ``groups``, whatever route the caller has entered: the prompt pass has
                  fewer rows than such a route).
+    alternatives: per row, the responses whose tokens its contexts also score (its example's
+                 responses, in order): ``target_terms`` [R, K], K the most a row has, 0 past a row's own.
 
     With ``groups``, the prompt pass keeps its graph only for ``keep_graph``: the input gradients
     are taken at response positions, which the prompt's keys and values do not depend on.
@@ -134,16 +157,41 @@ def anchor_pass(
     embeds = embed(model, input_ids).detach()  # [R, L, d]
     if input_grads:
         embeds.requires_grad_(True)
-    with torch.set_grad_enabled(input_grads or keep_graph), route(range(len(sequences))):
-        logp = sequence_logprobs(model, input_ids, batch.attention_mask, batch.response_mask, inputs_embeds=embeds,
-                                 prefix=prefix, chunk_size=chunk_size).to(torch.float64)  # [R]
     starts = torch.tensor([s.response_start for s in sequences], dtype=torch.long)
     lengths = torch.tensor([len(s.input_ids) - s.response_start for s in sequences], dtype=torch.long)
+    others = None if alternatives is None else _alternative_tokens(lengths, alternatives)  # [N, K]
+    target_terms = None
+    with torch.set_grad_enabled(input_grads or keep_graph), route(range(len(sequences))):
+        logp = sequence_logprobs(model, input_ids, batch.attention_mask, batch.response_mask, inputs_embeds=embeds,
+                                 prefix=prefix, chunk_size=chunk_size, alternatives=others)
+        if others is not None:
+            logp, target_terms = logp[0], logp[1].to(torch.float64)  # [R], [R, K]
+        logp = logp.to(torch.float64)  # [R]
     grads = None
     if input_grads:
         (full,) = torch.autograd.grad(logp.sum(), embeds, retain_graph=keep_graph)  # [R, L, d]
         grads = _response_rows(full.float(), starts, lengths)
-    return AnchorPass(logp if keep_graph else logp.detach(), grads, lengths)
+    return AnchorPass(logp if keep_graph else logp.detach(), grads, lengths, target_terms)
+
+
+def _alternative_tokens(lengths: torch.Tensor, alternatives: Sequence[Sequence[TokenizedResponse]]) -> torch.Tensor:
+    """`sequence_logprobs`' alternatives: int64 [N, K] on the CPU, the response tokens of row b's
+    alternatives at each of its ``lengths[b]`` response positions (-1 past an alternative's end)."""
+    if len(alternatives) != len(lengths):
+        raise ValueError(f"alternatives has {len(alternatives)} entries for {len(lengths)} rows; give one per row")
+    width = max(len(responses) for responses in alternatives)
+    tables: dict[int, torch.Tensor] = {}  # per distinct alternatives (an example's rows share one): [T, K]
+    blocks = []
+    for n, responses in zip(lengths.tolist(), alternatives, strict=True):
+        if id(responses) not in tables:
+            tokens = [r.input_ids[r.response_start :] for r in responses]
+            table = torch.full((max(map(len, tokens)), width), -1, dtype=torch.long)  # [T, K]
+            for k, row in enumerate(tokens):
+                table[: len(row), k] = torch.tensor(row, dtype=torch.long)
+            tables[id(responses)] = table
+        table = tables[id(responses)]
+        blocks.append(torch.nn.functional.pad(table[:n], (0, 0, 0, max(0, n - table.shape[0])), value=-1))  # [n, K]
+    return torch.cat(blocks)
 
 
 def _prompt_groups(sequences: Sequence[TokenizedResponse], groups: Sequence[Hashable]
@@ -299,7 +347,8 @@ def reference_terms_batch(
     for start in range(0, len(rows), rows_per_pass):
         part = rows[start : start + rows_per_pass]
         ref = anchor_pass(model, [examples[e][j] for e, j in part], pad_token_id, input_grads=contractions,
-                          chunk_size=chunk_size, groups=[e for e, _ in part])
+                          chunk_size=chunk_size, groups=[e for e, _ in part],
+                          alternatives=[examples[e] for e, _ in part] if contractions else None)
         first = 0
         for e, members in groupby(part, key=lambda row: row[0]):  # an example's rows in a pass are contiguous
             idx = torch.tensor([j for _, j in members])  # [p]: which of its responses
@@ -307,7 +356,7 @@ def reference_terms_batch(
             s = None
             if contractions:
                 emb, lengths = response_embeddings(model, examples[e])
-                s = contraction(ref.input_grads[first:end], to_device(idx, emb.device), emb, lengths)
+                s = ref.first_order(slice(first, end), to_device(idx, emb.device), emb, lengths)
             copies.add((ref.logp[first:end], s))
             placed.append((e, idx))
             first = end

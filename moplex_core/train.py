@@ -47,7 +47,7 @@ import torch
 from tqdm.auto import tqdm
 
 from moplex_core.artifacts import CHECKPOINTS, ArtifactRef, ArtifactStore, atomic_path, check_files, read_manifest
-from moplex_core.cache import cache_model, load_policy_inputs
+from moplex_core.cache import cache_model, contractions_out_of_date, load_policy_inputs
 from moplex_core.config import TrainConfig, no_contractions_message
 from moplex_core.em import (START_FILE, EMConfig, EMState, estimates_off_by, fit_mixture, posteriors_table,
                             read_posteriors, soft_one_hot)
@@ -142,6 +142,9 @@ def run_train(config: TrainConfig, cache_dir: str | Path, store: ArtifactStore, 
         return _finished(plan)
     inputs, labels = load_policy_inputs(cache_dir, TRAIN_SPLIT)
     check_config_fits_data(config, inputs, cache_dir)
+    estimated = config.anchors is not None and config.anchors < int((inputs.tiers != PAD).sum(1).max())
+    if estimated and contractions_out_of_date(cache_dir):
+        raise ValueError(contractions_out_of_date(cache_dir))
     model = cache_model(cache_dir, model)
     warm_start = label_start(labels, config.k, inputs.example_ids, cache_dir) if config.init == "labels" else None
     rankings = inputs.rankings(config.likelihood)
@@ -306,7 +309,8 @@ def label_start(labels: list[str | None], k: int, example_ids: Sequence[str], ca
 def check_config_fits_data(config: TrainConfig, inputs: PolicyInputs, cache_dir: str | Path) -> None:
     """Refuse, before EM writes anything, what only the data can show: more clusters than training
     rankings, more anchors than responses (a > m'), or anchors (a < m') on a cache without reference
-    contractions (cache.contractions = false). An example with fewer responses than ``a`` (ragged
+    contractions (cache.contractions = false). `run_train` refuses, besides, anchors on contractions
+    from before their target terms (`cache.contractions_out_of_date`). An example with fewer responses than ``a`` (ragged
     slates) is computed exactly, as ``a = m'`` would."""
     check_clusters_fit(config.k, len(inputs), f"the cache at {cache_dir} has")
     responses = (inputs.tiers != PAD).sum(1)  # [n]: m' of every example

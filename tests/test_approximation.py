@@ -3,6 +3,9 @@ binned by embedding distance, on a real (tiny) cache."""
 
 from __future__ import annotations
 
+import json
+import shutil
+
 import numpy as np
 import pandas as pd
 import pytest
@@ -10,11 +13,12 @@ import pytest
 from moplex_core.artifacts import ArtifactStore
 from moplex_core.cache import load_policy_inputs, run_cache
 from moplex_core.cli import main
-from moplex_core.config import CacheConfig, IngestConfig, SplitConfig, TinyModelConfig
+from moplex_core.config import CacheConfig, IngestConfig, SplitConfig, TinyModelConfig, TrainConfig
 from moplex_core.estimate import ESTIMATION_MODES
-from moplex_core.experiments.approximation import approximation_markdown, sample_examples, summarise
+from moplex_core.experiments.approximation import MODES, approximation_markdown, sample_examples, summarise
 from moplex_core.ingest import run_ingest
 from moplex_core.tiny_model import run_tiny_model
+from moplex_core.train import run_train
 
 
 def test_examples_are_drawn_at_random_once_per_distinct_set_of_responses(caches):
@@ -69,10 +73,12 @@ def test_the_command_measures_both_modes_for_every_non_anchor_response(caches, t
             "--examples", "4", "--quiet"]
     assert main(argv) == 0
     printed = capsys.readouterr().out
-    assert printed.startswith("| distance | delta (eps/r)^2 | logpi (eps/r)^2 | pairs |")
+    assert printed.startswith("| distance | delta (eps/r)^2 | logpi (eps/r)^2 | delta (input term only) (eps/r)^2 | "
+                              "logpi (input term only) (eps/r)^2 | pairs |")
     errors = pd.read_parquet(out / "errors.parquet")
-    # 2 seeds x 4 examples x 2 adapters x (m - 1 = 2 responses besides the anchor) x 2 modes
-    assert len(errors) == 2 * 4 * 2 * 2 * len(ESTIMATION_MODES) and set(errors["mode"]) == set(ESTIMATION_MODES)
+    # 2 seeds x 4 examples x 2 adapters x (m - 1 = 2 responses besides the anchor) x 4 modes
+    assert len(errors) == 2 * 4 * 2 * 2 * len(MODES) and set(errors["mode"]) == set(MODES)
+    assert set(MODES) > set(ESTIMATION_MODES)
     inputs, _ = load_policy_inputs(cache, "train")
     for seed in (0, 1):  # each seed's own random draw of 4 examples
         picked = {inputs.example_ids[i] for i in sample_examples(inputs, 4, seed)}
@@ -99,6 +105,14 @@ def test_what_is_not_a_usable_cache_is_refused_by_name(caches, tmp_path, capsys)
     assert "was written by the 'ingest' stage; give cache/<version>" in refused(str(ingest))
     assert "no artifact cache/ffffffff" in refused("cache/ffffffff", "--root", str(root))
     assert "Traceback" not in refused(str(tmp_path / "nowhere"))
+    older = tmp_path / "older" / "cache" / cache.name  # a cache built before s_ref had its target terms
+    shutil.copytree(cache, older)
+    manifest = json.loads((older / "manifest.json").read_text())
+    (older / "manifest.json").write_text(json.dumps({**manifest, "code_version": "cache-5"}))
+    assert "was built by cache-5, whose reference contractions s_ref leave out the target terms" in refused(str(older))
+    with pytest.raises(ValueError, match="rerun the cache stage"):
+        run_train(TrainConfig(k=2, anchors=1), older, ArtifactStore(tmp_path / "trained"), progress=False)
+    assert not (tmp_path / "trained" / "train").exists()
 
 
 def test_a_cache_is_found_by_a_version_prefix_under_the_root(caches, tmp_path):

@@ -34,6 +34,33 @@ def model64(tiny_model_dir):  # noqa: F811
     return load_model(tiny_model_dir, dtype=torch.float64), load_tokenizer(tiny_model_dir)
 
 
+@pytest.mark.parametrize("groups", [None, [0, 0, 0, 0]])  # rows whole, and continuing one shared prompt pass
+def test_target_terms_are_the_other_responses_tokens_scored_in_the_anchors_contexts(model64, groups):
+    # u[i][j] = sum over t < min(n_i, n_j) of log p(y_j[t] | x, y_i[:t]) - log p(y_i[t] | x, y_i[:t]),
+    # from transformers' own full logits of row i alone, in float64.
+    model, tokenizer = model64
+    seqs = tokenize_responses(tokenizer, "Which list is best?", RESPONSES)
+    passed = anchor_pass(model, seqs, tokenizer.pad_token_id, input_grads=True, groups=groups,
+                         alternatives=[seqs] * len(seqs))
+    assert passed.target_terms.shape == (len(seqs), len(seqs)) and passed.target_terms.dtype == torch.float64
+    for i, anchor in enumerate(seqs):
+        with torch.no_grad():
+            logits = model(torch.tensor([anchor.input_ids])).logits[0].double()  # [L, V]
+        logp = torch.log_softmax(logits, dim=-1)
+        start, own = anchor.response_start, anchor.input_ids[anchor.response_start :]
+        for j, other in enumerate(seqs):
+            tokens = other.input_ids[other.response_start :]
+            expected = sum(logp[start + t - 1, tokens[t]] - logp[start + t - 1, own[t]]
+                           for t in range(min(len(own), len(tokens))))
+            torch.testing.assert_close(passed.target_terms[i, j], torch.as_tensor(expected, dtype=torch.float64),
+                                       rtol=1e-6, atol=1e-6)
+        assert passed.target_terms[i, i] == 0
+    emb, lengths = response_embeddings(model, seqs)
+    first_order = passed.first_order(slice(1, 3), torch.tensor([1, 2]), emb, lengths)  # [2, M]
+    torch.testing.assert_close(first_order, contraction(passed.input_grads[1:3], torch.tensor([1, 2]), emb, lengths)
+                               + passed.target_terms[1:3])
+
+
 def test_first_order_term_equals_a_finite_difference_along_the_embedding_direction(model64):
     model, tokenizer = model64
     seqs = tokenize_responses(tokenizer, "Which list is best?", RESPONSES)
@@ -198,10 +225,11 @@ def test_a_pass_never_reads_the_device_back(tiny_model_dir, grouped, padded):  #
         return lora.route([adapters[r] for r in sub])
 
     with lora.requires_grad(False):
-        passed = anchor_pass(model, rows, tokenizer.pad_token_id, input_grads=True, groups=groups, route=route)
+        passed = anchor_pass(model, rows, tokenizer.pad_token_id, input_grads=True, groups=groups, route=route,
+                             alternatives=[seqs] * len(rows))
         emb, lengths = response_embeddings(model, seqs)
-        s = contraction(passed.input_grads, torch.tensor([0, 1, 0, 3] if padded else [0, 0, 0, 0], device="meta"),
-                        emb, lengths)
+        s = passed.first_order(slice(None), torch.tensor([0, 1, 0, 3] if padded else [0, 0, 0, 0], device="meta"),
+                               emb, lengths)
     assert passed.logp.device.type == "meta" and s.shape == (4, len(seqs))
     params = list(lora.named_parameters().values())
     with lora.requires_grad(True):
@@ -219,9 +247,10 @@ def test_the_shared_reference_terms_equal_one_example_at_a_time(model64, rows_pe
     examples = [tokenize_responses(tokenizer, prompt, RESPONSES) for prompt in ("Which list is best?", "Best?")]
     together = reference_terms_batch(model, examples, tokenizer.pad_token_id, rows_per_pass=rows_per_pass)
     for sequences, (ref_logp, s_ref) in zip(examples, together):
-        alone = anchor_pass(model, sequences, tokenizer.pad_token_id, input_grads=True)
+        alone = anchor_pass(model, sequences, tokenizer.pad_token_id, input_grads=True,
+                            alternatives=[sequences] * len(sequences))
         emb, lengths = response_embeddings(model, sequences)
-        expected = contraction(alone.input_grads, torch.arange(len(sequences)), emb, lengths).float()
+        expected = alone.first_order(slice(None), torch.arange(len(sequences)), emb, lengths).float()
         torch.testing.assert_close(ref_logp, alone.logp, rtol=0, atol=1e-10)
         # contraction() takes cross - own in float32: the diagonal, 0 in exact arithmetic, is rounding noise
         # of terms near 8 that moves with the batch and the CPU's matmul kernel (2e-6 seen)

@@ -504,7 +504,8 @@ def test_estimates_under_moved_adapters_are_algorithm_1_by_finite_differences(ti
                                                                                estimation):
     """With the adapters away from the reference, each non-anchor estimate is Algorithm 1 computed
     independently: the anchors' mean of their exact value plus the directional derivative, by central
-    finite differences in float64, along the aligned embedding difference e_j - e_i (delta mode: of
+    finite differences in float64, along the aligned embedding difference e_j - e_i, plus the target
+    term, y_j's tokens scored in y_i's contexts less y_i's own, from full logits (delta mode: of
     log pi_c - log pi_ref; logpi mode: of log pi_c, with log pi_ref(y_i) - log pi_ref(y_j) added)."""
     sc = LoRAPolicyScorer(tiny_model_dir, 2, anchors=2, estimation=estimation, dtype=torch.float64, lora=SMALL,
                           score_batch_size=3, seed=1)
@@ -540,12 +541,24 @@ def test_estimates_under_moved_adapters_are_algorithm_1_by_finite_differences(ti
 
         return (4 * central(0.01) - central(0.02)) / 3
 
+    def target(i: int, j: int, cluster: int | None) -> float:
+        """sum_t log p(y_j[t] | x, y_i[:t]) - log p(y_i[t] | x, y_i[:t]) over the aligned positions."""
+        with sc.lora.route([cluster]) if cluster is not None else contextlib.nullcontext(), torch.no_grad():
+            logits = sc.model(torch.tensor([seqs[i].input_ids])).logits[0]  # [L, V]
+        logp_all, start = torch.log_softmax(logits.double(), dim=-1), seqs[i].response_start
+        own, other = seqs[i].input_ids[start:], seqs[j].input_ids[seqs[j].response_start:]
+        return float(sum(logp_all[start + t - 1, other[t]] - logp_all[start + t - 1, own[t]]
+                         for t in range(min(len(own), len(other)))))
+
+    def first_order(i: int, j: int, cluster: int | None) -> float:
+        return derivative(i, j, cluster) + target(i, j, cluster)
+
     assert len(anchors) == 2
     for c in range(2):
         for j in set(range(4)) - set(anchors):
             if estimation == "delta":
-                by_hand = sum(exact[c, i] + derivative(i, j, c) - derivative(i, j, None) for i in anchors) / 2
+                by_hand = sum(exact[c, i] + first_order(i, j, c) - first_order(i, j, None) for i in anchors) / 2
             else:
-                by_hand = sum(exact[c, i] + ref_logp[i] + derivative(i, j, c) for i in anchors) / 2 - ref_logp[j]
+                by_hand = sum(exact[c, i] + ref_logp[i] + first_order(i, j, c) for i in anchors) / 2 - ref_logp[j]
             assert float(estimated[c, j]) == pytest.approx(float(by_hand), abs=1e-5), (c, j)
             assert abs(float(estimated[c, j] - exact[c, j])) > 1e-3  # moved adapters: a real estimate, not the exact value

@@ -128,17 +128,17 @@ def test_the_last_e_steps_estimates_are_checked_against_exact_scores(cache_dir, 
 
 
 def test_estimates_that_fail_the_check_make_em_exact_from_that_e_step_on(cache_dir, tmp_path):
-    config = CONFIG.model_copy(update={"exact_fallback": 1.0})
+    config = CONFIG.model_copy(update={"exact_fallback": 0.01})  # an error bound no estimate here meets
     result = run_train(config, cache_dir, ArtifactStore(tmp_path), progress=False)
     summary = json.loads((result.path / "result.json").read_text())
     fell_back = summary["fell_back"]
-    assert fell_back is not None and fell_back["relative_error"] > 1.0
+    assert fell_back is not None and fell_back["relative_error"] > 0.01
     for t in range(3):
         it_dir = result.path / "em" / "restart-00" / f"iter-{t:04d}"
         scores = pq.read_table(it_dir / "scores.parquet").to_pandas()
         assert scores.estimated.any() == (t < fell_back["iteration"])  # exact from that E-step on
         assert (it_dir / ESTIMATES).is_file() == (t < fell_back["iteration"])
-    assert summary["estimation_check"] is None and fell_back["iteration"] == 0  # the tiny model's fail at once
+    assert summary["estimation_check"] is None and fell_back["iteration"] == 0  # they fail at once
     assert read_manifest(result.path)["summary"]["fell_back"] == fell_back
     metrics = run_evaluate(EvaluateConfig(device="cpu"), result.path, cache_dir, ArtifactStore(tmp_path)).metrics
     rows = metrics[metrics.split == "train_em"].set_index("metric").value
@@ -173,7 +173,7 @@ def test_a_training_dtype_unlike_the_caches_is_measured_and_warned_about(cache_d
 
 
 def test_the_start_kept_is_the_best_restarts(cache_dir, tmp_path):
-    config = CONFIG.model_copy(update={"restarts": 2, "em_iterations": 1, "seed": 0})
+    config = CONFIG.model_copy(update={"restarts": 2, "em_iterations": 1, "seed": 11})
     result = run_train(config, cache_dir, ArtifactStore(tmp_path), progress=False)
     summary = json.loads((result.path / "result.json").read_text())
     best = summary["restart"]
@@ -212,10 +212,10 @@ def test_score_batch_size_and_the_device_enter_the_version_only_with_lora_dropou
     assert version(lora_dropout=0.1, device="cpu") != version(lora_dropout=0.1, device="meta")
     # bfloat16 runs of train-11 summed a mixed batch's adapter gradients in bfloat16: theirs are new versions
     cache = f"cache/{cache_dir.name}"
-    for dtype, marked in (("bfloat16", True), ("float32", False)):
-        identity = CONFIG.model_copy(update={"dtype": dtype}).identity()
+    for dtype, marked in (("bfloat16", True), ("float32", False)):  # exact scores: no marker of the anchors' changes
+        identity = CONFIG.model_copy(update={"dtype": dtype, "anchors": None}).identity()
         old = store.version("train", identity, {"cache": cache}, CODE_VERSION)
-        assert (version(dtype=dtype) != old) is marked
+        assert (version(dtype=dtype, anchors=None) != old) is marked
 
 
 def test_em_can_start_from_the_rankings_own_labels(cache_dir, tmp_path):

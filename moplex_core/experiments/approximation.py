@@ -3,7 +3,8 @@
 For each seed: ``examples`` examples are drawn at random among those with distinct responses (the
 paper's "randomly selected examples"), k adapters are trained briefly on them (so that r != 0), then
 for every example one anchor y_i is drawn and every other response y_j is estimated from it alone
-(moplex_core.estimate, both modes) and compared with its exact score r_c(y_j):
+(moplex_core.estimate, both modes, each also with the input term alone, the paper's estimator, whose
+first-order term leaves out the target term) and compared with its exact score r_c(y_j):
 
     relative squared error  (eps / r)^2 = ((r_hat_c(y_j) - r_c(y_j)) / r_c(y_j))^2
     distance                ||h(x, y_j) - h(x, y_i)|| / ||h(x, y_i)||   (aligned response positions;
@@ -35,6 +36,9 @@ from moplex_core.lm.multi_lora import LoRASettings
 from moplex_core.scorers.lora_policy import LoRAPolicyScorer, PolicyInputs
 
 BIN_WIDTH = 0.05
+INPUT_TERM_ONLY = " (input term only)"
+"""Suffix of the modes whose first-order term is the contraction alone (the paper's Algorithm 1)."""
+MODES = (*ESTIMATION_MODES, *(mode + INPUT_TERM_ONLY for mode in ESTIMATION_MODES))
 
 
 @dataclass(frozen=True)
@@ -59,7 +63,7 @@ class ApproximationOutputs:
 
 
 def measure_errors(scorer: LoRAPolicyScorer, inputs: PolicyInputs, seed: int) -> pd.DataFrame:
-    """Single-anchor errors of both modes for every example, cluster and non-anchor response."""
+    """Single-anchor errors of every mode in `MODES` for every example, cluster and non-anchor response."""
     rng = np.random.default_rng(seed)
     exact = scorer.exact_scores(inputs) / scorer.beta  # delta_c(y_j): [n, k, M]
     rows = []
@@ -72,12 +76,21 @@ def measure_errors(scorer: LoRAPolicyScorer, inputs: PolicyInputs, seed: int) ->
             anchor_norm = embed(scorer.model, ids).double().norm().cpu()
         distance = embedding_distance(emb, lengths, anchor, anchor_norm)  # [m]
         ref_logp, s_ref = inputs.ref_logp[e, :m], inputs.ref_contraction[e, :m, :m]
+        with scorer.lora.requires_grad(False):  # adapters off: pi_ref's target terms, to take out of s_ref
+            u_ref = anchor_pass(scorer.model, [seqs[anchor]], scorer.pad_token_id, input_grads=False,
+                                alternatives=[seqs]).target_terms.cpu()  # [1, m]
+        s_ref_inputs = s_ref.clone()
+        s_ref_inputs[anchor] -= u_ref[0].to(s_ref.dtype)
         for c in range(scorer.k):
             with scorer.lora.route([c]), scorer.lora.requires_grad(False):
-                passed = anchor_pass(scorer.model, [seqs[anchor]], scorer.pad_token_id, input_grads=True)
-            s_policy = contraction(passed.input_grads.cpu(), torch.tensor([anchor]), emb, lengths)  # [1, m]
-            for mode in ESTIMATION_MODES:
-                estimate = estimate_delta(mode, torch.tensor([anchor]), passed.logp.cpu(), s_policy, ref_logp, s_ref)
+                passed = anchor_pass(scorer.model, [seqs[anchor]], scorer.pad_token_id, input_grads=True,
+                                     alternatives=[seqs])
+            inputs_only = contraction(passed.input_grads.cpu(), torch.tensor([anchor]), emb, lengths)  # [1, m]
+            s_policy = inputs_only + passed.target_terms.cpu()  # [1, m]
+            for mode in MODES:
+                s_pol, s_rf = (inputs_only, s_ref_inputs) if mode.endswith(INPUT_TERM_ONLY) else (s_policy, s_ref)
+                estimate = estimate_delta(mode.removesuffix(INPUT_TERM_ONLY), torch.tensor([anchor]),
+                                          passed.logp.cpu(), s_pol, ref_logp, s_rf)
                 for j in range(m):
                     if j == anchor:
                         continue
@@ -104,7 +117,7 @@ def summarise(errors: pd.DataFrame, max_distance: float = 0.5) -> pd.DataFrame:
 
 
 def approximation_markdown(table: pd.DataFrame) -> str:
-    modes = [m for m in ESTIMATION_MODES if m in set(table["mode"])]
+    modes = [m for m in MODES if m in set(table["mode"])]
     lines = ["| distance | " + " | ".join(f"{m} (eps/r)^2" for m in modes) + " | pairs |",
              "|---|" + "---|" * len(modes) + "---|"]
     for b in sorted(set(table["bin"])):
@@ -134,7 +147,7 @@ def run_approximation(
     model: str | Path, inputs: PolicyInputs, config: ApproximationConfig, out: Path | None = None,
     *, progress: bool = False,
 ) -> ApproximationOutputs:
-    """Train k adapters briefly per seed, measure both modes, write errors.parquet + table.md to ``out``."""
+    """Train k adapters briefly per seed, measure every mode, write errors.parquet + table.md to ``out``."""
     if not config.seeds:
         raise ValueError("the approximation experiment needs at least one seed")
     if inputs.ref_contraction is None:

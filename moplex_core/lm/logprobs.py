@@ -143,8 +143,10 @@ def sequence_logprobs(
     inputs_embeds: torch.Tensor | None = None,
     prefix: PromptPrefix | None = None,
     chunk_size: int = 1024,
-) -> torch.Tensor:
-    """log pi(y|x) of each sequence: float32 [B] (float64 [B] for a float64 model).
+    alternatives: torch.Tensor | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """log pi(y|x) of each sequence: float32 [B] (float64 [B] for a float64 model); with
+    ``alternatives``, also what other tokens would score in the same contexts.
 
     input_ids:      int64 [B, L] on the model's device; the targets whose log-probs are summed
                     (always needed, also when the forward pass reads ``inputs_embeds``).
@@ -157,8 +159,13 @@ def sequence_logprobs(
     prefix:         the rows' earlier prompt tokens (`prompt_prefix`), or None: the rows are whole
                     sequences. With a prefix, row b's tokens sit at positions prefix.lengths[b] + t.
     chunk_size:     response positions projected to the vocabulary at a time.
+    alternatives:   int64 [N, K] on the CPU or None: for each of the N response tokens, row after row
+                    and in order within a row, K other tokens (-1: none). Then the result is (log
+                    pi(y|x) [B], target terms [B, K]), where target term [b, k] = the sum over row b's
+                    response tokens t that have an alternative k of log p(alternative | its context) -
+                    log p(token t | its context), without a graph.
 
-    Differentiable w.r.t. ``inputs_embeds`` and the model's (LoRA) parameters.
+    Differentiable w.r.t. ``inputs_embeds`` and the model's (LoRA) parameters (the log-probs).
     """
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be at least 1, got {chunk_size}")
@@ -170,20 +177,28 @@ def sequence_logprobs(
     recompute = torch.is_grad_enabled() and (
         selected.requires_grad or any(p.requires_grad for p in lm_head.parameters())
     )
-    chunks = []
+    if alternatives is not None and alternatives.shape[0] != targets.shape[0]:
+        raise ValueError(f"alternatives has {alternatives.shape[0]} rows for {targets.shape[0]} response tokens")
+    others = None if alternatives is None else to_device(alternatives, selected.device)  # [N, K]
+    chunks, other_chunks = [], []
     for start in range(0, targets.shape[0], chunk_size):
         end = start + chunk_size
-        args = (lm_head, selected[start:end], targets[start:end], acc_dtype)
-        if recompute:
-            chunks.append(checkpoint(_target_logprobs, *args, use_reentrant=False))
-        else:
-            chunks.append(_target_logprobs(*args))
+        args = (lm_head, selected[start:end], targets[start:end], acc_dtype,
+                None if others is None else others[start:end])
+        scored = checkpoint(_target_logprobs, *args, use_reentrant=False) if recompute else _target_logprobs(*args)
+        chunks.append(scored[0])
+        other_chunks.append(scored[1])
     token_logprobs = torch.cat(chunks) if chunks else selected.new_zeros(0, dtype=acc_dtype)  # [N]
 
     # Scatter back to [B, L-1] and sum per row: deterministic, unlike index_add on CUDA.
     batch, width = input_ids.shape[0], input_ids.shape[1] - 1
     per_position = torch.zeros(batch * width, dtype=acc_dtype, device=selected.device)
-    return per_position.index_put((at.predicting,), token_logprobs).view(batch, width).sum(dim=1)  # [B]
+    logp = per_position.index_put((at.predicting,), token_logprobs).view(batch, width).sum(dim=1)  # [B]
+    if others is None:
+        return logp
+    terms = torch.cat(other_chunks) if other_chunks else selected.new_zeros(0, others.shape[1], dtype=acc_dtype)
+    per_position = torch.zeros(batch * width, others.shape[1], dtype=acc_dtype, device=selected.device)
+    return logp, per_position.index_put((at.predicting,), terms).view(batch, width, -1).sum(dim=1)  # [B, K]
 
 
 def output_score_features(
@@ -347,8 +362,17 @@ def _response_hidden(
 
 
 def _target_logprobs(
-    lm_head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor, acc_dtype: torch.dtype
-) -> torch.Tensor:
-    """log softmax(lm_head(hidden))[target] for [n, d] hidden states and [n] targets -> [n]."""
+    lm_head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor, acc_dtype: torch.dtype,
+    others: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(log softmax(lm_head(hidden))[target] [n], and with ``others`` [n, K] (-1: none) each other
+    token's log-prob less the target's [n, K], 0 where none, without a graph) for [n, d] hidden
+    states and [n] targets."""
     logits = lm_head(hidden).to(acc_dtype)  # [n, V]; bf16 matmul, fp32 normalisation (DESIGN 5.5)
-    return logits.gather(1, targets[:, None]).squeeze(1) - torch.logsumexp(logits, dim=-1)
+    own = logits.gather(1, targets[:, None])  # [n, 1]
+    logp = own.squeeze(1) - torch.logsumexp(logits, dim=-1)
+    if others is None:
+        return logp, None
+    with torch.no_grad():  # the normaliser cancels: logit(other) - logit(target)
+        gained = logits.gather(1, others.clamp(min=0)) - own  # [n, K]
+        return logp, torch.where(others >= 0, gained, 0.0)

@@ -58,7 +58,6 @@ from moplex_core.estimate import (
     anchor_pass,
     apply_offsets,
     check_sample,
-    contraction,
     estimate_offsets,
     estimation_gap,
     hold_estimates,
@@ -589,7 +588,8 @@ class LoRAPolicyScorer:
         with self.lora.requires_grad(train):
             passed = anchor_pass(self.model, seqs, self.pad_token_id, input_grads=input_grads, keep_graph=train,
                                  chunk_size=self.chunk_size, groups=groups,
-                                 route=lambda sub: self.lora.route([rows[r][1] for r in sub]))
+                                 route=lambda sub: self.lora.route([rows[r][1] for r in sub]),
+                                 alternatives=[inputs.sequences[i] for i, _, _ in rows] if input_grads else None)
         if not input_grads:
             return passed.logp, None
         width = inputs.tiers.shape[1]
@@ -602,7 +602,7 @@ class LoRAPolicyScorer:
                 end += 1
             emb, lengths = response_embeddings(self.model, inputs.sequences[i])  # [m', T, d], [m']
             idx = to_device(torch.tensor([j for _, _, j in rows[start:end]]), emb.device)
-            s = contraction(passed.input_grads[start:end], idx, emb, lengths)  # [rows, m'_i]
+            s = passed.first_order(slice(start, end), idx, emb, lengths)  # [rows, m'_i]
             contractions.append(torch.nn.functional.pad(s, (0, width - s.shape[1])))
             start = end
         return passed.logp, torch.cat(contractions)
