@@ -438,8 +438,9 @@ def _batches(model_dir: Path, sizes: Sizes) -> dict[int, list[TokenizedResponse]
 
 def _input_grad_pass(model: nn.Module, rows: list[TokenizedResponse], **route: Any) -> AnchorPass:
     """The E-step's anchor pass, as the scorer runs it but for the target terms' gather (m' logits a
-    position from the logits the log-probs compute anyway; section 1 runs it): log pi(y|x) of every row
-    and d/d inputs_embeds at the response positions. ``route``: anchor_pass's ``groups`` and ``route``."""
+    position from the logits the log-probs compute anyway; the EM section's scorer runs it): log
+    pi(y|x) of every row and d/d inputs_embeds at the response positions. ``route``: anchor_pass's
+    ``groups`` and ``route``."""
     return anchor_pass(model, rows, PAD_ID, input_grads=True, **route)
 
 
@@ -837,7 +838,7 @@ def host_waits(model_dir: Path, sizes: Sizes, batch: list[TokenizedResponse]) ->
     weights = torch.full((2, sizes.k), 1.0 / sizes.k, dtype=torch.float64)
     scorer = LoRAPolicyScorer(model_dir, sizes.k, beta=BETA, anchors=2, lora=LORA, lr=1e-4, batch_size=2,
                               score_batch_size=sizes.score_batch_size, seed=0, dtype=sizes.dtype, device=sizes.device)
-    scorer.score(inputs, 0)  # the offsets the M-step reuses
+    scorer.score(inputs, 0)  # the estimates the M-step holds
     found.update(_waits_of({"M-step (fit), a = 2": lambda: scorer.fit(inputs, inputs.rankings(), weights, 1)}, sizes))
     del scorer
     _free(sizes)

@@ -120,7 +120,7 @@ def main() -> None:
         scorer = LoRAPolicyScorer(model_dir, args.k, anchors=2, lora=em_gpu.LORA, batch_size=args.k,
                                   score_batch_size=2 * args.k, seed=0, dtype=sizes.dtype)
         scorer.fit(inputs, rankings, torch.ones(args.k, args.k, dtype=torch.float64), 0)  # every adapter trained once
-        scorer.score(inputs, 0)  # the offsets the timed M-steps reuse
+        scorer.score(inputs, 0)  # the estimates the timed M-steps hold
         one = torch.zeros(args.k, args.k, dtype=torch.float64)
         one[0, 0] = 1.0
         every = torch.zeros_like(one)

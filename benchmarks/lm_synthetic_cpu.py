@@ -5,7 +5,8 @@ k = 3, m = 4) rendered as text, with a tiny Qwen3 model pre-trained briefly on t
 without augmentation (m' = m) and with m' - m = 4 generated responses ranked below the originals
 (the synthetic generator's `below` extras: integers below every original's). Prints held-out
 clustering accuracy (Hungarian matching fitted on validation, applied to test) and ranking accuracy
-for both, then the approximation-error table (paper Table 1) for both estimation modes.
+for both, then the approximation-error table (paper Table 1) for both estimation modes, each also
+with the input term alone (the paper's estimator).
 
     .venv/bin/python benchmarks/lm_synthetic_cpu.py [--n 600] [--iterations 8] [--init linearized]
                                                     [--first-epochs N] [--root DIR]

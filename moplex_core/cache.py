@@ -304,7 +304,7 @@ def contractions_out_of_date(cache_dir: str | Path) -> str | None:
     """Why the s_ref of the cache at ``cache_dir`` cannot serve estimates (it predates cache-6, whose
     s_ref has the target terms that the policy's first-order terms now have too), or None."""
     code = read_manifest(cache_dir).get("code_version", "")
-    if code.startswith("cache-") and int(code.removeprefix("cache-")) < 6:
+    if not code.startswith("cache-") or int(code.removeprefix("cache-")) < 6:
         return (f"the cache at {cache_dir} was built by {code}, whose reference contractions s_ref leave out the "
                 "target terms that estimates now add (moplex_core.estimate): rerun the cache stage (a new "
                 "version), or set train.anchors to null to compute every response exactly")

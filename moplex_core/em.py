@@ -546,7 +546,7 @@ def _m_and_e_step(scorer: Scorer, inputs: Any, rankings: Rankings, weights: torc
             under_one_draw = False  # so (the exact fallback, or EM's error); compare with the last LL meanwhile
             log.info("EM iteration %d: this iteration's anchors give scores that are inf or NaN before the M-step; "
                      "backtracking compares with the last iteration's log-likelihood instead", iteration)
-        scorer.load_state_dict(before)  # the E-step's offsets as they were
+        scorer.load_state_dict(before)  # the E-step's estimates as they were
     for halved in range(backtracks + 1):
         if backtracks:
             scale_steps(0.5 ** halved)

@@ -25,7 +25,7 @@ authors' released code does. Anchors keep their exact delta (with its autograd g
 M-step); estimated entries are constants.
 
 Both modes are the anchors' mean delta plus an offset that depends on the anchors only through
-their input gradients:
+their first-order terms (their input gradients and target terms):
 
     delta_hat_c(y_j) = mean_{i in anchors} delta_c(y_i) + o_c[j]
     delta mode:  o_c[j] = mean_i ( s_c[i][j] - s_ref[i][j] )

@@ -184,11 +184,12 @@ def build_rankings(config: IngestConfig, inputs: dict[str, str] | None = None) -
                         "split's remaining room", list(config.split.sizes),
                         ", ".join(f"{name} {reached[name]}" for name in SPLITS), outside)
     if table.num_rows == 0:
-        detail = ""
-        if rejected is not None and rejected.num_rows:
+        detail = f"; split.sizes left out all {outside}" if outside else ""
+        if rejected is not None and rejected.num_rows and not outside:
             first = rejected.slice(0, 1).to_pylist()[0]
             place = first["where"] or f"row {first['row']}"
-            rows = len(set(rejected.column("row").to_pylist()))
+            numbers = rejected.column("row").to_pylist()
+            rows = len({n for n in numbers if n is not None}) + numbers.count(None)  # an unreadable record: one each
             detail = (f"; every row was rejected ({rows} row(s), {rejected.num_rows} reason(s)), the first "
                       f"({place}, field {first['field']!r}): {first['reason']}")
         raise ValueError(

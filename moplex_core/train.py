@@ -8,7 +8,7 @@ the cache's train split. Layout of the artifact (DESIGN 3)::
         em/restart-RR/iter-NNNN/   posteriors.parquet, scores.parquet, adapters/cN/ (PEFT),
                                    estimation.json (that E-step's estimates against exact scores),
                                    state.pt (gamma, alpha, adapters, optimizer, shuffling RNG, the
-                                   E-step's offsets for the next M-step, the exact fallback's switch;
+                                   E-step's estimates for the next M-step, the exact fallback's switch;
                                    the last whole iteration's only: earlier ones are deleted),
                                    state.json (alpha, log-likelihood, history, step halvings; written last)
         adapters/cN/               the best restart's final adapters (PEFT save_pretrained format)

@@ -293,6 +293,23 @@ def test_a_resumed_scorer_repeats_the_m_step_exactly(tiny_model_dir, inputs, mon
     assert _saved(resumed.state_dict()) == _saved(first.state_dict())
 
 
+def test_a_state_saved_with_offsets_resumes_recomputing_the_estimates(tiny_model_dir, inputs):  # noqa: F811
+    # Checkpoints before 2026-11-25 kept the E-step's offsets, not its deltas: the M-step recomputes them.
+    weights = torch.full((len(inputs), 2), 0.5, dtype=torch.float64)
+    first = scorer(tiny_model_dir, anchors=2)
+    first.fit(inputs, inputs.rankings(), weights, 0)
+    first.score(inputs, 0)
+    state = first.state_dict()
+    state["estep"] = {"round": 1, "inputs": state["estep"]["inputs"], "offsets": torch.zeros(1)}
+    resumed = scorer(tiny_model_dir, anchors=2)
+    resumed.load_state_dict(state)
+    assert resumed._estep is None
+    first.fit(inputs, inputs.rankings(), weights, 1)
+    resumed.fit(inputs, inputs.rankings(), weights, 1)  # an input-gradient pass first, at the same parameters
+    for name, p in first._lora.items():
+        torch.testing.assert_close(resumed._lora[name], p, rtol=0, atol=1e-6)
+
+
 def _saved(state: dict) -> bytes:
     buffer = io.BytesIO()
     torch.save(state, buffer)

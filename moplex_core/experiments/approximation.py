@@ -76,11 +76,10 @@ def measure_errors(scorer: LoRAPolicyScorer, inputs: PolicyInputs, seed: int) ->
             anchor_norm = embed(scorer.model, ids).double().norm().cpu()
         distance = embedding_distance(emb, lengths, anchor, anchor_norm)  # [m]
         ref_logp, s_ref = inputs.ref_logp[e, :m], inputs.ref_contraction[e, :m, :m]
-        with scorer.lora.requires_grad(False):  # adapters off: pi_ref's target terms, to take out of s_ref
-            u_ref = anchor_pass(scorer.model, [seqs[anchor]], scorer.pad_token_id, input_grads=False,
-                                alternatives=[seqs]).target_terms.cpu()  # [1, m]
+        with scorer.lora.requires_grad(False):  # adapters off: pi_ref's input term alone, for the paper's estimator
+            ref = anchor_pass(scorer.model, [seqs[anchor]], scorer.pad_token_id, input_grads=True)
         s_ref_inputs = s_ref.clone()
-        s_ref_inputs[anchor] -= u_ref[0].to(s_ref.dtype)
+        s_ref_inputs[anchor] = contraction(ref.input_grads.cpu(), torch.tensor([anchor]), emb, lengths)[0].to(s_ref.dtype)
         for c in range(scorer.k):
             with scorer.lora.route([c]), scorer.lora.requires_grad(False):
                 passed = anchor_pass(scorer.model, [seqs[anchor]], scorer.pad_token_id, input_grads=True,

@@ -428,9 +428,9 @@ class LoRAPolicyScorer:
                 p.copy_(state["adapters"][name])
         self.optimizer.load_state_dict(state["optimizer"])  # copies: a state restored twice shares nothing
         self._shuffle.set_state(state["shuffle_rng"])
-        estep = state.get("estep")
-        self._estep = None if estep is None else _EStepEstimates(estep["round"], estep["inputs"],
-                                                                 estep["deltas"].clone())
+        estep = state.get("estep")  # a state saved before 2026-11-25 kept offsets: recomputed when needed
+        self._estep = None if estep is None or "deltas" not in estep else _EStepEstimates(
+            estep["round"], estep["inputs"], estep["deltas"].clone())
         fell_back = state.get("fell_back")  # absent from states saved before the exact fallback existed
         self.fell_back = None if fell_back is None else dict(fell_back)
 
