@@ -742,7 +742,9 @@ def lora_agreement(model_dir: Path, sizes: Sizes, batch: list[TokenizedResponse]
     and the E-step's log-probs and input gradients of the base model with moplex's lean RMSNorm and
     MLP (load_model's) against transformers' own modules, next to the same pass with transformers'
     modules run twice (on a GPU attention's backward adds with atomics, so two runs need not agree
-    to the bit; 0 and 0 where everything does)."""
+    to the bit; 0 and 0 where everything does); and the base model's target terms (the batch's rows
+    as each other's alternatives) in this dtype against the wide one, and through the shared-prompt
+    pass against the rows whole."""
     from peft import PeftModel
 
     wide = torch.float64 if sizes.dtype == torch.float32 else torch.float32
@@ -751,6 +753,11 @@ def lora_agreement(model_dir: Path, sizes: Sizes, batch: list[TokenizedResponse]
 
     def logp(model: nn.Module, rows: list[TokenizedResponse] = batch) -> torch.Tensor:
         return anchor_pass(model, rows, PAD_ID, input_grads=False).logp.cpu()  # float64 [B]
+
+    def target_terms(model: nn.Module, **shared: Any) -> torch.Tensor:
+        """The base model's target terms of every row with the batch's rows as alternatives: [B, B]."""
+        return anchor_pass(model, batch, PAD_ID, input_grads=False, alternatives=[batch] * len(batch),
+                           **shared).target_terms.cpu()
 
     with tempfile.TemporaryDirectory() as tmp:
         model = _frozen_model(model_dir, sizes)
@@ -773,6 +780,9 @@ def lora_agreement(model_dir: Path, sizes: Sizes, batch: list[TokenizedResponse]
         padding_gaps.update(shared_prompts=float((shared.logp - lean.logp).abs().max()),
                             shared_prompts_input_grads=float((shared.input_grads - lean.input_grads).abs().max()
                                                              / lean.input_grads.abs().max()))
+        targets = target_terms(model)
+        padding_gaps["shared_prompts_target_terms"] = float(
+            (target_terms(model, groups=list(range(len(batch)))) - targets).abs().max())
         del model, lora, unmasked, masked, shared
         _free(sizes)
         stock_model = _stock_model(model_dir, sizes)
@@ -798,6 +808,7 @@ def lora_agreement(model_dir: Path, sizes: Sizes, batch: list[TokenizedResponse]
         for c, name in enumerate(names):
             reference_lora.load_peft(c, Path(tmp) / name)
         base = logp(reference_model)
+        targets_wide = target_terms(reference_model)
         with reference_lora.route(route):
             reference = logp(reference_model)
         del reference_model, reference_lora
@@ -809,6 +820,8 @@ def lora_agreement(model_dir: Path, sizes: Sizes, batch: list[TokenizedResponse]
             "adapter_effect": float((reference - base).abs().max()),
             "base_batch_shape": float((base_batched - base_alone).abs().max()),
             "base_vs_wide": float((base_batched - base).abs().max()),
+            "target_terms_vs_wide": float((targets - targets_wide).abs().max()),
+            "mean_abs_target_term": float(targets_wide.abs().mean()),
             **padding_gaps, **gaps}
 
 
@@ -993,6 +1006,11 @@ def print_report(results: dict[str, Any]) -> None:
                   f"length: the continuation under a bottom-right causal bias) against the same rows whole: "
                   f"log pi {check['shared_prompts']:.3g} nats, input gradients "
                   f"{check['shared_prompts_input_grads']:.3g} of the largest gradient.\n")
+        if "target_terms_vs_wide" in check:
+            print(f"The base model's target terms (each row's tokens against the other rows' in its contexts; mean "
+                  f"|u| {check['mean_abs_target_term']:.3g} nats): {check['dtype']} against {check['wide_dtype']} "
+                  f"{check['target_terms_vs_wide']:.3g}, through the shared-prompt pass against whole rows "
+                  f"{check['shared_prompts_target_terms']:.3g}.\n")
         print("Base model's batched-vs-alone and dtype gaps: what every delta starts from when the cache computed "
               "log pi_ref in another pass shape or dtype (the train stage's reference_gap). Padded rows: moplex's "
               "unmasked pass against the padding mask it used before, the same rows.\n")

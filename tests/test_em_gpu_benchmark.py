@@ -88,11 +88,14 @@ def test_mixed_multi_lora_pass_agrees_with_peft(tiny_run: tuple[Path, str]) -> N
     assert check["dtype"] == "float32" and check["wide_dtype"] == "float64"
     assert check["adapter_effect"] > 1e-2  # the adapters change log pi, so agreement means something
     for key in ("ours_vs_peft", "ours_vs_wide", "peft_vs_wide", "base_batch_shape", "base_vs_wide", "padding_mask",
-                "padding_mask_input_grads", "shared_prompts", "shared_prompts_input_grads"):
+                "padding_mask_input_grads", "shared_prompts", "shared_prompts_input_grads",
+                "shared_prompts_target_terms"):
         assert check[key] < 1e-3 * check["adapter_effect"] + 1e-4, (key, check)
+    assert check["target_terms_vs_wide"] < 1e-4 * check["mean_abs_target_term"] and check["mean_abs_target_term"] > 0.1
     # moplex's lean modules give transformers' results to the bit (and so do two runs on the CPU)
     assert check["lean_vs_stock"] == 0 and check["stock_vs_stock"] == 0
     assert len(_table(stdout, "| ours vs PEFT |")) == 1 and "through the shared-prompt pass" in stdout
+    assert "The base model's target terms" in stdout
 
 
 def test_json_numbers_are_positive_and_finite(tiny_run: tuple[Path, str]) -> None:
