@@ -47,7 +47,8 @@ log = logging.getLogger(__name__)
 
 STAGE = "cache"
 CODE_VERSION = "cache-6"  # bump when a change to this stage changes what it writes (6: s_ref with the target
-# terms; 5: no appended EOS in a template-less prompt, special-token prompts counted; 4: special-token text in responses)
+# terms; 5: no appended EOS in a template-less prompt, special-token prompts counted; 4: special-token text in
+# responses)
 
 CACHE_SCHEMA = pa.schema([
     pa.field("example_id", pa.string()),

@@ -160,13 +160,11 @@ def anchor_pass(
     starts = torch.tensor([s.response_start for s in sequences], dtype=torch.long)
     lengths = torch.tensor([len(s.input_ids) - s.response_start for s in sequences], dtype=torch.long)
     others = None if alternatives is None else _alternative_tokens(lengths, alternatives)  # [N, K]
-    target_terms = None
     with torch.set_grad_enabled(input_grads or keep_graph), route(range(len(sequences))):
-        logp = sequence_logprobs(model, input_ids, batch.attention_mask, batch.response_mask, inputs_embeds=embeds,
-                                 prefix=prefix, chunk_size=chunk_size, alternatives=others)
-        if others is not None:
-            logp, target_terms = logp[0], logp[1].to(torch.float64)  # [R], [R, K]
-        logp = logp.to(torch.float64)  # [R]
+        scored = sequence_logprobs(model, input_ids, batch.attention_mask, batch.response_mask, inputs_embeds=embeds,
+                                   prefix=prefix, chunk_size=chunk_size, alternatives=others)
+        logp, target_terms = (scored, None) if others is None else (scored[0], scored[1].double())  # [R], [R, K]
+        logp = logp.to(torch.float64)  # [R], in the graph when it is taken
     grads = None
     if input_grads:
         (full,) = torch.autograd.grad(logp.sum(), embeds, retain_graph=keep_graph)  # [R, L, d]

@@ -310,8 +310,8 @@ def check_config_fits_data(config: TrainConfig, inputs: PolicyInputs, cache_dir:
     """Refuse, before EM writes anything, what only the data can show: more clusters than training
     rankings, more anchors than responses (a > m'), or anchors (a < m') on a cache without reference
     contractions (cache.contractions = false). `run_train` refuses, besides, anchors on contractions
-    from before their target terms (`cache.contractions_out_of_date`). An example with fewer responses than ``a`` (ragged
-    slates) is computed exactly, as ``a = m'`` would."""
+    from before their target terms (`cache.contractions_out_of_date`). An example with fewer
+    responses than ``a`` (ragged slates) is computed exactly, as ``a = m'`` would."""
     check_clusters_fit(config.k, len(inputs), f"the cache at {cache_dir} has")
     responses = (inputs.tiers != PAD).sum(1)  # [n]: m' of every example
     largest, smallest = int(responses.max()), int(responses.min())

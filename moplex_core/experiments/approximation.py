@@ -79,7 +79,8 @@ def measure_errors(scorer: LoRAPolicyScorer, inputs: PolicyInputs, seed: int) ->
         with scorer.lora.requires_grad(False):  # adapters off: pi_ref's input term alone, for the paper's estimator
             ref = anchor_pass(scorer.model, [seqs[anchor]], scorer.pad_token_id, input_grads=True)
         s_ref_inputs = s_ref.clone()
-        s_ref_inputs[anchor] = contraction(ref.input_grads.cpu(), torch.tensor([anchor]), emb, lengths)[0].to(s_ref.dtype)
+        inputs_only_ref = contraction(ref.input_grads.cpu(), torch.tensor([anchor]), emb, lengths)  # [1, m]
+        s_ref_inputs[anchor] = inputs_only_ref[0].to(s_ref.dtype)
         for c in range(scorer.k):
             with scorer.lora.route([c]), scorer.lora.requires_grad(False):
                 passed = anchor_pass(scorer.model, [seqs[anchor]], scorer.pad_token_id, input_grads=True,
