@@ -184,8 +184,10 @@ def build_rankings(config: IngestConfig, inputs: dict[str, str] | None = None) -
                         "split's remaining room", list(config.split.sizes),
                         ", ".join(f"{name} {reached[name]}" for name in SPLITS), outside)
     if table.num_rows == 0:
-        detail = f"; split.sizes left out all {outside}" if outside else ""
-        if rejected is not None and rejected.num_rows and not outside:
+        detail = ""
+        if outside:
+            detail = f"; split.sizes left out all {outside}"
+        elif rejected is not None and rejected.num_rows:
             first = rejected.slice(0, 1).to_pylist()[0]
             place = first["where"] or f"row {first['row']}"
             numbers = rejected.column("row").to_pylist()

@@ -143,8 +143,9 @@ def run_train(config: TrainConfig, cache_dir: str | Path, store: ArtifactStore, 
     inputs, labels = load_policy_inputs(cache_dir, TRAIN_SPLIT)
     check_config_fits_data(config, inputs, cache_dir)
     estimated = config.anchors is not None and config.anchors < int((inputs.tiers != PAD).sum(1).max())
-    if estimated and contractions_out_of_date(cache_dir):
-        raise ValueError(contractions_out_of_date(cache_dir))
+    out_of_date = contractions_out_of_date(cache_dir) if estimated else None
+    if out_of_date:
+        raise ValueError(out_of_date)
     model = cache_model(cache_dir, model)
     warm_start = label_start(labels, config.k, inputs.example_ids, cache_dir) if config.init == "labels" else None
     rankings = inputs.rankings(config.likelihood)

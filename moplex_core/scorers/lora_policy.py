@@ -235,7 +235,8 @@ class LoRAPolicyScorer:
         """E-step scores float64 [n, k, M] (estimated for non-anchors when anchors < m'), with the
         anchors of round ``iteration + 1``, whose estimates the next M-step holds; ``check=False``
         skips the exact fallback's check (backtracking's look at the adapters before an M-step)."""
-        scores, is_anchor, deltas = self._score_all(inputs, iteration + 1, self.anchors, f"E-step {iteration}")
+        deltas, is_anchor = self._score_all(inputs, iteration + 1, self.anchors, f"E-step {iteration}")
+        scores = self.beta * deltas
         relative, check_exact = (self._estimates_off_by(inputs, scores, is_anchor) if self.exact_fallback and check
                                  else (None, None))
         if relative is not None and not relative <= self.fallback_above:  # NaN falls back too
@@ -282,7 +283,7 @@ class LoRAPolicyScorer:
 
     def exact_scores(self, inputs: PolicyInputs) -> torch.Tensor:
         """Every response exact, float64 [n, k, M] (evaluation, DESIGN 5.4)."""
-        return self._score_all(inputs, 0, None, "exact scores")[0]
+        return self.beta * self._score_all(inputs, 0, None, "exact scores")[0]
 
     def exact(self) -> ExactView:
         """This scorer seen through the Scorer protocol with exact scores (for evaluate_mixture)."""
@@ -509,10 +510,9 @@ class LoRAPolicyScorer:
         return objective.detach()
 
     def _score_all(self, inputs: PolicyInputs, round_: int, anchors: int | None, what: str
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Scores float64 [n, k, M] with the anchors of round ``round_``, the anchor mask bool [n, M]
-        and the deltas float64 [n, k, M] (the scores over beta: exact at the anchors, estimated
-        elsewhere)."""
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The deltas float64 [n, k, M] with the anchors of round ``round_`` (the scores over beta:
+        exact at the anchors, estimated elsewhere) and the anchor mask bool [n, M]."""
         n, m = inputs.tiers.shape
         picks = self._anchor_picks(inputs, round_, anchors)
         full = _every_response_an_anchor(inputs, picks)
@@ -552,7 +552,7 @@ class LoRAPolicyScorer:
         for (i, c), idx, anchor_delta in _anchor_deltas(inputs.ref_logp, pairs, picks, logp):
             size = len(inputs.sequences[i])
             deltas[i, c, :size] = apply_offsets(idx, anchor_delta, offsets[i, c, :size])
-        return self.beta * deltas, is_anchor, deltas
+        return deltas, is_anchor
 
     def _estimates(self, inputs: PolicyInputs, round_: int, picks: list[torch.Tensor]) -> torch.Tensor:
         """The deltas float64 [n, k, M] that round ``round_``'s anchors estimate at the current
@@ -575,7 +575,7 @@ class LoRAPolicyScorer:
             return deltas
         log.info("M-step %d: no E-step of these inputs at these anchors; computing their input gradients first",
                  round_)
-        return self._score_all(inputs, round_, self.anchors, f"input gradients {round_}")[2]
+        return self._score_all(inputs, round_, self.anchors, f"input gradients {round_}")[0]
 
     def _pass(self, inputs: PolicyInputs, rows: Sequence[Row], *, input_grads: bool, train: bool
               ) -> tuple[torch.Tensor, torch.Tensor | None]:
