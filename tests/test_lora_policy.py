@@ -421,6 +421,27 @@ def test_every_response_an_anchor_gives_the_exact_scores(tiny_model_dir, inputs)
         assert bool(full.last_scores.is_anchor.all())
 
 
+def test_examples_whose_every_response_is_an_anchor_take_no_input_gradients(tiny_model_dir, inputs,
+                                                                             monkeypatch):  # noqa: F811
+    """A ragged slate: examples 0 and 3 keep two responses, so a = 2 anchors are all of them. Their rows
+    run forward only; the others' scores are what scoring them alone gives."""
+    tiers = inputs.tiers.clone()
+    tiers[[0, 3], 2:] = PAD
+    sequences = tuple(seqs[:2] if i in (0, 3) else seqs for i, seqs in enumerate(inputs.sequences))
+    ragged = dataclasses.replace(inputs, sequences=sequences, tiers=tiers)
+    trained = scorer(tiny_model_dir, anchors=2)
+    trained.fit(ragged, ragged.rankings(), torch.ones(len(ragged), 2, dtype=torch.float64), 0)
+    calls = record_passes(monkeypatch, ragged)
+    scores = trained.score(ragged, 1)
+    with_grads = set().union(*(rows for _, rows, grads in calls if grads))
+    without = set().union(*(rows for _, rows, grads in calls if not grads))
+    assert {i for i, _ in with_grads} == set(range(len(ragged))) - {0, 3}
+    assert without == {(i, j) for i in (0, 3) for j in (0, 1)}
+    torch.testing.assert_close(scores[[0, 3]], trained.exact_scores(ragged)[[0, 3]])
+    others = [i for i in range(len(ragged)) if i not in (0, 3)]
+    torch.testing.assert_close(scores[others], trained.score(ragged.subset(others), 1))
+
+
 def test_adapters_round_trip_through_peft_format(tiny_model_dir, inputs, tmp_path):  # noqa: F811
     trained = scorer(tiny_model_dir, anchors=2)
     trained.fit(inputs, inputs.rankings(), torch.ones(len(inputs), 2, dtype=torch.float64), 0)

@@ -25,8 +25,9 @@ Passes per EM iteration t, per example (full computation: a = m'):
                model, so s_c = s_ref and delta_c = 0 at the anchors: the estimates come from the cache
                alone.
     E-step t   one forward + input-gradient pass over the a anchors under each of the k adapters
-               (full computation: a forward only), ``score_batch_size`` rows per pass, clusters
-               mixed; its estimates are kept for the M-step of t + 1.
+               (a forward only under full computation, and for an example whose every response is
+               an anchor), ``score_batch_size`` rows per pass, clusters mixed; its estimates are
+               kept for the M-step of t + 1.
 
 The anchors of round t serve the M-step of t and the E-step of t - 1; they are drawn from
 (seed, t, example_id), so they never depend on batching, and a resumed run (the estimates are part of
@@ -516,37 +517,41 @@ class LoRAPolicyScorer:
         n, m = inputs.tiers.shape
         picks = self._anchor_picks(inputs, round_, anchors)
         full = _every_response_an_anchor(inputs, picks)
-        pairs = [(i, c) for i in range(n) for c in range(self.k)]
+        # The examples with a response to estimate first: their rows take input gradients. The others
+        # (every response an anchor, in a ragged slate) run forward only, in passes of their own.
+        estimated = [i for i in range(n) if len(picks[i]) < len(inputs.sequences[i])]
+        pairs = [(i, c) for i in estimated + sorted(set(range(n)) - set(estimated)) for c in range(self.k)]
         rows = [(i, c, j) for i, c in pairs for j in picks[i].tolist()]  # a pair's anchors in a run, as in the M-step
-        copies = HostCopies()  # per pass: float64 [rows] and [rows, M] (None when full)
+        with_grads = self.k * sum(len(picks[i]) for i in estimated)  # rows[:with_grads] take input gradients
+        copies = HostCopies()  # per pass: float64 [rows] and [rows, M] (None without input gradients)
         copies.add(  # an empty first entry, so that no rows (an empty split) give empty results
-            (torch.zeros(0, dtype=torch.float64), None if full else torch.zeros(0, m, dtype=torch.float64)))
+            (torch.zeros(0, dtype=torch.float64), torch.zeros(0, m, dtype=torch.float64)))
         bar = self._bar(total=len(rows), desc=what, unit="row")
         half = max(1, self.score_batch_size // 2)
         try:
             with passes_sized_by(f"{what} runs up to score_batch_size = {self.score_batch_size} rows a pass (a response "
                                  f"under one adapter{'' if full else ', with its input gradients'}); lower it "
                                  f"(--set train.score_batch_size={half}, or evaluate.score_batch_size in evaluate)"):
-                for start in range(0, len(rows), self.score_batch_size):
-                    chunk = rows[start : start + self.score_batch_size]
-                    copies.add(self._pass(inputs, chunk, input_grads=not full, train=False))
-                    bar.update(len(chunk))
+                for part, input_grads in ((rows[:with_grads], True), (rows[with_grads:], False)):
+                    for start in range(0, len(part), self.score_batch_size):
+                        chunk = part[start : start + self.score_batch_size]
+                        copies.add(self._pass(inputs, chunk, input_grads=input_grads, train=False))
+                        bar.update(len(chunk))
         finally:
             bar.close()
         passes = copies.results()
         logp = torch.cat([part for part, _ in passes])  # [R]
-        s_policy = None if full else torch.cat([part for _, part in passes])  # [R, M]
+        s_policy = torch.cat([part for _, part in passes if part is not None])  # [rows with input gradients, M]
         is_anchor = torch.zeros(n, m, dtype=torch.bool)
         for i, idx in enumerate(picks):
             is_anchor[i, idx] = True
         offsets = torch.zeros(n, self.k, m, dtype=torch.float64)
         offset = 0
-        for i, c in pairs:
+        for i, c in pairs[: self.k * len(estimated)]:  # s_policy's rows, in order
             size, idx = len(inputs.sequences[i]), picks[i]
-            if len(idx) < size:
-                offsets[i, c, :size] = estimate_offsets(
-                    self.estimation, idx, s_policy[offset : offset + len(idx), :size], inputs.ref_logp[i, :size],
-                    inputs.ref_contraction[i, :size, :size])
+            offsets[i, c, :size] = estimate_offsets(
+                self.estimation, idx, s_policy[offset : offset + len(idx), :size], inputs.ref_logp[i, :size],
+                inputs.ref_contraction[i, :size, :size])
             offset += len(idx)
         deltas = torch.zeros(n, self.k, m, dtype=torch.float64)
         for (i, c), idx, anchor_delta in _anchor_deltas(inputs.ref_logp, pairs, picks, logp):
