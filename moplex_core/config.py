@@ -301,12 +301,18 @@ class HelpSteer2Options(Options):
     ``data="preference"`` (the ``preference`` data_dir): one ranking per annotated pair whose
     ``preference_strength`` (-3: response_1 much better .. 3: response_2 much better) is at least
     ``min_strength`` either way, the preferred response first; no cluster label (one population,
-    whose clusters EM has to find)."""
+    whose clusters EM has to find).
+
+    ``split_turns``: a multi-turn prompt (the release's ``<extra_id_1>User`` / ``<extra_id_1>Assistant``
+    markers) also becomes ``prompt_messages``, its turns as chat messages for the chat template;
+    false keeps the markers inside the one prompt text (for a model without a chat template, which
+    cannot render messages)."""
 
     data: Literal["ratings", "preference"] = "ratings"
     attributes: tuple[str, ...] = HELPSTEER2_ATTRIBUTES
     min_gap: int = Field(1, ge=1, le=4)
     min_strength: int = Field(1, ge=1, le=3)
+    split_turns: bool = True
 
     @field_validator("attributes")
     @classmethod
@@ -446,6 +452,8 @@ class IngestConfig(StageConfig):
             unused = ("data", "min_strength") if self.helpsteer2.data == "ratings" else ("attributes", "min_gap")
             for key in unused:
                 del data["helpsteer2"][key]
+            if self.helpsteer2.split_turns:  # the default's change is the adapter's version (helpsteer2-2)
+                del data["helpsteer2"]["split_turns"]
         if self.path is None and self.dataset in HUB_SOURCES:
             data["hub_name"], data["revision"] = self.hub_source()
         return data

@@ -98,6 +98,8 @@ def test_existing_datasets_keep_their_ingest_versions_as_options_are_added():
     for dataset, fingerprint in pinned.items():
         config = IngestConfig(dataset=dataset, **({"path": "x.jsonl"} if dataset == "generic" else {}))
         assert config.fingerprint() == fingerprint, dataset
+    assert IngestConfig(dataset="helpsteer2", helpsteer2={"split_turns": False}).identity()["helpsteer2"][
+        "split_turns"] is False
     preference = IngestConfig(dataset="helpsteer2", helpsteer2={"data": "preference"})
     assert set(preference.identity()["helpsteer2"]) == {"data", "min_strength"}
     assert preference.fingerprint() != IngestConfig(dataset="helpsteer2", helpsteer2={"data": "preference",

@@ -13,6 +13,7 @@ import datasets
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from lm_fixtures import tiny_tokenizer  # noqa: F401 (session fixture)
 
 from moplex_core.artifacts import ArtifactStore
 from moplex_core.config import IngestConfig, PersonaOptions, PrismOptions, SplitConfig, UltraFeedbackOptions
@@ -27,6 +28,7 @@ from moplex_core.data.sources import (
 from moplex_core.data.splits import assign_splits, split_groups
 from moplex_core.hashing import short_hash
 from moplex_core.ingest import build_rankings, code_version
+from moplex_core.lm.tokenize import encode_prompt
 from moplex_core.schema import RANKINGS_SCHEMA, SPLITS, SchemaError
 
 
@@ -213,10 +215,38 @@ def test_helpsteer2_emits_one_pair_per_attribute_that_differs(fixtures_dir):
     assert not [r for r in out.rows if r["prompt"] == "Write a limerick about a cat."]  # one response only
     multi_turn = [r for r in out.rows if "<extra_id_1>" in r["prompt"]]
     assert [r["cluster"] for r in multi_turn] == ["verbosity"]
+    assert json.loads(multi_turn[0]["prompt_messages"]) == [
+        {"role": "user", "content": "What is 2 + 2?"}, {"role": "assistant", "content": "4"},
+        {"role": "user", "content": "And times 3?"}]
+    assert all(r["prompt_messages"] is None for r in out.rows if r not in multi_turn)
+    assert out.stats["multi_turn_prompts"] == 1
     assert len({r["example_id"] for r in out.rows}) == len(out.rows) == 16
     wide = helpsteer2.to_rankings(records(fixtures_dir / "helpsteer2.jsonl"),
                                   helpsteer2.HelpSteer2Options(min_gap=2), source="hs")
     assert all(len(r["responses"]) == 2 for r in wide.rows) and len(wide.rows) < len(out.rows)
+
+
+def test_helpsteer2_multi_turn_prompts_become_chat_messages_that_the_template_renders(fixtures_dir, tiny_tokenizer):
+    text = "Hi\n<extra_id_1>Assistant\nHello! How can I help?\n<extra_id_1>User\nName a prime."
+    messages = json.loads(helpsteer2.prompt_messages_of(text))
+    assert messages == [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello! How can I help?"},
+                        {"role": "user", "content": "Name a prime."}]
+    rendered = tiny_tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert rendered.index("Hi") < rendered.index("Hello! How can I help?") < rendered.index("Name a prime.")
+    assert rendered.count("assistant") == 2 and "extra_id" not in rendered  # a past answer, then the one to score
+    assert encode_prompt(tiny_tokenizer, messages) == tiny_tokenizer(rendered, add_special_tokens=False)["input_ids"]
+    for malformed in ("Hi<extra_id_1>User\nAgain",  # two user turns in a row
+                      "Hi<extra_id_1>Assistant\nHello",  # ends on the assistant's turn
+                      "<extra_id_1>Assistant\nHello<extra_id_1>User\nHi"):  # an empty first turn
+        assert helpsteer2.prompt_messages_of(malformed) is None
+    assert helpsteer2.prompt_messages_of("What is 2 + 2?") is None
+    preference = helpsteer2.to_rankings(records(fixtures_dir / "helpsteer2-extra" / "preference" / "preference.jsonl"),
+                                        helpsteer2.HelpSteer2Options(data="preference"), source="hs")
+    assert [json.loads(r["prompt_messages"])[-1]["content"] for r in preference.rows
+            if r["prompt_messages"] is not None] == ["And times 3?"]
+    kept = helpsteer2.to_rankings(records(fixtures_dir / "helpsteer2.jsonl"),
+                                  helpsteer2.HelpSteer2Options(split_turns=False), source="hs")
+    assert all(r["prompt_messages"] is None for r in kept.rows) and "multi_turn_prompts" not in kept.stats
 
 
 def test_helpsteer2_reads_gzipped_jsonl_and_rejects_out_of_range_ratings(tmp_path, fixtures_dir):
@@ -452,7 +482,8 @@ def test_adapter_changes_change_only_their_datasets_versions():
     assert code_version("ultrafeedback") == "ingest-1+ultrafeedback-2"
     assert code_version("persona") == "ingest-1+persona-2"
     assert code_version("prism") == "ingest-1+prism-2"
-    assert code_version("synthetic") == code_version("helpsteer2") == "ingest-1"  # the demo's kept
+    assert code_version("helpsteer2") == "ingest-1+helpsteer2-2"
+    assert code_version("synthetic") == "ingest-1"  # the demo's kept
 
 
 def test_a_json_array_file_reads_like_jsonl(tmp_path, fixtures_dir):

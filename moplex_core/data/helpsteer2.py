@@ -17,11 +17,20 @@ The release holds three kinds of record, told apart by their fields, so that a f
 - disagreements (the ``disagreements`` data_dir): the ratings' schema with each attribute a list of
   the individual annotators' ratings; never read.
 
+About 29% of the prompts are multi-turn: the earlier turns in one text, each turn after the first
+opened by a marker line, ``<extra_id_1>Assistant`` or ``<extra_id_1>User`` (the release's README;
+the response is the last assistant turn). Such a prompt also becomes ``prompt_messages``, its turns
+as chat messages, so that the model's chat template renders them as the conversation they are
+(`prompt_messages_of`); ``prompt`` keeps the release's text, so example ids and splits do not move.
+With ``split_turns = false`` (a model without a chat template) the markers stay in the one text.
+
 The rules are `moplex_core.config.HelpSteer2Options`.
 """
 
 from __future__ import annotations
 
+import json
+import re
 from collections import Counter
 from collections.abc import Iterable, Iterator
 from itertools import combinations
@@ -35,6 +44,7 @@ NAME = "HelpSteer2"
 MAX_RATING = 4
 PREFERENCE_FIELDS = ("prompt", "response_1", "response_2", "preference_strength")
 MAX_STRENGTH = 3
+TURN_MARKER = re.compile(r"\n?<extra_id_1>(User|Assistant)\n?")  # the line that opens each turn after the first
 
 
 def to_rankings(records: Iterable[Record], options: HelpSteer2Options, *, source: str,
@@ -42,8 +52,34 @@ def to_rankings(records: Iterable[Record], options: HelpSteer2Options, *, source
     stats: Counter[str] = Counter()
     rows = _preference_rankings(records, options, source, stats, rejects) if options.data == "preference" else \
         _ratings_rankings(records, options, source, stats, rejects)
+    if options.split_turns:
+        turns: dict[str, str | None] = {}  # per distinct prompt
+        for row in rows:
+            if row["prompt"] not in turns:
+                turns[row["prompt"]] = prompt_messages_of(row["prompt"])
+                if turns[row["prompt"]] is not None:
+                    stats["multi_turn_prompts"] += 1
+                elif TURN_MARKER.search(row["prompt"]):
+                    stats["multi_turn_prompts_kept_as_text"] += 1
+            row["prompt_messages"] = turns[row["prompt"]]
     stats["rankings"] = len(rows)
     return AdapterOutput(rows, dict(stats))
+
+
+def prompt_messages_of(prompt: str) -> str | None:
+    """A multi-turn prompt's turns as `prompt_messages` (a JSON list of ``{"role", "content"}``):
+    user, assistant, user, ..., user, each turn's text as the release has it between the markers.
+    None for a single-turn prompt, and for one whose markers do not alternate from a user turn to a
+    last user turn around non-empty texts (read as one text, as before; counted in the stats)."""
+    parts = TURN_MARKER.split(prompt)  # [text, role, text, role, text, ...]
+    if len(parts) == 1:
+        return None
+    roles = ["user", *(role.lower() for role in parts[1::2])]
+    texts = parts[0::2]
+    alternating = all(role == ("user", "assistant")[i % 2] for i, role in enumerate(roles))
+    if not alternating or roles[-1] != "user" or not all(text.strip() for text in texts):
+        return None
+    return json.dumps([{"role": role, "content": text} for role, text in zip(roles, texts, strict=True)])
 
 
 def _of_kind(kind: str, records: Iterable[Record], options: HelpSteer2Options, stats: Counter[str]) -> Iterator[Record]:
