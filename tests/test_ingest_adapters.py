@@ -235,6 +235,8 @@ def test_helpsteer2_multi_turn_prompts_become_chat_messages_that_the_template_re
     assert rendered.index("Hi") < rendered.index("Hello! How can I help?") < rendered.index("Name a prime.")
     assert rendered.count("assistant") == 2 and "extra_id" not in rendered  # a past answer, then the one to score
     assert encode_prompt(tiny_tokenizer, messages) == tiny_tokenizer(rendered, add_special_tokens=False)["input_ids"]
+    crlf = "Hi\r\n\r\n<extra_id_1>Assistant\r\nHello! How can I help?\r\n<extra_id_1>User \r\nName a prime."
+    assert json.loads(helpsteer2.prompt_messages_of(crlf)) == messages
     for malformed in ("Hi<extra_id_1>User\nAgain",  # two user turns in a row
                       "Hi<extra_id_1>Assistant\nHello",  # ends on the assistant's turn
                       "<extra_id_1>Assistant\nHello<extra_id_1>User\nHi"):  # an empty first turn

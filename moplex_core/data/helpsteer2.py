@@ -44,7 +44,8 @@ NAME = "HelpSteer2"
 MAX_RATING = 4
 PREFERENCE_FIELDS = ("prompt", "response_1", "response_2", "preference_strength")
 MAX_STRENGTH = 3
-TURN_MARKER = re.compile(r"\n?<extra_id_1>(User|Assistant)\n?")  # the line that opens each turn after the first
+# The line that opens each turn after the first, with the line breaks around it (CRLF too)
+TURN_MARKER = re.compile(r"(?:\r?\n)*<extra_id_1>(User|Assistant)[ \t]*(?:\r?\n)+")
 
 
 def to_rankings(records: Iterable[Record], options: HelpSteer2Options, *, source: str,
@@ -59,7 +60,7 @@ def to_rankings(records: Iterable[Record], options: HelpSteer2Options, *, source
                 turns[row["prompt"]] = prompt_messages_of(row["prompt"])
                 if turns[row["prompt"]] is not None:
                     stats["multi_turn_prompts"] += 1
-                elif TURN_MARKER.search(row["prompt"]):
+                elif "<extra_id_1>" in row["prompt"]:
                     stats["multi_turn_prompts_kept_as_text"] += 1
             row["prompt_messages"] = turns[row["prompt"]]
     stats["rankings"] = len(rows)
@@ -68,7 +69,7 @@ def to_rankings(records: Iterable[Record], options: HelpSteer2Options, *, source
 
 def prompt_messages_of(prompt: str) -> str | None:
     """A multi-turn prompt's turns as `prompt_messages` (a JSON list of ``{"role", "content"}``):
-    user, assistant, user, ..., user, each turn's text as the release has it between the markers.
+    user, assistant, user, ..., user, each turn's text as the release has it between the marker lines.
     None for a single-turn prompt, and for one whose markers do not alternate from a user turn to a
     last user turn around non-empty texts (read as one text, as before; counted in the stats)."""
     parts = TURN_MARKER.split(prompt)  # [text, role, text, role, text, ...]

@@ -103,7 +103,8 @@ def encode_prompt(
         raise ValueError(
             "the prompt is a list of chat messages (prompt_messages), which needs use_chat_template = true "
             "and a tokenizer with a chat template; set use_chat_template = true, give the model a chat "
-            "template, or ingest the rankings without prompt_messages"
+            "template, or ingest the rankings without prompt_messages (for HelpSteer2's multi-turn prompts: "
+            "ingest with helpsteer2.split_turns = false)"
         )
     if not ids:
         raise ValueError(
