@@ -31,9 +31,10 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.autograd.function import once_differentiable
 from torch.nn import functional as F
 from transformers import PreTrainedModel
+
+from moplex_core.lm.backward import first_order_only
 
 LEAN_MODELS = ("qwen2", "qwen3")
 """Model types whose RMSNorm and SiLU MLP `make_lean` replaces (their modules' code is the one
@@ -97,7 +98,7 @@ class _RMSNorm(torch.autograd.Function):
         return out
 
     @staticmethod
-    @once_differentiable
+    @first_order_only
     def backward(ctx, grad):  # like the output
         x, weight, rstd = ctx.saved_tensors
         x32 = x.to(torch.float32)
@@ -137,7 +138,7 @@ class _SwiGLU(torch.autograd.Function):
         return F.silu(gate) * up
 
     @staticmethod
-    @once_differentiable
+    @first_order_only
     def backward(ctx, grad):
         gate, up = ctx.saved_tensors
         grad_gate = grad_up = None

@@ -51,9 +51,9 @@ import torch
 from peft import LoraConfig
 from safetensors.torch import load_file, save_file
 from torch import nn
-from torch.autograd.function import once_differentiable
 from torch.nn import functional as F
 
+from moplex_core.lm.backward import first_order_only
 from moplex_core.lm.device import to_device
 
 PEFT_WEIGHTS = "adapter_model.safetensors"
@@ -99,6 +99,7 @@ class MultiLoRALinear(nn.Module):
         a = (torch.rand(k, d_in, settings.r, generator=generator, dtype=torch.float64) * 2 - 1) * bound
         self.lora_A = nn.Parameter(a.to(device=device, dtype=dtype))  # [k, d_in, r]
         self.lora_B = nn.Parameter(torch.zeros(k, settings.r, d_out, device=device, dtype=dtype))  # [k, r, d_out]
+        self.dropout_p = settings.dropout
         self.dropout = nn.Dropout(settings.dropout) if settings.dropout > 0 else nn.Identity()
         self._frozen: tuple[tuple[Any, ...], tuple[torch.Tensor, torch.Tensor]] | None = None  # (key, (A, B))
 
@@ -133,14 +134,16 @@ class MultiLoRALinear(nn.Module):
         if torch.amp.is_autocast_available(x.device.type) and torch.is_autocast_enabled(x.device.type):
             raise RuntimeError("the multi-LoRA layer runs in the model's own dtype, not under torch.autocast: load "
                                "the model in bfloat16 instead (its adapters keep float32 masters)")
-        dropped = self.dropout(x)
+        dropped = self.dropout(x) if self.dropout_p > 0 else x  # no module call for no dropout
         into_adapters = torch.is_grad_enabled() and self.lora_A.requires_grad
         if not into_adapters:
             stacked_a, stacked_b = self.frozen(x.dtype)  # [k, d_in, r], [k, r, d_out]
             if len(present) == 1:
                 a, b = stacked_a[present[0]], stacked_b[present[0]]  # [d_in, r], [r, d_out]: views
             else:
-                a, b = stacked_a[self.route.adapters], stacked_b[self.route.adapters]  # [B, d_in, r], [B, r, d_out]
+                # index_select, not indexing: the same gather, for less host work (nothing differentiates it)
+                adapters = self.route.adapters
+                a, b = stacked_a.index_select(0, adapters), stacked_b.index_select(0, adapters)  # [B, d_in, r], [B, r, d_out]
         else:
             self._frozen = None  # this pass's step will change the adapters: the copy would be stale
             if len(present) == 1:
@@ -186,7 +189,7 @@ class _LoRALinear(torch.autograd.Function):
         return out
 
     @staticmethod
-    @once_differentiable  # x A is kept without its graph: a second derivative would be wrong, so none
+    @first_order_only  # x A is kept without its graph: a second derivative would be wrong, so none
     def backward(ctx, grad_out):  # like out
         source, weight, a, b, xa = ctx.saved_tensors
         need_x, need_lora_input, need_weight, need_bias, need_a, need_b, _ = ctx.needs_input_grad
