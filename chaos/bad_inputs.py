@@ -100,6 +100,7 @@ BAD_ROWS: dict[str, tuple[dict[str, Any], tuple[str, ...], str]] = {
     "duplicate example_id": (_row(example_id="good-0"), (), "example_id"),
     "prompt_messages not JSON": (_row(prompt_messages="[{oops"), (), "prompt_messages"),
     "prompt_messages not chat messages": (_row(prompt_messages='[{"role": "user"}]'), (), "prompt_messages"),
+    "prompt_messages empty": (_row(prompt_messages="[]"), (), "prompt_messages"),
     "one response": (_row(responses=["only"], ranking=[[0]]), (), "responses"),
     "empty response": (_row(responses=["red", " ", "blue"]), (), "responses"),
     "responses not a list": (_row(responses="red, blue"), (), "responses"),

@@ -169,6 +169,31 @@ def make_generator(config: AugmentConfig, rankings: pa.Table) -> Generator:
     return BorrowGenerator(borrow_pools(columns["example_id"], columns["prompt_id"], columns["responses"]))
 
 
+def refuse_unrenderable_prompts(config: AugmentConfig, rankings: pa.Table) -> None:
+    """Every distinct prompt of ``rankings`` rendered once with the model's tokenizer before a model
+    loads (hf, vllm), so that a prompt no shard could render (chat messages without a chat template,
+    say) stops the stage at once, naming every such prompt_id, and not when its shard comes up after
+    earlier shards were generated, whose work the fix (a new version) would not reuse."""
+    if config.backend == "borrow":
+        return
+    from moplex_core.generate.base import request_prompt_ids
+    from moplex_core.lm.loading import load_tokenizer  # transformers: only the model backends need it
+
+    tokenizer = load_tokenizer(config.model)
+    rows = rankings.select(["prompt_id", "prompt", "prompt_messages"]).to_pylist()
+    failed: dict[str, str] = {}  # prompt_id -> the reason
+    for row in {(r["prompt_id"], r["prompt"], r["prompt_messages"]): r for r in rows}.values():
+        try:
+            request_prompt_ids(tokenizer, SampleRequest(row["prompt_id"], row["prompt"], row["prompt_messages"], 1, 0),
+                               use_chat_template=config.use_chat_template, max_prompt_tokens=config.max_prompt_tokens)
+        except ValueError as err:
+            failed.setdefault(row["prompt_id"], str(err))
+    if failed:
+        shown = ", ".join(sorted(failed)[:10])
+        raise ValueError(f"{len(failed)} prompt(s) cannot be rendered for generation ({shown}"
+                         f"{', ...' if len(failed) > 10 else ''}); the first: {next(iter(failed.values()))}")
+
+
 def groups_of(rankings: pa.Table, backend: str) -> tuple[list[Group], list[str]]:
     """(the groups, the group key of every row). Model backends group by prompt_id; borrow by row."""
     rows = rankings.select(["example_id", "prompt_id", "prompt", "prompt_messages", "responses"]).to_pylist()
@@ -289,6 +314,8 @@ def run_augment(
         todo = [s for s in range(len(shards)) if not writer.has_shard(s)]
         if len(todo) < len(shards):
             log.info("%s: reusing %d finished shard(s), generating %d", plan.ref, len(shards) - len(todo), len(todo))
+        if todo:
+            refuse_unrenderable_prompts(config, table.take([r for s in todo for r in shards[s]]))
         generator = make_generator(config, table) if todo else None
         bar = _progress_bar(config, sum(_n_groups(table.take(shards[s]), config.backend) for s in todo),
                             progress and bool(todo))

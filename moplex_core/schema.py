@@ -509,6 +509,9 @@ def _messages_issue(text: str) -> str | None:
         for m in messages
     ):
         return 'must be a JSON list of {"role": str, "content": str} messages'
+    if not messages or messages[-1]["role"] == "assistant":
+        return ("must end before the answers: a non-empty conversation whose last message is not the assistant's "
+                "(the responses are the assistant's next turn)")
     return None
 
 

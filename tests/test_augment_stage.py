@@ -73,6 +73,26 @@ def test_a_generation_cut_at_max_new_tokens_is_recorded_and_cached_without_eos(t
         assert [ids[-1] == eos for ids in cached[len(row["responses"]):]] == row["generated_finished"]
 
 
+def test_a_prompt_no_shard_could_render_stops_the_stage_before_any_model_loads(tmp_path, tiny_model_dir):
+    """Chat messages without a chat template: refused before the first shard (each shard one prompt),
+    naming the prompt, where it used to fail when its shard came up, after the shards before it."""
+    store = ArtifactStore(tmp_path / "artifacts")
+    source = tmp_path / "rankings.jsonl"
+    turns = json.dumps([{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"},
+                        {"role": "user", "content": "Which list is best?"}])
+    source.write_text("".join(json.dumps({"prompt": p, "responses": r, "ranking": [[0], [1]], "cluster": c,
+                                          **({"prompt_messages": turns} if i == 4 else {})}) + "\n"
+                              for i, (p, r, c) in enumerate(ROWS)))
+    rankings = run_ingest(IngestConfig(dataset="generic", path=str(source), split={"fractions": (1.0, 0.0, 0.0)}),
+                          store).path
+    config = hf_config(tiny_model_dir, shard_prompts=1, use_chat_template=False)
+    with pytest.raises(ValueError, match=r"1 prompt\(s\) cannot be rendered for generation \([0-9a-f]+\).*"
+                                         "needs use_chat_template = true"):
+        run_augment(config, rankings, store, progress=False)
+    assert not list(shard_paths(plan_augment(config, rankings, store).path))  # nothing generated, nothing wasted
+    assert run_augment(hf_config(tiny_model_dir, shard_prompts=1), rankings, store, progress=False).built
+
+
 def test_generated_once_per_prompt_shared_by_its_rankings_and_never_an_original(tmp_path, tiny_model_dir):
     store = ArtifactStore(tmp_path / "artifacts")
     rankings = rankings_dir(tmp_path, store.root)
