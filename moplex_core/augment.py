@@ -48,7 +48,8 @@ from moplex_core.schema import RANKINGS_SCHEMA, check_rankings
 log = logging.getLogger(__name__)
 
 STAGE = "augment"
-CODE_VERSION = "augment-5"  # bump when a change to this stage changes what it writes (5: no appended EOS in a
+CODE_VERSION = "augment-6"  # bump when a change to this stage changes what it writes (6: the hf backend stops at
+# the tokenizer's EOS and the generation config's, as vLLM does; 5: no appended EOS in a
 # template-less prompt; 4: generation.model is
 # the model's fingerprint, not its path; 3: generated_finished; 2: non-thinking prompts; the model's
 # generation_config no longer shapes the hf draw)

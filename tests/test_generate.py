@@ -187,6 +187,28 @@ def test_the_worker_is_told_the_models_stop_tokens(tiny_model_dir, tmp_path):
         vllm_worker.read_settings(tmp_path / "settings.json")
 
 
+def test_both_model_backends_stop_at_the_tokenizers_eos_and_the_generation_configs(tiny_model_dir, tmp_path):
+    """A generation config naming another EOS than the tokenizer's: hf stopped at that one only, vLLM
+    at both; the cache closes responses with the tokenizer's (review helper-89)."""
+    model = tmp_path / "other-eos"
+    shutil.copytree(tiny_model_dir, model)
+    settings = json.loads((model / "generation_config.json").read_text())
+    tokenizer_eos = json.loads((model / "config.json").read_text())["eos_token_id"]
+    settings["eos_token_id"] = [tokenizer_eos + 1]
+    (model / "generation_config.json").write_text(json.dumps(settings))
+    hf = HFGenerator(str(model), max_new_tokens=4)
+    hf.close()
+    waiting = tmp_path / "waiting_worker.py"
+    waiting.write_text("import sys\nsys.stdin.read()\n")
+    vllm = _vllm(model, worker=waiting)
+    try:
+        stops = json.loads((vllm.exchange / "settings.json").read_text())["stop_token_ids"]
+    finally:
+        vllm.close(failed=True)
+    assert sorted(hf._eos_ids) == stops == sorted({vllm._tokenizer.eos_token_id, tokenizer_eos + 1})
+    assert vllm._tokenizer.eos_token_id == tokenizer_eos
+
+
 def _vllm(tiny_model_dir: Path | str, python: str = sys.executable, **kwargs) -> VLLMGenerator:
     return VLLMGenerator(str(tiny_model_dir), python=python, max_new_tokens=8, **kwargs)
 

@@ -87,6 +87,15 @@ def request_prompt_ids(tokenizer: PreTrainedTokenizerBase, request: SampleReques
         raise ValueError(f"prompt_id {request.key!r}: {err}") from err
 
 
+def stop_token_ids(tokenizer: PreTrainedTokenizerBase, generation_eos: int | list[int] | None) -> list[int]:
+    """The tokens a sample ends at, for every model backend alike: the tokenizer's EOS (the one the
+    cache closes a response with) and the generation config's ``eos_token_id`` (Qwen3: <|im_end|>
+    and <|endoftext|>), which vLLM merges into every request's stop tokens."""
+    ids = set() if tokenizer.eos_token_id is None else {tokenizer.eos_token_id}
+    ids |= set(generation_eos) if isinstance(generation_eos, list) else set() if generation_eos is None else {generation_eos}
+    return sorted(ids)
+
+
 def _hash_int(text: str) -> int:
     digest = hashlib.sha256(text.encode()).digest()
     return int.from_bytes(digest[:8], "big") >> (64 - _SEED_BITS)

@@ -25,7 +25,7 @@ from transformers import (
     TopPLogitsWarper,
 )
 
-from moplex_core.generate.base import Sample, SampleRequest, request_prompt_ids, sample_seed
+from moplex_core.generate.base import Sample, SampleRequest, request_prompt_ids, sample_seed, stop_token_ids
 from moplex_core.lm.loading import load_model, load_tokenizer, resolve_device, resolve_dtype
 
 
@@ -86,14 +86,11 @@ class HFGenerator:
         self.device = torch.device(resolve_device(device))
         self._model = load_model(model, dtype=resolve_dtype(dtype, self.device), device=self.device)
         self._tokenizer = load_tokenizer(model)
-        eos = self._model.generation_config.eos_token_id
-        if eos is None or eos == []:
-            eos = self._tokenizer.eos_token_id
-        if eos is None:
+        self._eos_ids = set(stop_token_ids(self._tokenizer, self._model.generation_config.eos_token_id))
+        if not self._eos_ids:
             raise ValueError(f"{model} names no end-of-sequence token (neither its generation_config's "
                              "eos_token_id nor its tokenizer's eos_token): a sample could never end, and the cache "
                              "could not close a response; set eos_token_id in the model's generation_config.json")
-        self._eos_ids = {eos} if isinstance(eos, int) else set(eos)
         # transformers fills what a generate() call leaves unset from the model's generation_config: a
         # bare one leaves nothing of the model's (Qwen3's do_sample=True, top_k=20, ..., or a
         # min_new_tokens, bad_words_ids, forced_eos_token_id that would act even in greedy mode), so the

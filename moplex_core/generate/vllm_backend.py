@@ -37,7 +37,7 @@ from typing import IO, Any
 from transformers import AutoConfig, GenerationConfig, PreTrainedTokenizerBase
 
 from moplex_core.generate import vllm_worker
-from moplex_core.generate.base import Sample, SampleRequest, request_prompt_ids
+from moplex_core.generate.base import Sample, SampleRequest, request_prompt_ids, stop_token_ids
 from moplex_core.lm.loading import hub_snapshot, load_tokenizer
 from moplex_core.processes import popen_ending_with_this_thread
 
@@ -96,15 +96,12 @@ def request_rows(
 
 
 def _stop_token_ids(model: str, tokenizer: PreTrainedTokenizerBase) -> list[int]:
-    """The tokens vLLM ends a completion at: the tokenizer's EOS and the generation config's (Qwen3:
-    <|im_end|> and <|endoftext|>), which vLLM merges into every request's stop tokens."""
-    ids = set() if tokenizer.eos_token_id is None else {tokenizer.eos_token_id}
+    """`stop_token_ids` of the model at ``model``, from its generation_config.json if it has one."""
     try:
         eos = GenerationConfig.from_pretrained(model).eos_token_id
     except OSError:  # the model has no generation_config.json
         eos = None
-    ids |= set(eos) if isinstance(eos, list) else set() if eos is None else {eos}
-    return sorted(ids)
+    return stop_token_ids(tokenizer, eos)
 
 
 class VLLMWorkerError(RuntimeError):
