@@ -99,6 +99,8 @@ def main() -> None:
     parser.add_argument("--backtracks", type=int, default=0,
                         help="redo an M-step after which the LL fell at half the lr, up to this many times "
                              "(train.backtracks)")
+    parser.add_argument("--anchor-weighting", default="mean", choices=("mean", "nearest"),
+                        help="train.anchor_weighting: the anchors' mean estimate (the paper's) or the nearest's")
     parser.add_argument("--seed", type=int, default=0,
                         help="train.seed (LoRA init, EM start, shuffling, anchors); the data and tiny model stay fixed")
     parser.add_argument("--pretrain-steps", type=int, default=150)
@@ -133,7 +135,7 @@ def main() -> None:
                                lr=args.lr, epochs=2, first_epochs=args.first_epochs,
                                batch_size=16, em_iterations=args.iterations, tol=0.0, init=args.init,
                                backtracks=args.backtracks, exact_fallback=args.exact_fallback, seed=args.seed,
-                               dtype="float32", device="cpu")
+                               anchor_weighting=args.anchor_weighting, dtype="float32", device="cpu")
     results = {}
     for label, source in (("m' = m = 4 (no augmentation)", rankings_dir), ("m' = 8 (4 below extras)", augmented_dir)):
         t0 = time.time()

@@ -648,6 +648,10 @@ class TrainConfig(StageConfig):
     ``anchors`` = a responses per example computed exactly per EM iteration (the rest estimated,
     paper Algorithm 1); ``None`` computes every response (the `full` ablation). ``estimation``:
     ``delta`` linearises log pi_c - log pi_ref, ``logpi`` log pi_c alone (the authors' code).
+    ``anchor_weighting``: a non-anchor's estimate is the ``mean`` of every anchor's first-order
+    estimate of it (the paper's Algorithm 1) or the estimate of the ``nearest`` anchor in input
+    embedding space alone, where the first-order term is most accurate (README, "Which anchor
+    estimates a response"); in the version only when ``nearest``.
     ``epochs`` passes over the weighted (example, cluster) pairs per M-step, in minibatches of
     ``batch_size`` pairs (a rows each, m' without anchors: the M-step's memory); ``first_epochs``
     (None = ``epochs``) for the first M-step, which starts with every adapter at the base model and
@@ -703,6 +707,7 @@ class TrainConfig(StageConfig):
     beta: float = Field(0.1, gt=0.0)
     anchors: int | None = Field(2, ge=1)
     estimation: Literal["delta", "logpi"] = "delta"
+    anchor_weighting: Literal["mean", "nearest"] = "mean"
     likelihood: Literal["pl", "bt_pairs"] = "pl"
     hard: bool = False
     lora_r: int = Field(16, ge=1)
@@ -780,6 +785,8 @@ class TrainConfig(StageConfig):
         dropout is on: its masks are drawn pass by pass (so by how rows are grouped into passes) and
         by the device's generator (train.plan_train adds the device type)."""
         volatile = {"score_batch_size", "device", "chunk_size"} - ({"score_batch_size"} if self.lora_dropout else set())
+        if self.anchor_weighting == "mean":  # the default of before the setting existed: those versions hold
+            volatile.add("anchor_weighting")
         return self.model_dump(mode="json", exclude=volatile)
 
 

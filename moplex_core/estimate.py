@@ -72,6 +72,8 @@ EstimationMode = Literal["delta", "logpi"]
 RowRoute = Callable[[Sequence[int]], AbstractContextManager[Any]]
 """route(rows): the context (e.g. a MultiLoRA route) of a forward over those rows of a batch."""
 ESTIMATION_MODES: tuple[str, ...] = ("delta", "logpi")
+AnchorWeighting = Literal["mean", "nearest"]
+ANCHOR_WEIGHTINGS: tuple[str, ...] = ("mean", "nearest")
 
 
 def anchor_indices(example_id: str, n_responses: int, a: int | None, seed: int, iteration: int) -> np.ndarray:
@@ -249,32 +251,58 @@ def contraction(
     return torch.where(aligned, cross - own[:, None, :], 0.0).sum(-1).to(torch.float64)
 
 
+def nearest_anchor_weights(anchor_idx: torch.Tensor, emb: torch.Tensor) -> torch.Tensor:
+    """The ``nearest`` weighting of one example: float64 [a, M] on emb's device, column j all on the
+    anchor closest to y_j in input embedding space (the first of equally close ones), where the
+    first-order estimate is most accurate (its error grows with the distance: paper Table 1, and
+    the approximation table in the README).
+
+    emb: `response_embeddings` of the example, float32 [M, T, d], zero past each response's end. The
+    distance is ||h(x, y_j) - h(x, y_i)|| over every response position, so a position where only one
+    of the two responses has a token, which the first-order term does not see, counts in full.
+    """
+    distances = torch.cdist(emb[anchor_idx].flatten(1).double(), emb.flatten(1).double())  # [a, M]
+    nearest = distances.argmin(0)  # [M]
+    weights = torch.zeros_like(distances)
+    return weights.scatter_(0, nearest[None, :], 1.0)
+
+
 def estimate_offsets(
     mode: EstimationMode,
     anchor_idx: torch.Tensor,
     s_policy: torch.Tensor,
     ref_logp: torch.Tensor,
     s_ref: torch.Tensor,
+    weights: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """o_c[j] of the M responses of one example: float64 [M] (module docstring), 0 at the anchors.
 
     anchor_idx [a]; s_policy float [a, M] (the policy's contraction at the anchors); ref_logp
-    float64 [M]; s_ref float [M, M] (the cached reference contraction).
+    float64 [M]; s_ref float [M, M] (the cached reference contraction); weights float64 [a, M] or
+    None: how much each anchor's first-order estimate of y_j counts (columns summing to 1,
+    `nearest_anchor_weights`), None for their mean (the paper's).
     """
     s_policy = s_policy.detach().to(torch.float64)
     if mode == "delta":
-        offsets = (s_policy - s_ref[anchor_idx].to(torch.float64)).mean(0)  # [M]
+        terms = s_policy - s_ref[anchor_idx].to(torch.float64)  # [a, M]
     elif mode == "logpi":
-        offsets = (ref_logp[anchor_idx, None] + s_policy).mean(0) - ref_logp  # [M]
+        terms = ref_logp[anchor_idx, None] + s_policy  # [a, M]
     else:
         raise ValueError(f"estimation mode must be one of {ESTIMATION_MODES}, got {mode!r}")
+    offsets = terms.mean(0) if weights is None else (weights.to(terms) * terms).sum(0)  # [M]
+    if mode == "logpi":
+        offsets = offsets - ref_logp
     return offsets.index_fill(0, anchor_idx, 0.0)
 
 
-def apply_offsets(anchor_idx: torch.Tensor, anchor_delta: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+def apply_offsets(anchor_idx: torch.Tensor, anchor_delta: torch.Tensor, offsets: torch.Tensor,
+                  weights: torch.Tensor | None = None) -> torch.Tensor:
     """delta_hat_c of one example: float64 [M]. Anchors keep their exact delta (float64 [a], with its
-    graph); every other entry is the constant mean_i delta_c(y_i) + o_c[j]."""
-    return hold_estimates(anchor_idx, anchor_delta, anchor_delta.detach().mean() + offsets)
+    graph); every other entry is the constant sum_i w_ij delta_c(y_i) + o_c[j] (mean_i delta_c(y_i)
+    for ``weights`` None), with the weights `estimate_offsets` took."""
+    held = anchor_delta.detach()
+    base = held.mean() if weights is None else (weights.to(held) * held[:, None]).sum(0)  # [] or [M]
+    return hold_estimates(anchor_idx, anchor_delta, base + offsets)
 
 
 def hold_estimates(anchor_idx: torch.Tensor, anchor_delta: torch.Tensor, estimates: torch.Tensor) -> torch.Tensor:
@@ -291,6 +319,7 @@ def estimate_delta(
     s_policy: torch.Tensor | None,
     ref_logp: torch.Tensor,
     s_ref: torch.Tensor,
+    weights: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """delta_hat_c(y_j) for the M responses of one example: float64 [M] (module docstring).
 
@@ -302,7 +331,8 @@ def estimate_delta(
     m = ref_logp.shape[0]
     if anchor_idx.numel() == m:
         return torch.zeros(m, dtype=torch.float64).index_put((anchor_idx,), anchor_delta)
-    return apply_offsets(anchor_idx, anchor_delta, estimate_offsets(mode, anchor_idx, s_policy, ref_logp, s_ref))
+    offsets = estimate_offsets(mode, anchor_idx, s_policy, ref_logp, s_ref, weights)
+    return apply_offsets(anchor_idx, anchor_delta, offsets, weights)
 
 
 def reference_terms(

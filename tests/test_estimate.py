@@ -16,6 +16,7 @@ from moplex_core.estimate import (
     estimate_delta,
     estimate_offsets,
     hold_estimates,
+    nearest_anchor_weights,
     reference_terms,
     reference_terms_batch,
     response_embeddings,
@@ -109,6 +110,33 @@ def test_delta_mode_is_exact_for_the_reference_and_logpi_mode_adds_the_cached_re
     expected = ((ref_logp[0] + s_ref[0, 1]) + (ref_logp[2] + s_ref[2, 1])) / 2 - ref_logp[1]
     assert logpi[1].item() == pytest.approx(expected.item())
     assert logpi[0] == 0 and logpi[2] == 0
+
+
+def test_the_nearest_weighting_is_the_estimate_of_the_anchor_closest_in_embedding_space():
+    generator = torch.Generator().manual_seed(1)
+    m, anchors = 6, torch.tensor([1, 4])
+    emb = torch.randn(m, 5, 3, generator=generator)  # [M, T, d]
+    emb[2] = emb[4] + 0.01  # response 2 sits by anchor 4; a response whose tail is absent counts that tail in full
+    emb[5, 3:] = 0.0
+    emb[5, :3] = emb[1, :3]
+    weights = nearest_anchor_weights(anchors, emb)  # [a, M]
+    distance = torch.stack([(emb - emb[i]).flatten(1).double().norm(dim=1) for i in anchors.tolist()])  # [a, M]
+    assert torch.equal(weights, torch.nn.functional.one_hot(distance.argmin(0), 2).T.double())
+    assert weights[:, anchors].diag().tolist() == [1.0, 1.0] and weights[1, 2] == 1
+    ref_logp = -5 * torch.rand(m, generator=generator, dtype=torch.float64)
+    s_ref = torch.randn(m, m, generator=generator, dtype=torch.float64)
+    logp = ref_logp[anchors] + torch.randn(2, generator=generator, dtype=torch.float64)
+    s_pol = torch.randn(2, m, generator=generator, dtype=torch.float64)
+    delta = logp - ref_logp[anchors]
+    nearest = distance.argmin(0).tolist()
+    for mode in ("delta", "logpi"):
+        alone = [estimate_delta(mode, anchors[[a]], logp[[a]], s_pol[[a]], ref_logp, s_ref) for a in range(2)]
+        expected = torch.stack([alone[nearest[j]][j] for j in range(m)])
+        expected[anchors] = delta
+        torch.testing.assert_close(estimate_delta(mode, anchors, logp, s_pol, ref_logp, s_ref, weights), expected)
+        uniform = torch.full((2, m), 0.5, dtype=torch.float64)  # weights of 1/a are the paper's mean
+        torch.testing.assert_close(estimate_delta(mode, anchors, logp, s_pol, ref_logp, s_ref, uniform),
+                                   estimate_delta(mode, anchors, logp, s_pol, ref_logp, s_ref))
 
 
 def test_offsets_plus_the_anchors_mean_delta_are_the_per_anchor_mean_of_algorithm_1():

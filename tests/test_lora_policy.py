@@ -442,6 +442,25 @@ def test_examples_whose_every_response_is_an_anchor_take_no_input_gradients(tiny
     torch.testing.assert_close(scores[others], trained.score(ragged.subset(others), 1))
 
 
+def test_the_nearest_anchor_weighting_changes_only_the_estimates(tiny_model_dir, inputs):  # noqa: F811
+    trained = scorer(tiny_model_dir, anchors=2)
+    trained.fit(inputs, inputs.rankings(), torch.ones(len(inputs), 2, dtype=torch.float64), 0)
+    state = trained.state_dict()
+    scores = {}
+    for weighting in ("mean", "nearest"):
+        for anchors in (1, 2):
+            policy = scorer(tiny_model_dir, anchors=anchors, anchor_weighting=weighting)
+            policy.load_state_dict(state)
+            scores[weighting, anchors] = policy.score(inputs, 1), policy.last_scores.is_anchor
+    assert torch.equal(scores["mean", 1][0], scores["nearest", 1][0])  # one anchor: nothing to weigh
+    (mean, is_anchor), (nearest, same) = scores["mean", 2], scores["nearest", 2]
+    assert torch.equal(is_anchor, same)
+    at = is_anchor.unsqueeze(1).expand_as(mean)
+    assert torch.equal(mean[at], nearest[at]) and not torch.allclose(mean[~at], nearest[~at])
+    with pytest.raises(ValueError, match="anchor_weighting must be one of"):
+        scorer(tiny_model_dir, anchors=2, anchor_weighting="closest")
+
+
 def test_adapters_round_trip_through_peft_format(tiny_model_dir, inputs, tmp_path):  # noqa: F811
     trained = scorer(tiny_model_dir, anchors=2)
     trained.fit(inputs, inputs.rankings(), torch.ones(len(inputs), 2, dtype=torch.float64), 0)

@@ -53,7 +53,9 @@ from tqdm.auto import tqdm
 
 from moplex_core.em import Rankings
 from moplex_core.estimate import (
+    ANCHOR_WEIGHTINGS,
     ESTIMATION_MODES,
+    AnchorWeighting,
     EstimationMode,
     anchor_indices,
     anchor_pass,
@@ -62,6 +64,7 @@ from moplex_core.estimate import (
     estimate_offsets,
     estimation_gap,
     hold_estimates,
+    nearest_anchor_weights,
     response_embeddings,
 )
 from moplex_core.lm.device import HostCopies, passes_sized_by, to_device
@@ -163,6 +166,9 @@ class LoRAPolicyScorer:
     k, beta:           clusters; r = beta * log-ratio.
     anchors:           a per example, None = every response exact (the full-computation ablation).
     estimation:        "delta" or "logpi" (moplex_core.estimate).
+    anchor_weighting:  how a non-anchor's estimate combines the anchors' first-order estimates of it:
+                       "mean" (the paper's Algorithm 1) or "nearest" (the anchor closest to it in
+                       input embedding space alone, `estimate.nearest_anchor_weights`).
     lr, epochs:        Adam learning rate (`RoutedAdam`); passes over the weighted pairs per M-step.
     first_epochs:      passes of the first M-step (iteration 0), None = ``epochs``. It starts with every
                        adapter at the base model and must carry the start's partition into them.
@@ -189,6 +195,7 @@ class LoRAPolicyScorer:
         beta: float = 0.1,
         anchors: int | None = None,
         estimation: EstimationMode = "delta",
+        anchor_weighting: AnchorWeighting = "mean",
         lora: LoRASettings = LoRASettings(),
         lr: float = 1e-4,
         epochs: int = 1,
@@ -206,12 +213,15 @@ class LoRAPolicyScorer:
     ) -> None:
         if estimation not in ESTIMATION_MODES:
             raise ValueError(f"estimation must be one of {ESTIMATION_MODES}, got {estimation!r}")
+        if anchor_weighting not in ANCHOR_WEIGHTINGS:
+            raise ValueError(f"anchor_weighting must be one of {ANCHOR_WEIGHTINGS}, got {anchor_weighting!r}")
         first_epochs = epochs if first_epochs is None else first_epochs
         if k < 1 or beta <= 0 or min(epochs, first_epochs, batch_size, score_batch_size) < 1:
             raise ValueError(f"need k >= 1, beta > 0, epochs, batch sizes >= 1; got k={k}, beta={beta}, "
                              f"epochs={epochs}, first_epochs={first_epochs}, batch_size={batch_size}, "
                              f"score_batch_size={score_batch_size}")
         self.k, self.beta, self._anchors, self.estimation = k, beta, anchors, estimation
+        self.anchor_weighting = anchor_weighting
         self.epochs, self.batch_size, self.score_batch_size = epochs, batch_size, score_batch_size
         self.first_epochs = first_epochs
         self.chunk_size, self.share_prompts, self.seed, self.progress = chunk_size, share_prompts, seed, progress
@@ -545,19 +555,30 @@ class LoRAPolicyScorer:
         is_anchor = torch.zeros(n, m, dtype=torch.bool)
         for i, idx in enumerate(picks):
             is_anchor[i, idx] = True
+        weights = self._anchor_weights(inputs, picks, estimated)  # example -> float64 [a_i, m'_i] or None
         offsets = torch.zeros(n, self.k, m, dtype=torch.float64)
         offset = 0
         for i, c in pairs[: self.k * len(estimated)]:  # s_policy's rows, in order
             size, idx = len(inputs.sequences[i]), picks[i]
             offsets[i, c, :size] = estimate_offsets(
                 self.estimation, idx, s_policy[offset : offset + len(idx), :size], inputs.ref_logp[i, :size],
-                inputs.ref_contraction[i, :size, :size])
+                inputs.ref_contraction[i, :size, :size], weights[i])
             offset += len(idx)
         deltas = torch.zeros(n, self.k, m, dtype=torch.float64)
         for (i, c), idx, anchor_delta in _anchor_deltas(inputs.ref_logp, pairs, picks, logp):
             size = len(inputs.sequences[i])
-            deltas[i, c, :size] = apply_offsets(idx, anchor_delta, offsets[i, c, :size])
+            deltas[i, c, :size] = apply_offsets(idx, anchor_delta, offsets[i, c, :size], weights.get(i))
         return deltas, is_anchor
+
+    def _anchor_weights(self, inputs: PolicyInputs, picks: list[torch.Tensor], examples: Sequence[int]
+                        ) -> dict[int, torch.Tensor | None]:
+        """Each of ``examples``' weights of its anchors' estimates (`estimate_offsets`): float64 [a_i, m'_i]
+        on the CPU for ``nearest``, None for the mean."""
+        if self.anchor_weighting == "mean":
+            return dict.fromkeys(examples)
+        return {i: nearest_anchor_weights(to_device(picks[i], self.model.device),
+                                          response_embeddings(self.model, inputs.sequences[i])[0]).cpu()
+                for i in examples}
 
     def _estimates(self, inputs: PolicyInputs, round_: int, picks: list[torch.Tensor]) -> torch.Tensor:
         """The deltas float64 [n, k, M] that round ``round_``'s anchors estimate at the current
@@ -571,12 +592,13 @@ class LoRAPolicyScorer:
             return self._estep.deltas
         if self.lora.at_base():
             deltas = torch.zeros(n, self.k, m, dtype=torch.float64)
-            for i, idx in enumerate(picks):
-                size = len(inputs.sequences[i])
-                if len(idx) < size:
-                    s_ref = inputs.ref_contraction[i, :size, :size]
-                    deltas[i, :, :size] = estimate_offsets(self.estimation, idx, s_ref[idx], inputs.ref_logp[i, :size],
-                                                           s_ref)
+            estimated = [i for i, idx in enumerate(picks) if len(idx) < len(inputs.sequences[i])]
+            weights = self._anchor_weights(inputs, picks, estimated)
+            for i in estimated:
+                size, idx = len(inputs.sequences[i]), picks[i]
+                s_ref = inputs.ref_contraction[i, :size, :size]
+                deltas[i, :, :size] = estimate_offsets(self.estimation, idx, s_ref[idx], inputs.ref_logp[i, :size],
+                                                       s_ref, weights[i])
             return deltas
         log.info("M-step %d: no E-step of these inputs at these anchors; computing their input gradients first",
                  round_)
