@@ -526,7 +526,6 @@ class LoRAPolicyScorer:
         exact at the anchors, estimated elsewhere) and the anchor mask bool [n, M]."""
         n, m = inputs.tiers.shape
         picks = self._anchor_picks(inputs, round_, anchors)
-        full = _every_response_an_anchor(inputs, picks)
         # The examples with a response to estimate first: their rows take input gradients. The others
         # (every response an anchor, in a ragged slate) run forward only, in passes of their own.
         estimated = [i for i in range(n) if len(picks[i]) < len(inputs.sequences[i])]
@@ -539,10 +538,11 @@ class LoRAPolicyScorer:
         bar = self._bar(total=len(rows), desc=what, unit="row")
         half = max(1, self.score_batch_size // 2)
         try:
-            with passes_sized_by(f"{what} runs up to score_batch_size = {self.score_batch_size} rows a pass (a response "
-                                 f"under one adapter{'' if full else ', with its input gradients'}); lower it "
-                                 f"(--set train.score_batch_size={half}, or evaluate.score_batch_size in evaluate)"):
-                for part, input_grads in ((rows[:with_grads], True), (rows[with_grads:], False)):
+            for part, input_grads in ((rows[:with_grads], True), (rows[with_grads:], False)):
+                with passes_sized_by(f"{what} runs up to score_batch_size = {self.score_batch_size} rows a pass (a "
+                                     f"response under one adapter{', with its input gradients' if input_grads else ''});"
+                                     f" lower it (--set train.score_batch_size={half}, or evaluate.score_batch_size in "
+                                     "evaluate)"):
                     for start in range(0, len(part), self.score_batch_size):
                         chunk = part[start : start + self.score_batch_size]
                         copies.add(self._pass(inputs, chunk, input_grads=input_grads, train=False))
