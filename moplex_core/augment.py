@@ -190,9 +190,9 @@ def refuse_unrenderable_prompts(config: AugmentConfig, rankings: pa.Table) -> No
         except ValueError as err:
             failed.setdefault(row["prompt_id"], str(err))
     if failed:
-        shown = ", ".join(sorted(failed)[:10])
-        raise ValueError(f"{len(failed)} prompt(s) cannot be rendered for generation ({shown}"
-                         f"{', ...' if len(failed) > 10 else ''}); the first: {next(iter(failed.values()))}")
+        named = sorted(failed)
+        raise ValueError(f"{len(failed)} prompt(s) cannot be rendered for generation ({', '.join(named[:10])}"
+                         f"{', ...' if len(failed) > 10 else ''}); the first: {failed[named[0]]}")
 
 
 def groups_of(rankings: pa.Table, backend: str) -> tuple[list[Group], list[str]]:

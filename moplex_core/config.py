@@ -651,7 +651,7 @@ class TrainConfig(StageConfig):
     ``anchor_weighting``: a non-anchor's estimate is the ``mean`` of every anchor's first-order
     estimate of it (the paper's Algorithm 1) or the estimate of the ``nearest`` anchor in input
     embedding space alone, where the first-order term is most accurate (README, "Which anchor
-    estimates a response"); in the version only when ``nearest``.
+    estimates a response"); in the version only when ``nearest`` with at least 2 anchors.
     ``epochs`` passes over the weighted (example, cluster) pairs per M-step, in minibatches of
     ``batch_size`` pairs (a rows each, m' without anchors: the M-step's memory); ``first_epochs``
     (None = ``epochs``) for the first M-step, which starts with every adapter at the base model and
@@ -785,8 +785,8 @@ class TrainConfig(StageConfig):
         dropout is on: its masks are drawn pass by pass (so by how rows are grouped into passes) and
         by the device's generator (train.plan_train adds the device type)."""
         volatile = {"score_batch_size", "device", "chunk_size"} - ({"score_batch_size"} if self.lora_dropout else set())
-        if self.anchor_weighting == "mean":  # the default of before the setting existed: those versions hold
-            volatile.add("anchor_weighting")
+        if self.anchor_weighting == "mean" or self.anchors in (None, 1):  # the default, or nothing to weigh:
+            volatile.add("anchor_weighting")  # the versions of before the setting existed hold
         return self.model_dump(mode="json", exclude=volatile)
 
 

@@ -53,8 +53,9 @@ CODE_VERSION = "ingest-1"
 # ratings outside 1..5 (NaN, infinity) and annotations that are not objects are refused (they were
 # ranked). persona-2: a "key:" line with no value is a field, not part of the previous value. prism-2:
 # the release's "EMPTY STRING" (its empty texts) is no prompt or response (it was ranked as one).
-# helpsteer2-2: a multi-turn prompt's turns become prompt_messages (helpsteer2.split_turns).
-ADAPTER_VERSIONS = {"generic": "generic-5", "ultrafeedback": "ultrafeedback-2", "persona": "persona-2",
+# helpsteer2-2: a multi-turn prompt's turns become prompt_messages (helpsteer2.split_turns). generic-6: a
+# prompt_messages that is empty or ends on the assistant's turn is refused (it was kept, to fail in augment).
+ADAPTER_VERSIONS = {"generic": "generic-6", "ultrafeedback": "ultrafeedback-2", "persona": "persona-2",
                     "prism": "prism-2", "helpsteer2": "helpsteer2-2"}
 
 

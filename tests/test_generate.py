@@ -20,7 +20,7 @@ from transformers import AutoModelForCausalLM
 
 from lm_fixtures import HUB_NAME, as_cached_hub_model, tiny_model_dir, tiny_tokenizer  # noqa: F401 - fixtures
 from moplex_core.augment import Group, fill_groups
-from moplex_core.generate import vllm_worker
+from moplex_core.generate import vllm_backend, vllm_worker
 from moplex_core.generate.base import SampleRequest, normalise, request_seed, sample_seed
 from moplex_core.generate.borrow import BorrowGenerator, borrow_pools
 from moplex_core.generate.hf import HFGenerator, sampling_processors
@@ -207,6 +207,13 @@ def test_both_model_backends_stop_at_the_tokenizers_eos_and_the_generation_confi
         vllm.close(failed=True)
     assert sorted(hf._eos_ids) == stops == sorted({vllm._tokenizer.eos_token_id, tokenizer_eos + 1})
     assert vllm._tokenizer.eos_token_id == tokenizer_eos
+    (model / "generation_config.json").unlink()  # then config.json's EOS, for both (transformers builds hf's)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "eos_token_id": tokenizer_eos + 2}))
+    hf = HFGenerator(str(model), max_new_tokens=4)
+    hf.close()
+    assert sorted(hf._eos_ids) == vllm_backend._stop_token_ids(str(model), hf._tokenizer) == [
+        tokenizer_eos, tokenizer_eos + 2]
 
 
 def _vllm(tiny_model_dir: Path | str, python: str = sys.executable, **kwargs) -> VLLMGenerator:

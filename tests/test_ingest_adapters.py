@@ -480,7 +480,7 @@ def test_a_generic_split_column_that_is_not_kept_is_not_checked_either(tmp_path,
 
 
 def test_adapter_changes_change_only_their_datasets_versions():
-    assert code_version("generic") == "ingest-1+generic-5"
+    assert code_version("generic") == "ingest-1+generic-6"
     assert code_version("ultrafeedback") == "ingest-1+ultrafeedback-2"
     assert code_version("persona") == "ingest-1+persona-2"
     assert code_version("prism") == "ingest-1+prism-2"

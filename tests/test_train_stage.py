@@ -212,6 +212,7 @@ def test_score_batch_size_and_the_device_enter_the_version_only_with_lora_dropou
     assert version(lora_dropout=0.1, device="cpu") != version(lora_dropout=0.1, device="meta")
     assert "anchor_weighting" not in CONFIG.identity()  # the mean: versions of before the setting hold
     assert version(anchor_weighting="nearest") != version()
+    assert version(anchor_weighting="nearest", anchors=None) == version(anchors=None)  # nothing to weigh
     # bfloat16 runs of train-11 summed a mixed batch's adapter gradients in bfloat16: theirs are new versions
     cache = f"cache/{cache_dir.name}"
     for dtype, marked in (("bfloat16", True), ("float32", False)):  # exact scores: no marker of the anchors' changes

@@ -96,12 +96,13 @@ def request_rows(
 
 
 def _stop_token_ids(model: str, tokenizer: PreTrainedTokenizerBase) -> list[int]:
-    """`stop_token_ids` of the model at ``model``, from its generation_config.json if it has one."""
+    """`stop_token_ids` of the model at ``model``: its generation config's EOS, from config.json when it
+    has no generation_config.json (as transformers builds a loaded model's, which the hf backend reads)."""
     try:
-        eos = GenerationConfig.from_pretrained(model).eos_token_id
+        generation = GenerationConfig.from_pretrained(model)
     except OSError:  # the model has no generation_config.json
-        eos = None
-    return stop_token_ids(tokenizer, eos)
+        generation = GenerationConfig.from_model_config(AutoConfig.from_pretrained(model))
+    return stop_token_ids(tokenizer, generation.eos_token_id)
 
 
 class VLLMWorkerError(RuntimeError):

@@ -20,7 +20,10 @@ import torch
 def first_order_only(backward: Callable[..., Any]) -> Callable[..., Any]:
     """A Function's ``backward`` that refuses to run where autograd would record it for a second
     derivative: with ``create_graph=True`` the engine runs a backward with grad mode on (and only
-    then), so this raises there, and otherwise calls ``backward`` as it is."""
+    then), so this raises there, and otherwise calls ``backward`` as it is. Earlier than
+    ``once_differentiable``, which let a ``create_graph=True`` backward through and failed only when
+    something differentiated its result again: a gradient penalty through these layers, say, now
+    fails at its first backward (moplex takes none)."""
 
     @functools.wraps(backward)
     def checked(ctx: Any, *grads: Any) -> Any:

@@ -574,11 +574,12 @@ class LoRAPolicyScorer:
                         ) -> dict[int, torch.Tensor | None]:
         """Each of ``examples``' weights of its anchors' estimates (`estimate_offsets`): float64 [a_i, m'_i]
         on the CPU for ``nearest``, None for the mean."""
-        if self.anchor_weighting == "mean":
+        if self.anchor_weighting == "mean" or not examples:
             return dict.fromkeys(examples)
-        return {i: nearest_anchor_weights(to_device(picks[i], self.model.device),
-                                          response_embeddings(self.model, inputs.sequences[i])[0]).cpu()
-                for i in examples}
+        there = [nearest_anchor_weights(to_device(picks[i], self.model.device),
+                                        response_embeddings(self.model, inputs.sequences[i])[0]) for i in examples]
+        moved = torch.cat([w.flatten() for w in there]).cpu().split([w.numel() for w in there])  # one wait
+        return {i: w.view(there_w.shape) for i, w, there_w in zip(examples, moved, there, strict=True)}
 
     def _estimates(self, inputs: PolicyInputs, round_: int, picks: list[torch.Tensor]) -> torch.Tensor:
         """The deltas float64 [n, k, M] that round ``round_``'s anchors estimate at the current
