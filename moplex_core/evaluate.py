@@ -58,6 +58,7 @@ from moplex_core.metrics import (
     adjusted_rand_index,
     clustering_accuracy,
     fit_matching,
+    many_to_one_accuracy,
     normalized_mutual_information,
     pair_accuracy,
     per_cluster_accuracy,
@@ -106,6 +107,9 @@ def evaluate_mixture(
         rows.append((name, "nmi", "all", normalized_mutual_information(out["assigned"], split.labels)))
         if matching is not None:
             rows.append((name, "clustering_accuracy", "all", clustering_accuracy(out["assigned"], split.labels, matching)))
+            if k > k_true:  # one-to-one leaves k - k_true clusters without a label: count by majority too
+                rows.append((name, "clustering_accuracy_many_to_one", "all",
+                             many_to_one_accuracy(out["assigned"], split.labels, matching)))
             recall = per_cluster_accuracy(out["assigned"], split.labels, matching, k_true)
             rows += [(name, "clustering_accuracy", _name(c, label_names), float(v)) for c, v in enumerate(recall)]
     if matching is not None:
@@ -217,8 +221,9 @@ def _name(c: int, label_names: list[str] | None) -> str:
 # the evaluate stage: a train artifact and its cache in, `evaluation` out (DESIGN 3, 7)
 
 STAGE = "evaluate"
-CODE_VERSION = "evaluate-9"  # bump when a change to this stage changes what it writes (8: plots, "|" in labels;
-# 9: ranking accuracy leave_pair_out, marginal = the mixture's pairwise probability, non-finite scores refused)
+CODE_VERSION = "evaluate-10"  # bump when a change to this stage changes what it writes (8: plots, "|" in labels;
+# 9: ranking accuracy leave_pair_out, marginal = the mixture's pairwise probability, non-finite scores refused;
+# 10: clustering_accuracy_many_to_one when k exceeds the labels)
 METRICS_FILE = "metrics.parquet"
 METRICS_COLUMNS = ("method", "split", "metric", "cluster", "value", "seed")
 

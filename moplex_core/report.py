@@ -23,7 +23,8 @@ from matplotlib.ticker import MaxNLocator
 from moplex_core.em import estimates_off_by, likelihood_falls
 from moplex_core.evaluate import EM_START_SPLIT, MATCHED_ADAPTER, RANKING_VARIANTS
 
-HEADLINE = ("clustering_accuracy", "ari", "nmi", *(f"ranking_accuracy_{v}" for v in RANKING_VARIANTS),
+HEADLINE = ("clustering_accuracy", "clustering_accuracy_many_to_one", "ari", "nmi",
+            *(f"ranking_accuracy_{v}" for v in RANKING_VARIANTS),
             "heldout_log_likelihood")
 ESTIMATION_ROWS = ("estimated_entries", "mean_abs_error", "score_spread", "relative_error", "same_cluster",
                    "log_likelihood_estimated", "log_likelihood_exact")
@@ -75,7 +76,8 @@ def write_report(writer, metrics: pd.DataFrame, diagnostics: pd.DataFrame, em_re
         "",
         "Exact scores of every response. "
         + (f"Cluster ids are matched to the true labels (Hungarian) on `{fit}` and the matching is applied to every "
-           f"split (so `{fit}`'s own clustering accuracy is in-sample). " if fit is not None else
+           f"split (so `{fit}`'s own clustering accuracy is in-sample); with more clusters than labels, "
+           "`clustering_accuracy_many_to_one` also gives each cluster its majority label there. " if fit is not None else
            "The rankings carry no cluster labels: no clustering accuracy and no oracle routing. ")
         + "Ranking accuracy is, averaged over rankings, the fraction of a ranking's known pairs of original "
         "responses (different tiers; with a top-l ranking also a top item against one below it) that the scores "

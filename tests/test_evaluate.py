@@ -69,6 +69,18 @@ def test_more_labels_than_clusters_without_label_names_still_match(noise_free):
     assert set(more[more.metric.isin(["clustering_accuracy", "matched_adapter"])].cluster) == {"all", "0", "1"}
 
 
+def test_more_clusters_than_labels_add_the_many_to_one_accuracy(noise_free):
+    data, splits = noise_free
+    scorer = LinearScorer(4, 2)  # two clusters per true criterion, each pair alike: split by the posterior's ties
+    scorer.theta = torch.tensor([[3.0, 0.0], [0.0, 3.0], [3.0, 0.1], [0.1, 3.0]], dtype=torch.float64)
+    metrics = evaluate_mixture(scorer, torch.full((4,), 0.25, dtype=torch.float64), splits)
+    test = metrics[(metrics.split == "test") & (metrics.cluster == "all")].set_index("metric").value
+    # every cluster's rankings share its majority label; one-to-one drops the two clusters left over
+    assert test["clustering_accuracy_many_to_one"] == 1.0 > test["clustering_accuracy"]
+    two = evaluate_mixture(LinearScorer(2, 2), torch.tensor([0.5, 0.5], dtype=torch.float64), splits)
+    assert "clustering_accuracy_many_to_one" not in set(two.metric)  # k = labels: one-to-one is the number
+
+
 def test_without_labels_only_label_free_metrics_are_reported(noise_free):
     _, splits = noise_free
     unlabeled = {"test": EvalSplit(splits["test"].inputs, splits["test"].rankings)}

@@ -8,6 +8,7 @@ from moplex_core.metrics import (
     adjusted_rand_index,
     clustering_accuracy,
     fit_matching,
+    many_to_one_accuracy,
     normalized_mutual_information,
     pair_accuracy,
     score_credit,
@@ -41,6 +42,17 @@ def test_labels_without_a_partner_are_routed_to_the_cluster_holding_most_of_them
     # a label whose partner is an empty cluster goes where its members are
     empty = fit_matching(np.array([0] * 50 + [1] * 50), np.array([0] * 50 + [1] * 30 + [2] * 20), 3, 3)
     assert empty.mapping.tolist() == [0, 1, 2] and empty.routing.tolist() == [0, 1, 1]
+
+
+def test_more_clusters_than_labels_count_every_cluster_by_its_majority_label():
+    # 4 clusters split 2 labels perfectly: one-to-one leaves two clusters without a label (always wrong)
+    true_val = np.array([0, 0, 0, 0, 1, 1, 1, 1])
+    pred_val = np.array([0, 0, 2, 2, 1, 1, 3, 3])
+    matching = fit_matching(pred_val, true_val, 5, 2)  # cluster 4 holds nobody
+    assert matching.majority.tolist() == [0, 1, 0, 1, -1]
+    true_test, pred_test = np.array([0, 0, 1, 1, 1]), np.array([2, 0, 3, 1, 0])  # the last one wrong
+    assert clustering_accuracy(pred_test, true_test, matching) == pytest.approx(2 / 5)
+    assert many_to_one_accuracy(pred_test, true_test, matching) == pytest.approx(4 / 5)
 
 
 def test_matching_is_not_refitted_on_the_test_split():
