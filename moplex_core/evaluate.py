@@ -101,7 +101,7 @@ def evaluate_mixture(
         out = outputs[name]
         rows.append((name, "heldout_log_likelihood", "all", float(out["ll"].mean())))
         rows += _ranking_rows(name, out, split, alpha, matching, k_true, label_names)
-        if split.labels is None:
+        if split.labels is None or k == 1:  # one cluster holds every ranking: no clustering to measure
             continue
         rows.append((name, "ari", "all", adjusted_rand_index(out["assigned"], split.labels)))
         rows.append((name, "nmi", "all", normalized_mutual_information(out["assigned"], split.labels)))
@@ -223,7 +223,7 @@ def _name(c: int, label_names: list[str] | None) -> str:
 STAGE = "evaluate"
 CODE_VERSION = "evaluate-10"  # bump when a change to this stage changes what it writes (8: plots, "|" in labels;
 # 9: ranking accuracy leave_pair_out, marginal = the mixture's pairwise probability, non-finite scores refused;
-# 10: clustering_accuracy_many_to_one when k exceeds the labels)
+# 10: clustering_accuracy_many_to_one when k exceeds the labels, no clustering rows when k = 1)
 METRICS_FILE = "metrics.parquet"
 METRICS_COLUMNS = ("method", "split", "metric", "cluster", "value", "seed")
 
