@@ -476,7 +476,7 @@ class LoRAPolicyScorer:
         """The anchors of round ``round_`` of every example: int64 [a_i] each (all responses when full)."""
         picks = [torch.as_tensor(anchor_indices(eid, len(seqs), anchors, self.seed, round_))
                  for eid, seqs in zip(inputs.example_ids, inputs.sequences, strict=True)]
-        if inputs.ref_contraction is None and not _every_response_an_anchor(inputs, picks):
+        if inputs.ref_contraction is None and _estimated_examples(inputs, picks):
             raise ValueError(f"a = {anchors} anchors estimate scores from the reference contractions s_ref, and these "
                              "inputs have none (cache.contractions = false): score every response exactly "
                              "(anchors = None)")  # the stages refuse it first (config.no_contractions_message)
@@ -528,7 +528,7 @@ class LoRAPolicyScorer:
         picks = self._anchor_picks(inputs, round_, anchors)
         # The examples with a response to estimate first: their rows take input gradients. The others
         # (every response an anchor, in a ragged slate) run forward only, in passes of their own.
-        estimated = [i for i in range(n) if len(picks[i]) < len(inputs.sequences[i])]
+        estimated = _estimated_examples(inputs, picks)
         pairs = [(i, c) for i in estimated + sorted(set(range(n)) - set(estimated)) for c in range(self.k)]
         rows = [(i, c, j) for i, c in pairs for j in picks[i].tolist()]  # a pair's anchors in a run, as in the M-step
         with_grads = self.k * sum(len(picks[i]) for i in estimated)  # rows[:with_grads] take input gradients
@@ -587,13 +587,13 @@ class LoRAPolicyScorer:
         anchors; from the cache when every adapter is still the base model (s_c = s_ref, and the
         anchors' delta_c 0, up to the cache's reference gap); else an input-gradient pass now."""
         n, m = inputs.tiers.shape
-        if _every_response_an_anchor(inputs, picks):
+        estimated = _estimated_examples(inputs, picks)
+        if not estimated:
             return torch.zeros(n, self.k, m, dtype=torch.float64)
         if self._estep is not None and self._estep.round == round_ and self._estep.inputs == _inputs_key(inputs):
             return self._estep.deltas
         if self.lora.at_base():
             deltas = torch.zeros(n, self.k, m, dtype=torch.float64)
-            estimated = [i for i, idx in enumerate(picks) if len(idx) < len(inputs.sequences[i])]
             weights = self._anchor_weights(inputs, picks, estimated)
             for i in estimated:
                 size, idx = len(inputs.sequences[i]), picks[i]
@@ -677,9 +677,10 @@ class _MStepTerms:
                    to_device(estimates, device), to_device(weights, device))
 
 
-def _every_response_an_anchor(inputs: PolicyInputs, picks: list[torch.Tensor]) -> bool:
-    """Full computation: no response is estimated, so no input gradients, offsets or estimates."""
-    return all(len(p) == len(seqs) for p, seqs in zip(picks, inputs.sequences, strict=True))
+def _estimated_examples(inputs: PolicyInputs, picks: list[torch.Tensor]) -> list[int]:
+    """The examples with a response that is not an anchor, whose scores are estimated; none under full
+    computation (so no input gradients, offsets or estimates)."""
+    return [i for i, (p, seqs) in enumerate(zip(picks, inputs.sequences, strict=True)) if len(p) < len(seqs)]
 
 
 def _inputs_key(inputs: PolicyInputs) -> str:
