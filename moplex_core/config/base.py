@@ -1,0 +1,59 @@
+"""What every config is made of: frozen blocks of settings that refuse unknown keys, a stage config's
+identity (what its artifact version hashes) and fingerprint, devices, and local paths made absolute."""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Annotated, Any
+
+from pydantic import AfterValidator, BaseModel, ConfigDict
+
+from moplex_core.hashing import canonical_json, short_hash
+
+TINY_MODEL = "tiny"
+"""The special model value: the pipeline builds a tiny offline Qwen3 model (moplex_core.lm.tiny) from
+the ingested texts into the artifact root, versioned like any stage output, and uses it."""
+
+
+def absolute_path(path: str) -> str:
+    """``path`` made absolute against the working directory it is read in (``~`` expanded): the
+    manifests record it and later stages, CLI commands and retried flow runs read it from anywhere."""
+    return os.path.abspath(os.path.expanduser(path))
+
+
+def local_model_absolute(model: str | None) -> str | None:
+    """A model naming an existing local directory, made absolute; a hub name or "tiny" as given."""
+    if model is None or model == TINY_MODEL or not Path(model).expanduser().is_dir():
+        return model
+    return absolute_path(model)
+
+
+class Options(BaseModel):
+    """A frozen block of settings; unknown keys are errors, and so are NaN and infinity (JSON and
+    Python read them; they would pass the bounds and fail a stage later)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+
+def _torch_device(value: str) -> str:
+    if not re.fullmatch(r"auto|cpu|(mps|cuda)(:\d+)?", value):
+        raise ValueError(f"{value!r} is not a device: give auto, cpu, cuda, cuda:N, mps or mps:N")
+    return value
+
+
+Device = Annotated[str, AfterValidator(_torch_device)]
+"""Where a stage runs: refused up front when torch could not parse it (not after the stages before)."""
+
+
+class StageConfig(Options):
+    def identity(self) -> dict[str, Any]:
+        """The settings that change the stage's output (all of them unless a stage says otherwise)."""
+        return self.model_dump(mode="json")
+
+    def canonical_json(self) -> str:
+        return canonical_json(self.identity())
+
+    def fingerprint(self) -> str:
+        return short_hash(self.canonical_json())

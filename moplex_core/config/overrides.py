@@ -1,0 +1,130 @@
+"""``key=value`` text applied to a config (``moplex run --set``, ``prefect.yaml`` parameters), and a
+pydantic error as one line per setting, naming the key that was probably meant."""
+
+from __future__ import annotations
+
+import difflib
+import json
+from collections.abc import Sequence
+from typing import Any, TypeVar, get_args
+
+from pydantic import BaseModel, ValidationError
+
+C = TypeVar("C", bound=BaseModel)
+
+
+def with_overrides(config: C, assignments: Sequence[str]) -> C:
+    """A copy of ``config`` with ``key=value`` assignments applied (dotted keys reach nested blocks).
+
+    Values are read as JSON when they parse (``3``, ``0.5``, ``true``, ``null``, ``[0.8, 0.1, 0.1]``)
+    and as plain strings otherwise; a setting that takes text keeps a number or boolean as typed (a
+    root or revision named ``2024``). Unknown keys and invalid values raise one ``ValueError`` naming
+    every one of them.
+    """
+    data = config.model_dump(mode="json")
+    known = _dotted_keys(data)
+    blocks = [key for key in known if isinstance(_at(data, key), dict)]  # before any assignment changes data
+    problems = []
+    for assignment in assignments:
+        key, sep, raw = assignment.partition("=")
+        if not sep or not key:
+            problems.append(f"  {assignment!r}: expected key=value (e.g. {_example_key(data)}=...)")
+            continue
+        try:
+            value = json.loads(raw)
+        except json.JSONDecodeError:
+            value = raw
+        node = data
+        *parents, leaf = key.split(".")
+        for depth, part in enumerate(parents):
+            if not isinstance(node.get(part), dict):
+                block = ".".join(parents[:depth + 1])
+                meant = _closest_key(block, blocks)
+                within = ".".join(parents[:depth]) or type(config).__name__
+                problems.append(f"  {key}: {part!r} is not a block of {within}"
+                                + (f"; did you mean {meant}?" if meant else ""))
+                break
+            node = node[part]
+        else:
+            scalar = isinstance(value, (bool, int, float))
+            node[leaf] = raw if scalar and _takes_text(type(config), [*parents, leaf]) else value
+    try:
+        validated = type(config).model_validate(data)
+    except ValidationError as err:
+        problems.append(describe_validation_error(err, known))
+    if problems:
+        given = f" (overrides {list(assignments)})" if assignments else ""
+        raise ValueError(f"invalid {type(config).__name__} settings{given}:\n" + "\n".join(problems))
+    return validated
+
+
+def _takes_text(model: type[BaseModel], path: Sequence[str]) -> bool:
+    """Whether the setting at dotted ``path`` of ``model`` takes a string (``str``, ``str | None``, a
+    `Device`), so that what was typed for it is text even when it reads as a number."""
+    annotation: Any = model
+    for part in path:
+        blocks = [t for t in _types_in(annotation) if isinstance(t, type) and issubclass(t, BaseModel)]
+        field = blocks[0].model_fields.get(part) if blocks else None
+        if field is None:
+            return False
+        annotation = field.annotation
+    return str in _types_in(annotation)
+
+
+def _types_in(annotation: Any) -> list[Any]:
+    """``annotation`` and every type inside it (unions, Optional, Annotated), flattened."""
+    return [annotation, *(t for arg in get_args(annotation) for t in _types_in(arg))]
+
+
+def _example_key(data: dict[str, Any]) -> str:
+    """A real key of these settings to show in an error: the first one inside a block, else the first."""
+    for name, value in data.items():
+        if isinstance(value, dict) and value:
+            return f"{name}.{next(iter(value))}"
+    return next(iter(data), "key")
+
+
+def _dotted_keys(data: dict[str, Any], prefix: str = "") -> list[str]:
+    """Every setting of a dumped config as a dotted key (``train.em_iterations``), blocks included."""
+    keys = []
+    for name, value in data.items():
+        keys.append(prefix + name)
+        if isinstance(value, dict):
+            keys += _dotted_keys(value, f"{prefix}{name}.")
+    return keys
+
+
+def _at(data: dict[str, Any], key: str) -> Any:
+    """The value at dotted ``key`` of a dumped config."""
+    for part in key.split("."):
+        data = data[part]
+    return data
+
+
+def _closest_key(key: str, known: Sequence[str]) -> str | None:
+    """The setting ``key`` was probably meant as: one of that name in another block (``em_iterations``
+    for ``train.em_iterations``), else the nearest spelling."""
+    leaf = key.rsplit(".", 1)[-1]
+    same_name = [k for k in known if k.rsplit(".", 1)[-1] == leaf and k != key]
+    if same_name:
+        return same_name[0]
+    close = difflib.get_close_matches(key, known, n=1, cutoff=0.8)
+    return close[0] if close else None
+
+
+def describe_validation_error(err: ValidationError, known: Sequence[str] = ()) -> str:
+    """One line per problem, ``dotted.key: what is wrong (got value)``, without pydantic's URLs;
+    ``known`` (every dotted key of the settings) lets an unknown key name the one it was likely meant as."""
+    lines = []
+    for problem in err.errors():
+        key = ".".join(str(part) for part in problem["loc"])
+        if problem["type"] == "extra_forbidden":
+            meant = _closest_key(key, known)
+            hint = f"did you mean {meant}?" if meant else "check the spelling"
+            lines.append(f"  {key}: unknown key (not a setting of this block; {hint})")
+            continue
+        message = problem["msg"].removeprefix("Value error, ")
+        said = isinstance(problem.get("input"), dict) or ", got " in message  # a validator's own message names it
+        got = "" if said else f" (got {problem.get('input')!r})"
+        lines.append(f"  {key + ': ' if key else ''}{message}{got}")
+    return "\n".join(lines)
