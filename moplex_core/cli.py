@@ -58,7 +58,6 @@ def _experiment_approximation(args: argparse.Namespace) -> int:
 
 def _experiment_compare(args: argparse.Namespace) -> int:
     # Runs the compare flow (several pipeline subflows) in this process, like `moplex run`.
-    from moplex_core.config import pipeline_preset, with_overrides
     from moplex_core.methods import METHODS
     from moplex_core.experiments.compare import plan_runs
 
@@ -66,9 +65,8 @@ def _experiment_compare(args: argparse.Namespace) -> int:
     if args.seeds < 1:
         print(f"moplex experiment compare: --seeds must be at least 1, got {args.seeds}", file=sys.stderr)
         return 1
-    overrides = args.set + ([f"root={args.root}"] if args.root else [])
     try:
-        base = _with_root(with_overrides(pipeline_preset(args.data), args.set), args.root)
+        base, overrides = _preset_run(args.data, args)
         runs = plan_runs(base, methods, list(range(args.seed, args.seed + args.seeds)))
     except ValueError as err:
         print(f"moplex experiment compare: {err}", file=sys.stderr)
@@ -90,12 +88,16 @@ def _experiment_compare(args: argparse.Namespace) -> int:
     return 0 if completed else 1
 
 
-def _with_root(config: PipelineConfig, root: str | None) -> PipelineConfig:
-    """``config`` with ``--root`` applied after the ``--set`` overrides, so that an error in those
-    lists only what was typed after ``--set``."""
-    from moplex_core.config import with_overrides
+def _preset_run(preset: str, args: argparse.Namespace) -> tuple[PipelineConfig, list[str]]:
+    """The pipeline preset ``preset`` with ``--set`` and then ``--root`` applied (a ValueError before
+    Prefect starts; ``--root`` apart, so that an error in the others lists only what was typed after
+    ``--set``), and those as the overrides a flow run takes, ``--root`` last."""
+    from moplex_core.config import pipeline_preset, with_overrides
 
-    return with_overrides(config, [f"root={root}"]) if root else config
+    config = with_overrides(pipeline_preset(preset), args.set)
+    if args.root:
+        config = with_overrides(config, [f"root={args.root}"])
+    return config, args.set + ([f"root={args.root}"] if args.root else [])
 
 
 def _prefect_unreachable(command: str, err: RuntimeError) -> int:
@@ -214,7 +216,7 @@ def _assign(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace) -> int:
     # The command-line twin of the Prefect flow flows/pipeline.py, run in this process; moplex_core
     # never imports prefect, so the flow is imported here, lazily.
-    from moplex_core.config import pipeline_preset, preset_description, preset_names, with_overrides
+    from moplex_core.config import preset_description, preset_names
 
     if args.list or args.preset is None:
         if not args.list:
@@ -224,7 +226,7 @@ def _run(args: argparse.Namespace) -> int:
             print(f"  {name:<22} {preset_description(name)}")
         return 0 if args.list else 1
     try:
-        config = _with_root(with_overrides(pipeline_preset(args.preset), args.set), args.root)
+        overrides = _preset_run(args.preset, args)[1]
     except ValueError as err:
         print(f"moplex run: {err}", file=sys.stderr)
         return 1
@@ -235,7 +237,7 @@ def _run(args: argparse.Namespace) -> int:
     from flows.pipeline import run_in_process
 
     try:
-        completed, message = run_in_process(config)
+        completed, message = run_in_process(args.preset, overrides)
     except RuntimeError as err:
         return _prefect_unreachable("moplex run", err)
     print(message if completed else f"moplex run: {message}", file=sys.stdout if completed else sys.stderr)

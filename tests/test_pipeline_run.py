@@ -182,6 +182,7 @@ def test_a_signal_to_the_process_group_stops_moplex_run_at_once_and_its_server_w
     with one line and the signal's status, and the server is stopped, not left behind."""
     status, text, left = _signal_moplex_run_in_train(tmp_path, getattr(signal, stop))
     assert status == 128 + getattr(signal, stop), text[-3000:]
+    assert f"preset synthetic-demo with overrides ['root={tmp_path / 'artifacts'}']" in text  # the run's parameters
     assert "moplex run: interrupted. Finished stages" in text
     assert "Traceback" not in text and "Error logging to API" not in text and "Connection refused" not in text
     assert "Finished in state Crashed" in text  # Prefect recorded the crash on its live server
