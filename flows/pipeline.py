@@ -242,9 +242,9 @@ def _raise_stop_signal(signum: int, frame: object) -> None:
     raise StopSignal(signum)
 
 
-def run_in_process(preset: str, overrides: list[str]) -> tuple[bool, str]:
-    """Run the pipeline here (``moplex run``; the caller has checked the settings); (completed, what
-    to tell the user). The run's parameters are the preset and the overrides, as a deployment's are:
+def run_in_process(preset: str, overrides: list[str], root: str) -> tuple[bool, str]:
+    """Run the pipeline here (``moplex run``; the caller has checked the settings, whose artifact root
+    is ``root``); (completed, what to tell the user). The run's parameters are the preset and the overrides, as a deployment's are:
     its first log line and the UI name them, and a retry applies them again."""
     with local_run_settings():
         state = moplex_pipeline(preset=preset, overrides=overrides, return_state=True)
@@ -260,7 +260,7 @@ def run_in_process(preset: str, overrides: list[str]) -> tuple[bool, str]:
     dirs = state.result()
     lines = [Path(dirs["report"]).read_text(), "artifacts (moplex inspect PATH shows any of them):"]
     lines += [f"  {stage:<9} {path}" for stage, path in dirs.items()]
-    root = shlex.quote(config.root)
+    root = shlex.quote(root)
     lines.append(f"\nNew rankings to these clusters (README, Using the trained mixture): moplex ingest --dataset generic "
                  f"--path FILE --root {root}, then moplex assign {shlex.quote(dirs['train'])} ingest/<version> --root {root}")
     lines.append(f"\nPrefect flow run {run_id} (stage versions, metrics, report and file paths under "

@@ -394,7 +394,8 @@ class ArtifactStore:
         if path.exists():
             return path
         in_stage_folder = len(path.parts) >= 2 and is_stage_folder(path.parent)
-        if text.strip("/").count("/") == 1:
+        spelled_as_path = path.is_absolute() or text.startswith((".", "~"))  # /tmp/x, ./x, ~/x: not stage/version
+        if text.strip("/").count("/") == 1 and not spelled_as_path:
             try:
                 return self.locate(text).path
             except ArtifactNotFoundError:
@@ -413,13 +414,20 @@ class ArtifactStore:
         if len(matches) == 1:
             return matches[0]
         if not matches:
-            where = self.root if self.root.is_dir() else (
-                f"{self.root.resolve()}, which {'is a file' if self.root.exists() else 'does not exist'} (run from "
-                "the folder the artifacts are under, or give --root; `make demo` writes data/artifacts)")
-            raise ArtifactNotFoundError(f"no artifact {ref} under {where} (versions of {ref.stage}: "
-                                        f"{_some(candidates)})")
+            if not self.root.is_dir():
+                raise ArtifactNotFoundError(f"no artifact {ref} under {self.missing_root()}")
+            stages = sorted(s.name for s in self.root.iterdir() if is_stage_folder(s))
+            found = (f"versions of {ref.stage}: {_some(candidates)}" if (self.root / ref.stage).is_dir()
+                     else f"no stage {ref.stage!r} there; its stages: {', '.join(stages) or 'none'}")
+            raise ArtifactNotFoundError(f"no artifact {ref} under {self.root} ({found})")
         raise ArtifactError(f"{ref} is ambiguous under {self.root}: it matches {_some(matches)}; give more of the "
                             "version")
+
+
+    def missing_root(self) -> str:
+        """The root named for a user whose root is not a folder, with what to do."""
+        return (f"{self.root.resolve()}, which {'is a file' if self.root.exists() else 'does not exist'} (run from the "
+                "folder the artifacts are under, or give --root; `make demo` writes data/artifacts)")
 
 
 def _some(infos: list[ArtifactInfo], shown: int = 8) -> str:

@@ -226,7 +226,7 @@ def _run(args: argparse.Namespace) -> int:
             print(f"  {name:<22} {preset_description(name)}")
         return 0 if args.list else 1
     try:
-        overrides = _preset_run(args.preset, args)[1]
+        config, overrides = _preset_run(args.preset, args)
     except ValueError as err:
         print(f"moplex run: {err}", file=sys.stderr)
         return 1
@@ -237,7 +237,7 @@ def _run(args: argparse.Namespace) -> int:
     from flows.pipeline import run_in_process
 
     try:
-        completed, message = run_in_process(args.preset, overrides)
+        completed, message = run_in_process(args.preset, overrides, config.root)
     except RuntimeError as err:
         return _prefect_unreachable("moplex run", err)
     print(message if completed else f"moplex run: {message}", file=sys.stdout if completed else sys.stderr)
@@ -251,6 +251,8 @@ def _inspect(args: argparse.Namespace) -> int:
     store = ArtifactStore(args.root)
     try:
         if args.path is None:  # the root's listing
+            if not store.root.is_dir():
+                raise ArtifactError(f"no artifacts to list: the root is {store.missing_root()}")
             target = store.root
         else:
             target = store.resolve(args.path)

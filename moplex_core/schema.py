@@ -284,7 +284,7 @@ def _convert(values: Any, f: pa.Field) -> tuple[pa.Array, list[Any], list[RowIss
         except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, OverflowError):
             converted.append(None)
             issues.append(RowIssue(r, None, f.name, f"expected {f.type}, got {type(v).__name__} {_short(v)}"
-                                   + ("; indices and counts are whole numbers" if _has_fraction(v) else "")))
+                                   + _type_hint(f, v)))
     return pa.array(converted, type=f.type), converted, issues
 
 
@@ -309,6 +309,18 @@ def _holds_integers(type_: pa.DataType) -> bool:
 def _whole(value: Any) -> bool:
     """A finite number without a fraction (2, 2.0, Decimal("2"))."""
     return isinstance(value, (numbers.Real, Decimal)) and math.isfinite(value) and value == int(value)
+
+
+def _type_hint(f: pa.Field, value: Any) -> str:
+    """What a value of the wrong type for field ``f`` was probably meant as, or ""."""
+    if _has_fraction(value):
+        return "; indices and counts are whole numbers"
+    if isinstance(value, str) and pa.types.is_list(f.type):
+        return "; give the list itself, not its text"
+    if f.name == "ranking" and value and all(isinstance(v, numbers.Integral) for v in value):  # a flat order
+        return (f"; a ranking is a list of tiers, best first, each a list of response indices: "
+                f"{[[v] for v in value]} for {' > '.join(map(str, value))}")
+    return ""
 
 
 def _has_fraction(value: Any) -> bool:
@@ -454,7 +466,7 @@ def _own_issues(row: dict[str, Any], label_set: set[str] | None, require_split: 
         for reason in _ranking_issues(ranking, len(responses)):
             bad("ranking", reason)
     prefix = row["ranked_prefix"]
-    if prefix is None:
+    if prefix is None and ranking is not None:  # without a ranking, its prefix is that error's, not one more
         bad("ranked_prefix", "is missing")
     elif ranking and not 1 <= prefix <= len(ranking):
         bad("ranked_prefix", f"is {prefix}; it counts observed tiers, so 1..{len(ranking)} for this ranking")

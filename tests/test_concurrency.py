@@ -151,6 +151,9 @@ def test_a_root_under_a_file_is_a_clear_error_and_a_missing_root_is_named(tmp_pa
     assert f"cannot write {tmp_path / 'afile' / 'root'}" in err and "a part of the path is a file, not a folder" in err
     assert main(["inspect", "ingest/abcd", "--root", str(tmp_path / "nowhere")]) == 1
     assert f"under {tmp_path / 'nowhere'}, which does not exist" in capsys.readouterr().err
+    assert main(["inspect", "--root", str(tmp_path / "nowhere")]) == 1  # the root's listing
+    assert f"no artifacts to list: the root is {tmp_path / 'nowhere'}, which does not exist (run from" in \
+        capsys.readouterr().err
 
 
 def test_a_read_only_file_system_is_a_clear_error_and_a_finished_version_still_reads(tmp_path, capsys, monkeypatch):

@@ -79,6 +79,10 @@ BAD_ROWS = [
     ("ranked_prefix", {"ranked_prefix": 1.5}, "expected int32, got float 1.5; indices and counts are whole numbers"),
     ("ranking", {"ranking": [[1], [0.5, 2]]}, "got list [[1], [0.5, 2]]; indices and counts are whole numbers"),
     ("ranking", {"ranking": [[True], [0, 2]]}, "expected list<item: list<item: int32>>, got list [[True], [0, 2]]"),
+    ("ranking", {"ranking": [2, 0, 1]}, "got list [2, 0, 1]; a ranking is a list of tiers, best first, each a list "
+                                        "of response indices: [[2], [0], [1]] for 2 > 0 > 1"),
+    ("ranking", {"ranking": "[[0], [1, 2]]"}, "got str '[[0], [1, 2]]'; give the list itself, not its text"),
+    ("ranking", {"ranking": None, "ranked_prefix": None}, "is missing"),  # and nothing of its prefix
 ]
 
 
