@@ -68,8 +68,10 @@ def test_overrides_reach_nested_blocks_and_name_bad_keys():
     assert config.seed == 7 and config.revision == "main"
     with pytest.raises(ValueError, match="ultrafeedback.nope"):
         with_overrides(config, ["ultrafeedback.nope=1"])
-    with pytest.raises(ValueError, match="expected key=value"):
-        with_overrides(config, ["seed"])
+    with pytest.raises(ValueError, match=r"'seed': expected key=value \(e.g. seed=...\)"):
+        with_overrides(config, ["seed"])  # a known key: the example is that key
+    with pytest.raises(ValueError, match="'ingest' is not a block of IngestConfig; did you mean seed"):
+        with_overrides(config, ["ingest.seed=3"])  # `moplex run`'s spelling given to `moplex ingest`
     with pytest.raises(ValueError, match="'seed' is not a block"):
         with_overrides(config, ["seed.x=1"])
     with pytest.raises(ValueError) as every:  # one error names every bad assignment, the example is real

@@ -625,3 +625,16 @@ def test_split_sizes_deal_whole_prompts_to_exact_ranking_counts():
     assert Counter(splits) == {"train": 3612, "validation": 448, "test": 452, None: 4800 - 4512}
     with pytest.raises(ValueError, match="ask for 4512 rankings but the source gives 400"):
         assign_splits(prompt_ids[:400], SplitConfig(sizes=(3612, 448, 452)), seed=0)
+
+
+def test_a_source_too_small_for_a_split_says_which_split_got_nothing(tmp_path, caplog):
+    rows = [{"prompt": f"prompt {i}", "responses": ["a", "b"], "ranking": [[0], [1]]} for i in range(3)]
+    (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    table = build_rankings(IngestConfig(dataset="generic", path=str(tmp_path / "rows.jsonl"))).table
+    assert set(table.column("split").to_pylist()) == {"train"}
+    assert ("split validation and test got no rankings: 3 prompt(s) are too few for split.fractions [0.8, 0.1, 0.1]"
+            in caplog.text)
+    caplog.clear()
+    build_rankings(IngestConfig(dataset="generic", path=str(tmp_path / "rows.jsonl"),
+                                split=SplitConfig(fractions=(0.4, 0.3, 0.3))))
+    assert "got no rankings" not in caplog.text

@@ -82,6 +82,8 @@ def test_unknown_keys_and_unknown_presets_are_refused():
         with_overrides(demo, ["fault.stage=model", "augment=null", "cache.model=/models/base"])
     with pytest.raises(ValueError, match="unknown pipeline preset 'nope'.*synthetic-demo"):
         pipeline_preset("nope")
+    with pytest.raises(ValueError, match="unknown pipeline preset 'synthetic-dmeo'.*did you mean synthetic-demo\\?"):
+        pipeline_preset("synthetic-dmeo")
     with pytest.raises(ValidationError, match="fit_split"):
         PipelineConfig.model_validate({**demo.model_dump(mode="json"), "evaluate": {"splits": ["test"]}})
 

@@ -28,7 +28,8 @@ def with_overrides(config: C, assignments: Sequence[str]) -> C:
     for assignment in assignments:
         key, sep, raw = assignment.partition("=")
         if not sep or not key:
-            problems.append(f"  {assignment!r}: expected key=value (e.g. {_example_key(data)}=...)")
+            example = assignment if assignment in known else _example_key(data)
+            problems.append(f"  {assignment!r}: expected key=value (e.g. {example}=...)")
             continue
         try:
             value = json.loads(raw)
@@ -39,7 +40,8 @@ def with_overrides(config: C, assignments: Sequence[str]) -> C:
         for depth, part in enumerate(parents):
             if not isinstance(node.get(part), dict):
                 block = ".".join(parents[:depth + 1])
-                meant = _closest_key(block, blocks)
+                unprefixed = key.split(".", 1)[1]  # `ingest.validation` given to the ingest config itself
+                meant = unprefixed if depth == 0 and unprefixed in known else _closest_key(block, blocks)
                 within = ".".join(parents[:depth]) or type(config).__name__
                 problems.append(f"  {key}: {part!r} is not a block of {within}"
                                 + (f"; did you mean {meant}?" if meant else ""))

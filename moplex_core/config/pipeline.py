@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import json
 from pathlib import Path
 from typing import Literal
@@ -106,7 +107,9 @@ def pipeline_preset(name: str) -> PipelineConfig:
     """The pipeline preset ``data/presets/<name>.json`` ({"description": ..., "config": {...}})."""
     path = PRESETS_DIR / f"{name}.json"
     if not path.is_file():
-        raise ValueError(f"unknown pipeline preset {name!r}: no {path}; choose one of {', '.join(preset_names())}")
+        meant = difflib.get_close_matches(name, preset_names(), n=1)
+        raise ValueError(f"unknown pipeline preset {name!r}: no {path}; "
+                         + (f"did you mean {meant[0]}? " if meant else "") + f"choose one of {', '.join(preset_names())}")
     try:
         return PipelineConfig.model_validate(json.loads(path.read_text())["config"])
     except (json.JSONDecodeError, KeyError, ValidationError) as err:
