@@ -145,6 +145,16 @@ def check_clusters_fit(k: int, n: int, holder: str) -> None:
                          f"clusters than rankings. Set train.k to at most {n}, or ingest more rankings.")
 
 
+def _equal_texts_apart(texts: list[str], tiers: list[list[int]]) -> bool:
+    """Whether a ranking orders two equal response texts (puts them in different tiers)."""
+    tier_of = {j: t for t, tier in enumerate(tiers) for j in tier}
+    seen: dict[str, int] = {}
+    for j, text in enumerate(texts):
+        if seen.setdefault(text, tier_of[j]) != tier_of[j]:
+            return True
+    return False
+
+
 def build_rankings(config: IngestConfig, inputs: dict[str, str] | None = None) -> BuiltRankings:
     """Canonical, validated, split rankings in memory. ``inputs`` as in `plan_ingest` (computed if None).
 
@@ -207,6 +217,13 @@ def build_rankings(config: IngestConfig, inputs: dict[str, str] | None = None) -
             f"no valid rankings left for dataset {config.dataset!r} ({adapted.stats}){detail}; every rejected "
             "row's reason: ingest with validation='strict'"
         )
+    repeated = [i for i, (texts, tiers) in enumerate(zip(table.column("responses").to_pylist(),
+                                                         table.column("ranking").to_pylist(), strict=True))
+                if _equal_texts_apart(texts, tiers)]
+    if repeated:
+        log.warning("%d ranking(s) put one response text in two tiers (the first: example_id %r): a policy gives equal "
+                    "texts equal scores, so no model can prefer one copy to the other", len(repeated),
+                    table.column("example_id")[repeated[0]].as_py())
     clusters = table.column("cluster").to_pylist()
     summary = {
         "adapter": adapted.stats,

@@ -638,3 +638,13 @@ def test_a_source_too_small_for_a_split_says_which_split_got_nothing(tmp_path, c
     build_rankings(IngestConfig(dataset="generic", path=str(tmp_path / "rows.jsonl"),
                                 split=SplitConfig(fractions=(0.4, 0.3, 0.3))))
     assert "got no rankings" not in caplog.text
+
+
+def test_a_ranking_that_orders_two_equal_texts_is_warned_about_and_a_tie_of_them_is_not(tmp_path, caplog):
+    rows = [{"prompt": "p1", "responses": ["a", "b", "a"], "ranking": [[0, 2], [1]]},  # equal texts tied: fine
+            {"prompt": "p2", "responses": ["a", "a", "b"], "ranking": [[0], [1], [2]]}]
+    (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    table = build_rankings(IngestConfig(dataset="generic", path=str(tmp_path / "rows.jsonl"))).table
+    second = table.column("example_id")[[r["prompt"] for r in table.to_pylist()].index("p2")].as_py()
+    assert table.num_rows == 2  # kept: legal data, only worth knowing
+    assert f"1 ranking(s) put one response text in two tiers (the first: example_id {second!r})" in caplog.text
