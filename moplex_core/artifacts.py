@@ -390,11 +390,11 @@ class ArtifactStore:
         """What a user typed for an artifact: an existing path as it is, else ``stage/version``
         (a version prefix is enough) under this root (`locate`), else a version prefix in an
         existing stage folder (``ROOT/STAGE/PREFIX``)."""
-        path = Path(text)
+        path = Path(text).expanduser()
         if path.exists():
             return path
         in_stage_folder = len(path.parts) >= 2 and is_stage_folder(path.parent)
-        spelled_as_path = path.is_absolute() or text.startswith((".", "~"))  # /tmp/x, ./x, ~/x: not stage/version
+        spelled_as_path = path.is_absolute() or text.startswith(".")  # /tmp/x, ~/x, ./x: not stage/version
         if text.strip("/").count("/") == 1 and not spelled_as_path:
             try:
                 return self.locate(text).path

@@ -91,13 +91,14 @@ def _experiment_compare(args: argparse.Namespace) -> int:
 def _preset_run(preset: str, args: argparse.Namespace) -> tuple[PipelineConfig, list[str]]:
     """The pipeline preset ``preset`` with ``--set`` and then ``--root`` applied (a ValueError before
     Prefect starts; ``--root`` apart, so that an error in the others lists only what was typed after
-    ``--set``), and those as the overrides a flow run takes, ``--root`` last."""
-    from moplex_core.config import pipeline_preset, with_overrides
+    ``--set``), and the overrides a flow run takes: the settings typed and the root, as checked here
+    (paths made absolute), so that a retry from another directory runs the same settings."""
+    from moplex_core.config import as_assignments, pipeline_preset, with_overrides
 
     config = with_overrides(pipeline_preset(preset), args.set)
     if args.root:
         config = with_overrides(config, [f"root={args.root}"])
-    return config, args.set + ([f"root={args.root}"] if args.root else [])
+    return config, as_assignments(config, [*(a.partition("=")[0] for a in args.set), "root"])
 
 
 def _prefect_unreachable(command: str, err: RuntimeError) -> int:

@@ -190,13 +190,12 @@ def build_rankings(config: IngestConfig, inputs: dict[str, str] | None = None) -
         table = table.set_column(table.schema.get_field_index("split"), "split", pa.array(splits, pa.string()))
         table = table.filter(pa.array([s is not None for s in splits], pa.bool_())).cast(RANKINGS_SCHEMA)
         outside = splits.count(None)
-        asked = config.split.fractions if config.split.sizes is None else config.split.sizes
-        empty = [name for name, share in zip(SPLITS, asked, strict=True) if share and name not in splits]
-        if empty:
-            log.warning("split %s got no rankings: %d prompt(s) are too few for split.%s %s (each prompt goes "
+        empty = [name for name, share in zip(SPLITS, config.split.fractions, strict=True)
+                 if share and name not in splits]
+        if config.split.sizes is None and table.num_rows and empty:  # sizes: the warning below says what was reached
+            log.warning("split %s got no rankings: %d prompt(s) are too few for split.fractions %s (each prompt goes "
                         "to one split); a pipeline's evaluate stage reads evaluate.splits (validation and test)",
-                        " and ".join(empty), len(set(groups)), "fractions" if config.split.sizes is None else "sizes",
-                        list(asked))
+                        " and ".join(empty), len(set(groups)), list(config.split.fractions))
         if outside:
             reached = Counter(s for s in splits if s is not None)
             log.warning("split.sizes %s reached %s: %d ranking(s) left out, their prompts' rankings fitting no "

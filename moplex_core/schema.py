@@ -317,7 +317,9 @@ def _type_hint(f: pa.Field, value: Any) -> str:
         return "; indices and counts are whole numbers"
     if isinstance(value, str) and pa.types.is_list(f.type):
         return "; give the list itself, not its text"
-    if f.name == "ranking" and value and all(isinstance(v, numbers.Integral) for v in value):  # a flat order
+    flat = isinstance(value, (list, tuple)) and value and all(
+        isinstance(v, numbers.Integral) and not isinstance(v, bool) for v in value)
+    if f.name == "ranking" and flat:  # an order without tiers
         return (f"; a ranking is a list of tiers, best first, each a list of response indices: "
                 f"{[[v] for v in value]} for {' > '.join(map(str, value))}")
     return ""

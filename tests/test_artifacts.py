@@ -118,7 +118,7 @@ def test_list_locate_and_fingerprint(tmp_path):
     assert store.resolve("demo/aab") == tmp_path / "demo" / "aab222"
     assert store.resolve(str(tmp_path / "demo" / "aaa111")) == tmp_path / "demo" / "aaa111"
     assert store.resolve("/no/such/folder") == Path("/no/such/folder")  # left for the caller to report
-    assert store.resolve("/no_such_root") == Path("/no_such_root")  # a path, though it reads as stage/version
+    assert store.resolve("/nosuchdir/abc") == Path("/nosuchdir/abc")  # a path, though it reads as stage/version
     with pytest.raises(ArtifactNotFoundError, match=r"no stage 'nope' there; its stages: demo\)$"):
         store.resolve("nope/abc")  # experiments/ holds no version: not a stage
     # a version prefix at the end of a stage folder's path, from anywhere

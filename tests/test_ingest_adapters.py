@@ -637,6 +637,8 @@ def test_a_source_too_small_for_a_split_says_which_split_got_nothing(tmp_path, c
     caplog.clear()
     build_rankings(IngestConfig(dataset="generic", path=str(tmp_path / "rows.jsonl"),
                                 split=SplitConfig(fractions=(0.4, 0.3, 0.3))))
+    build_rankings(IngestConfig(dataset="generic", path=str(tmp_path / "rows.jsonl"),  # the sizes' own warning
+                                split=SplitConfig(sizes=(1, 0, 0))))
     assert "got no rankings" not in caplog.text
 
 

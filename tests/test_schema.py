@@ -83,6 +83,8 @@ BAD_ROWS = [
                                         "of response indices: [[2], [0], [1]] for 2 > 0 > 1"),
     ("ranking", {"ranking": "[[0], [1, 2]]"}, "got str '[[0], [1, 2]]'; give the list itself, not its text"),
     ("ranking", {"ranking": None, "ranked_prefix": None}, "is missing"),  # and nothing of its prefix
+    ("ranking", {"ranking": 3}, "expected list<item: list<item: int32>>, got int 3"),
+    ("ranking", {"ranking": [True, False]}, "got list [True, False]"),
 ]
 
 

@@ -27,7 +27,7 @@ from moplex_core.config.ingest import (
     UltraFeedbackOptions,
     ingest_preset,
 )
-from moplex_core.config.overrides import describe_validation_error, with_overrides
+from moplex_core.config.overrides import as_assignments, describe_validation_error, with_overrides
 from moplex_core.config.pipeline import (
     PRESETS_DIR,
     FaultConfig,
@@ -45,7 +45,7 @@ __all__ = [
     "ULTRAFEEDBACK_CRITERIA", "VLLM_MAX_TEMPERATURE", "AugmentConfig", "CacheConfig", "DatasetName", "Device",
     "EvaluateConfig", "FaultConfig", "GeneratorBackend", "HelpSteer2Options", "IngestConfig", "ModelDtype", "Options",
     "PersonaOptions", "PipelineConfig", "PipelineStage", "PrismOptions", "SplitConfig", "StageConfig",
-    "SyntheticOptions", "TinyModelConfig", "TrainConfig", "UltraFeedbackOptions", "absolute_path",
+    "SyntheticOptions", "TinyModelConfig", "TrainConfig", "UltraFeedbackOptions", "absolute_path", "as_assignments",
     "describe_validation_error", "ingest_preset", "local_model_absolute", "no_contractions_message",
     "pipeline_preset", "preset_description", "preset_names", "with_overrides",
 ]

@@ -41,7 +41,8 @@ def with_overrides(config: C, assignments: Sequence[str]) -> C:
             if not isinstance(node.get(part), dict):
                 block = ".".join(parents[:depth + 1])
                 unprefixed = key.split(".", 1)[1]  # `ingest.validation` given to the ingest config itself
-                meant = unprefixed if depth == 0 and unprefixed in known else _closest_key(block, blocks)
+                own_name = depth == 0 and part not in data and unprefixed in known
+                meant = unprefixed if own_name else _closest_key(block, blocks)
                 within = ".".join(parents[:depth]) or type(config).__name__
                 problems.append(f"  {key}: {part!r} is not a block of {within}"
                                 + (f"; did you mean {meant}?" if meant else ""))
@@ -58,6 +59,23 @@ def with_overrides(config: C, assignments: Sequence[str]) -> C:
         given = f" (overrides {list(assignments)})" if assignments else ""
         raise ValueError(f"invalid {type(config).__name__} settings{given}:\n" + "\n".join(problems))
     return validated
+
+
+def as_assignments(config: BaseModel, keys: Sequence[str]) -> list[str]:
+    """``key=value`` for each of the dotted ``keys`` (once each), that `with_overrides` reads back as
+    ``config``'s values wherever it is applied again: a path as the config holds it (made absolute),
+    text quoted only where it would read as JSON (``"2024"``, ``"null"``)."""
+    data = config.model_dump(mode="json")
+    return [f"{key}={_as_text(_at(data, key))}" for key in dict.fromkeys(keys)]
+
+
+def _as_text(value: Any) -> str:
+    if isinstance(value, str):
+        try:
+            json.loads(value)
+        except json.JSONDecodeError:
+            return value
+    return json.dumps(value)
 
 
 def _takes_text(model: type[BaseModel], path: Sequence[str]) -> bool:
