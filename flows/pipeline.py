@@ -104,7 +104,7 @@ def moplex_pipeline(preset: str = "synthetic-demo", overrides: list[str] | None 
 
     def stage(name: str, *args, **kwargs) -> str:
         if config.fault.stage == name and run_count <= config.fault.times:
-            fail_on_purpose(config.fault, name, run_count, retry_command(flow_run.get_id()))
+            fail_on_purpose(config.fault, name, run_count, how_to_retry(flow_run.get_id()))
         try:
             return run_stage(name, lambda: STAGE_FLOWS[name](*args, **kwargs, root=root), config.stage_retries,
                              config.retry_delay_seconds, logger)
@@ -124,6 +124,13 @@ def retry_command(run_id) -> str:
     if deployment.get_id() is not None:
         return f"prefect flow-run retry {run_id}"
     return f"prefect flow-run retry {run_id} --entrypoint {Path(__file__).resolve()}:moplex_pipeline"
+
+
+def how_to_retry(run_id) -> str:
+    """The ways to retry pipeline run ``run_id``: the UI's Retry reaches a worker only for a run of a
+    deployment; the command, always."""
+    command = retry_command(run_id)
+    return f"UI: Retry; CLI: {command}" if deployment.get_id() is not None else f"CLI: {command}"
 
 
 def flow_run_url(run_id) -> str:
