@@ -161,8 +161,9 @@ def build_rankings(config: IngestConfig, inputs: dict[str, str] | None = None) -
     Raises `moplex_core.schema.SchemaError` in strict mode if any row is bad, and ``ValueError`` if
     no ranking is left after the dataset's filters.
     """
-    raw = RawRejects(drop=config.validation == "drop", within=config.path)
+    raw = RawRejects(drop=config.validation == "drop", within=config.path, read_on=True)
     adapted = _adapt(config, _source_label(config, _inputs(config) if inputs is None else inputs), raw)
+    raw.raise_if_any()  # strict: every record that could not be read, in one error
     if not adapted.rows:
         raise ValueError(
             f"the {config.dataset} source{f' at {config.path}' if config.path else ''} gave no rankings "

@@ -650,3 +650,19 @@ def test_a_ranking_that_orders_two_equal_texts_is_warned_about_and_a_tie_of_them
     second = table.column("example_id")[[r["prompt"] for r in table.to_pylist()].index("p2")].as_py()
     assert table.num_rows == 2  # kept: legal data, only worth knowing
     assert f"1 ranking(s) put one response text in two tiers (the first: example_id {second!r})" in caplog.text
+
+
+def test_strict_ingest_names_every_unreadable_record_in_one_error_up_to_a_limit(tmp_path, monkeypatch):
+    good = json.dumps({"prompt": "p", "responses": ["a", "b"], "ranking": [[0], [1]]})
+    (tmp_path / "rows.jsonl").write_text("\n".join([good, "{not json", good, "[1, 2]", "{cut", good]) + "\n")
+    config = IngestConfig(dataset="generic", path=str(tmp_path / "rows.jsonl"))
+    with pytest.raises(RawSchemaError) as err:
+        build_rankings(config)
+    lines = str(err.value).splitlines()
+    assert lines[0] == "3 source record(s) cannot be read or lack the dataset's fields:"
+    assert [line.split(" is ")[0].strip() for line in lines[1:4]] == [
+        f"{tmp_path / 'rows.jsonl'} line {n}" for n in (2, 4, 5)]
+    assert "ingest in drop mode" in lines[4]
+    monkeypatch.setattr("moplex_core.data.sources.READ_ON_LIMIT", 2)
+    with pytest.raises(RawSchemaError, match=r"^the first 2 \(reading stopped there\) source record"):
+        build_rankings(config)

@@ -73,15 +73,19 @@ class Record:
 @dataclass
 class RawRejects:
     """The records an ingest could not read or that lack the dataset's raw schema. In strict
-    validation (``drop`` False) the first one raises `RawSchemaError`; in drop validation each is
-    kept in ``rows`` (where, reason, the record as JSON text) and the others are read on. ``within``:
-    the local source (a file or folder); the rows name its files relative to it, a single file not at
-    all ("line 3"; the error raised names the whole path), so that rejected.parquet does not depend on
-    where the source lies or what it is called, as its version does not."""
+    validation (``drop`` False) the first one raises `RawSchemaError`, or with ``read_on`` (an
+    ingest's strict mode) the source is read on and `raise_if_any` names them all at the end, up to
+    `READ_ON_LIMIT`; in drop validation each is kept in ``rows`` (where, reason, the record as JSON
+    text) and the others are read on. ``within``: the local source (a file or folder); the rows name
+    its files relative to it, a single file not at all ("line 3"; the error raised names the whole
+    path), so that rejected.parquet does not depend on where the source lies or what it is called, as
+    its version does not."""
 
     drop: bool = False
     within: str | None = None
+    read_on: bool = False
     rows: list[dict[str, str]] = field(default_factory=list)
+    _strict: list[str] = field(default_factory=list, init=False, repr=False)  # read_on: reasons so far, whole paths
 
     def readable(self, records: Iterable[Record]) -> Iterator[Record]:
         """The records that could be read (see ``Record.unreadable``)."""
@@ -100,11 +104,27 @@ class RawRejects:
             self._reject(record, err)
 
     def _reject(self, record: Record, err: RawSchemaError) -> None:
-        if not self.drop:
+        if not self.drop and not self.read_on:
             raise RawSchemaError(f"{err}; to set such records aside in rejected.parquet and read the rest, ingest in "
                                  f"drop mode: {DROP_MODE}") from err
+        if not self.drop:
+            self._strict.append(str(err))
+            if len(self._strict) == READ_ON_LIMIT:
+                self.raise_if_any(stopped=True)
+            return
         text = record.raw if record.unreadable is not None else json_text(record.data)
         self.rows.append({"where": self.relative(record.where), "reason": self.relative(str(err)), "record": text})
+
+    def raise_if_any(self, stopped: bool = False) -> None:
+        """Strict with ``read_on``: raise `RawSchemaError` naming every record set aside (``stopped``:
+        reading stopped at `READ_ON_LIMIT` of them)."""
+        if not self._strict:
+            return
+        count = f"the first {len(self._strict)} (reading stopped there)" if stopped else str(len(self._strict))
+        raise RawSchemaError(
+            f"{count} source record(s) cannot be read or lack the dataset's fields:\n"
+            + "\n".join(f"  {reason}" for reason in self._strict)
+            + f"\nTo set such records aside in rejected.parquet and read the rest, ingest in drop mode: {DROP_MODE}")
 
     def relative(self, text: str) -> str:
         """``text`` with the local source left out of the paths it names: a folder's files relative to it,
@@ -116,6 +136,9 @@ class RawRejects:
 
 
 STRICT = RawRejects()  # for adapters called without an ingest's settings
+READ_ON_LIMIT = 50
+"""How many unreadable records a strict ingest names before it stops reading (a file in another format
+would otherwise be read to its end for one error per line)."""
 
 
 def local_files(path: str | Path, *, say_skipped: bool = False) -> list[Path]:
