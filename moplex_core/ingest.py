@@ -25,6 +25,7 @@ from moplex_core.data import generic, helpsteer2, persona, prism, ultrafeedback
 from moplex_core.data.sources import (
     AdapterOutput,
     RawRejects,
+    RawSchemaError,
     Record,
     iter_hub_records,
     iter_local_records,
@@ -145,9 +146,10 @@ def check_clusters_fit(k: int, n: int, holder: str) -> None:
                          f"clusters than rankings. Set train.k to at most {n}, or ingest more rankings.")
 
 
-def _equal_texts_apart(texts: list[str], tiers: list[list[int]]) -> bool:
-    """Whether a ranking orders two equal response texts (puts them in different tiers)."""
-    tier_of = {j: t for t, tier in enumerate(tiers) for j in tier}
+def _equal_texts_apart(texts: list[str], tiers: list[list[int]], prefix: int) -> bool:
+    """Whether a ranking orders two equal response texts: puts them in different observed tiers, or
+    one in the first ``prefix`` tiers and one after them (which are unordered among themselves)."""
+    tier_of = {j: min(t, prefix) for t, tier in enumerate(tiers) for j in tier}
     seen: dict[str, int] = {}
     for j, text in enumerate(texts):
         if seen.setdefault(text, tier_of[j]) != tier_of[j]:
@@ -162,7 +164,11 @@ def build_rankings(config: IngestConfig, inputs: dict[str, str] | None = None) -
     no ranking is left after the dataset's filters.
     """
     raw = RawRejects(drop=config.validation == "drop", within=config.path, read_on=True)
-    adapted = _adapt(config, _source_label(config, _inputs(config) if inputs is None else inputs), raw)
+    try:
+        adapted = _adapt(config, _source_label(config, _inputs(config) if inputs is None else inputs), raw)
+    except RawSchemaError as err:  # a whole file, or what follows from the records set aside (PRISM's survey)
+        raw.raise_if_any(then=err)
+        raise
     raw.raise_if_any()  # strict: every record that could not be read, in one error
     if not adapted.rows:
         raise ValueError(
@@ -192,8 +198,8 @@ def build_rankings(config: IngestConfig, inputs: dict[str, str] | None = None) -
         table = table.filter(pa.array([s is not None for s in splits], pa.bool_())).cast(RANKINGS_SCHEMA)
         outside = splits.count(None)
         empty = [name for name, share in zip(SPLITS, config.split.fractions, strict=True)
-                 if share and name not in splits]
-        if config.split.sizes is None and table.num_rows and empty:  # sizes: the warning below says what was reached
+                 if share and name not in splits] if config.split.sizes is None and table.num_rows else []
+        if empty:  # with sizes, the warning below says what was reached
             log.warning("split %s got no rankings: %d prompt(s) are too few for split.fractions %s (each prompt goes "
                         "to one split); a pipeline's evaluate stage reads evaluate.splits (validation and test)",
                         " and ".join(empty), len(set(groups)), list(config.split.fractions))
@@ -217,9 +223,10 @@ def build_rankings(config: IngestConfig, inputs: dict[str, str] | None = None) -
             f"no valid rankings left for dataset {config.dataset!r} ({adapted.stats}){detail}; every rejected "
             "row's reason: ingest with validation='strict'"
         )
-    repeated = [i for i, (texts, tiers) in enumerate(zip(table.column("responses").to_pylist(),
-                                                         table.column("ranking").to_pylist(), strict=True))
-                if _equal_texts_apart(texts, tiers)]
+    repeated = [i for i, (texts, tiers, prefix) in enumerate(zip(
+                    table.column("responses").to_pylist(), table.column("ranking").to_pylist(),
+                    table.column("ranked_prefix").to_pylist(), strict=True))
+                if _equal_texts_apart(texts, tiers, prefix)]
     if repeated:
         log.warning("%d ranking(s) put one response text in two tiers (the first: example_id %r): a policy gives equal "
                     "texts equal scores, so no model can prefer one copy to the other", len(repeated),

@@ -128,3 +128,8 @@ def test_assignments_of_checked_settings_give_them_back_from_any_directory(tmp_p
     assert "ingest.path=" + str(tmp_path / "data" / "r.jsonl") in again and "cache.model=\"2024\"" in again
     monkeypatch.chdir("/")
     assert with_overrides(pipeline_preset("synthetic-demo"), again) == config
+    # a block set whole after (or before) one of its keys: the block's assignment carries them
+    for typed in (["augment.n_generated=4", "augment=null"], ['train={"k": 2}', "train.lr=0.01"]):
+        config = with_overrides(pipeline_preset("synthetic-demo"), typed)
+        again = as_assignments(config, [a.partition("=")[0] for a in typed])
+        assert len(again) == 1 and with_overrides(pipeline_preset("synthetic-demo"), again) == config

@@ -644,11 +644,12 @@ def test_a_source_too_small_for_a_split_says_which_split_got_nothing(tmp_path, c
 
 def test_a_ranking_that_orders_two_equal_texts_is_warned_about_and_a_tie_of_them_is_not(tmp_path, caplog):
     rows = [{"prompt": "p1", "responses": ["a", "b", "a"], "ranking": [[0, 2], [1]]},  # equal texts tied: fine
-            {"prompt": "p2", "responses": ["a", "a", "b"], "ranking": [[0], [1], [2]]}]
+            {"prompt": "p2", "responses": ["a", "a", "b"], "ranking": [[0], [1], [2]]},
+            {"prompt": "p3", "responses": ["b", "a", "a"], "ranking": [[0], [1], [2]], "ranked_prefix": 1}]  # unordered
     (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     table = build_rankings(IngestConfig(dataset="generic", path=str(tmp_path / "rows.jsonl"))).table
     second = table.column("example_id")[[r["prompt"] for r in table.to_pylist()].index("p2")].as_py()
-    assert table.num_rows == 2  # kept: legal data, only worth knowing
+    assert table.num_rows == 3  # kept: legal data, only worth knowing
     assert f"1 ranking(s) put one response text in two tiers (the first: example_id {second!r})" in caplog.text
 
 
@@ -666,3 +667,16 @@ def test_strict_ingest_names_every_unreadable_record_in_one_error_up_to_a_limit(
     monkeypatch.setattr("moplex_core.data.sources.READ_ON_LIMIT", 2)
     with pytest.raises(RawSchemaError, match=r"^the first 2 \(reading stopped there\) source record"):
         build_rankings(config)
+
+
+def test_a_strict_prism_ingest_names_the_bad_survey_records_before_what_follows_from_them(tmp_path, fixtures_dir):
+    survey = [{k: v for k, v in json.loads(line).items() if k != "user_id"}
+              for line in (fixtures_dir / "prism" / "survey.jsonl").read_text().splitlines()]
+    (tmp_path / "survey.jsonl").write_text("".join(json.dumps(s) + "\n" for s in survey))
+    shutil.copy(fixtures_dir / "prism" / "conversations.jsonl", tmp_path / "conversations.jsonl")
+    with pytest.raises(RawSchemaError) as err:
+        build_rankings(IngestConfig(dataset="prism", path=str(tmp_path)))
+    lines = str(err.value).splitlines()
+    assert lines[0] == f"{len(survey)} source record(s) cannot be read or lack the dataset's fields:"
+    assert f"{tmp_path / 'survey.jsonl'} line 1: a PRISM record needs field(s) ['user_id']" in lines[1]
+    assert "After them, reading stopped at: " in str(err.value) and "no survey records" in str(err.value)

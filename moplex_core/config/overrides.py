@@ -66,7 +66,9 @@ def as_assignments(config: BaseModel, keys: Sequence[str]) -> list[str]:
     ``config``'s values wherever it is applied again: a path as the config holds it (made absolute),
     text quoted only where it would read as JSON (``"2024"``, ``"null"``)."""
     data = config.model_dump(mode="json")
-    return [f"{key}={_as_text(_at(data, key))}" for key in dict.fromkeys(keys)]
+    keys = list(dict.fromkeys(keys))
+    whole = [key for key in keys if not any(key.startswith(f"{block}.") for block in keys)]  # a block carries its keys
+    return [f"{key}={_as_text(_at(data, key))}" for key in whole]
 
 
 def _as_text(value: Any) -> str:

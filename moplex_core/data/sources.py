@@ -115,15 +115,18 @@ class RawRejects:
         text = record.raw if record.unreadable is not None else json_text(record.data)
         self.rows.append({"where": self.relative(record.where), "reason": self.relative(str(err)), "record": text})
 
-    def raise_if_any(self, stopped: bool = False) -> None:
+    def raise_if_any(self, stopped: bool = False, then: RawSchemaError | None = None) -> None:
         """Strict with ``read_on``: raise `RawSchemaError` naming every record set aside (``stopped``:
-        reading stopped at `READ_ON_LIMIT` of them)."""
-        if not self._strict:
+        reading stopped at `READ_ON_LIMIT` of them; ``then``: the error that ended the reading after
+        them, often their consequence)."""
+        reasons, self._strict = self._strict, []  # raised once: the limit's error is not named again as `then`
+        if not reasons:
             return
-        count = f"the first {len(self._strict)} (reading stopped there)" if stopped else str(len(self._strict))
+        count = f"the first {len(reasons)} (reading stopped there)" if stopped else str(len(reasons))
+        after = f"\nAfter them, reading stopped at: {then}" if then is not None else ""
         raise RawSchemaError(
             f"{count} source record(s) cannot be read or lack the dataset's fields:\n"
-            + "\n".join(f"  {reason}" for reason in self._strict)
+            + "\n".join(f"  {reason}" for reason in reasons) + after
             + f"\nTo set such records aside in rejected.parquet and read the rest, ingest in drop mode: {DROP_MODE}")
 
     def relative(self, text: str) -> str:
