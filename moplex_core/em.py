@@ -306,9 +306,14 @@ def _linearized_start(config: EMConfig, scorer: Scorer, inputs: Any, rankings: R
     real = (tiers != PAD).unsqueeze(-1)  # [n, M, 1]
     values = features[real.expand_as(features)].view(-1, features.shape[-1])  # [slots, d]
     standardised = torch.where(real, (features - values.mean(0)) / (values.std(0) + 1e-12), 0.0)
-    result, _ = fit_mixture(
-        lambda: LinearScorer(config.k, features.shape[-1], l2=LINEARIZED_L2, **LINEARIZED_SOLVER), standardised,
-        ranked, EMConfig(k=config.k, max_iter=LINEARIZED_ITERATIONS, init="dirichlet", restarts=3, seed=seed))
+    with warnings.catch_warnings():
+        # Its M-step maximises the likelihood with a ridge (LINEARIZED_L2), so the likelihood alone may
+        # fall a little; that warning's advice names the LoRA adapters' settings, which this fit has not.
+        warnings.filterwarnings("ignore", message=r"EM iteration \d+: the log-likelihood per ranking fell",
+                                category=RuntimeWarning)
+        result, _ = fit_mixture(
+            lambda: LinearScorer(config.k, features.shape[-1], l2=LINEARIZED_L2, **LINEARIZED_SOLVER), standardised,
+            ranked, EMConfig(k=config.k, max_iter=LINEARIZED_ITERATIONS, init="dirichlet", restarts=3, seed=seed))
     return result.best.gamma
 
 

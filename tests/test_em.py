@@ -87,6 +87,25 @@ def test_linearized_start_finds_the_clusters_from_the_ranked_responses_only():
     assert clustering_accuracy(kmeans, data.labels, fit_matching(kmeans, data.labels, 3, 3)) < 0.7
 
 
+def test_the_linearized_starts_own_likelihood_falls_are_not_warned_about(monkeypatch):
+    # Its ridge M-step may lower the likelihood alone; the warning's advice is about the LoRA adapters.
+    import moplex_core.em as em
+
+    _, rankings, x = synthetic(k=2, m=4, n=50)
+    real = em.fit_mixture
+
+    def falling(*args, **kwargs):
+        em._warn_if_the_likelihood_fell([-1.0, -1.1], 19)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(em, "fit_mixture", falling)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        initial_responsibilities(EMConfig(k=2, init="linearized"), FeatureScorer(2, 2), x, rankings, seed=0)
+        with pytest.raises(RuntimeWarning, match="EM iteration 19: the log-likelihood per ranking fell"):
+            falling(lambda: FeatureScorer(2, 2), x, rankings, EMConfig(k=2, max_iter=1))  # elsewhere: warned
+
+
 def test_linearized_start_needs_response_features():
     _, rankings, x = synthetic(k=2, m=4, n=50)
     with pytest.raises(ValueError, match="init='linearized' needs a scorer with response features.*LinearScorer"):
