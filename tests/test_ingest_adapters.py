@@ -280,6 +280,15 @@ def test_helpsteer2_reads_the_whole_release_folder_for_its_ratings(tmp_path, fix
     assert out.stats["skipped_preference_records"] == 6 and out.stats["skipped_disagreements_records"] == 4
 
 
+def test_helpsteer2_names_the_data_setting_when_the_source_holds_only_the_other_kind(fixtures_dir):
+    with pytest.raises(RawSchemaError, match="no HelpSteer2 ratings records but 6 preference records .*"
+                                             "set helpsteer2.data=preference"):
+        helpsteer2.to_rankings(records(fixtures_dir / "helpsteer2-extra"), helpsteer2.HelpSteer2Options(), source="hs")
+    with pytest.raises(RawSchemaError, match="no HelpSteer2 preference records but 9 ratings records"):
+        helpsteer2.to_rankings(records(fixtures_dir / "helpsteer2.jsonl"),
+                               helpsteer2.HelpSteer2Options(data="preference"), source="hs")
+
+
 def test_helpsteer2_preference_ranks_each_pair_by_the_sign_of_its_strength(tmp_path, fixtures_dir):
     release = _helpsteer2_release(tmp_path, fixtures_dir)
     options = helpsteer2.HelpSteer2Options(data="preference")

@@ -53,6 +53,12 @@ def to_rankings(records: Iterable[Record], options: HelpSteer2Options, *, source
     stats: Counter[str] = Counter()
     rows = _preference_rankings(records, options, source, stats, rejects) if options.data == "preference" else \
         _ratings_rankings(records, options, source, stats, rejects)
+    other = "ratings" if options.data == "preference" else "preference"
+    skipped = sum(n for key, n in stats.items() if key.startswith("skipped_") and key.endswith("_records"))
+    found = stats[f"skipped_{other}_records"]
+    if stats["records"] == skipped and found:  # none of the kind asked for
+        raise RawSchemaError(f"the source holds no HelpSteer2 {options.data} records but {found} {other} records "
+                             f"(helpsteer2.data = {options.data!r}): set helpsteer2.data={other}")
     if options.split_turns:
         turns: dict[str, str | None] = {}  # per distinct prompt
         for row in rows:
