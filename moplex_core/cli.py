@@ -52,7 +52,7 @@ def _experiment_approximation(args: argparse.Namespace) -> int:
         print(f"moplex experiment approximation: {err}", file=sys.stderr)
         return 1
     print(outputs.markdown)
-    print(f"\nerrors: {out / 'errors.parquet'}\ntable:  {out / 'table.md'}")
+    print(f"\nerrors: {out / 'errors.parquet'}\ntable:  {out / 'table.md'}, {out / 'table.parquet'}")
     return 0
 
 

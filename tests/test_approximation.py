@@ -15,7 +15,13 @@ from moplex_core.cache import load_policy_inputs, run_cache
 from moplex_core.cli import main
 from moplex_core.config import CacheConfig, IngestConfig, SplitConfig, TinyModelConfig, TrainConfig
 from moplex_core.estimate import ESTIMATION_MODES
-from moplex_core.experiments.approximation import MODES, approximation_markdown, sample_examples, summarise
+from moplex_core.experiments.approximation import (
+    MODES,
+    approximation_markdown,
+    relative_errors,
+    sample_examples,
+    summarise,
+)
 from moplex_core.ingest import run_ingest
 from moplex_core.tiny_model import run_tiny_model
 from moplex_core.train import run_train
@@ -39,9 +45,10 @@ def test_summarise_takes_each_seeds_bin_mean_then_mean_and_std_over_seeds():
         (1, "delta", 0.03, np.nan),  # r = 0: no relative error, left out
         (0, "logpi", 0.01, 2.0),
     ]
-    errors = pd.DataFrame([(seed, "e", 0, 1, mode, d, err) for seed, mode, d, err in rows],
+    errors = pd.DataFrame([(seed, "e", 0, 1, mode, d, err, 1.0 if mode == "delta" else 3.0, 2.0 + 2 * seed)
+                           for seed, mode, d, err in rows],  # |eps| 1 (delta) or 3; slate spread 2 (seed 0) or 4
                           columns=["seed", "example_id", "cluster", "response_idx", "mode", "distance",
-                                   "relative_squared_error"])
+                                   "relative_squared_error", "abs_error", "slate_spread"])
     table = summarise(errors).set_index(["mode", "bin"])
     assert table.loc[("delta", 0), "mean"] == pytest.approx(40.0)  # (0.2 + 0.6) / 2, in percent
     assert table.loc[("delta", 0), "std"] == pytest.approx(100 * np.std([0.2, 0.6], ddof=1))
@@ -49,10 +56,13 @@ def test_summarise_takes_each_seeds_bin_mean_then_mean_and_std_over_seeds():
     assert table.loc[("delta", 1), ["mean", "std", "pairs"]].tolist() == pytest.approx([100.0, 0.0, 1])
     assert table.loc[("delta", 10), "mean"] == pytest.approx(600.0) and table.loc[("delta", 10), "distance"] == ">= 50%"
     assert table.loc[("logpi", 0), "distance"] == "0%-5%"
-    lines = approximation_markdown(summarise(errors)).splitlines()
+    relative = relative_errors(errors)  # mean |eps| over the mean spread of the (seed, example, cluster) slates
+    assert relative == pytest.approx({"delta": 1.0 / 3.0, "logpi": 3.0 / 2.0})
+    lines = approximation_markdown(summarise(errors), relative).splitlines()
     assert lines[0] == "| distance | delta (eps/r)^2 | logpi (eps/r)^2 | pairs |"
     assert lines[2] == "| 0%-5% | 40.0 ± 28.3% | 200.0 ± 0.0% | 1 |"
     assert lines[3] == "| 5%-10% | 100.0 ± 0.0% | - | 1 |"
+    assert lines[-1].endswith("error): delta 0.33, logpi 1.50")
 
 
 @pytest.fixture(scope="module")
@@ -86,7 +96,10 @@ def test_the_command_measures_both_modes_for_every_non_anchor_response(caches, t
     anchors = errors.groupby(["seed", "example_id"]).response_idx.unique()
     assert all(len(others) == 2 for others in anchors)  # one anchor per example and seed, the same for every adapter
     assert (errors.distance > 0).all() and np.isfinite(errors.relative_squared_error).all()
-    assert (out / "table.md").read_text().strip() == approximation_markdown(pd.read_parquet(out / "table.parquet"))
+    assert np.isfinite(errors.abs_error).all() and (errors.slate_spread > 0).all()
+    assert (out / "table.md").read_text().strip() == approximation_markdown(pd.read_parquet(out / "table.parquet"),
+                                                                             relative_errors(errors))
+    assert "Relative error, mean |r_hat - r| over the mean spread" in printed
     assert main(argv) == 0 and pd.read_parquet(out / "errors.parquet").equals(errors)  # seeded: the same again
 
 
