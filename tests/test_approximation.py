@@ -62,7 +62,7 @@ def test_summarise_takes_each_seeds_bin_mean_then_mean_and_std_over_seeds():
     assert lines[0] == "| distance | delta (eps/r)^2 | logpi (eps/r)^2 | pairs |"
     assert lines[2] == "| 0%-5% | 40.0 ± 28.3% | 200.0 ± 0.0% | 1 |"
     assert lines[3] == "| 5%-10% | 100.0 ± 0.0% | - | 1 |"
-    assert lines[-1].endswith("error): delta 0.33, logpi 1.50")
+    assert lines[-1].endswith("error does): delta 0.33, logpi 1.50")
 
 
 @pytest.fixture(scope="module")

@@ -147,7 +147,8 @@ def approximation_markdown(table: pd.DataFrame, relative: dict[str, float | None
         lines.append(f"| {label} | " + " | ".join(cells) + f" | {pairs} |")
     said = ", ".join(f"{mode} {'-' if relative.get(mode) is None else f'{relative[mode]:.2f}'}" for mode in modes)
     lines += ["", f"Relative error, mean |r_hat - r| over the mean spread of a slate's exact scores (as "
-                  f"train.estimation_check; above 1 an estimate says less about an order than its error): {said}"]
+                  f"train.estimation_check; above 1 the estimates say less about an order than their error does): "
+                  f"{said}"]
     return "\n".join(lines)
 
 
