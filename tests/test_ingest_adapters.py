@@ -429,6 +429,8 @@ def test_prism_reads_a_repeated_file_once_and_refuses_a_participant_with_two_pro
     shutil.copy(fixtures_dir / "prism" / "conversations.jsonl", tmp_path / "copy" / "conversations.jsonl")
     with pytest.raises(RawSchemaError, match="user_id 'user0' is also the participant of"):
         prism.to_rankings(records(tmp_path / "copy"), PrismOptions(fields=("age",)), source="p")
+    with pytest.raises(RawSchemaError, match=r"^1 source record\(s\) cannot be read"):  # not user0's conversations too
+        build_rankings(IngestConfig(dataset="prism", path=str(tmp_path / "copy"), prism={"fields": ["age"]}))
     # validation=drop: the second survey record is set aside, and so are user0's conversations, whose
     # profile is now in doubt; nothing is lost (each is in the rejects with its reason)
     rejects = RawRejects(drop=True)

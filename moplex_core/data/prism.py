@@ -79,6 +79,8 @@ def to_rankings(records: Iterable[Record], options: PrismOptions, *, source: str
                 continue
             seen.add(example_id)
             user = _id(record, "user_id")
+            if user in set_aside and not rejects.drop:  # strict, reading on: the survey record's error says it
+                continue
             if user in set_aside:  # its profile is unknown or in doubt: set aside with the survey record
                 raise RawSchemaError(f"{record.where}: the survey record of user_id {user!r} ({set_aside[user]}) was "
                                      "set aside, so this conversation has no certain cluster")
