@@ -89,16 +89,16 @@ def test_linearized_start_finds_the_clusters_from_the_ranked_responses_only():
 
 def test_the_linearized_starts_own_likelihood_falls_are_not_warned_about(monkeypatch):
     # Its ridge M-step may lower the likelihood alone; the warning's advice is about the LoRA adapters.
-    import moplex_core.em as em
+    from moplex_core.em import fit
 
     _, rankings, x = synthetic(k=2, m=4, n=50)
-    real = em.fit_mixture
+    real = fit.fit_mixture
 
     def falling(*args, **kwargs):
-        em._warn_if_the_likelihood_fell([-1.0, -1.1], 19)
+        fit._warn_if_the_likelihood_fell([-1.0, -1.1], 19)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(em, "fit_mixture", falling)
+    monkeypatch.setattr(fit, "fit_mixture", falling)  # where the start looks it up
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         initial_responsibilities(EMConfig(k=2, init="linearized"), FeatureScorer(2, 2), x, rankings, seed=0)
@@ -566,7 +566,7 @@ class DrawingOvershooting(Overshooting):
 
 
 def test_a_fall_between_draws_is_blamed_on_the_step_only_where_the_kept_m_step_fell_under_its_draw(monkeypatch):
-    from moplex_core import em
+    from moplex_core.em import fit as em
 
     under_draw = []  # (iteration, checked, LL): the look before each M-step is the unchecked one
     real_posteriors = em.posteriors

@@ -322,7 +322,7 @@ def test_an_m_step_undone_twice_and_redone_at_a_quarter_is_one_taken_only_at_a_q
     for policy in (backtracked, straight):
         policy.fit(inputs, inputs.rankings(), weights, 0)
         policy.score(inputs, 0)
-    before = backtracked.state_dict()  # as EM's backtracking does (moplex_core.em._m_and_e_step)
+    before = backtracked.state_dict()  # as EM's backtracking does (moplex_core.em.fit._m_and_e_step)
     for factor in (1.0, 0.5):  # two attempts undone, each from the same state
         backtracked.scale_steps(factor)
         backtracked.fit(inputs, inputs.rankings(), weights, 1)

@@ -34,7 +34,7 @@ RUN_TRAIN = textwrap.dedent("""
     import os, signal, sys
     import torch
     torch.set_num_threads(1)
-    import moplex_core.em as em
+    import moplex_core.em.fit as em  # where the EM loop looks save_checkpoint up
     from moplex_core.artifacts import ArtifactStore
     from moplex_core.config import TrainConfig
     from moplex_core.train import run_train

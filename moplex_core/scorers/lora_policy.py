@@ -184,7 +184,7 @@ class LoRAPolicyScorer:
                        mean error exceeds ``fallback_above`` times the spread of the exact scores (or is
                        not finite), ``fell_back`` records where and how far off and ``anchors`` becomes
                        None: the scores returned are still those estimates, and EM
-                       (`em._m_and_e_step`) redoes that iteration's M-step and E-step exactly.
+                       (`em.fit._m_and_e_step`) redoes that iteration's M-step and E-step exactly.
     """
 
     def __init__(
@@ -270,7 +270,7 @@ class LoRAPolicyScorer:
     @property
     def estimates(self) -> bool:
         """Whether the E-step's scores are estimated from its iteration's anchors (EM's backtracking
-        then compares like with like, `em._m_and_e_step`)."""
+        then compares like with like, `em.fit._m_and_e_step`)."""
         return self.anchors is not None
 
     def _estimates_off_by(self, inputs: PolicyInputs, scores: torch.Tensor, is_anchor: torch.Tensor
