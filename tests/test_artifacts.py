@@ -160,7 +160,7 @@ def test_everything_written_in_the_block_is_on_disk_before_the_manifest(tmp_path
         synced.append(Path(os.readlink(f"/proc/self/fd/{fd}")))
         return real_fsync(fd)
 
-    monkeypatch.setattr("moplex_core.artifacts.os.fsync", recording_fsync)
+    monkeypatch.setattr("moplex_core.artifacts.writer.os.fsync", recording_fsync)
     store = ArtifactStore(tmp_path)
     with store.writer("train", "v1", config={}) as writer:
         with writer.directory("adapters/c0") as folder:  # as PEFT's save_pretrained fills it

@@ -194,7 +194,7 @@ def test_a_full_disk_mid_stage_marks_nothing_complete_and_the_rerun_resumes(tmp_
                 raise OSError(errno.ENOSPC, "No space left on device", str(self.where))
             return super().write_table(table, *args, **kwargs)
 
-    monkeypatch.setattr("moplex_core.artifacts.pq.ParquetWriter", FullDisk)
+    monkeypatch.setattr("moplex_core.artifacts.writer.pq.ParquetWriter", FullDisk)
     assert main([*INGEST, "--root", str(root)]) == 1
     err = capsys.readouterr().err
     assert "cannot write" in err and "part-00001.parquet" in err and "no space is left on the device" in err
@@ -204,7 +204,7 @@ def test_a_full_disk_mid_stage_marks_nothing_complete_and_the_rerun_resumes(tmp_
     assert not [p for p in version.iterdir() if ".tmp-" in p.name]
     first = (version / "part-00000.parquet").stat()
 
-    monkeypatch.setattr("moplex_core.artifacts.pq.ParquetWriter", real_writer)
+    monkeypatch.setattr("moplex_core.artifacts.writer.pq.ParquetWriter", real_writer)
     assert main([*INGEST, "--root", str(root)]) == 0
     manifest = read_manifest(version)
     assert manifest["resumed"] and manifest["shards"] == 3

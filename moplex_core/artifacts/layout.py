@@ -1,0 +1,219 @@
+"""What a version folder holds and how it is read back: names, versions, manifests, shards, and
+the checks that a finished artifact is whole."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from moplex_core.artifacts.errors import (
+    ArtifactCorruptError,
+    ArtifactError,
+    ArtifactIncompleteError,
+    ArtifactNotFoundError,
+    ArtifactStageError,
+)
+from moplex_core.hashing import canonical_json, sha256_file, short_hash
+
+DEFAULT_ROOT = "data/artifacts"
+ALREADY_COMPLETE = ("%s is already complete at %s (the same versioned settings and inputs; settings that do not "
+                    "change what is written, such as batch sizes, make no new version); nothing to do")
+"""What a stage flow logs for a version it finds complete (its ref and folder)."""
+MANIFEST = "manifest.json"
+CHECKPOINTS = "em"
+"""A version's folder of checkpoints (train's EM iterations): files like any other, listed apart by inspect."""
+VERSION_LENGTH = 12
+SHARD_RE = re.compile(r"^part-(\d{5})\.parquet$")
+STARTED = ".started"
+
+
+@dataclass(frozen=True)
+class ArtifactRef:
+    """A stage output, written ``stage/version`` (e.g. ``ingest/3fa2c1d09b7e``)."""
+
+    stage: str
+    version: str
+
+    def __str__(self) -> str:
+        return f"{self.stage}/{self.version}"
+
+    @classmethod
+    def parse(cls, text: str) -> ArtifactRef:
+        stage, sep, version = text.strip("/").partition("/")
+        if not sep or not stage or not version or "/" in version:
+            raise ValueError(f"an artifact reference is 'stage/version', e.g. 'ingest/3fa2c1d09b7e'; got {text!r}")
+        return cls(stage, version)
+
+
+@dataclass(frozen=True)
+class ArtifactInfo:
+    ref: ArtifactRef
+    path: Path
+    complete: bool
+    manifest: dict[str, Any] | None
+
+
+def artifact_version(
+    stage: str,
+    config: Mapping[str, Any],
+    inputs: Mapping[str, str | ArtifactRef] | None = None,
+    code_version: str = "",
+) -> str:
+    """The version of a stage output: a hash of everything that determines its content.
+
+    ``config`` is the JSON-able part of the stage config that changes the output (see
+    ``moplex_core.config.StageConfig.identity``); ``inputs`` maps input names to artifact references
+    or other content fingerprints (e.g. ``"sha256:..."`` of a local source file); ``code_version`` is
+    bumped by hand when the stage's code changes what it writes.
+    """
+    payload = {
+        "stage": stage,
+        "config": dict(config),
+        "inputs": {name: str(ref) for name, ref in (inputs or {}).items()},
+        "code_version": code_version,
+    }
+    return short_hash(canonical_json(payload), length=VERSION_LENGTH)
+
+
+def shard_name(index: int) -> str:
+    if not 0 <= index <= 99_999:
+        raise ValueError(f"shard index must be in 0..99999, got {index}")
+    return f"part-{index:05d}.parquet"
+
+
+def is_complete(version_dir: str | Path) -> bool:
+    return (Path(version_dir) / MANIFEST).is_file()
+
+
+def read_manifest(version_dir: str | Path, stages: tuple[str, ...] = ()) -> dict[str, Any]:
+    """The manifest of a finished artifact; raises if the directory is missing or unfinished, or, when
+    ``stages`` names some, written by another stage."""
+    version_dir = Path(version_dir)
+    if not version_dir.is_dir():
+        raise ArtifactNotFoundError(f"no artifact at {version_dir}")
+    if not is_complete(version_dir):
+        raise ArtifactIncompleteError(
+            f"{version_dir} has no {MANIFEST}: its stage did not finish. Rerun the stage with the same "
+            "config; it resumes from the shards already written."
+        )
+    try:
+        manifest = json.loads((version_dir / MANIFEST).read_text())
+    except ValueError as err:  # not JSON, or not UTF-8: damaged after it was written
+        raise ArtifactCorruptError(f"{version_dir / MANIFEST} cannot be read ({err}): the artifact was damaged after "
+                                   "it was written; delete the version folder and rerun its stage") from None
+    if not isinstance(manifest, dict):
+        raise ArtifactCorruptError(f"{version_dir / MANIFEST} holds no manifest (a JSON {type(manifest).__name__}): "
+                                   "delete the version folder and rerun its stage")
+    if stages and manifest.get("stage") not in stages:
+        wanted = " or ".join(f"{stage}/<version>" for stage in stages)
+        raise ArtifactStageError(f"{version_dir} was written by the {manifest.get('stage')!r} stage; give {wanted}")
+    return manifest
+
+
+def readable_manifest(version_dir: Path) -> dict[str, Any] | None:
+    """The manifest of a finished version, or None when there is none or it cannot be read."""
+    try:
+        manifest = read_manifest(version_dir)
+    except (ArtifactError, OSError, ValueError):
+        return None
+    return manifest if isinstance(manifest, dict) and "files" in manifest else None
+
+
+def is_version_folder(path: str | Path) -> bool:
+    """Whether ``path`` is a version folder written by moplex, finished or under way (a data folder
+    of the user's may hold a ``manifest.json`` of its own: only moplex's names a stage). A
+    ``manifest.json`` that cannot be read or parsed counts as moplex's, damaged: never as data."""
+    path = Path(path)
+    if (path / STARTED).is_file():
+        return True
+    if not (path / MANIFEST).is_file():
+        return False
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return True
+    return isinstance(manifest, dict) and {"stage", "version", "code_version"} <= manifest.keys()
+
+
+def is_stage_folder(path: str | Path) -> bool:
+    """Whether ``path`` is a stage's folder: it holds a version folder, finished or under way."""
+    path = Path(path)
+    return path.is_dir() and any(is_version_folder(p) for p in path.iterdir() if p.is_dir())
+
+
+def shard_paths(version_dir: str | Path) -> list[Path]:
+    """The visible row shards of a version directory, in shard order (finished or not)."""
+    version_dir = Path(version_dir)
+    return sorted(p for p in version_dir.iterdir() if SHARD_RE.match(p.name)) if version_dir.is_dir() else []
+
+
+def load_table(version_dir: str | Path, columns: list[str] | None = None) -> pa.Table:
+    """All shards of a finished artifact as one Arrow table, rows in shard order."""
+    return pa.concat_tables(pq.read_table(path, columns=columns) for path in finished_shards(version_dir))
+
+
+def finished_shards(version_dir: str | Path) -> list[Path]:
+    """The row shards a finished artifact's manifest lists, in shard order, each checked to be there at
+    the size the manifest records (`ArtifactCorruptError` otherwise; `ArtifactError` when it has none)."""
+    version_dir = Path(version_dir)
+    manifest = read_manifest(version_dir)
+    names = sorted(name for name in manifest["files"] if SHARD_RE.match(name))
+    if not names:
+        raise ArtifactError(f"{version_dir} holds no part-*.parquet shards; its stage writes other files only")
+    check_files(version_dir, manifest, names)
+    return [version_dir / name for name in names]
+
+
+def check_files(version_dir: str | Path, manifest: dict[str, Any], names: list[str] | None = None) -> None:
+    """Raise `ArtifactCorruptError` when a file the manifest lists (or one of ``names``) is missing or
+    not the size it records (`off_the_manifest`)."""
+    changed = off_the_manifest(version_dir, manifest, names)
+    if changed:
+        raise ArtifactCorruptError(f"{version_dir}: {', '.join(changed)} missing or not the size its manifest "
+                                   "records (an interrupted copy?). Delete the version directory and rerun its stage.")
+
+
+def off_the_manifest(version_dir: str | Path, manifest: dict[str, Any], names: list[str] | None = None) -> list[str]:
+    """The files the manifest lists (or those of ``names``) that are missing or not the size it
+    records: a check without reading them (`verify` hashes every file)."""
+    version_dir = Path(version_dir)
+    return [name for name in (sorted(manifest["files"]) if names is None else names)
+            if not (version_dir / name).is_file()
+            or (version_dir / name).stat().st_size != manifest["files"][name]["bytes"]]
+
+
+def verify(version_dir: str | Path) -> None:
+    """Recompute the sha256 of every file and compare with the manifest; raise listing every mismatch."""
+    version_dir = Path(version_dir)
+    recorded = read_manifest(version_dir)["files"]
+    problems = []
+    for name, entry in sorted(recorded.items()):
+        path = version_dir / name
+        if not path.is_file():
+            problems.append(f"{name} is missing")
+        elif sha256_file(path) != entry["sha256"]:
+            problems.append(f"{name} changed since the manifest was written")
+    problems += [f"{name} is not in the manifest" for name in visible_files(version_dir) if name not in recorded]
+    if problems:
+        raise ArtifactCorruptError(
+            f"{version_dir} does not match its manifest: " + "; ".join(problems)
+            + ". Delete the version directory and rerun its stage."
+        )
+
+
+
+def visible_files(version_dir: Path) -> list[str]:
+    """Relative POSIX names of every non-hidden file below ``version_dir`` except the manifest."""
+    names = []
+    for path in version_dir.rglob("*"):
+        rel = path.relative_to(version_dir)
+        if path.is_file() and rel.as_posix() != MANIFEST and not any(p.startswith(".") for p in rel.parts):
+            names.append(rel.as_posix())
+    return sorted(names)
