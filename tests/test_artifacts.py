@@ -359,7 +359,7 @@ def test_a_resumed_writer_deletes_temporaries_of_killed_writers(tmp_path):
     store = ArtifactStore(tmp_path)
     sub = tmp_path / "train" / "v1" / "em" / "iter-0002"
     sub.mkdir(parents=True)
-    (sub / ".state.json.tmp-1234").write_text("half")  # em.py's temporary naming
+    (sub / ".state.json.tmp-1234").write_text("half")  # moplex_core.em's temporary naming
     (sub / ".c0.tmp-abcd1234").mkdir()  # a staged folder
     (sub / "posteriors.parquet").write_bytes(b"finished elsewhere")
     with store.writer("train", "v1", config={}) as w:
