@@ -251,8 +251,9 @@ def _raise_stop_signal(signum: int, frame: object) -> None:
 
 def run_in_process(preset: str, overrides: list[str], root: str) -> tuple[bool, str]:
     """Run the pipeline here (``moplex run``; the caller has checked the settings, whose artifact root
-    is ``root``); (completed, what to tell the user). The run's parameters are the preset and the overrides, as a deployment's are:
-    its first log line and the UI name them, and a retry applies them again."""
+    is ``root``); (completed, what to tell the user). The run's parameters are the preset and the
+    overrides, as a deployment's are: its first log line and the UI name them, and a retry applies
+    them again."""
     with local_run_settings():
         state = moplex_pipeline(preset=preset, overrides=overrides, return_state=True)
     run_id = state.state_details.flow_run_id
