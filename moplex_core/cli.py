@@ -461,6 +461,9 @@ def main(argv: list[str] | None = None) -> int:
     # and so to the UI, as well as to stderr. Prefect reads this when it is first imported (below,
     # lazily); prefect.yaml sets it for deployed runs.
     os.environ.setdefault("PREFECT_LOGGING_EXTRA_LOGGERS", "moplex_core")
+    # Its logs outside a flow run (a library call after a run, in the same process) have no run's log
+    # to go to: the console only, not one warning each.
+    os.environ.setdefault("PREFECT_LOGGING_TO_API_WHEN_MISSING_FLOW", "ignore")
     # Prefect's 20 s for its temporary server to start is too short on a busy 2-core machine,
     # above all for the first start in a new PREFECT_HOME (it creates the database then).
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
