@@ -146,6 +146,25 @@ def check_clusters_fit(k: int, n: int, holder: str) -> None:
                          f"clusters than rankings. Set train.k to at most {n}, or ingest more rankings.")
 
 
+def _warn_of_empty_splits(fractions: tuple[float, float, float], splits: list[str | None], prompts: int) -> None:
+    """Warn when a split with a share of ``fractions`` got no rankings (too few prompts to deal)."""
+    empty = [name for name, share in zip(SPLITS, fractions, strict=True) if share and name not in splits]
+    if empty:
+        log.warning("split %s got no rankings: %d prompt(s) are too few for split.fractions %s (each prompt goes "
+                    "to one split); a pipeline's evaluate stage reads evaluate.splits (validation and test)",
+                    " and ".join(empty), prompts, list(fractions))
+
+
+def _warn_of_equal_texts_apart(table: pa.Table) -> None:
+    """Warn of rankings that order two equal response texts (kept: legal data, worth knowing)."""
+    columns = (table.column(name).to_pylist() for name in ("responses", "ranking", "ranked_prefix"))
+    repeated = [i for i, row in enumerate(zip(*columns, strict=True)) if _equal_texts_apart(*row)]
+    if repeated:
+        log.warning("%d ranking(s) put one response text in two tiers (the first: example_id %r): a policy gives equal "
+                    "texts equal scores, so no model can prefer one copy to the other", len(repeated),
+                    table.column("example_id")[repeated[0]].as_py())
+
+
 def _equal_texts_apart(texts: list[str], tiers: list[list[int]], prefix: int) -> bool:
     """Whether a ranking orders two equal response texts: puts them in different observed tiers, or
     one in the first ``prefix`` tiers and one after them (which are unordered among themselves)."""
@@ -197,12 +216,8 @@ def build_rankings(config: IngestConfig, inputs: dict[str, str] | None = None) -
         table = table.set_column(table.schema.get_field_index("split"), "split", pa.array(splits, pa.string()))
         table = table.filter(pa.array([s is not None for s in splits], pa.bool_())).cast(RANKINGS_SCHEMA)
         outside = splits.count(None)
-        empty = [name for name, share in zip(SPLITS, config.split.fractions, strict=True)
-                 if share and name not in splits] if config.split.sizes is None and table.num_rows else []
-        if empty:  # with sizes, the warning below says what was reached
-            log.warning("split %s got no rankings: %d prompt(s) are too few for split.fractions %s (each prompt goes "
-                        "to one split); a pipeline's evaluate stage reads evaluate.splits (validation and test)",
-                        " and ".join(empty), len(set(groups)), list(config.split.fractions))
+        if config.split.sizes is None and table.num_rows:  # with sizes, the warning below says what was reached
+            _warn_of_empty_splits(config.split.fractions, splits, len(set(groups)))
         if outside:
             reached = Counter(s for s in splits if s is not None)
             log.warning("split.sizes %s reached %s: %d ranking(s) left out, their prompts' rankings fitting no "
@@ -223,14 +238,7 @@ def build_rankings(config: IngestConfig, inputs: dict[str, str] | None = None) -
             f"no valid rankings left for dataset {config.dataset!r} ({adapted.stats}){detail}; every rejected "
             "row's reason: ingest with validation='strict'"
         )
-    repeated = [i for i, (texts, tiers, prefix) in enumerate(zip(
-                    table.column("responses").to_pylist(), table.column("ranking").to_pylist(),
-                    table.column("ranked_prefix").to_pylist(), strict=True))
-                if _equal_texts_apart(texts, tiers, prefix)]
-    if repeated:
-        log.warning("%d ranking(s) put one response text in two tiers (the first: example_id %r): a policy gives equal "
-                    "texts equal scores, so no model can prefer one copy to the other", len(repeated),
-                    table.column("example_id")[repeated[0]].as_py())
+    _warn_of_equal_texts_apart(table)
     clusters = table.column("cluster").to_pylist()
     summary = {
         "adapter": adapted.stats,
