@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+
 class ArtifactError(RuntimeError):
     """An artifact is missing, unfinished, or does not match its manifest."""
 

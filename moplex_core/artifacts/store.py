@@ -25,6 +25,7 @@ from moplex_core.artifacts.layout import (
 from moplex_core.artifacts.writer import ArtifactWriter
 from moplex_core.hashing import canonical_json, short_hash
 
+
 class ArtifactStore:
     """Versioned stage outputs under one root directory (default ``data/artifacts``)."""
 

@@ -8,6 +8,7 @@ from pydantic import Field, model_validator
 
 from moplex_core.config.base import Device, StageConfig
 
+
 class EvaluateConfig(StageConfig):
     """The evaluate stage: the trained mixture on held-out splits with exact scores (DESIGN 7).
 

@@ -9,6 +9,7 @@ from pydantic import Field, field_validator, model_validator
 from moplex_core.config.base import Device, StageConfig
 from moplex_core.config.cache import ModelDtype
 
+
 class TrainConfig(StageConfig):
     """The EM training stage: k LoRA adapters on the cache's base model (DESIGN 5.3-5.5).
 

@@ -17,6 +17,7 @@ import torch
 from moplex_core.artifacts import atomic_path
 from moplex_core.em.types import EMConfig, EMState, Rankings
 
+
 def claim_checkpoint_dir(checkpoint_dir: Path, config: EMConfig, rankings: Rankings,
                           warm_start: torch.Tensor | None) -> None:
     """Record what the checkpoints belong to (run.json) and refuse to resume someone else's run."""

@@ -12,6 +12,7 @@ import torch
 
 from moplex_core.pl import LIKELIHOODS, PAD, UNRANKED, RankingIndex, prepare_rankings
 
+
 @dataclass(frozen=True)
 class Rankings:
     """n rankings as tier codes (moplex_core.pl) with an optional top-l prefix and ids, and the
