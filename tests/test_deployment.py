@@ -27,6 +27,7 @@ PREFECT = [sys.executable, "-m", "prefect"]
 SMALL = ["ingest.synthetic.n=60", "train.em_iterations=2", "train.first_epochs=1", "tiny_model.pretrain_steps=20",
          "stage_retries=0"]
 EARLY_STAGES = ("ingest", "model", "augment", "cache")
+RETRY_STATUSES = (429, 502, 503)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -81,7 +82,7 @@ def test_deployed_pipeline_runs_fails_on_purpose_and_a_retry_reuses_finished_sta
     started.append(_start([*PREFECT, "worker", "start", "--pool", "cpu", "--type", "process"], env,
                           tmp_path / "worker.log"))
 
-    with httpx.Client(base_url=api, timeout=30) as client:
+    with httpx.Client(base_url=api, timeout=30, transport=_RetryingTransport()) as client:
         deployment = client.get("/deployments/name/moplex-pipeline/synthetic-demo").raise_for_status().json()
         # max_response_tokens=4 cuts responses: the cache's warning must reach the server's log (the
         # deployments' PREFECT_LOGGING_EXTRA_LOGGERS), once
@@ -145,6 +146,21 @@ def test_deployed_pipeline_runs_fails_on_purpose_and_a_retry_reuses_finished_sta
                 break
             time.sleep(1)
         assert wrote, [(log["name"], log["message"][:60]) for log in logs]
+
+
+class _RetryingTransport(httpx.HTTPTransport):
+    """Sends a request again when the server answers 429, 502 or 503, as Prefect's own client does: the
+    server answers 503 to errors a client may retry on, such as its SQLite database being locked by a
+    write of its services or the worker's on a busy machine (seen once in CI on create_flow_run)."""
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        for delay in (1, 2, 4, 8, 16):
+            response = super().handle_request(request)
+            if response.status_code not in RETRY_STATUSES:
+                return response
+            response.close()
+            time.sleep(delay)
+        return super().handle_request(request)
 
 
 def _start(command: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
