@@ -42,7 +42,8 @@ STAGE = "ingest"
 # ingest writes what it wrote; a drop-mode artifact of before then lacks rejected.parquet's `where`
 # column and the summary's unreadable_records (nothing reads either; a source with unreadable records
 # made no artifact before, it stopped); one written before unlabelled_rows (2026-11-24) counts the
-# unlabelled rankings under "None" in the summary's rows_per_cluster (nothing reads it either).
+# unlabelled rankings under "None" in the summary's rows_per_cluster (nothing reads it either); one
+# written before 2026-11-25 leaves rejected.parquet's `field` empty for a source record set aside.
 CODE_VERSION = "ingest-1"
 # An adapter's own changes, added to its dataset's versions only (the others keep theirs). generic-2:
 # a split column that is not kept no longer rejects rows (validation=drop kept fewer before);
@@ -206,7 +207,7 @@ def build_rankings(config: IngestConfig, inputs: dict[str, str] | None = None) -
     else:
         where = None if adapted.where is None else [raw.relative(w) for w in adapted.where]
         table, rejected = split_rejected(adapted.rows, labels, config.split.from_source, where, adapted.originals)
-        unreadable = pa.Table.from_pylist([{"row": None, "example_id": None, "field": None, **r} for r in raw.rows],
+        unreadable = pa.Table.from_pylist([{"row": None, "example_id": None, **r} for r in raw.rows],
                                           schema=REJECTED_SCHEMA)
         rejected = pa.concat_tables([unreadable, rejected])
     outside = 0  # rows of prompts that fit no split's remaining room (split.sizes)

@@ -105,7 +105,7 @@ def test_a_lone_surrogate_escape_names_the_line_and_field_and_drop_mode_sets_the
     assert built.summary["unreadable_records"] == 1 and built.summary["rejected_rows"] == 0
     [rejected] = built.rejected.to_pylist()
     # named relative to the source, as its version is: rejected.parquet does not depend on where it lies
-    assert rejected["row"] is None and rejected["where"] == "line 2"
+    assert rejected["row"] is None and rejected["where"] == "line 2" and rejected["field"] == "responses[1]"
     assert rejected["reason"].startswith("line 2, field 'responses[1]': character 2 is a lone UTF-16")
     assert json.loads(rejected["record"])["example_id"] == "e1"  # the line as it was, to fix and re-ingest
     key = '{"prompt": "p", "\\ud83d": 1}'  # in a key too: it would reach pyarrow in rejected.parquet
@@ -138,8 +138,9 @@ def test_drop_mode_sets_aside_unreadable_lines_and_records_without_the_raw_schem
     clean = build_rankings(IngestConfig(dataset="helpsteer2", path=str(without))).table
     assert dropped.table.num_rows > 0 and dropped.table.drop(["source"]).equals(clean.drop(["source"]))
     assert dropped.summary["unreadable_records"] == 2 and dropped.summary["rejected_rows"] == 0
-    assert [(r["row"], r["where"], r["record"]) for r in dropped.rejected.to_pylist()] == [
-        (None, "line 2", out_of_range), (None, "line 3", '{"prompt": "p" "x"}')]
+    # the field a record lacks or gets wrong, as in the raw schema; none where the line is no record
+    assert [(r["row"], r["where"], r["field"], r["record"]) for r in dropped.rejected.to_pylist()] == [
+        (None, "line 2", "verbosity", out_of_range), (None, "line 3", None, '{"prompt": "p" "x"}')]
 
 
 def test_unreadable_parquet_and_gzip_name_the_file(tmp_path):

@@ -110,8 +110,9 @@ def test_ultrafeedback_bad_ratings_name_the_record_and_field(tmp_path, fixtures_
     record["completions"][2]["annotations"]["honesty"]["Rating"] = "five"
     path = tmp_path / "uf.jsonl"
     path.write_text(json.dumps(record) + "\n")
-    with pytest.raises(RawSchemaError, match=r"uf.jsonl line 1, completion 2, honesty: Rating 'five'"):
+    with pytest.raises(RawSchemaError, match=r"uf.jsonl line 1, completion 2, honesty: Rating 'five'") as raised:
         ultrafeedback.to_rankings(records(path), UltraFeedbackOptions(), source="uf", seed=0)
+    assert raised.value.field == "completions[2].annotations.honesty.Rating"  # rejected.parquet's field
     path.write_text(json.dumps({"instruction": "hi"}) + "\n")
     with pytest.raises(RawSchemaError, match=r"uf.jsonl line 1: a UltraFeedback record needs field\(s\) \['completions'\]"):
         ultrafeedback.to_rankings(records(path), UltraFeedbackOptions(), source="uf", seed=0)
@@ -396,23 +397,28 @@ def test_prism_names_a_bad_score_and_asks_for_the_survey(tmp_path, fixtures_dir)
 
 
 
-@pytest.mark.parametrize(("message", "expected"), [
-    ("not a message", r"\[1\]': a message needs 'turn', 'role' and 'content'"),
-    ({"turn": "0", "role": "model", "content": "hi", "score": 50}, r"\[1\]', key 'turn': '0' is not an integer"),
-    ({"turn": 0, "role": "assistant", "content": "hi", "score": 50}, r"\[1\]', key 'role': 'assistant' is not one of"),
-    ({"turn": 0, "role": "model", "content": None, "score": 50}, r"\[1\]', key 'content': expected text, got NoneType"),
+@pytest.mark.parametrize(("message", "expected", "field"), [
+    ("not a message", r"\[1\]': a message needs 'turn', 'role' and 'content'", ""),
+    ({"turn": "0", "role": "model", "content": "hi", "score": 50}, r"\[1\]', key 'turn': '0' is not an integer",
+     ".turn"),
+    ({"turn": 0, "role": "assistant", "content": "hi", "score": 50}, r"\[1\]', key 'role': 'assistant' is not one of",
+     ".role"),
+    ({"turn": 0, "role": "model", "content": None, "score": 50}, r"\[1\]', key 'content': expected text, got NoneType",
+     ".content"),
     ({"turn": 0, "role": "model", "content": "hi", "score": 10**400},
-     r"\[1\]', key 'score': 1000.* is not a score in 1..100"),
-    ({"turn": 0, "role": "model", "content": "hi", "score": None}, r"\[1\]', key 'score': None is not a score"),
+     r"\[1\]', key 'score': 1000.* is not a score in 1..100", ".score"),
+    ({"turn": 0, "role": "model", "content": "hi", "score": None}, r"\[1\]', key 'score': None is not a score", ".score"),
 ])
-def test_prism_names_a_malformed_message_even_of_a_participant_left_out(tmp_path, fixtures_dir, message, expected):
+def test_prism_names_a_malformed_message_even_of_a_participant_left_out(tmp_path, fixtures_dir, message, expected,
+                                                                         field):
     survey = _prism_lines(fixtures_dir, "survey.jsonl")
     (tmp_path / "survey.jsonl").write_text("\n".join(json.dumps(u) for u in survey) + "\n")
     conversation = _prism_lines(fixtures_dir, "conversations.jsonl")[0] | {"user_id": "user8"}  # Prefer not to say
     conversation["conversation_history"][1] = message
     (tmp_path / "conversations.jsonl").write_text(json.dumps(conversation) + "\n")
-    with pytest.raises(RawSchemaError, match=r"conversations.jsonl line 1, field 'conversation_history" + expected):
+    with pytest.raises(RawSchemaError, match=r"conversations.jsonl line 1, field 'conversation_history" + expected) as raised:
         prism.to_rankings(records(tmp_path), PrismOptions(), source="p")
+    assert raised.value.field == "conversation_history[1]" + field
 
 
 def test_prism_reads_a_repeated_file_once_and_refuses_a_participant_with_two_profiles(tmp_path, fixtures_dir):
@@ -441,6 +447,7 @@ def test_prism_reads_a_repeated_file_once_and_refuses_a_participant_with_two_pro
     assert of_user0 > 0 and len(rejects.rows) == 1 + of_user0
     assert "is also the participant of" in rejects.rows[0]["reason"]
     assert all("the survey record of user_id 'user0'" in r["reason"] for r in rejects.rows[1:])
+    assert {r["field"] for r in rejects.rows} == {"user_id"}
     assert {r["example_id"] for r in dropped.rows} < {r["example_id"] for r in kept}
 
 

@@ -118,7 +118,7 @@ def _ratings_rankings(records: Iterable[Record], options: HelpSteer2Options, sou
             if not isinstance(response, str) or not response.strip():
                 stats["skipped_empty_response"] += 1
                 continue
-            ratings = {a: _rating(record.data[a], f"{record.where}, field {a!r}") for a in options.attributes}
+            ratings = {a: _rating(record.data[a], record.where, a) for a in options.attributes}
             answers = by_prompt.setdefault(prompt, [])
             if any(response.strip() == text.strip() for text, _ in answers):
                 stats["skipped_duplicate_response"] += 1
@@ -150,7 +150,7 @@ def _preference_rankings(records: Iterable[Record], options: HelpSteer2Options, 
             if not all(isinstance(text, str) and text.strip() for text in (prompt, first, second)):
                 stats["skipped_missing_text"] += 1
                 continue
-            strength = _rating(record.data["preference_strength"], f"{record.where}, field 'preference_strength'",
+            strength = _rating(record.data["preference_strength"], record.where, "preference_strength",
                                low=-MAX_STRENGTH, high=MAX_STRENGTH, what="strength")
             if first.strip() == second.strip():
                 stats["skipped_identical_responses"] += 1
@@ -168,11 +168,13 @@ def _preference_rankings(records: Iterable[Record], options: HelpSteer2Options, 
     return rows
 
 
-def _rating(value: object, where: str, *, low: int = 0, high: int = MAX_RATING, what: str = "rating") -> int | None:
+def _rating(value: object, where: str, field: str, *, low: int = 0, high: int = MAX_RATING,
+            what: str = "rating") -> int | None:
     if value is None:
         return None
     if isinstance(value, float) and value.is_integer():
         value = int(value)
     if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
-        raise RawSchemaError(f"{where}: {what} {value!r} is not an integer in {low}..{high}")
+        raise RawSchemaError(f"{where}, field {field!r}: {what} {value!r} is not an integer in {low}..{high}",
+                             field=field)
     return value

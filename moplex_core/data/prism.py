@@ -83,7 +83,7 @@ def to_rankings(records: Iterable[Record], options: PrismOptions, *, source: str
                 continue
             if user in set_aside:  # its profile is unknown or in doubt: set aside with the survey record
                 raise RawSchemaError(f"{record.where}: the survey record of user_id {user!r} ({set_aside[user]}) was "
-                                     "set aside, so this conversation has no certain cluster")
+                                     "set aside, so this conversation has no certain cluster", field="user_id")
             if user not in profiles:
                 stats["skipped_user_not_in_survey"] += 1
                 continue
@@ -117,7 +117,7 @@ def _survey(record: Record, options: PrismOptions, profiles: dict[str, tuple[str
     user, label = _id(record, "user_id"), profile_label(record, options)
     if user in profiles and profiles[user][0] != label:
         raise RawSchemaError(f"{record.where}: user_id {user!r} is also the participant of {profiles[user][1]}, "
-                             "with another profile; a participant has one survey record")
+                             "with another profile; a participant has one survey record", field="user_id")
     stats["skipped_duplicate_record" if user in profiles else "participants"] += 1
     profiles[user] = (label, record.where)
 
@@ -141,7 +141,8 @@ def profile_label(record: Record, options: PrismOptions) -> str | None:
 def _id(record: Record, field: str) -> str:
     value = record.data[field]
     if isinstance(value, bool) or not isinstance(value, str | int) or not str(value).strip():
-        raise RawSchemaError(f"{record.where}, field {field!r}: {value!r} is not an id (a non-empty string)")
+        raise RawSchemaError(f"{record.where}, field {field!r}: {value!r} is not an id (a non-empty string)",
+                             field=field)
     return str(value)
 
 
@@ -152,28 +153,32 @@ def _opening_turn(record: Record) -> tuple[str, list[str], list[float]] | None:
     history = record.data["conversation_history"]
     if not isinstance(history, list):
         raise RawSchemaError(f"{record.where}, field 'conversation_history': expected a list of messages, "
-                             f"got {type(history).__name__}")
+                             f"got {type(history).__name__}", field="conversation_history")
     prompt, answers = None, []
     for i, message in enumerate(history):
-        where = f"{record.where}, field 'conversation_history[{i}]'"
+        path = f"conversation_history[{i}]"
+        where = f"{record.where}, field {path!r}"
         if not isinstance(message, dict) or not {"turn", "role", "content"} <= message.keys():
-            raise RawSchemaError(f"{where}: a message needs 'turn', 'role' and 'content'; got {message!r:.200}")
+            raise RawSchemaError(f"{where}: a message needs 'turn', 'role' and 'content'; got {message!r:.200}",
+                                 field=path)
         turn, role, content = message["turn"], message["role"], message["content"]
         if isinstance(turn, bool) or not isinstance(turn, int):
-            raise RawSchemaError(f"{where}, key 'turn': {turn!r} is not an integer (0 is the opening turn)")
+            raise RawSchemaError(f"{where}, key 'turn': {turn!r} is not an integer (0 is the opening turn)",
+                                 field=f"{path}.turn")
         if role not in ROLES:
-            raise RawSchemaError(f"{where}, key 'role': {role!r} is not one of {ROLES}")
+            raise RawSchemaError(f"{where}, key 'role': {role!r} is not one of {ROLES}", field=f"{path}.role")
         if not isinstance(content, str):
-            raise RawSchemaError(f"{where}, key 'content': expected text, got {type(content).__name__}")
+            raise RawSchemaError(f"{where}, key 'content': expected text, got {type(content).__name__}",
+                                 field=f"{path}.content")
         if turn != 0:
             continue
         if role == "user":
             prompt = None if _empty(content) else content
         else:
-            answers.append((message.get("within_turn_id"), content, _score(message.get("score"), where)))
+            answers.append((message.get("within_turn_id"), content, _score(message.get("score"), where, path)))
     if len(answers) > PRISM_OPENING_RESPONSES:
         raise RawSchemaError(f"{record.where}, field 'conversation_history': {len(answers)} model answers at turn 0; "
-                             f"PRISM's opening turn has at most {PRISM_OPENING_RESPONSES}")
+                             f"PRISM's opening turn has at most {PRISM_OPENING_RESPONSES}", field="conversation_history")
     if prompt is None:
         return None
     if all(isinstance(w, int) and not isinstance(w, bool) for w, _, _ in answers):
@@ -190,8 +195,9 @@ def _empty(text: str) -> bool:
     return text.strip() in ("", EMPTY_TEXT)
 
 
-def _score(value: object, where: str) -> float:
+def _score(value: object, where: str, message: str) -> float:
+    """A model answer's score; ``message``: the answer's path in the record."""
     low, high = SCORE_RANGE
     if isinstance(value, bool) or not isinstance(value, int | float) or not low <= value <= high:
-        raise RawSchemaError(f"{where}, key 'score': {value!r} is not a score in {low}..{high}")
+        raise RawSchemaError(f"{where}, key 'score': {value!r} is not a score in {low}..{high}", field=f"{message}.score")
     return float(value)

@@ -50,14 +50,20 @@ class HubUnreachableError(OSError):
 
 
 class RawSchemaError(ValueError):
-    """A raw record does not have the dataset's schema; the message names the record and field."""
+    """A raw record does not have the dataset's schema; the message names the record and field.
+    ``field``: that field's path in the raw record (``completions[1].annotations.honesty.Rating``), where
+    the error is about one, for rejected.parquet's ``field`` column."""
+
+    def __init__(self, message: str, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
 
 
 @dataclass(frozen=True)
 class Record:
     where: str  # e.g. "uf.jsonl line 3" or "openbmb/UltraFeedback (train) row 12"
     data: dict[str, Any]
-    unreadable: str | None = None
+    unreadable: RawSchemaError | None = None
     """Why the record could not be read (``data`` is then empty and ``raw`` holds its text)."""
     raw: str | None = None
 
@@ -66,7 +72,7 @@ class Record:
         if missing:
             raise RawSchemaError(
                 f"{self.where}: a {dataset} record needs field(s) {missing}; it has {sorted(self.data)}. "
-                f"Point the path at data in the {dataset} raw schema (DESIGN.md 6)."
+                f"Point the path at data in the {dataset} raw schema (DESIGN.md 6).", field=", ".join(missing)
             )
 
 
@@ -93,7 +99,7 @@ class RawRejects:
             if record.unreadable is None:
                 yield record
             else:
-                self._reject(record, RawSchemaError(record.unreadable))
+                self._reject(record, record.unreadable)
 
     @contextmanager
     def reading(self, record: Record) -> Iterator[None]:
@@ -106,14 +112,15 @@ class RawRejects:
     def _reject(self, record: Record, err: RawSchemaError) -> None:
         if not self.drop and not self.read_on:
             raise RawSchemaError(f"{err}; to set such records aside in rejected.parquet and read the rest, ingest in "
-                                 f"drop mode: {DROP_MODE}") from err
+                                 f"drop mode: {DROP_MODE}", field=err.field) from err
         if not self.drop:
             self._strict.append(str(err))
             if len(self._strict) == READ_ON_LIMIT:
                 self.raise_if_any(stopped=True)
             return
         text = record.raw if record.unreadable is not None else json_text(record.data)
-        self.rows.append({"where": self.relative(record.where), "reason": self.relative(str(err)), "record": text})
+        self.rows.append({"where": self.relative(record.where), "field": err.field, "reason": self.relative(str(err)),
+                          "record": text})
 
     def raise_if_any(self, stopped: bool = False, then: RawSchemaError | None = None) -> None:
         """Strict with ``read_on``: raise `RawSchemaError` naming every record set aside (``stopped``:
@@ -210,7 +217,7 @@ def iter_local_records(path: str | Path) -> Iterator[Record]:
                         _no_lone_surrogates(data, where)
                     record = Record(where, _as_object(data, where))
                 except RawSchemaError as err:
-                    record = Record(where, {}, str(err), json.dumps(data))
+                    record = Record(where, {}, err, json.dumps(data))
                 yield record
         else:
             opener = gzip.open if file.name.endswith(".gz") else open
@@ -230,7 +237,7 @@ def iter_local_records(path: str | Path) -> Iterator[Record]:
                             record = Record(where, _as_object(data, where))
                         except RawSchemaError as err:
                             text = raw.decode("utf-8", errors="backslashreplace").rstrip("\r\n")
-                            record = Record(where, {}, str(err), text)
+                            record = Record(where, {}, err, text)
                         yield record
             except (gzip.BadGzipFile, EOFError, zlib.error) as err:
                 raise RawSchemaError(f"{file} is not a readable gzip file ({err}); recompress it or pass the "
@@ -248,7 +255,8 @@ def _no_lone_surrogates(value: Any, where: str, path: str = "") -> None:
         if at is not None:
             raise RawSchemaError(f"{where}, field {path or 'the record'!r}: character {at} is a lone UTF-16 surrogate "
                                  f"(\\u{ord(value[at]):04x}, half of an emoji or other character whose other half is "
-                                 "missing), which is no text; fix or drop that character in the source")
+                                 "missing), which is no text; fix or drop that character in the source",
+                                 field=path or None)
     elif isinstance(value, dict):
         for key, item in value.items():
             _no_lone_surrogates(key, where, f"{path} (a key)" if path else "a key")

@@ -87,31 +87,34 @@ def _record_rows(record: Record, options: UltraFeedbackOptions, source: str, see
 def _completions(record: Record, criteria: tuple[str, ...]) -> list[Completion]:
     completions = record.data["completions"]
     if not isinstance(completions, list):
-        raise RawSchemaError(f"{record.where}: 'completions' must be a list, got {type(completions).__name__}")
+        raise RawSchemaError(f"{record.where}: 'completions' must be a list, got {type(completions).__name__}",
+                             field="completions")
     parsed = []
     for j, completion in enumerate(completions):
         if not isinstance(completion, dict) or "response" not in completion:
-            raise RawSchemaError(f"{record.where}: completion {j} has no 'response'")
+            raise RawSchemaError(f"{record.where}: completion {j} has no 'response'", field=f"completions[{j}].response")
         response = "" if completion["response"] is None else completion["response"]
         if not isinstance(response, str):
             raise RawSchemaError(f"{record.where}: completion {j}'s 'response' must be text, got "
-                                 f"{type(response).__name__}")
+                                 f"{type(response).__name__}", field=f"completions[{j}].response")
         annotations = completion.get("annotations") or {}
         if not isinstance(annotations, dict):
             raise RawSchemaError(f"{record.where}: completion {j}'s 'annotations' must be an object (criterion -> "
-                                 f"{{'Rating': ...}}), got {type(annotations).__name__} {str(annotations)[:60]!r}")
-        ratings = {c: _rating(annotations.get(c), f"{record.where}, completion {j}, {c}") for c in criteria}
+                                 f"{{'Rating': ...}}), got {type(annotations).__name__} {str(annotations)[:60]!r}",
+                                 field=f"completions[{j}].annotations")
+        ratings = {c: _rating(annotations.get(c), f"{record.where}, completion {j}, {c}",
+                              f"completions[{j}].annotations.{c}") for c in criteria}
         parsed.append(Completion(response, ratings))
     return parsed
 
 
-def _rating(annotation: object, where: str) -> float | None:
-    """The numeric rating (1..5), or None when absent or "N/A"."""
+def _rating(annotation: object, where: str, field: str) -> float | None:
+    """The numeric rating (1..5), or None when absent or "N/A". ``field``: the annotation's path in the record."""
     if annotation is None:
         return None
     if not isinstance(annotation, dict):
         raise RawSchemaError(f"{where}: the annotation must be an object with a 'Rating', got "
-                             f"{type(annotation).__name__} {str(annotation)[:60]!r}")
+                             f"{type(annotation).__name__} {str(annotation)[:60]!r}", field=field)
     value = annotation.get("Rating")
     if value is None or (isinstance(value, str) and value.strip() == NOT_RATED):
         return None
@@ -125,7 +128,7 @@ def _rating(annotation: object, where: str) -> float | None:
         rating = float(value)
     if rating is None or not RATINGS[0] <= rating <= RATINGS[1]:  # NaN and infinity fail too
         raise RawSchemaError(f"{where}: Rating {value!r} is neither a rating in {RATINGS[0]}..{RATINGS[1]} "
-                             f"nor {NOT_RATED!r}")
+                             f"nor {NOT_RATED!r}", field=f"{field}.Rating")
     return rating
 
 
