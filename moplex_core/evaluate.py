@@ -221,9 +221,10 @@ def _name(c: int, label_names: list[str] | None) -> str:
 # the evaluate stage: a train artifact and its cache in, `evaluation` out (DESIGN 3, 7)
 
 STAGE = "evaluate"
-CODE_VERSION = "evaluate-10"  # bump when a change to this stage changes what it writes (8: plots, "|" in labels;
+CODE_VERSION = "evaluate-11"  # bump when a change to this stage changes what it writes (8: plots, "|" in labels;
 # 9: ranking accuracy leave_pair_out, marginal = the mixture's pairwise probability, non-finite scores refused;
-# 10: clustering_accuracy_many_to_one when k exceeds the labels, no clustering rows when k = 1)
+# 10: clustering_accuracy_many_to_one when k exceeds the labels, no clustering rows when k = 1; 11: the report
+# says that EM's iterations are numbered from 0)
 METRICS_FILE = "metrics.parquet"
 METRICS_COLUMNS = ("method", "split", "metric", "cluster", "value", "seed")
 

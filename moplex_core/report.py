@@ -103,13 +103,14 @@ def write_report(writer, metrics: pd.DataFrame, diagnostics: pd.DataFrame, em_re
                   "", markdown_table(clusters), "",
                   "![per-cluster accuracy](plots/cluster_accuracy.png)", ""]
     lines += ["## EM training log-likelihood", "",
-              f"{len(history)} iteration(s); log-likelihood per training ranking: "
+              f"{len(history)} iteration(s), numbered from 0 as the train log and `em/restart-RR/iter-NNNN` number "
+              "them; log-likelihood per training ranking: "
               + ", ".join(f"{v:.4f}" for v in history), ""]
     fell_back = em_result.get("fell_back")
     falls = likelihood_falls(history, None if fell_back is None else fell_back["iteration"])
     if falls:
-        lines += [f"It fell at iteration(s) {', '.join(map(str, falls))} (counted from 0, as the train log and "
-                  "`em/restart-RR/iter-NNNN` count them). Soft EM does not lower it unless an M-step lowers its own "
+        lines += [f"It fell at iteration(s) {', '.join(map(str, falls))}. Soft EM does not lower it unless an M-step "
+                  "lowers its own "
                   "weighted objective: steps too large (`train.lr`; `train.backtracks` redoes such an M-step at "
                   "half the rate) or too few to recover (`train.epochs`); "
                   "estimated scores (anchors) add noise, and hard EM (`train.hard`) may lower it.", ""]
