@@ -87,8 +87,9 @@ def test_deployed_pipeline_runs_fails_on_purpose_and_a_retry_reuses_finished_sta
         # max_response_tokens=4 cuts responses: the cache's warning must reach the server's log (the
         # deployments' PREFECT_LOGGING_EXTRA_LOGGERS), once
         overrides = [*SMALL, f"root={root}", "fault.stage=train", "cache.max_response_tokens=4"]
-        run = client.post(f"/deployments/{deployment['id']}/create_flow_run",
-                          json={"parameters": {"preset": "synthetic-demo", "overrides": overrides}}).raise_for_status().json()
+        run = client.post(f"/deployments/{deployment['id']}/create_flow_run",  # a key: a retried POST makes one run
+                          json={"parameters": {"preset": "synthetic-demo", "overrides": overrides},
+                                "idempotency_key": "pipeline"}).raise_for_status().json()
 
         failed = _wait_for_end(client, run["id"], tmp_path)
         assert failed["state"]["type"] == "FAILED", failed["state"]
@@ -132,8 +133,8 @@ def test_deployed_pipeline_runs_fails_on_purpose_and_a_retry_reuses_finished_sta
         # lines (what it wrote, a resume, a wait for a lock) still reach the run's log
         deployment = client.get("/deployments/name/ingest/ingest").raise_for_status().json()
         run = client.post(f"/deployments/{deployment['id']}/create_flow_run", json={"parameters": {
-            "config": {"dataset": "synthetic", "synthetic": {"n": 30}}, "root": str(tmp_path / "alone")}}
-        ).raise_for_status().json()
+            "config": {"dataset": "synthetic", "synthetic": {"n": 30}}, "root": str(tmp_path / "alone")},
+            "idempotency_key": "ingest"}).raise_for_status().json()
         assert _wait_for_end(client, run["id"], tmp_path)["state"]["type"] == "COMPLETED"
         deadline = time.monotonic() + 60  # the run's process sends its logs in batches, after its state
         while True:
