@@ -111,6 +111,11 @@ def test_a_lone_surrogate_escape_names_the_line_and_field_and_drop_mode_sets_the
     key = '{"prompt": "p", "\\ud83d": 1}'  # in a key too: it would reach pyarrow in rejected.parquet
     path = _write(tmp_path / "k.jsonl", f"{key}\n".encode())
     assert _error(path).startswith(f"{path} line 1, field 'a key': character 0 is a lone UTF-16 surrogate")
+    nested = '{"prompt": "p", "meta": {"\\ud83d": 1}}'  # rejected.parquet's field: where the key's object lies
+    [record] = iter_local_records(_write(tmp_path / "n.jsonl", f"{nested}\n".encode()))
+    assert record.unreadable.field == "meta" and "field 'meta (a key)': character 0" in str(record.unreadable)
+    [record] = iter_local_records(_write(tmp_path / "l.jsonl", b'["\\ud83d"]\n'))  # no record: no field
+    assert record.unreadable.field is None and "is a JSON list; records are JSON objects" in str(record.unreadable)
     path = _write(tmp_path / "x.json", f"[{good}, {bad}]".replace("\\\\u", "\\u").encode())
     assert _error(path).startswith(f"{path} record 1, field 'responses[1]': character 2 is a lone UTF-16 surrogate")
 

@@ -135,6 +135,11 @@ def test_ultrafeedback_bad_ratings_name_the_record_and_field(tmp_path, fixtures_
     path.write_text(json.dumps(broken) + "\n")
     with pytest.raises(RawSchemaError, match=r"completion 1, honesty: the annotation must be an object with a 'Rating'"):
         ultrafeedback.to_rankings(records(path), UltraFeedbackOptions(), source="uf", seed=0)
+    broken["completions"][1] = "oops"  # no object: the field is the completion, not a response it lacks
+    path.write_text(json.dumps(broken) + "\n")
+    with pytest.raises(RawSchemaError, match=r"completion 1 has no 'response'") as raised:
+        ultrafeedback.to_rankings(records(path), UltraFeedbackOptions(), source="uf", seed=0)
+    assert raised.value.field == "completions[1]"
 
 
 # --- PERSONA ---------------------------------------------------------------------------------------

@@ -72,7 +72,7 @@ class Record:
         if missing:
             raise RawSchemaError(
                 f"{self.where}: a {dataset} record needs field(s) {missing}; it has {sorted(self.data)}. "
-                f"Point the path at data in the {dataset} raw schema (DESIGN.md 6).", field=", ".join(missing)
+                f"Point the path at data in the {dataset} raw schema (DESIGN.md 6).", field=missing[0]
             )
 
 
@@ -213,9 +213,9 @@ def iter_local_records(path: str | Path) -> Iterator[Record]:
             for row, data in enumerate(rows):
                 where = f"{file} record {row}"
                 try:
-                    if escapes:
-                        _no_lone_surrogates(data, where)
                     record = Record(where, _as_object(data, where))
+                    if escapes:
+                        _no_lone_surrogates(record.data, where)
                 except RawSchemaError as err:
                     record = Record(where, {}, err, json.dumps(data))
                 yield record
@@ -231,10 +231,9 @@ def iter_local_records(path: str | Path) -> Iterator[Record]:
                             line = _utf8(raw, where, whole_file=False)
                             if not line.strip():
                                 continue
-                            data = _parse_json(line, where, whole_file=False)
+                            record = Record(where, _as_object(_parse_json(line, where, whole_file=False), where))
                             if _SURROGATE_ESCAPE.search(line):
-                                _no_lone_surrogates(data, where)
-                            record = Record(where, _as_object(data, where))
+                                _no_lone_surrogates(record.data, where)
                         except RawSchemaError as err:
                             text = raw.decode("utf-8", errors="backslashreplace").rstrip("\r\n")
                             record = Record(where, {}, err, text)
@@ -247,19 +246,21 @@ def iter_local_records(path: str | Path) -> Iterator[Record]:
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")  # the JSON escape of a UTF-16 surrogate
 
 
-def _no_lone_surrogates(value: Any, where: str, path: str = "") -> None:
+def _no_lone_surrogates(value: Any, where: str, path: str = "", name: str | None = None) -> None:
     """Raise when a string in a parsed JSON value holds an unpaired surrogate (``"\\ud83d"`` without
-    its pair is valid JSON but no text: it cannot be written as UTF-8, so nothing could hash or store it)."""
+    its pair is valid JSON but no text: it cannot be written as UTF-8, so nothing could hash or store it).
+    ``path``: where ``value`` lies in the record (a key: where its object lies); ``name``: what the
+    message calls it where that is not its path (a key)."""
     if isinstance(value, str):
         at = next((i for i, ch in enumerate(value) if "\ud800" <= ch <= "\udfff"), None)
         if at is not None:
-            raise RawSchemaError(f"{where}, field {path or 'the record'!r}: character {at} is a lone UTF-16 surrogate "
+            raise RawSchemaError(f"{where}, field {name or path!r}: character {at} is a lone UTF-16 surrogate "
                                  f"(\\u{ord(value[at]):04x}, half of an emoji or other character whose other half is "
                                  "missing), which is no text; fix or drop that character in the source",
                                  field=path or None)
     elif isinstance(value, dict):
         for key, item in value.items():
-            _no_lone_surrogates(key, where, f"{path} (a key)" if path else "a key")
+            _no_lone_surrogates(key, where, path, f"{path} (a key)" if path else "a key")
             _no_lone_surrogates(item, where, f"{path}.{key}" if path else str(key))  # the key has none (above)
     elif isinstance(value, list):
         for i, item in enumerate(value):

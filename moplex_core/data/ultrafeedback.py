@@ -92,7 +92,8 @@ def _completions(record: Record, criteria: tuple[str, ...]) -> list[Completion]:
     parsed = []
     for j, completion in enumerate(completions):
         if not isinstance(completion, dict) or "response" not in completion:
-            raise RawSchemaError(f"{record.where}: completion {j} has no 'response'", field=f"completions[{j}].response")
+            raise RawSchemaError(f"{record.where}: completion {j} has no 'response'",
+                                 field=f"completions[{j}]" + (".response" if isinstance(completion, dict) else ""))
         response = "" if completion["response"] is None else completion["response"]
         if not isinstance(response, str):
             raise RawSchemaError(f"{record.where}: completion {j}'s 'response' must be text, got "
