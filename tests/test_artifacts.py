@@ -397,6 +397,7 @@ def test_a_model_folder_is_read_once_per_process_until_a_file_changes(tmp_path, 
     monkeypatch.setattr(hashing, "sha256_file", lambda path: reads.append(path) or real(path))
     first = hashing.model_fingerprint(str(model))
     assert hashing.model_fingerprint(str(model)) == first and len(reads) == 2  # the second call read nothing
-    time.sleep(0.01)
+    written = (model / "model.safetensors").stat().st_mtime_ns
     (model / "model.safetensors").write_bytes(b"weightz")  # the same size, other bytes
+    os.utime(model / "model.safetensors", ns=(written + 10**9, written + 10**9))  # a later time on any file system
     assert hashing.model_fingerprint(str(model)) != first and len(reads) == 4

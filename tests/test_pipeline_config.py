@@ -175,9 +175,9 @@ def test_a_temporary_server_that_does_not_start_in_time_ends_in_one_line(tmp_pat
     import subprocess
     import sys
 
-    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "home"), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-           "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "1"}
-    env.pop("PREFECT_API_URL", None)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}  # not the tests' own Prefect settings
+    env.update(PREFECT_HOME=str(tmp_path / "home"), PREFECT_SERVER_ANALYTICS_ENABLED="false",
+               PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS="1")
     done = subprocess.run([sys.executable, "-m", "moplex_core.cli", "run", "synthetic-demo", "--root",
                            str(tmp_path / "artifacts"), "--set", "ingest.synthetic.n=60"],
                           capture_output=True, text=True, timeout=300, env=env)

@@ -145,9 +145,9 @@ def _signal_moplex_run_in_train(tmp_path: Path, signum: int, wait_for_server: fl
     import subprocess
 
     home = tmp_path / "prefect-home"
-    env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-           "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    env.pop("PREFECT_API_URL", None)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}  # not the tests' own Prefect settings
+    env.update(PREFECT_HOME=str(home), PREFECT_SERVER_ANALYTICS_ENABLED="false", HF_HUB_OFFLINE="1",
+               TOKENIZERS_PARALLELISM="false")
     log = tmp_path / "stderr.log"
     with log.open("w") as err:
         run = subprocess.Popen([sys.executable, "-m", "moplex_core.cli", "run", "synthetic-demo", "--threads", "1",
@@ -238,13 +238,14 @@ def test_a_prefect_server_that_does_not_answer_is_one_line_saying_what_to_do(tmp
     import socket
     import subprocess
 
-    with socket.socket() as probe:  # a port nothing listens on
+    with socket.socket() as probe:  # a port nothing listens on: bound, not listening, so no server takes it meanwhile
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect-home"), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-           "PREFECT_API_URL": f"http://127.0.0.1:{port}/api", "HF_HUB_OFFLINE": "1"}
-    run = subprocess.run([sys.executable, "-m", "moplex_core.cli", "run", "synthetic-demo", "--root",
-                          str(tmp_path / "artifacts")], capture_output=True, text=True, env=env, timeout=300)
+        env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
+        env.update(PREFECT_HOME=str(tmp_path / "prefect-home"), PREFECT_SERVER_ANALYTICS_ENABLED="false",
+                   PREFECT_API_URL=f"http://127.0.0.1:{port}/api", HF_HUB_OFFLINE="1")
+        run = subprocess.run([sys.executable, "-m", "moplex_core.cli", "run", "synthetic-demo", "--root",
+                              str(tmp_path / "artifacts")], capture_output=True, text=True, env=env, timeout=300)
     assert run.returncode == 1 and "Traceback" not in run.stderr, run.stderr[-3000:]
     assert f"no Prefect server answers at http://127.0.0.1:{port}/api (PREFECT_API_URL)" in run.stderr
     assert "prefect config unset PREFECT_API_URL" in run.stderr
