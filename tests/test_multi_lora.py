@@ -11,9 +11,11 @@ import torch
 from lm_fixtures import tiny_model_dir  # noqa: F401  (fixture)
 from peft import LoraConfig, PeftModel, get_peft_model
 from torch import nn
+from transformers import GPT2Config, GPT2LMHeadModel
 
 from moplex_core.lm.loading import load_model
-from moplex_core.lm.multi_lora import PEFT_CONFIG, LoRASettings, MultiLoRA, MultiLoRALinear, _LoRALinear, _Route
+from moplex_core.lm.multi_lora import (PEFT_CONFIG, LoRASettings, MultiLoRA, MultiLoRALinear, _LoRALinear, _Route,
+                                       target_layers)
 from moplex_core.lm.routed_adam import RoutedAdam
 
 SETTINGS = LoRASettings(r=4, alpha=8.0, target_modules=("q_proj", "v_proj", "gate_proj", "down_proj"))
@@ -265,8 +267,17 @@ def test_bad_routes_and_targets_are_refused(tiny_model_dir):  # noqa: F811
         model(ids, attention_mask=mask)
     with pytest.raises(ValueError, match="match no linear layer"):
         MultiLoRA(load_model(tiny_model_dir), K, LoRASettings(target_modules=("nothing",)))
-    with pytest.raises(ValueError, match=r"target_modules \['v_porj'\] match no linear layer .*a typo"):
+    with pytest.raises(ValueError, match=r"target_modules \(train.lora_targets\) \['v_porj'\] match no linear layer "
+                                         r"of Qwen3ForCausalLM; its linear layers \(but the output layer\): \['down_proj', "
+                                         r"'gate_proj', 'k_proj', 'o_proj', 'q_proj', 'up_proj', 'v_proj'\]"):
         MultiLoRA(load_model(tiny_model_dir), K, LoRASettings(target_modules=("q_proj", "v_porj")))
+    # GPT-2's projections are transformers' Conv1D: named as such, on a model built on the meta device (as
+    # the pipeline checks a model before its stages run)
+    with torch.device("meta"):
+        gpt2 = GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=64, n_positions=32))
+    with pytest.raises(ValueError, match=r"\['c_attn'\] match no linear layer of GPT2LMHeadModel; c_attn is a Conv1D "
+                                         r"layer, not a torch.nn.Linear.*its linear layers \(but the output layer\): none"):
+        target_layers(gpt2, ("c_attn",))
     with pytest.raises(ValueError, match=r"names the output layer \(lm_head\).*cannot be routed per row"):
         MultiLoRA(load_model(tiny_model_dir), K, LoRASettings(target_modules=("q_proj", "lm_head")))
     special = load_model(tiny_model_dir)

@@ -233,6 +233,43 @@ def _add_product(into: torch.Tensor, left: torch.Tensor, right: torch.Tensor, al
     return into.baddbmm_(left, right, alpha=alpha) if right.dim() == 3 else into.addmm_(left, right, alpha=alpha)
 
 
+def target_layers(model: nn.Module, target_modules: Sequence[str]) -> dict[str, nn.Linear]:
+    """The layers of ``model`` that take adapters: each ``nn.Linear`` whose name ends in one of
+    ``target_modules`` (train.lora_targets), by its full name. Raises `ValueError` when a name matches
+    no such layer (naming the model's linear layers), or matches one the multi-LoRA layer cannot wrap:
+    a subclass or a hooked layer (quantized, offloaded), or the output layer. Runs on a model built on
+    the meta device as well, to check a model before any stage loads it."""
+    targets = set(target_modules)
+    output = model.get_output_embeddings()
+    layers: dict[str, nn.Linear] = {}
+    for name, module in model.named_modules():
+        if name.rsplit(".", 1)[-1] in targets and isinstance(module, nn.Linear):
+            hooked = module._forward_hooks or module._forward_pre_hooks or hasattr(module, "_hf_hook")
+            if type(module) is not nn.Linear or hooked:
+                raise ValueError(f"{name} is a {type(module).__qualname__}{' with hooks' if hooked else ''}, not a "
+                                 "plain torch.nn.Linear; the multi-LoRA layer computes its base as x W^T + bias, "
+                                 "which would not be this layer's output (a quantized layer, or one that "
+                                 "accelerate's device_map offloads: load the model on one device)")
+            if module is output:
+                raise ValueError(f"target_modules (train.lora_targets) names the output layer ({name}), which takes "
+                                 "no adapter here: it runs on the response tokens of a batch, not on its rows, so it "
+                                 "cannot be routed per row; target the decoder layers' projections "
+                                 "(q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj)")
+            layers[name] = module
+    unmatched = sorted(targets - {name.rsplit(".", 1)[-1] for name in layers})
+    if unmatched:
+        last = {name: name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
+        linear = sorted({last[name] for name, module in model.named_modules()
+                         if isinstance(module, nn.Linear) and module is not output})
+        other = {last[name]: type(module).__qualname__ for name, module in model.named_modules()
+                 if last[name] in unmatched and not isinstance(module, nn.Linear)}
+        kinds = "".join(f"; {name} is a {layer_type} layer, not a torch.nn.Linear, which the multi-LoRA layer does "
+                        "not wrap" for name, layer_type in sorted(other.items()))
+        raise ValueError(f"target_modules (train.lora_targets) {unmatched} match no linear layer of "
+                         f"{type(model).__name__}{kinds}; its linear layers (but the output layer): {linear or 'none'}")
+    return layers
+
+
 class MultiLoRA:
     """k LoRA adapters injected into ``model`` (modified in place: its own weights are frozen and
     untouched, target linear layers are wrapped).
@@ -248,32 +285,11 @@ class MultiLoRA:
         model.requires_grad_(False)
         self._route = _Route()
         generator = torch.Generator().manual_seed(seed)
-        targets = set(settings.target_modules)
-        output = model.get_output_embeddings()
         self.layers: dict[str, MultiLoRALinear] = {}
-        for name, module in list(model.named_modules()):
-            if name.rsplit(".", 1)[-1] in targets and isinstance(module, nn.Linear):
-                hooked = module._forward_hooks or module._forward_pre_hooks or hasattr(module, "_hf_hook")
-                if type(module) is not nn.Linear or hooked:
-                    raise ValueError(f"{name} is a {type(module).__qualname__}{' with hooks' if hooked else ''}, not a "
-                                     "plain torch.nn.Linear; the multi-LoRA layer computes its base as x W^T + bias, "
-                                     "which would not be this layer's output (a quantized layer, or one that "
-                                     "accelerate's device_map offloads: load the model on one device)")
-                if module is output:
-                    raise ValueError(f"target_modules names the output layer ({name}), which takes no adapter "
-                                     "here: it runs on the response tokens of a batch, not on its rows, so it "
-                                     "cannot be routed per row; target the decoder layers' projections "
-                                     "(q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj)")
-                layer = MultiLoRALinear(module, k, settings, self._route, generator)
-                model.set_submodule(name, layer)
-                self.layers[name] = layer
-        if not self.layers:
-            raise ValueError(f"no LoRA parameters were created: target_modules {settings.target_modules} match no "
-                             f"linear layer of {type(model).__name__}; name its linear layers, e.g. q_proj, v_proj")
-        unmatched = sorted(targets - {name.rsplit(".", 1)[-1] for name in self.layers})
-        if unmatched:
-            raise ValueError(f"target_modules {unmatched} match no linear layer of {type(model).__name__} (a typo?); "
-                             f"the others matched: {sorted(targets - set(unmatched))}")
+        for name, module in target_layers(model, settings.target_modules).items():
+            layer = MultiLoRALinear(module, k, settings, self._route, generator)
+            model.set_submodule(name, layer)
+            self.layers[name] = layer
         self._device = next(iter(self.layers.values())).lora_A.device
         # Built once: `requires_grad` runs before every scoring pass.
         params = {f"{name}.{part}": getattr(layer, part) for name, layer in self.layers.items()
