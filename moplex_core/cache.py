@@ -35,6 +35,7 @@ from moplex_core.artifacts import ArtifactRef, ArtifactStore, load_table, read_m
 from moplex_core.config import CacheConfig, local_model_absolute
 from moplex_core.estimate import reference_terms_batch
 from moplex_core.hashing import model_fingerprint
+from moplex_core.lm.checks import beyond_the_context, context_length, warn_of_turn_layout
 from moplex_core.lm.device import passes_sized_by
 from moplex_core.lm.loading import (dtype_name, identity_on_this_machine, load_model, load_tokenizer, resolve_device,
                                     resolve_dtype)
@@ -105,7 +106,7 @@ def run_cache(config: CacheConfig, rankings_dir: str | Path, store: ArtifactStor
         tokenizer = load_tokenizer(config.model)
         if todo:
             model = load_model(config.model, dtype=dtype, device=device)
-            _warn_on_another_end_of_turn(model, tokenizer)
+            warn_of_turn_layout(model, tokenizer, config.use_chat_template, "cache")
             done = (len(starts) - len(todo)) * config.shard_rows
             bar = tqdm(total=table.num_rows, initial=min(done, table.num_rows), desc="cache: pi_ref terms",
                        unit="example", disable=not progress)
@@ -164,6 +165,15 @@ def cache_rows(
     """CACHE_SCHEMA rows of a slice of a rankings/augmented table; ``advance(n)`` after n examples."""
     rows = part.to_pylist()
     examples = [_tokenize(row, ended, tokenizer, config) for row, ended in zip(rows, _ended(part), strict=True)]
+    context = context_length(model.config)
+    beyond = beyond_the_context([(row["example_id"], max(len(seq.input_ids) for seq in seqs))
+                                 for row, seqs in zip(rows, examples, strict=True)], context)
+    if beyond is not None:
+        count, example_id, tokens = beyond
+        raise ValueError(f"{count} example(s) have a prompt + response longer than the {context} positions the model "
+                         f"reads (max_position_embeddings; e.g. example_id {example_id!r}: {tokens} tokens); set "
+                         "cache.max_prompt_tokens and cache.max_response_tokens so that their sum is at most "
+                         f"{context}")
     terms = []
     half = max(1, config.score_batch_size // 2)
     with passes_sized_by(f"a cache pass holds up to cache.score_batch_size = {config.score_batch_size} responses; "
@@ -225,18 +235,6 @@ def truncated_responses(rows: pa.Table, max_response_tokens: int | None, eos_tok
     unfinished = np.flatnonzero(at_limit & ~did_end)
     longer = 0 if text_tokens is None else sum(text_tokens(int(j)) > max_response_tokens for j in unfinished)
     return int((at_limit & did_end).sum()) + longer
-
-
-def _warn_on_another_end_of_turn(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> None:
-    """Warn when the EOS the cache closes every response with is not a token the model stops generating
-    at (its generation_config's eos_token_id): the scores would include an end its turns do not have."""
-    stops = model.generation_config.eos_token_id
-    stops = set() if stops is None else {stops} if isinstance(stops, int) else set(stops)
-    if stops and tokenizer.eos_token_id not in stops:
-        log.warning("the cache closes every response with the tokenizer's eos_token %r (id %d), but the model stops "
-                    "generating at token id(s) %s (generation_config.json): every score includes an end token its "
-                    "turns do not end with. Set the tokenizer's eos_token (tokenizer_config.json) to the end-of-turn "
-                    "token.", tokenizer.eos_token, tokenizer.eos_token_id, sorted(stops))
 
 
 def prompts_at_the_limit(rows: pa.Table, max_prompt_tokens: int | None) -> int:

@@ -10,6 +10,7 @@ complete is found, not rebuilt, and the artifacts are the same.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -20,12 +21,15 @@ from moplex_core.cache import run_cache
 from moplex_core.config import TINY_MODEL, PipelineConfig
 from moplex_core.evaluate import run_evaluate
 from moplex_core.ingest import check_rankings_fit, run_ingest
+from moplex_core.lm.checks import check_model
 from moplex_core.tiny_model import MODEL_DIR, run_tiny_model
 from moplex_core.train import run_train
 
 Stage = Callable[..., str]
 """stage(name, the stage's config, *its input artifact folders, [model=the base model where it is now]) -> its
 artifact folder."""
+
+log = logging.getLogger(__name__)
 
 
 def run_stages(config: PipelineConfig, stage: Stage) -> dict[str, str]:
@@ -34,12 +38,15 @@ def run_stages(config: PipelineConfig, stage: Stage) -> dict[str, str]:
     dirs = {"ingest": stage("ingest", config.ingest)}
     check_rankings_fit(dirs["ingest"], k=config.train.k, splits=config.evaluate.splits,  # before any model work
                        labelled=config.train.init == "labels")
+    _warn_of_another_generator(config)
     augment, cache = config.augment, config.cache
     if config.uses_tiny_model():
         dirs["model"] = stage("model", config.tiny_model, dirs["ingest"])
         tiny = {"model": str(Path(dirs["model"]) / MODEL_DIR)}
         cache = cache.model_copy(update=tiny) if cache.model == TINY_MODEL else cache
         augment = augment.model_copy(update=tiny) if augment and augment.model == TINY_MODEL else augment
+    check_model(cache.model, lora_targets=config.train.lora_targets, max_prompt_tokens=cache.max_prompt_tokens,
+                max_response_tokens=cache.max_response_tokens)  # before any stage loads a model
     if augment is not None:
         dirs["augment"] = stage("augment", augment, dirs["ingest"])
     dirs["cache"] = stage("cache", cache, dirs.get("augment", dirs["ingest"]))
@@ -48,6 +55,24 @@ def run_stages(config: PipelineConfig, stage: Stage) -> dict[str, str]:
     dirs["train"] = stage("train", config.train, dirs["cache"], model=cache.model)
     dirs["evaluate"] = stage("evaluate", config.evaluate, dirs["train"], dirs["cache"], model=cache.model)
     return dirs
+
+
+def _warn_of_another_generator(config: PipelineConfig) -> None:
+    """Say where augment samples otherwise than the cache scores: from another model than pi_ref (a
+    warning where one of them is the presets' ``tiny``: a model set for one stage only), or after
+    prompts rendered otherwise."""
+    augment, cache = config.augment, config.cache
+    if augment is None or augment.backend == "borrow":
+        return
+    if augment.model != cache.model:
+        tiny = TINY_MODEL in (augment.model, cache.model)
+        (log.warning if tiny else log.info)(
+            "augment.model = %s generates the responses, cache.model = %s (pi_ref) scores them%s", augment.model,
+            cache.model, f"; set augment.model={cache.model} too, unless another generator is meant" if tiny else "")
+    if augment.use_chat_template != cache.use_chat_template:
+        log.warning("augment.use_chat_template = %s but cache.use_chat_template = %s: responses are generated after "
+                    "prompts rendered otherwise than the prompts they are scored after", augment.use_chat_template,
+                    cache.use_chat_template)
 
 
 def in_this_process(root: str | Path) -> Stage:

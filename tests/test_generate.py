@@ -257,6 +257,16 @@ def test_a_prompt_beyond_the_models_context_is_refused_before_vllm_sees_it(tmp_p
         generator.close(failed=True)
 
 
+def test_the_hf_backend_refuses_prompts_that_would_run_past_the_models_context(tiny_model_dir):
+    # a model with learned positions (GPT-2's) would fail on them deep in torch, with an index error
+    context = AutoModelForCausalLM.from_pretrained(tiny_model_dir).config.max_position_embeddings
+    generator = HFGenerator(str(tiny_model_dir), max_new_tokens=context - 4, batch_size=4)
+    with pytest.raises(ValueError, match=rf"\d prompt\(s\) with max_new_tokens = {context - 4} would run past the "
+                                         rf"{context} positions the model reads .*e.g. 'p0': \d+ prompt tokens\); set "
+                                         r"augment.max_prompt_tokens \(e.g. 4\)"):
+        generator.sample(requests(n=1))
+
+
 # A stand-in for vllm_worker.py that speaks its protocol and, like vLLM, starts a process of its own
 # (here `sleep`) that inherits the protocol pipe; it writes that process's pid to engine.pid.
 ENGINE_WORKER = """

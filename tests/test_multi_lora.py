@@ -275,9 +275,12 @@ def test_bad_routes_and_targets_are_refused(tiny_model_dir):  # noqa: F811
     # the pipeline checks a model before its stages run)
     with torch.device("meta"):
         gpt2 = GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=64, n_positions=32))
-    with pytest.raises(ValueError, match=r"\['c_attn'\] match no linear layer of GPT2LMHeadModel; c_attn is a Conv1D "
-                                         r"layer, not a torch.nn.Linear.*its linear layers \(but the output layer\): none"):
+    with pytest.raises(ValueError, match=r"\['c_attn'\] match no linear layer of GPT2LMHeadModel; c_attn, c_fc, c_proj: "
+                                         r"Conv1D layer\(s\), "
+                                         r"not torch.nn.Linear.*its linear layers \(but the output layer\): none"):
         target_layers(gpt2, ("c_attn",))
+    with pytest.raises(ValueError, match=r"c_attn, c_fc, c_proj: Conv1D layer\(s\)"):  # the defaults: what it has
+        target_layers(gpt2, LoRASettings().target_modules)
     with pytest.raises(ValueError, match=r"names the output layer \(lm_head\).*cannot be routed per row"):
         MultiLoRA(load_model(tiny_model_dir), K, LoRASettings(target_modules=("q_proj", "lm_head")))
     special = load_model(tiny_model_dir)

@@ -26,6 +26,7 @@ from transformers import (
 )
 
 from moplex_core.generate.base import Sample, SampleRequest, request_prompt_ids, sample_seed, stop_token_ids
+from moplex_core.lm.checks import beyond_the_context, context_length
 from moplex_core.lm.loading import load_model, load_tokenizer, resolve_device, resolve_dtype
 
 
@@ -83,6 +84,7 @@ class HFGenerator:
         self.batch_size = batch_size
         self.use_chat_template = use_chat_template
         self.max_prompt_tokens = max_prompt_tokens
+        self.max_new_tokens = max_new_tokens
         self.device = torch.device(resolve_device(device))
         self._model = load_model(model, dtype=resolve_dtype(dtype, self.device), device=self.device)
         self._tokenizer = load_tokenizer(model)
@@ -113,6 +115,16 @@ class HFGenerator:
                                max_prompt_tokens=self.max_prompt_tokens)
             for r in requests
         ]
+        context = context_length(self._model.config)
+        lengths = [(r.key, len(ids) + self.max_new_tokens) for r, ids in zip(requests, prompt_ids, strict=True)]
+        beyond = beyond_the_context(lengths, context)
+        if beyond is not None:
+            count, key, tokens = beyond
+            raise ValueError(f"{count} prompt(s) with max_new_tokens = {self.max_new_tokens} would run past the "
+                             f"{context} positions the model reads (max_position_embeddings; e.g. {key!r}: "
+                             f"{tokens - self.max_new_tokens} prompt tokens); set augment.max_prompt_tokens (e.g. "
+                             f"{max(1, context - self.max_new_tokens)}) to keep their last tokens, or lower "
+                             "augment.max_new_tokens")
         rows = [(r, j) for r, request in enumerate(requests) for j in range(request.n)]
         # Longest prompts first: similar lengths share a batch and waste less padding.
         rows.sort(key=lambda rj: (-len(prompt_ids[rj[0]]), rj))

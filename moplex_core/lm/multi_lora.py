@@ -263,8 +263,15 @@ def target_layers(model: nn.Module, target_modules: Sequence[str]) -> dict[str, 
                          if isinstance(module, nn.Linear) and module is not output})
         other = {last[name]: type(module).__qualname__ for name, module in model.named_modules()
                  if last[name] in unmatched and not isinstance(module, nn.Linear)}
-        kinds = "".join(f"; {name} is a {layer_type} layer, not a torch.nn.Linear, which the multi-LoRA layer does "
-                        "not wrap" for name, layer_type in sorted(other.items()))
+        if not linear:  # GPT-2's projections are transformers' Conv1D
+            other |= {last[name]: type(module).__qualname__ for name, module in model.named_modules()
+                      if getattr(module, "weight", None) is not None and module.weight.dim() == 2
+                      and not isinstance(module, nn.Embedding | nn.Linear)}
+        by_type: dict[str, list[str]] = {}
+        for name, layer_type in sorted(other.items()):
+            by_type.setdefault(layer_type, []).append(name)
+        kinds = "".join(f"; {', '.join(names)}: {layer_type} layer(s), not torch.nn.Linear, which the multi-LoRA layer "
+                        "does not wrap" for layer_type, names in by_type.items())
         raise ValueError(f"target_modules (train.lora_targets) {unmatched} match no linear layer of "
                          f"{type(model).__name__}{kinds}; its linear layers (but the output layer): {linear or 'none'}")
     return layers

@@ -1,0 +1,125 @@
+"""What a model and its tokenizer must offer the pipeline, checked before work is spent on them.
+
+`check_model` runs when a pipeline starts, before any stage loads a model: on the model's config
+only (the model is built on the meta device, no weights read), and only where it is on this machine
+without a download (a local folder, a cached hub snapshot; a deployment's flow may run where the GPU
+workers' models are not). The stages check what concerns them as they run: `beyond_the_context`
+(cache, assign, the hf backend), `warn_of_turn_layout` (cache), the LoRA targets (train).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from jinja2 import TemplateError
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
+
+from moplex_core.lm.loading import hub_snapshot
+from moplex_core.lm.multi_lora import target_layers
+
+log = logging.getLogger(__name__)
+
+_MARK = "MOPLEX-RESPONSE-MARK"
+
+
+def context_length(config: PretrainedConfig) -> int | None:
+    """The positions the model reads at most (``max_position_embeddings``; GPT-2's ``n_positions``)."""
+    length = getattr(config, "max_position_embeddings", None)
+    return length if isinstance(length, int) and length > 0 else None
+
+
+def beyond_the_context(lengths: Sequence[tuple[str, int]], context: int | None) -> tuple[int, str, int] | None:
+    """(how many, the first's key, its length) of the (key, sequence length) pairs longer than the
+    model's ``context`` positions; None when all fit (or the context is unknown). A model with learned
+    positions (GPT-2's) fails on them with an index error deep in torch; a rotary one reads positions
+    it was never trained at."""
+    if context is None:
+        return None
+    long = [(key, n) for key, n in lengths if n > context]
+    return (len(long), *long[0]) if long else None
+
+
+def end_of_turn_id(tokenizer: PreTrainedTokenizerBase) -> int | None:
+    """The token the chat template closes an assistant's turn with (Qwen's <|im_end|>, Llama 3's
+    <|eot_id|>, Gemma's <end_of_turn>): the first token after the content of a rendered assistant
+    message, when that is a special token; None without a template or when it renders none."""
+    if tokenizer.chat_template is None:
+        return None
+    messages = [{"role": "user", "content": "Q"}, {"role": "assistant", "content": _MARK}]
+    try:
+        text = tokenizer.apply_chat_template(messages, tokenize=False, enable_thinking=False)
+    except (TemplateError, ValueError, TypeError):
+        return None
+    if not isinstance(text, str) or _MARK not in text:
+        return None
+    after = tokenizer(text.split(_MARK, 1)[1], add_special_tokens=False)["input_ids"]
+    special = set(tokenizer.all_special_ids) | set(getattr(tokenizer, "added_tokens_decoder", {}) or {})
+    return after[0] if after and after[0] in special else None
+
+
+def warn_of_turn_layout(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, use_chat_template: bool,
+                        setting: str) -> None:
+    """Warn where prompts and responses would not be laid out as the model's turns are: the EOS every
+    response is scored ending with is not a token the model stops generating at (its generation_config's
+    eos_token_id) or not the one its chat template closes an assistant's turn with (scores would
+    include an end its turns do not have), or there is no chat template to render a prompt with (the
+    response then follows the prompt's text directly). ``setting``: the stage's settings block
+    (``cache``), named in the advice."""
+    stops = model.generation_config.eos_token_id
+    stops = set() if stops is None else {stops} if isinstance(stops, int) else set(stops)
+    if stops and tokenizer.eos_token_id not in stops:
+        log.warning("the cache closes every response with the tokenizer's eos_token %r (id %d), but the model stops "
+                    "generating at token id(s) %s (generation_config.json): every score includes an end token its "
+                    "turns do not end with. Set the tokenizer's eos_token (tokenizer_config.json) to the end-of-turn "
+                    "token.", tokenizer.eos_token, tokenizer.eos_token_id, sorted(stops))
+    if use_chat_template and tokenizer.chat_template is None:
+        log.warning("the tokenizer of %s has no chat template: prompts are encoded as plain text and each response "
+                    "follows the prompt's last token directly. For a base model that is what it reads; otherwise "
+                    "give the tokenizer its chat template (tokenizer_config.json). Set %s.use_chat_template=false to "
+                    "say plain text is meant.", tokenizer.name_or_path, setting)
+    turn_end = end_of_turn_id(tokenizer) if use_chat_template else None
+    if turn_end is not None and turn_end != tokenizer.eos_token_id:
+        log.warning("the chat template of %s closes an assistant's turn with %r (id %d), but every response is scored "
+                    "ending with the tokenizer's eos_token %r (id %d), a token the model's turns do not end with. Set "
+                    "the tokenizer's eos_token to %r (tokenizer_config.json).", tokenizer.name_or_path,
+                    tokenizer.convert_ids_to_tokens(turn_end), turn_end, tokenizer.eos_token, tokenizer.eos_token_id,
+                    tokenizer.convert_ids_to_tokens(turn_end))
+
+
+def local_model_folder(name_or_path: str) -> Path | None:
+    """The folder of a model's config.json here, without a download: a local directory, or a hub
+    name's cached snapshot; None otherwise."""
+    path = Path(name_or_path).expanduser()
+    if (path / "config.json").is_file():
+        return path
+    return None if path.exists() else hub_snapshot(name_or_path)
+
+
+def check_model(model: str, *, lora_targets: Sequence[str], max_prompt_tokens: int | None,
+                max_response_tokens: int | None) -> None:
+    """Refuse settings ``model`` cannot run before any stage loads it: LoRA targets (train.lora_targets)
+    that match none of its linear layers, and a cache whose longest sequence (cache.max_prompt_tokens +
+    cache.max_response_tokens) exceeds its positions. Nothing is checked for a model that is not on
+    this machine (the stages check it where it is)."""
+    folder = local_model_folder(model)
+    if folder is None:
+        log.info("%s is not on this machine (a hub name not in its cache): its settings are checked by the stages "
+                 "that load it", model)
+        return
+    config = AutoConfig.from_pretrained(str(folder))
+    context = context_length(config)
+    if max_prompt_tokens is not None and max_response_tokens is not None and context is not None \
+            and max_prompt_tokens + max_response_tokens > context:
+        raise ValueError(f"cache.max_prompt_tokens + cache.max_response_tokens = {max_prompt_tokens} + "
+                         f"{max_response_tokens} exceeds the {context} positions {model} reads "
+                         f"(max_position_embeddings): lower them so that their sum is at most {context}")
+    try:
+        with torch.device("meta"):
+            skeleton = AutoModelForCausalLM.from_config(config)
+    except (ValueError, KeyError, ImportError) as err:  # an architecture transformers does not know
+        log.info("the LoRA targets of %s are checked by the train stage (%s: %s)", model, type(err).__name__, err)
+    else:
+        target_layers(skeleton, lora_targets)

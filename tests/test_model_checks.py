@@ -1,0 +1,82 @@
+"""What the pipeline checks of a model before its stages load it, and what the cache warns of
+(moplex_core.lm.checks): models of other architectures and tokenizers of other layouts, built offline."""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+
+import pytest
+from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2Config
+
+from lm_fixtures import tiny_model_dir  # noqa: F401 - fixture
+from moplex_core.config import pipeline_preset, with_overrides
+from moplex_core.lm.checks import beyond_the_context, check_model, end_of_turn_id, warn_of_turn_layout
+from moplex_core.lm.multi_lora import LoRASettings
+from moplex_core.pipeline import _warn_of_another_generator
+
+TARGETS = LoRASettings().target_modules
+
+
+def test_a_gpt2_model_is_refused_before_any_stage_by_its_positions_and_its_layers(tmp_path):
+    GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=64, n_positions=128).save_pretrained(tmp_path)  # no weights
+    with pytest.raises(ValueError, match=r"cache.max_prompt_tokens \+ cache.max_response_tokens = 512 \+ 512 exceeds "
+                                         r"the 128 positions .* reads \(max_position_embeddings\)"):
+        check_model(str(tmp_path), lora_targets=TARGETS, max_prompt_tokens=512, max_response_tokens=512)
+    with pytest.raises(ValueError, match=r"train.lora_targets.*c_attn, c_fc, c_proj: Conv1D layer\(s\)"):
+        check_model(str(tmp_path), lora_targets=TARGETS, max_prompt_tokens=64, max_response_tokens=64)
+
+
+def test_a_model_not_on_this_machine_is_left_to_the_stages(caplog):
+    with caplog.at_level(logging.INFO, logger="moplex_core.lm.checks"):
+        check_model("someone/not-cached-here", lora_targets=TARGETS, max_prompt_tokens=512, max_response_tokens=512)
+    assert "is not on this machine" in caplog.text
+
+
+def test_the_tiny_model_passes_and_its_turns_end_with_its_eos(tiny_model_dir, caplog):
+    check_model(str(tiny_model_dir), lora_targets=TARGETS, max_prompt_tokens=512, max_response_tokens=512)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    assert end_of_turn_id(tokenizer) == tokenizer.eos_token_id
+    with caplog.at_level(logging.WARNING):
+        warn_of_turn_layout(AutoModelForCausalLM.from_pretrained(tiny_model_dir), tokenizer, True, "cache")
+    assert caplog.text == ""
+
+
+def test_a_tokenizer_whose_eos_does_not_end_the_templates_turns_or_that_has_no_template_is_warned_of(
+        tiny_model_dir, tmp_path, caplog):
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    other = tmp_path / "other-eos"  # as older Llama 3 tokenizers: eos <|end_of_text|>, turns end with <|eot_id|>
+    shutil.copytree(tiny_model_dir, other)
+    config = json.loads((other / "tokenizer_config.json").read_text())
+    (other / "tokenizer_config.json").write_text(json.dumps({**config, "eos_token": "<|endoftext|>"}))
+    tokenizer = AutoTokenizer.from_pretrained(other)
+    model.generation_config.eos_token_id = [tokenizer.eos_token_id, end_of_turn_id(tokenizer)]  # stops at both
+    with caplog.at_level(logging.WARNING):
+        warn_of_turn_layout(model, tokenizer, True, "cache")
+    assert "closes an assistant's turn with '<|im_end|>'" in caplog.text
+    assert "scored ending with the tokenizer's eos_token '<|endoftext|>'" in caplog.text
+    caplog.clear()
+    tokenizer.chat_template = None
+    with caplog.at_level(logging.WARNING):
+        warn_of_turn_layout(model, tokenizer, True, "cache")
+        warn_of_turn_layout(model, tokenizer, False, "cache")  # plain text meant: nothing to say
+    assert caplog.text.count("has no chat template") == 1 and "cache.use_chat_template=false" in caplog.text
+
+
+def test_beyond_the_context_counts_the_sequences_longer_than_it():
+    assert beyond_the_context([("a", 10), ("b", 13), ("c", 12), ("d", 14)], 12) == (2, "b", 13)
+    assert beyond_the_context([("a", 12)], 12) is None and beyond_the_context([("a", 99)], None) is None
+
+
+def test_a_model_set_for_one_stage_only_is_warned_of(caplog):
+    demo = pipeline_preset("synthetic-demo")
+    with caplog.at_level(logging.INFO, logger="moplex_core.pipeline"):
+        _warn_of_another_generator(demo)
+        assert caplog.text == ""
+        _warn_of_another_generator(with_overrides(demo, ["cache.model=/models/mine"]))
+        assert "augment.model = tiny generates the responses, cache.model = /models/mine (pi_ref) scores them; set " \
+               "augment.model=/models/mine too" in caplog.text
+        caplog.clear()
+        _warn_of_another_generator(with_overrides(demo, ["augment.use_chat_template=false"]))
+        assert "augment.use_chat_template = False but cache.use_chat_template = True" in caplog.text
