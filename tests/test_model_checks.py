@@ -8,11 +8,12 @@ import logging
 import shutil
 
 import pytest
-from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2Config
+from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2Config, LlamaConfig
 
 from lm_fixtures import tiny_model_dir  # noqa: F401 - fixture
 from moplex_core.config import pipeline_preset, with_overrides
-from moplex_core.lm.checks import beyond_the_context, check_model, end_of_turn_id, warn_of_turn_layout
+from moplex_core.lm.checks import (beyond_the_context, check_model, context_length, end_of_turn_id,
+                                   warn_of_turn_layout)
 from moplex_core.lm.multi_lora import LoRASettings
 from moplex_core.pipeline import _warn_of_another_generator
 
@@ -28,10 +29,18 @@ def test_a_gpt2_model_is_refused_before_any_stage_by_its_positions_and_its_layer
         check_model(str(tmp_path), lora_targets=TARGETS, max_prompt_tokens=64, max_response_tokens=64)
 
 
-def test_a_model_not_on_this_machine_is_left_to_the_stages(caplog):
+def test_a_rotary_scaling_stretches_the_context_and_an_unknown_architecture_is_left_to_train(tmp_path, caplog):
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256}
+    assert context_length(LlamaConfig(max_position_embeddings=256, rope_scaling=yarn)) == 1024  # as Qwen's long context
+    assert context_length(LlamaConfig(max_position_embeddings=256)) == 256
+    custom = tmp_path / "custom"  # a model whose code is its own (trust_remote_code): never run, nothing asked
+    custom.mkdir()
+    (custom / "config.json").write_text(json.dumps({"model_type": "acme", "auto_map": {"AutoConfig": "acme.Config"}}))
     with caplog.at_level(logging.INFO, logger="moplex_core.lm.checks"):
+        check_model(str(custom), lora_targets=TARGETS, max_prompt_tokens=512, max_response_tokens=512)
         check_model("someone/not-cached-here", lora_targets=TARGETS, max_prompt_tokens=512, max_response_tokens=512)
-    assert "is not on this machine" in caplog.text
+    assert "the config of" in caplog.text and "is read by the stages that load it" in caplog.text
+    assert "someone/not-cached-here is not on this machine" in caplog.text
 
 
 def test_the_tiny_model_passes_and_its_turns_end_with_its_eos(tiny_model_dir, caplog):
@@ -56,6 +65,12 @@ def test_a_tokenizer_whose_eos_does_not_end_the_templates_turns_or_that_has_no_t
         warn_of_turn_layout(model, tokenizer, True, "cache")
     assert "closes an assistant's turn with '<|im_end|>'" in caplog.text
     assert "scored ending with the tokenizer's eos_token '<|endoftext|>'" in caplog.text
+    assert "Set the tokenizer's eos_token to '<|im_end|>'" in caplog.text
+    caplog.clear()
+    model.generation_config.eos_token_id = tokenizer.eos_token_id  # a base model with a ChatML template (Qwen2.5's)
+    with caplog.at_level(logging.WARNING):
+        warn_of_turn_layout(model, tokenizer, True, "cache")
+    assert "does not stop generating at '<|im_end|>' either" in caplog.text and "use_chat_template=false" in caplog.text
     caplog.clear()
     tokenizer.chat_template = None
     with caplog.at_level(logging.WARNING):

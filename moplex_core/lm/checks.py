@@ -26,9 +26,17 @@ _MARK = "MOPLEX-RESPONSE-MARK"
 
 
 def context_length(config: PretrainedConfig) -> int | None:
-    """The positions the model reads at most (``max_position_embeddings``; GPT-2's ``n_positions``)."""
+    """The positions the model reads at most: ``max_position_embeddings`` (GPT-2's ``n_positions``),
+    or what a rotary scaling stretches it to (a YaRN ``factor`` times its
+    ``original_max_position_embeddings``, as Qwen's model cards set for long contexts)."""
     length = getattr(config, "max_position_embeddings", None)
-    return length if isinstance(length, int) and length > 0 else None
+    if not isinstance(length, int) or length <= 0:
+        return None
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
+    factor = rope.get("factor") if isinstance(rope, dict) else None
+    if isinstance(factor, int | float) and factor > 1:
+        return max(length, int(factor * (rope.get("original_max_position_embeddings") or length)))
+    return length
 
 
 def beyond_the_context(lengths: Sequence[tuple[str, int]], context: int | None) -> tuple[int, str, int] | None:
@@ -82,11 +90,15 @@ def warn_of_turn_layout(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBa
                     "say plain text is meant.", tokenizer.name_or_path, setting)
     turn_end = end_of_turn_id(tokenizer) if use_chat_template else None
     if turn_end is not None and turn_end != tokenizer.eos_token_id:
+        token = tokenizer.convert_ids_to_tokens(turn_end)
+        advice = (f"Set the tokenizer's eos_token to {token!r} (tokenizer_config.json)." if not stops or turn_end in stops
+                  else f"The model does not stop generating at {token!r} either (generation_config.json): a base model "
+                       f"with a template it was not trained on reads plain text (set {setting}.use_chat_template=false "
+                       f"and augment's); otherwise set both the tokenizer's eos_token and generation_config's "
+                       f"eos_token_id to it.")
         log.warning("the chat template of %s closes an assistant's turn with %r (id %d), but every response is scored "
-                    "ending with the tokenizer's eos_token %r (id %d), a token the model's turns do not end with. Set "
-                    "the tokenizer's eos_token to %r (tokenizer_config.json).", tokenizer.name_or_path,
-                    tokenizer.convert_ids_to_tokens(turn_end), turn_end, tokenizer.eos_token, tokenizer.eos_token_id,
-                    tokenizer.convert_ids_to_tokens(turn_end))
+                    "ending with the tokenizer's eos_token %r (id %d), a token the model's turns do not end with. %s",
+                    tokenizer.name_or_path, token, turn_end, tokenizer.eos_token, tokenizer.eos_token_id, advice)
 
 
 def local_model_folder(name_or_path: str) -> Path | None:
@@ -106,10 +118,14 @@ def check_model(model: str, *, lora_targets: Sequence[str], max_prompt_tokens: i
     this machine (the stages check it where it is)."""
     folder = local_model_folder(model)
     if folder is None:
-        log.info("%s is not on this machine (a hub name not in its cache): its settings are checked by the stages "
-                 "that load it", model)
+        log.info("%s is not on this machine as a model folder (or a hub name in its cache): its settings are "
+                 "checked by the stages that load it", model)
         return
-    config = AutoConfig.from_pretrained(str(folder))
+    try:  # trust_remote_code stays off, as when the stages load it: no question on a terminal
+        config = AutoConfig.from_pretrained(str(folder), trust_remote_code=False)
+    except (ValueError, OSError) as err:
+        log.info("the config of %s is read by the stages that load it (%s: %s)", model, type(err).__name__, err)
+        return
     context = context_length(config)
     if max_prompt_tokens is not None and max_response_tokens is not None and context is not None \
             and max_prompt_tokens + max_response_tokens > context:
@@ -119,7 +135,7 @@ def check_model(model: str, *, lora_targets: Sequence[str], max_prompt_tokens: i
     try:
         with torch.device("meta"):
             skeleton = AutoModelForCausalLM.from_config(config)
-    except (ValueError, KeyError, ImportError) as err:  # an architecture transformers does not know
+    except Exception as err:  # noqa: BLE001 - an architecture transformers cannot build here: train checks it
         log.info("the LoRA targets of %s are checked by the train stage (%s: %s)", model, type(err).__name__, err)
     else:
         target_layers(skeleton, lora_targets)
