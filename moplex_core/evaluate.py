@@ -224,7 +224,7 @@ STAGE = "evaluate"
 CODE_VERSION = "evaluate-11"  # bump when a change to this stage changes what it writes (8: plots, "|" in labels;
 # 9: ranking accuracy leave_pair_out, marginal = the mixture's pairwise probability, non-finite scores refused;
 # 10: clustering_accuracy_many_to_one when k exceeds the labels, no clustering rows when k = 1; 11: the report
-# says that EM's iterations are numbered from 0)
+# says that EM's iterations are numbered from 0, and under which observation model heldout_log_likelihood is)
 METRICS_FILE = "metrics.parquet"
 METRICS_COLUMNS = ("method", "split", "metric", "cluster", "value", "seed")
 
@@ -336,7 +336,7 @@ def run_evaluate(config: EvaluateConfig, train_dir: str | Path, cache_dir: str |
         writer.write_table(METRICS_FILE, metrics)
         if not diagnostics.empty:
             writer.write_table("diagnostics.parquet", diagnostics)
-        write_report(writer, metrics, diagnostics, em_result, confusion, plan.inputs)
+        write_report(writer, metrics, diagnostics, em_result, confusion, plan.inputs, trained.likelihood)
         writer.summary.update({"metrics": len(metrics), "splits": list(config.splits), "method": config.method})
     return EvaluateResult(plan.ref, plan.path, True, metrics)
 

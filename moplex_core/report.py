@@ -48,9 +48,9 @@ def per_cluster_table(metrics: pd.DataFrame, split: str) -> pd.DataFrame:
 
 
 def write_report(writer, metrics: pd.DataFrame, diagnostics: pd.DataFrame, em_result: dict[str, Any],
-                 confusion: dict[str, pd.DataFrame], inputs: dict[str, str]) -> None:
+                 confusion: dict[str, pd.DataFrame], inputs: dict[str, str], likelihood: str = "pl") -> None:
     """report.md and plots/*.png into an open ArtifactWriter of the evaluate stage; ``em_result`` is
-    the train artifact's result.json."""
+    the train artifact's result.json, ``likelihood`` its observation model (train.likelihood)."""
     history, halvings = em_result["history"], em_result.get("step_halvings", [])  # absent before train-8
     start_rows = metrics[metrics.split == EM_START_SPLIT]
     metrics = metrics[metrics.split != EM_START_SPLIT]
@@ -87,7 +87,10 @@ def write_report(writer, metrics: pd.DataFrame, diagnostics: pd.DataFrame, em_re
         "`oracle` the cluster matched to its true label, `marginal` the mixture's probability that one "
         "response precedes the other (sum over clusters of alpha times its pairwise probability; no label, no "
         "ranking). Rows `all` average over rankings; the paper's average over clusters is the mean of the "
-        "per-cluster rows.",
+        "per-cluster rows. `heldout_log_likelihood` is the mixture's log-likelihood per ranking under this run's "
+        + ("Plackett-Luce model" if likelihood == "pl" else "product of each ranking's Bradley-Terry pair probabilities")
+        + " over the slates as cached (generated responses, where there are any, in every denominator): compare it "
+        "only between runs of one observation model (train.likelihood) on the same slates.",
         "",
         *([f"Which adapter serves which true label (the matching fitted on `{fit}`):", "",
            markdown_table(pd.DataFrame({"adapter": [f"c{int(v)}" for v in matched.value]},

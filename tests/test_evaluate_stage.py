@@ -111,6 +111,8 @@ def test_the_report_says_where_the_likelihood_fell_and_how_far_off_the_estimates
     with ArtifactStore(tmp_path).writer("evaluate", "0123456789ab", config={}) as writer:
         write_report(writer, metrics, pd.DataFrame(), em_result, {}, {"train": "train/x"})
     section = (writer.path / "report.md").read_text().split("## EM training log-likelihood")[1].split("\n## ")[0]
+    intro = (writer.path / "report.md").read_text().split("## Overall")[0]
+    assert "log-likelihood per ranking under this run's Plackett-Luce model" in intro
     assert "6 iteration(s), numbered from 0 as the train log and `em/restart-RR/iter-NNNN` number them" in section
     assert "It fell at iteration(s) 2, 3. Soft EM" in section
     assert "half its learning rate (`train.backtracks`), at iteration(s) 2 (2x), 3 (2x), 5 (1x) (times halved)" in section
