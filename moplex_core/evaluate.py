@@ -100,6 +100,10 @@ def evaluate_mixture(
     for name, split in splits.items():
         out = outputs[name]
         rows.append((name, "heldout_log_likelihood", "all", float(out["ll"].mean())))
+        rows.append((name, RANKINGS, "all", float(len(out["ll"]))))
+        if split.labels is not None:  # how many rankings each per-cluster value rests on
+            counts = np.bincount(split.labels, minlength=k_true)
+            rows += [(name, RANKINGS, _name(c, label_names), float(n)) for c, n in enumerate(counts)]
         rows += _ranking_rows(name, out, split, alpha, matching, k_true, label_names)
         if split.labels is None or k == 1:  # one cluster holds every ranking: no clustering to measure
             continue
@@ -224,8 +228,10 @@ STAGE = "evaluate"
 CODE_VERSION = "evaluate-11"  # bump when a change to this stage changes what it writes (8: plots, "|" in labels;
 # 9: ranking accuracy leave_pair_out, marginal = the mixture's pairwise probability, non-finite scores refused;
 # 10: clustering_accuracy_many_to_one when k exceeds the labels, no clustering rows when k = 1; 11: the report
-# says that EM's iterations are numbered from 0, and under which observation model heldout_log_likelihood is)
+# says that EM's iterations are numbered from 0, and under which observation model heldout_log_likelihood is;
+# metrics.parquet counts each split's rankings, per true cluster too)
 METRICS_FILE = "metrics.parquet"
+RANKINGS = "rankings"  # the metric that counts a split's rankings (per true cluster too): what each value rests on
 METRICS_COLUMNS = ("method", "split", "metric", "cluster", "value", "seed")
 
 

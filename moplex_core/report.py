@@ -21,7 +21,7 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
 from moplex_core.em import estimates_off_by, likelihood_falls
-from moplex_core.evaluate import EM_START_SPLIT, MATCHED_ADAPTER, RANKING_VARIANTS
+from moplex_core.evaluate import EM_START_SPLIT, MATCHED_ADAPTER, RANKING_VARIANTS, RANKINGS
 
 HEADLINE = ("clustering_accuracy", "clustering_accuracy_many_to_one", "ari", "nmi",
             *(f"ranking_accuracy_{v}" for v in RANKING_VARIANTS),
@@ -31,11 +31,23 @@ ESTIMATION_ROWS = ("estimated_entries", "mean_abs_error", "score_spread", "relat
 
 
 def headline_table(metrics: pd.DataFrame) -> pd.DataFrame:
-    """The averages ("all" rows): one row per metric, one column per split, in HEADLINE order."""
-    overall = metrics[metrics.cluster == "all"].pivot_table(index="metric", columns="split", values="value",
+    """The averages ("all" rows): one row per metric, one column per split, in HEADLINE order (the
+    rankings' counts are said apart, `ranking_counts`)."""
+    overall = metrics[(metrics.cluster == "all") & (metrics.metric != RANKINGS)].pivot_table(index="metric", columns="split", values="value",
                                                              sort=False, dropna=False)  # NaN shows as -
     order = [m for m in HEADLINE if m in overall.index]
     return overall.loc[order + [m for m in overall.index if m not in order]]
+
+
+def ranking_counts(metrics: pd.DataFrame, split: str | None = None) -> str:
+    """How many rankings the values rest on: per split ("validation 60, test 60"), or per true cluster
+    of ``split`` ("c0 15, c1 25"); "" where evaluate did not count them (before evaluate-11)."""
+    rows = metrics[metrics.metric == RANKINGS]
+    if split is None:
+        rows = rows[rows.cluster == "all"]
+        return ", ".join(f"{name} {int(n)}" for name, n in zip(rows.split, rows.value, strict=True))
+    rows = rows[(rows.split == split) & (rows.cluster != "all")]
+    return ", ".join(f"{name} {int(n)}" for name, n in zip(rows.cluster, rows.value, strict=True))
 
 
 def per_cluster_table(metrics: pd.DataFrame, split: str) -> pd.DataFrame:
@@ -100,10 +112,12 @@ def write_report(writer, metrics: pd.DataFrame, diagnostics: pd.DataFrame, em_re
         "",
         markdown_table(headline_table(metrics)),
         "",
+        *([f"Rankings: {ranking_counts(metrics)}.", ""] if ranking_counts(metrics) else []),
     ]
     if not clusters.empty:
+        counts = ranking_counts(metrics, last)
         lines += [f"## Per cluster ({last}{', in-sample: the split the matching was fitted on' if last == fit else ''})",
-                  "", markdown_table(clusters), "",
+                  "", markdown_table(clusters), "", *([f"Rankings per true cluster: {counts}.", ""] if counts else []),
                   "![per-cluster accuracy](plots/cluster_accuracy.png)", ""]
     lines += ["## EM training log-likelihood", "",
               f"{len(history)} iteration(s), numbered from 0 as the train log and `em/restart-RR/iter-NNNN` number "

@@ -9,7 +9,7 @@ import pytest
 from moplex_core.artifacts import verify
 from moplex_core.config import PipelineConfig, pipeline_preset, with_overrides
 from moplex_core.experiments.compare import (all_variants_table, chance_level, em_start_table, per_cluster_shape,
-                                             plan_runs, summary_shape)
+                                             plan_runs, sampling_note, summary_shape)
 from moplex_core.methods import METHODS, method_config
 from moplex_core.report import markdown_table
 
@@ -114,6 +114,19 @@ def test_tables_report_percent_mean_and_sample_std_over_seeds():
         "| a\\|b | 0.5000 |"
 
 
+def test_the_report_says_how_much_another_sample_of_test_rankings_would_move_a_value():
+    counts = [("all", 60), ("c0", 15), ("c1", 25), ("c2", 20)]
+    metrics = _metrics([(m, "test", "rankings", c, float(n), s) for m in ("moplex", "dpo") for s in (0, 1)
+                        for c, n in counts])
+    note = sampling_note(metrics)
+    # 50 / sqrt(60) = 6.45; the Average: 50 sqrt(1/15 + 1/25 + 1/20) / 3 = 6.60; one cluster 10.0 (25) to 12.9 (15)
+    assert note.startswith("The test split holds 60 rankings (c0 15, c1 25, c2 20). Another sample of as many "
+                           "rankings would move a value by a standard error of up to 6.5 points on all of them, 6.6 "
+                           "on the Average over clusters, 10.0 to 12.9 on one cluster")
+    assert sampling_note(metrics[metrics.cluster == "all"]).startswith("The test split holds 60 rankings. Another")
+    assert sampling_note(_metrics([("moplex", "test", "clustering_accuracy", "all", 0.5, 0)])) == ""  # not counted
+
+
 def test_the_em_start_table_shows_start_end_and_their_agreement_per_method():
     rows = []
     for seed, (start, end, ari) in enumerate([(0.8, 0.5, 0.2), (0.9, 0.7, 0.4)]):
@@ -152,6 +165,7 @@ def test_compare_flow_runs_methods_and_seeds_sharing_stages_and_reuses_them(pref
     report = open(f"{folder}/report.md").read()
     assert report.startswith(f"# moplex method comparison on `{base.ingest.dataset}`")
     assert "## Paper Table 3 shape" in report and "MaxMin" not in report and "EM-DPO (`mixture_bt`) |" in report
+    assert "The test split holds " in report and "The ± here are over seeds on this one sample" in report
     kept = report.split("## What EM kept of its start")[1].split("\n## ")[0]
     assert "| MoPLEx (Alg. 2) (`moplex`) | " in kept and "| EM-DPO (`mixture_bt`) | " in kept
     assert "| w/o mixture models (`k1`) | - | - | - | " in kept

@@ -65,6 +65,9 @@ def test_more_labels_than_clusters_without_label_names_still_match(noise_free):
     assert not {"clustering_accuracy", "ari", "nmi"} & {metric for metric, _ in test.index}
     assert test["ranking_accuracy_oracle", "all"] == test["ranking_accuracy_posterior", "all"]
     assert {"0", "1"} <= {cluster for _, cluster in test.index}  # per-label rows, named by number
+    labels = splits["test"].labels  # the rankings each label's values rest on, and the split's
+    assert (test["rankings", "0"], test["rankings", "1"], test["rankings", "all"]) == (
+        (labels == 0).sum(), (labels == 1).sum(), len(labels))
     # and fewer: k = 3 against the same 2 labels names no third label
     more = evaluate_mixture(LinearScorer(3, 2), torch.ones(3, dtype=torch.float64) / 3, splits)
     assert set(more[more.metric.isin(["clustering_accuracy", "matched_adapter"])].cluster) == {"all", "0", "1"}
@@ -87,7 +90,9 @@ def test_without_labels_only_label_free_metrics_are_reported(noise_free):
     unlabeled = {"test": EvalSplit(splits["test"].inputs, splits["test"].rankings)}
     metrics = evaluate_mixture(LinearScorer(2, 2), torch.tensor([0.5, 0.5], dtype=torch.float64), unlabeled)
     assert set(metrics.metric) == {"heldout_log_likelihood", "ranking_accuracy_posterior",
-                                   "ranking_accuracy_leave_pair_out", "ranking_accuracy_marginal"}
+                                   "ranking_accuracy_leave_pair_out", "ranking_accuracy_marginal", "rankings"}
+    counts = metrics[metrics.metric == "rankings"]  # the split's whole count only: no labels to count by
+    assert list(counts.cluster) == ["all"] and counts.value.item() == len(splits["test"].rankings.tiers)
     # a zero scorer ties every pair: half credit each
     values = metrics.set_index("metric").value
     assert values["ranking_accuracy_marginal"] == pytest.approx(0.5)

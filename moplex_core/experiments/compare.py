@@ -35,11 +35,12 @@ from matplotlib.figure import Figure
 from moplex_core.artifacts import ArtifactRef, ArtifactStore, read_manifest
 from moplex_core.config import PipelineConfig
 from moplex_core.methods import METHODS, method_config
-from moplex_core.evaluate import EM_START_SPLIT, METRICS_FILE, RANKING_VARIANTS
+from moplex_core.evaluate import EM_START_SPLIT, METRICS_FILE, RANKING_VARIANTS, RANKINGS
 from moplex_core.report import markdown_cell, markdown_table, png_bytes
 
 STAGE = "compare"
-CODE_VERSION = "compare-5"  # bump when a change here changes what the report holds (5: NaN cells as -)
+CODE_VERSION = "compare-6"  # bump when a change here changes what the report holds (5: NaN cells as -;
+# 6: how much the test sample's rankings alone move a value, `sampling_note`)
 SPLIT = "test"
 
 
@@ -185,6 +186,29 @@ def _label(method: str) -> str:
     return f"{METHODS[method].paper} (`{method}`)" if method in METHODS else method
 
 
+def sampling_note(metrics: pd.DataFrame, split: str = SPLIT) -> str:
+    """How much the values would move with another sample of ``split``'s rankings, which the ± over
+    seeds leaves out: a mean over n rankings of a value in [0, 1] (a ranking's clustering hit, its
+    fraction of pairs ordered right) has a standard error of at most 0.5 / sqrt(n), the Average over
+    K clusters 0.5 sqrt(sum 1/n_c) / K. "" without the counts (evaluations before evaluate-11)."""
+    counts = metrics[(metrics.metric == RANKINGS) & (metrics.split == split)]
+    if counts.empty:
+        return ""
+    first = counts[(counts.method == counts.method.iloc[0]) & (counts.seed == counts.seed.iloc[0])]  # one data set
+    total = int(first[first.cluster == "all"].value.item())
+    per_cluster = {c: int(n) for c, n in zip(first.cluster, first.value, strict=True) if c != "all" and n > 0}
+    note = f"The {split} split holds {total} rankings"
+    bounds = f"{50 / np.sqrt(total):.1f} points on all of them"
+    if per_cluster:
+        note += " (" + ", ".join(f"{c} {n}" for c, n in per_cluster.items()) + ")"
+        average = 50 * np.sqrt(sum(1 / n for n in per_cluster.values())) / len(per_cluster)
+        one = [50 / np.sqrt(n) for n in per_cluster.values()]
+        bounds += f", {average:.1f} on the Average over clusters, {min(one):.1f} to {max(one):.1f} on one cluster"
+    return (note + ". Another sample of as many rankings would move a value by a standard error of up to "
+            + bounds + " (at 50%; a mean over n rankings of a value in [0, 1] has at most 50 / sqrt(n)). The ± "
+            "here are over seeds on this one sample and leave that out.")
+
+
 def chance_level(metrics: pd.DataFrame) -> float | None:
     """Clustering accuracy of a constant guess, 1 / (number of true labels); None without labels.
     The labels are the clusters of the clustering_accuracy rows (other rows, such as the generated-
@@ -271,6 +295,7 @@ def _report(metrics: pd.DataFrame, dataset: str, seeds: list[int], evaluations: 
         "the paper's tables average their columns); the last table's are over all rankings, as in each run's "
         "own report.",
         "",
+        *([sampling_note(metrics), ""] if sampling_note(metrics) else []),
         "## Paper Table 3 shape",
         "",
         summary_shape(metrics, dataset),
