@@ -8,7 +8,7 @@ import logging
 import shutil
 
 import pytest
-from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2Config, LlamaConfig
+from transformers import AutoModelForCausalLM, AutoTokenizer, Gemma2Config, GPT2Config, LlamaConfig
 
 from lm_fixtures import tiny_model_dir  # noqa: F401 - fixture
 from moplex_core.config import pipeline_preset, with_overrides
@@ -27,6 +27,14 @@ def test_a_gpt2_model_is_refused_before_any_stage_by_its_positions_and_its_layer
         check_model(str(tmp_path), lora_targets=TARGETS, max_prompt_tokens=512, max_response_tokens=512)
     with pytest.raises(ValueError, match=r"train.lora_targets.*c_attn, c_fc, c_proj: Conv1D layer\(s\)"):
         check_model(str(tmp_path), lora_targets=TARGETS, max_prompt_tokens=64, max_response_tokens=64)
+
+
+def test_a_model_that_rescales_its_logits_after_lm_head_is_refused_before_any_stage(tmp_path):
+    # Gemma 2's final_logit_softcapping: response-only chunked log-probs would skip it and be wrong
+    Gemma2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                 head_dim=16, vocab_size=64).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=r"rescales its logits after lm_head \(final_logit_softcapping\)"):
+        check_model(str(tmp_path), lora_targets=TARGETS, max_prompt_tokens=512, max_response_tokens=512)
 
 
 def test_a_rotary_scaling_stretches_the_context_and_an_unknown_architecture_is_left_to_train(tmp_path, caplog):

@@ -18,6 +18,7 @@ from jinja2 import TemplateError
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 from moplex_core.lm.loading import hub_snapshot
+from moplex_core.lm.logprobs import refuse_rescaled_logits
 from moplex_core.lm.multi_lora import target_layers
 
 log = logging.getLogger(__name__)
@@ -112,9 +113,10 @@ def local_model_folder(name_or_path: str) -> Path | None:
 
 def check_model(model: str, *, lora_targets: Sequence[str], max_prompt_tokens: int | None,
                 max_response_tokens: int | None) -> None:
-    """Refuse settings ``model`` cannot run before any stage loads it: LoRA targets (train.lora_targets)
-    that match none of its linear layers, and a cache whose longest sequence (cache.max_prompt_tokens +
-    cache.max_response_tokens) exceeds its positions. Nothing is checked for a model that is not on
+    """Refuse settings ``model`` cannot run before any stage loads it: logits it transforms after lm_head
+    (`refuse_rescaled_logits`), LoRA targets (train.lora_targets) that match none of its linear layers,
+    and a cache whose longest sequence (cache.max_prompt_tokens + cache.max_response_tokens) exceeds
+    its positions. Nothing is checked for a model that is not on
     this machine (the stages check it where it is)."""
     folder = local_model_folder(model)
     if folder is None:
@@ -126,6 +128,7 @@ def check_model(model: str, *, lora_targets: Sequence[str], max_prompt_tokens: i
     except (ValueError, OSError) as err:
         log.info("the config of %s is read by the stages that load it (%s: %s)", model, type(err).__name__, err)
         return
+    refuse_rescaled_logits(config.get_text_config(), model)
     context = context_length(config)
     if max_prompt_tokens is not None and max_response_tokens is not None and context is not None \
             and max_prompt_tokens + max_response_tokens > context:

@@ -40,7 +40,7 @@ from torch import nn
 from torch.nn.attention.bias import CausalBias, causal_lower_right
 from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils.checkpoint import checkpoint
-from transformers import DynamicCache, PreTrainedModel
+from transformers import DynamicCache, PretrainedConfig, PreTrainedModel
 
 from moplex_core.lm.device import to_device
 
@@ -51,18 +51,22 @@ def _cache_name(decoder: nn.Module) -> str:
     return "cache" if "cache" in inspect.signature(decoder.forward).parameters else "past_key_values"
 
 
+def refuse_rescaled_logits(config: PretrainedConfig, name: str) -> None:
+    """Raise for a model whose ForCausalLM forward transforms the logits after lm_head (Gemma 2/3's
+    final_logit_softcapping, Cohere's logit_scale): response-only chunked log-probs skip that forward,
+    so they would be wrong without any error."""
+    for transform in ("final_logit_softcapping", "logit_scale"):
+        if getattr(config, transform, None) not in (None, 1.0):
+            raise ValueError(
+                f"{name} rescales its logits after lm_head ({transform}), which response-only chunked "
+                "log-probs do not reproduce; use a model without it (Qwen, Llama, Mistral, Gemma 1)"
+            )
+
+
 def causal_lm_parts(model: PreTrainedModel | PeftModel) -> tuple[nn.Module, nn.Module]:
     """The decoder (token embeddings -> last hidden states) and ``lm_head`` of a causal LM."""
     causal_lm = model.get_base_model() if isinstance(model, PeftModel) else model
-    for transform in ("final_logit_softcapping", "logit_scale"):
-        # Applied in the ForCausalLM forward after lm_head (Gemma 2/3, Cohere); skipping it here
-        # would give wrong log-probs without any error.
-        if getattr(causal_lm.config, transform, None) not in (None, 1.0):
-            raise ValueError(
-                f"{type(causal_lm).__name__} rescales its logits after lm_head ({transform}), which "
-                "response-only chunked log-probs do not reproduce; use a model without it (Qwen, "
-                "Llama, Mistral, Gemma 1)"
-            )
+    refuse_rescaled_logits(causal_lm.config.get_text_config(), type(causal_lm).__name__)
     lm_head = causal_lm.get_output_embeddings()
     if lm_head is None:
         raise ValueError(
