@@ -276,6 +276,72 @@ def test_the_m_step_holds_the_e_steps_estimates_and_differentiates_the_objective
     torch.testing.assert_close((up - down) / (2 * step), squared, rtol=2e-2, atol=0)
 
 
+def test_the_m_step_objective_is_the_weighted_breslow_log_likelihood_written_out(
+        tiny_model_dir, float64_rmsnorm):  # noqa: F811
+    """-sum over (example, cluster) pairs of w_ic log P_c(sigma_i) / pairs, P_c of Breslow ties over a
+    top-l prefix with every response of the slate in the denominators, the anchors' scores exact
+    (beta (log pi_c - log pi_ref)) and the others the E-step's held estimates, constants: its value and
+    its gradient against autograd of that formula, computed response by response (float64)."""
+    beta = 0.5
+    policy = LoRAPolicyScorer(tiny_model_dir, 2, anchors=2, beta=beta, dtype=torch.float64, lora=SMALL,
+                              score_batch_size=8, seed=3)
+    tokenizer = load_tokenizer(tiny_model_dir)
+    slates = [tokenize_responses(tokenizer, "Rank by criterion 1: which list is best?", ["3 1 2", "5 0 2 7", "1 1",
+                                                                                          "4 2 9", "7 7"]),
+              tokenize_responses(tokenizer, "Rank by criterion 2: which is best?", ["9 9", "0 1 2", "8 1", "2 2 2 2"])]
+    width = 5
+    ref_logp, s_ref = torch.zeros(2, width, dtype=torch.float64), torch.zeros(2, width, width)
+    for e, slate in enumerate(slates):
+        logp, contraction = reference_terms(policy.model, slate, policy.pad_token_id)
+        ref_logp[e, :len(slate)], s_ref[e, :len(slate), :len(slate)] = logp, contraction
+    generator = torch.Generator().manual_seed(11)
+    with torch.no_grad():  # adapters away from the reference, so that anchors and estimates differ
+        for param in policy.lora.named_parameters().values():
+            param.add_(0.05 * torch.randn(param.shape, generator=generator, dtype=param.dtype))
+    rankings = [[[1], [0, 2]], [[2], [0], [1], [3]]]  # a tie; with slate 0's last two and 1's last one unranked
+    inputs = PolicyInputs(("a", "b"), tuple(map(tuple, slates)), ref_logp, s_ref,
+                          encode_tiers_batch(rankings, [5, 4]), torch.tensor([2, 2]))
+    policy.score(inputs, 0)  # the E-step whose estimates the next M-step holds
+    held = policy._estep.deltas.clone()  # [n, k, M]
+    weights = torch.tensor([[0.8, 0.2], [0.0, 0.6]], dtype=torch.float64)
+    picks = policy._anchor_picks(inputs, 1, 2)
+    terms = lora_policy._MStepTerms.of(inputs, picks, policy._estimates(inputs, 1, picks), weights, policy.model.device)
+    pairs = [[0, 0], [0, 1], [1, 1]]
+    policy.optimizer.zero_grad()
+    objective = float(policy._weighted_logp(inputs, inputs.rankings(), terms, pairs, len(pairs) + 1))
+    computed = {name: param.grad.detach().clone() for name, param in policy._lora.items() if param.grad is not None}
+    policy.optimizer.zero_grad()
+
+    def logpi(e: int, j: int, c: int) -> torch.Tensor:
+        batch = pad_batch([slates[e][j]], policy.pad_token_id)
+        with policy.lora.route([c]), policy.lora.requires_grad(True):
+            return sequence_logprobs(policy.model, batch.input_ids, batch.attention_mask, batch.response_mask).sum()
+
+    def breslow(r: list[torch.Tensor], tiers: list[list[int]], prefix: int) -> torch.Tensor:
+        below, total = list(range(len(r))), torch.zeros((), dtype=torch.float64)
+        for tier in tiers[:prefix]:
+            total = total + sum(r[j] for j in tier) - len(tier) * torch.logsumexp(torch.stack([r[j] for j in below]), 0)
+            below = [j for j in below if j not in tier]
+        return total
+
+    expected = torch.zeros((), dtype=torch.float64)
+    with policy.lora.requires_grad(True):
+        for e, c in pairs:
+            r = [beta * held[e, c, j] for j in range(len(slates[e]))]
+            for j in picks[e].tolist():
+                r[j] = beta * (logpi(e, j, c) - ref_logp[e, j])
+            expected = expected + weights[e, c] * breslow(r, rankings[e], 2)
+        expected = expected / (len(pairs) + 1)
+        params = list(policy._lora.values())
+        grads = torch.autograd.grad(-expected, params, allow_unused=True)
+    assert objective == pytest.approx(float(expected), rel=1e-10)
+    for name, grad in zip(policy._lora, grads, strict=True):
+        if grad is None:
+            assert name not in computed or not computed[name].any()
+        else:
+            torch.testing.assert_close(computed[name], grad, rtol=1e-7, atol=1e-10)
+
+
 def test_a_resumed_scorer_repeats_the_m_step_exactly(tiny_model_dir, inputs, monkeypatch):  # noqa: F811
     weights = torch.full((len(inputs), 2), 0.5, dtype=torch.float64)
     first = scorer(tiny_model_dir, anchors=2)

@@ -93,6 +93,22 @@ def test_augmented_bottom_set_equals_brute_force_marginal(scores, n_generated, d
     assert logp.exp().item() == pytest.approx(eq5, rel=1e-10)
 
 
+@settings(max_examples=60, deadline=None)
+@given(scores_strategy, st.data())
+def test_top_l_with_a_generated_bottom_set_equals_brute_force_marginal(scores, data):
+    """A top-l ranking of the originals with generated items: the first l positions observed, the
+    other originals and every generated item in any order below them."""
+    m = len(scores)
+    n_generated = data.draw(st.integers(0, 6 - m))
+    all_scores = scores + data.draw(st.lists(st.floats(-4, 4), min_size=n_generated, max_size=n_generated))
+    order, l = data.draw(st.permutations(range(m))), data.draw(st.integers(1, m))
+    below = [j for j in range(m + n_generated) if j not in order[:l]]
+    marginal = sum(brute_force_order_prob(all_scores, list(order[:l]) + list(o)) for o in itertools.permutations(below))
+    tiers = torch.tensor([encode_tiers(strict(order), m + n_generated)])
+    logp = plackett_luce_log_likelihood(torch.tensor([all_scores], dtype=torch.float64), tiers, l)
+    assert logp.exp().item() == pytest.approx(marginal, rel=1e-10)
+
+
 def test_breslow_ties_match_the_design_formula():
     r = [0.3, -1.2, 2.0, 0.7, -0.1]
     ranking = [[2], [0, 3], [1, 4]]
@@ -107,6 +123,11 @@ def test_breslow_ties_match_the_design_formula():
     tiers = torch.tensor([encode_tiers(ranking, 6)])
     got = plackett_luce_log_likelihood(torch.tensor([s], dtype=torch.float64), tiers).item()
     assert got == pytest.approx(expected, rel=1e-12)
+    # a top-l prefix of tiers: the first l tiers' factors, the rest of the slate in every denominator
+    terms = [r[2] - lse([0, 1, 2, 3, 4, 5]), (r[0] + r[3]) - 2 * lse([0, 1, 3, 4, 5])]
+    for l in (1, 2):
+        got = plackett_luce_log_likelihood(torch.tensor([s], dtype=torch.float64), tiers, l).item()
+        assert got == pytest.approx(sum(terms[:l]), rel=1e-12)
 
 
 @settings(max_examples=100, deadline=None)
@@ -206,6 +227,11 @@ def test_pairwise_likelihood_sums_bradley_terry_over_ordered_pairs():
     pairs = [(2, 0), (2, 3), (2, 1), (0, 1), (3, 1), (2, 4), (0, 4), (3, 4), (1, 4)]
     expected = sum(math.log(1 / (1 + math.exp(-(r[i] - r[j])))) for i, j in pairs)
     got = pairwise_log_likelihood(torch.tensor([r], dtype=torch.float64), prepare_rankings(tiers))
+    assert got.item() == pytest.approx(expected, rel=1e-12)
+    # top-2 tiers observed: item 1 joins the generated one below them, and is no pair's winner
+    top = [(2, 0), (2, 3), (2, 1), (2, 4), (0, 1), (0, 4), (3, 1), (3, 4)]
+    expected = sum(math.log(1 / (1 + math.exp(-(r[i] - r[j])))) for i, j in top)
+    got = pairwise_log_likelihood(torch.tensor([r], dtype=torch.float64), prepare_rankings(tiers, torch.tensor([2])))
     assert got.item() == pytest.approx(expected, rel=1e-12)
     two = torch.tensor([[0.4, -0.3]], dtype=torch.float64)
     index = prepare_rankings(torch.tensor([[1, 0]]))
