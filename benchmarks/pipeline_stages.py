@@ -30,7 +30,7 @@ import torch
 
 from moplex_core.artifacts import read_manifest
 from moplex_core.config import pipeline_preset, with_overrides
-from moplex_core.evaluate import METRICS_FILE
+from moplex_core.evaluate import METRICS_FILE, RANKINGS
 from moplex_core.pipeline import in_this_process, run_stages
 
 
@@ -74,7 +74,7 @@ def main() -> None:
         print(f"| {name} | {version} | {n} | {reused} | {seconds:.1f} | {peak} |")
     print(f"| all | | | | {total:.1f} | |\n")
     metrics = pd.read_parquet(Path(dirs["evaluate"]) / METRICS_FILE)
-    overall = metrics[metrics["cluster"] == "all"].pivot_table(index="metric", columns="split", values="value",
+    overall = metrics[(metrics["cluster"] == "all") & (metrics["metric"] != RANKINGS)].pivot_table(index="metric", columns="split", values="value",
                                                                 sort=False)
     print(f"Metrics over all clusters ({dirs['evaluate']}/report.md has the rest):\n")
     print("| metric | " + " | ".join(overall.columns) + " |\n|---|" + "---|" * len(overall.columns))

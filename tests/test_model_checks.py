@@ -8,7 +8,7 @@ import logging
 import shutil
 
 import pytest
-from transformers import AutoModelForCausalLM, AutoTokenizer, Gemma2Config, GPT2Config, LlamaConfig
+from transformers import AutoModelForCausalLM, AutoTokenizer, Gemma2Config, GPT2Config, GraniteConfig, LlamaConfig
 
 from lm_fixtures import tiny_model_dir  # noqa: F401 - fixture
 from moplex_core.config import pipeline_preset, with_overrides
@@ -35,6 +35,11 @@ def test_a_model_that_rescales_its_logits_after_lm_head_is_refused_before_any_st
                  head_dim=16, vocab_size=64).save_pretrained(tmp_path)
     with pytest.raises(ValueError, match=r"rescales its logits after lm_head \(final_logit_softcapping\)"):
         check_model(str(tmp_path), lora_targets=TARGETS, max_prompt_tokens=512, max_response_tokens=512)
+    granite = tmp_path / "granite"  # Granite divides its logits by logits_scaling
+    GraniteConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, vocab_size=64,
+                  logits_scaling=8.0).save_pretrained(granite)
+    with pytest.raises(ValueError, match=r"rescales its logits after lm_head \(logits_scaling\)"):
+        check_model(str(granite), lora_targets=TARGETS, max_prompt_tokens=512, max_response_tokens=512)
 
 
 def test_a_rotary_scaling_stretches_the_context_and_an_unknown_architecture_is_left_to_train(tmp_path, caplog):

@@ -187,10 +187,11 @@ def _label(method: str) -> str:
 
 
 def sampling_note(metrics: pd.DataFrame, split: str = SPLIT) -> str:
-    """How much the values would move with another sample of ``split``'s rankings, which the ± over
-    seeds leaves out: a mean over n rankings of a value in [0, 1] (a ranking's clustering hit, its
-    fraction of pairs ordered right) has a standard error of at most 0.5 / sqrt(n), the Average over
-    K clusters 0.5 sqrt(sum 1/n_c) / K. "" without the counts (evaluations before evaluate-11)."""
+    """The standard error the sampling of ``split``'s rankings gives a value, which the ± over seeds
+    leaves out: a mean over n independent rankings of a value in [0, 1] (a ranking's clustering hit,
+    its fraction of pairs ordered right) has at most 0.5 / sqrt(n); the Average over K clusters at most
+    the mean of its clusters' bounds, however they correlate (UltraFeedback's criteria share prompts).
+    "" without the counts (evaluations before evaluate-11)."""
     counts = metrics[(metrics.metric == RANKINGS) & (metrics.split == split)]
     if counts.empty:
         return ""
@@ -201,12 +202,13 @@ def sampling_note(metrics: pd.DataFrame, split: str = SPLIT) -> str:
     bounds = f"{50 / np.sqrt(total):.1f} points on all of them"
     if per_cluster:
         note += " (" + ", ".join(f"{c} {n}" for c, n in per_cluster.items()) + ")"
-        average = 50 * np.sqrt(sum(1 / n for n in per_cluster.values())) / len(per_cluster)
         one = [50 / np.sqrt(n) for n in per_cluster.values()]
-        bounds += f", {average:.1f} on the Average over clusters, {min(one):.1f} to {max(one):.1f} on one cluster"
-    return (note + ". Another sample of as many rankings would move a value by a standard error of up to "
-            + bounds + " (at 50%; a mean over n rankings of a value in [0, 1] has at most 50 / sqrt(n)). The ± "
-            "here are over seeds on this one sample and leave that out.")
+        bounds += (f", {np.mean(one):.1f} on the Average over clusters, {min(one):.1f} to {max(one):.1f} on one "
+                   "cluster")
+    return (note + ". The sampling of these rankings gives a value a standard error of up to " + bounds
+            + " (at 50%: a mean over n independent rankings of a value in [0, 1] has at most 50 / sqrt(n); rankings "
+            "that share a prompt, as UltraFeedback's criteria do, are not independent, and the bound on all of them "
+            "is then larger). The ± here are over seeds on this one sample and leave that out.")
 
 
 def chance_level(metrics: pd.DataFrame) -> float | None:

@@ -128,7 +128,7 @@ def check_model(model: str, *, lora_targets: Sequence[str], max_prompt_tokens: i
     except (ValueError, OSError) as err:
         log.info("the config of %s is read by the stages that load it (%s: %s)", model, type(err).__name__, err)
         return
-    refuse_rescaled_logits(config.get_text_config(), model)
+    refuse_rescaled_logits(config.get_text_config(decoder=True), model)
     context = context_length(config)
     if max_prompt_tokens is not None and max_response_tokens is not None and context is not None \
             and max_prompt_tokens + max_response_tokens > context:

@@ -52,10 +52,11 @@ def _cache_name(decoder: nn.Module) -> str:
 
 
 def refuse_rescaled_logits(config: PretrainedConfig, name: str) -> None:
-    """Raise for a model whose ForCausalLM forward transforms the logits after lm_head (Gemma 2/3's
-    final_logit_softcapping, Cohere's logit_scale): response-only chunked log-probs skip that forward,
-    so they would be wrong without any error."""
-    for transform in ("final_logit_softcapping", "logit_scale"):
+    """Raise for a model whose ForCausalLM forward transforms the logits after lm_head (Gemma 2's
+    final_logit_softcapping, and Gemma 3's where set; Cohere's logit_scale, Granite's logits_scaling,
+    Falcon-H1's lm_head_multiplier): response-only chunked log-probs skip that forward, so they would
+    be wrong without any error."""
+    for transform in ("final_logit_softcapping", "logit_scale", "logits_scaling", "lm_head_multiplier"):
         if getattr(config, transform, None) not in (None, 1.0):
             raise ValueError(
                 f"{name} rescales its logits after lm_head ({transform}), which response-only chunked "
@@ -66,7 +67,7 @@ def refuse_rescaled_logits(config: PretrainedConfig, name: str) -> None:
 def causal_lm_parts(model: PreTrainedModel | PeftModel) -> tuple[nn.Module, nn.Module]:
     """The decoder (token embeddings -> last hidden states) and ``lm_head`` of a causal LM."""
     causal_lm = model.get_base_model() if isinstance(model, PeftModel) else model
-    refuse_rescaled_logits(causal_lm.config.get_text_config(), type(causal_lm).__name__)
+    refuse_rescaled_logits(causal_lm.config.get_text_config(decoder=True), type(causal_lm).__name__)
     lm_head = causal_lm.get_output_embeddings()
     if lm_head is None:
         raise ValueError(
