@@ -65,10 +65,11 @@ def _warn_of_another_generator(config: PipelineConfig) -> None:
     if augment is None or augment.backend == "borrow":
         return
     if augment.model != cache.model:
-        tiny = TINY_MODEL in (augment.model, cache.model)
-        (log.warning if tiny else log.info)(
+        advice = {augment.model: f"; set augment.model={cache.model} too, unless another generator is meant",
+                  cache.model: f"; set cache.model={augment.model} too, unless another reference is meant"}
+        (log.warning if TINY_MODEL in advice else log.info)(
             "augment.model = %s generates the responses, cache.model = %s (pi_ref) scores them%s", augment.model,
-            cache.model, f"; set augment.model={cache.model} too, unless another generator is meant" if tiny else "")
+            cache.model, advice.get(TINY_MODEL, ""))
     if augment.use_chat_template != cache.use_chat_template:
         log.warning("augment.use_chat_template = %s but cache.use_chat_template = %s: responses are generated after "
                     "prompts rendered otherwise than the prompts they are scored after", augment.use_chat_template,

@@ -106,5 +106,8 @@ def test_a_model_set_for_one_stage_only_is_warned_of(caplog):
         assert "augment.model = tiny generates the responses, cache.model = /models/mine (pi_ref) scores them; set " \
                "augment.model=/models/mine too" in caplog.text
         caplog.clear()
+        _warn_of_another_generator(with_overrides(demo, ["augment.model=/models/mine"]))
+        assert "set cache.model=/models/mine too, unless another reference is meant" in caplog.text
+        caplog.clear()
         _warn_of_another_generator(with_overrides(demo, ["augment.use_chat_template=false"]))
         assert "augment.use_chat_template = False but cache.use_chat_template = True" in caplog.text

@@ -92,11 +92,12 @@ def warn_of_turn_layout(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBa
     turn_end = end_of_turn_id(tokenizer) if use_chat_template else None
     if turn_end is not None and turn_end != tokenizer.eos_token_id:
         token = tokenizer.convert_ids_to_tokens(turn_end)
-        advice = (f"Set the tokenizer's eos_token to {token!r} (tokenizer_config.json)." if not stops or turn_end in stops
-                  else f"The model does not stop generating at {token!r} either (generation_config.json): a base model "
-                       f"with a template it was not trained on reads plain text (set {setting}.use_chat_template=false "
-                       f"and augment's); otherwise set both the tokenizer's eos_token and generation_config's "
-                       f"eos_token_id to it.")
+        advice = f"Set the tokenizer's eos_token to {token!r} (tokenizer_config.json)."
+        if stops and turn_end not in stops:
+            advice = (f"The model does not stop generating at {token!r} either (generation_config.json): a base model "
+                      f"with a template it was not trained on reads plain text (set {setting}.use_chat_template=false "
+                      "and augment's); otherwise set both the tokenizer's eos_token and generation_config's "
+                      "eos_token_id to it.")
         log.warning("the chat template of %s closes an assistant's turn with %r (id %d), but every response is scored "
                     "ending with the tokenizer's eos_token %r (id %d), a token the model's turns do not end with. %s",
                     tokenizer.name_or_path, token, turn_end, tokenizer.eos_token, tokenizer.eos_token_id, advice)
@@ -116,8 +117,8 @@ def check_model(model: str, *, lora_targets: Sequence[str], max_prompt_tokens: i
     """Refuse settings ``model`` cannot run before any stage loads it: logits it transforms after lm_head
     (`refuse_rescaled_logits`), LoRA targets (train.lora_targets) that match none of its linear layers,
     and a cache whose longest sequence (cache.max_prompt_tokens + cache.max_response_tokens) exceeds
-    its positions. Nothing is checked for a model that is not on
-    this machine (the stages check it where it is)."""
+    its positions. Nothing is checked for a model that is not on this machine (the stages check it
+    where it is)."""
     folder = local_model_folder(model)
     if folder is None:
         log.info("%s is not on this machine as a model folder (or a hub name in its cache): its settings are "
