@@ -33,8 +33,9 @@ ESTIMATION_ROWS = ("estimated_entries", "mean_abs_error", "score_spread", "relat
 def headline_table(metrics: pd.DataFrame) -> pd.DataFrame:
     """The averages ("all" rows): one row per metric, one column per split, in HEADLINE order (the
     rankings' counts are said apart, `ranking_counts`)."""
-    overall = metrics[(metrics.cluster == "all") & (metrics.metric != RANKINGS)].pivot_table(index="metric", columns="split", values="value",
-                                                             sort=False, dropna=False)  # NaN shows as -
+    averages = metrics[(metrics.cluster == "all") & (metrics.metric != RANKINGS)]
+    overall = averages.pivot_table(index="metric", columns="split", values="value", sort=False,
+                                   dropna=False)  # NaN shows as -
     order = [m for m in HEADLINE if m in overall.index]
     return overall.loc[order + [m for m in overall.index if m not in order]]
 
@@ -43,11 +44,9 @@ def ranking_counts(metrics: pd.DataFrame, split: str | None = None) -> str:
     """How many rankings the values rest on: per split ("validation 60, test 60"), or per true cluster
     of ``split`` ("c0 15, c1 25"); "" where evaluate did not count them (before evaluate-11)."""
     rows = metrics[metrics.metric == RANKINGS]
-    if split is None:
-        rows = rows[rows.cluster == "all"]
-        return ", ".join(f"{name} {int(n)}" for name, n in zip(rows.split, rows.value, strict=True))
-    rows = rows[(rows.split == split) & (rows.cluster != "all")]
-    return ", ".join(f"{name} {int(n)}" for name, n in zip(rows.cluster, rows.value, strict=True))
+    rows = rows[rows.cluster == "all"] if split is None else rows[(rows.split == split) & (rows.cluster != "all")]
+    names = rows.split if split is None else rows.cluster
+    return ", ".join(f"{name} {int(n)}" for name, n in zip(names, rows.value, strict=True))
 
 
 def per_cluster_table(metrics: pd.DataFrame, split: str) -> pd.DataFrame:
@@ -112,7 +111,7 @@ def write_report(writer, metrics: pd.DataFrame, diagnostics: pd.DataFrame, em_re
         "",
         markdown_table(headline_table(metrics)),
         "",
-        *([f"Rankings: {ranking_counts(metrics)}.", ""] if ranking_counts(metrics) else []),
+        *([f"Rankings: {totals}.", ""] if (totals := ranking_counts(metrics)) else []),
     ]
     if not clusters.empty:
         counts = ranking_counts(metrics, last)

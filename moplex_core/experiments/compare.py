@@ -297,7 +297,7 @@ def _report(metrics: pd.DataFrame, dataset: str, seeds: list[int], evaluations: 
         "the paper's tables average their columns); the last table's are over all rankings, as in each run's "
         "own report.",
         "",
-        *([sampling_note(metrics), ""] if sampling_note(metrics) else []),
+        *([note, ""] if (note := sampling_note(metrics)) else []),
         "## Paper Table 3 shape",
         "",
         summary_shape(metrics, dataset),
