@@ -106,7 +106,7 @@ def run_cache(config: CacheConfig, rankings_dir: str | Path, store: ArtifactStor
         tokenizer = load_tokenizer(config.model)
         if todo:
             model = load_model(config.model, dtype=dtype, device=device)
-            warn_of_turn_layout(model, tokenizer, config.use_chat_template, "cache")
+            warn_of_turn_layout(model.generation_config.eos_token_id, tokenizer, config.use_chat_template, "cache")
             done = (len(starts) - len(todo)) * config.shard_rows
             bar = tqdm(total=table.num_rows, initial=min(done, table.num_rows), desc="cache: pi_ref terms",
                        unit="example", disable=not progress)

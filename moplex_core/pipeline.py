@@ -46,7 +46,7 @@ def run_stages(config: PipelineConfig, stage: Stage) -> dict[str, str]:
         cache = cache.model_copy(update=tiny) if cache.model == TINY_MODEL else cache
         augment = augment.model_copy(update=tiny) if augment and augment.model == TINY_MODEL else augment
     check_model(cache.model, lora_targets=config.train.lora_targets, max_prompt_tokens=cache.max_prompt_tokens,
-                max_response_tokens=cache.max_response_tokens)  # before any stage loads a model
+                max_response_tokens=cache.max_response_tokens, use_chat_template=cache.use_chat_template)
     if augment is not None:
         dirs["augment"] = stage("augment", augment, dirs["ingest"])
     dirs["cache"] = stage("cache", cache, dirs.get("augment", dirs["ingest"]))

@@ -88,6 +88,11 @@ def test_overrides_reach_nested_blocks_and_name_bad_keys():
     block, key = lines[1].split("e.g. ")[1].removesuffix("=...)").split(".")
     value = config.model_dump(mode="json")[block][key]
     assert with_overrides(config, [f"{block}.{key}={json.dumps(value)}"]) == config
+    with pytest.raises(ValueError) as listed:  # a list written as comma-separated text: its JSON, to copy
+        with_overrides(config, ["ultrafeedback.criteria=helpfulness, honesty"])
+    assert """ultrafeedback.criteria='["helpfulness", "honesty"]'""" in str(listed.value)
+    assert with_overrides(config, ['ultrafeedback.criteria=["helpfulness", "honesty"]']).ultrafeedback.criteria == (
+        "helpfulness", "honesty")
 
 
 def test_presets_are_valid_configs_with_the_paper_split_sizes():

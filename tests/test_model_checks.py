@@ -8,7 +8,7 @@ import logging
 import shutil
 
 import pytest
-from transformers import AutoModelForCausalLM, AutoTokenizer, Gemma2Config, GPT2Config, GraniteConfig, LlamaConfig
+from transformers import AutoTokenizer, Gemma2Config, GPT2Config, GraniteConfig, LlamaConfig
 
 from lm_fixtures import tiny_model_dir  # noqa: F401 - fixture
 from moplex_core.config import pipeline_preset, with_overrides
@@ -24,9 +24,11 @@ def test_a_gpt2_model_is_refused_before_any_stage_by_its_positions_and_its_layer
     GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=64, n_positions=128).save_pretrained(tmp_path)  # no weights
     with pytest.raises(ValueError, match=r"cache.max_prompt_tokens \+ cache.max_response_tokens = 512 \+ 512 exceeds "
                                          r"the 128 positions .* reads \(max_position_embeddings\)"):
-        check_model(str(tmp_path), lora_targets=TARGETS, max_prompt_tokens=512, max_response_tokens=512)
+        check_model(str(tmp_path), lora_targets=TARGETS, max_prompt_tokens=512, max_response_tokens=512,
+                    use_chat_template=True)
     with pytest.raises(ValueError, match=r"train.lora_targets.*c_attn, c_fc, c_proj: Conv1D layer\(s\)"):
-        check_model(str(tmp_path), lora_targets=TARGETS, max_prompt_tokens=64, max_response_tokens=64)
+        check_model(str(tmp_path), lora_targets=TARGETS, max_prompt_tokens=64, max_response_tokens=64,
+                    use_chat_template=True)
 
 
 def test_a_model_that_rescales_its_logits_after_lm_head_is_refused_before_any_stage(tmp_path):
@@ -34,12 +36,14 @@ def test_a_model_that_rescales_its_logits_after_lm_head_is_refused_before_any_st
     Gemma2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
                  head_dim=16, vocab_size=64).save_pretrained(tmp_path)
     with pytest.raises(ValueError, match=r"rescales its logits after lm_head \(final_logit_softcapping\)"):
-        check_model(str(tmp_path), lora_targets=TARGETS, max_prompt_tokens=512, max_response_tokens=512)
+        check_model(str(tmp_path), lora_targets=TARGETS, max_prompt_tokens=512, max_response_tokens=512,
+                    use_chat_template=True)
     granite = tmp_path / "granite"  # Granite divides its logits by logits_scaling
     GraniteConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, vocab_size=64,
                   logits_scaling=8.0).save_pretrained(granite)
     with pytest.raises(ValueError, match=r"rescales its logits after lm_head \(logits_scaling\)"):
-        check_model(str(granite), lora_targets=TARGETS, max_prompt_tokens=512, max_response_tokens=512)
+        check_model(str(granite), lora_targets=TARGETS, max_prompt_tokens=512, max_response_tokens=512,
+                    use_chat_template=True)
 
 
 def test_a_rotary_scaling_stretches_the_context_and_an_unknown_architecture_is_left_to_train(tmp_path, caplog):
@@ -50,46 +54,50 @@ def test_a_rotary_scaling_stretches_the_context_and_an_unknown_architecture_is_l
     custom.mkdir()
     (custom / "config.json").write_text(json.dumps({"model_type": "acme", "auto_map": {"AutoConfig": "acme.Config"}}))
     with caplog.at_level(logging.INFO, logger="moplex_core.lm.checks"):
-        check_model(str(custom), lora_targets=TARGETS, max_prompt_tokens=512, max_response_tokens=512)
-        check_model("someone/not-cached-here", lora_targets=TARGETS, max_prompt_tokens=512, max_response_tokens=512)
+        check_model(str(custom), lora_targets=TARGETS, max_prompt_tokens=512, max_response_tokens=512,
+                    use_chat_template=True)
+        check_model("someone/not-cached-here", lora_targets=TARGETS, max_prompt_tokens=512, max_response_tokens=512,
+                    use_chat_template=True)
     assert "the config of" in caplog.text and "is read by the stages that load it" in caplog.text
     assert "someone/not-cached-here is not on this machine" in caplog.text
 
 
 def test_the_tiny_model_passes_and_its_turns_end_with_its_eos(tiny_model_dir, caplog):
-    check_model(str(tiny_model_dir), lora_targets=TARGETS, max_prompt_tokens=512, max_response_tokens=512)
+    with caplog.at_level(logging.WARNING):
+        check_model(str(tiny_model_dir), lora_targets=TARGETS, max_prompt_tokens=512, max_response_tokens=512,
+                    use_chat_template=True)
+    assert caplog.text == ""
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     assert end_of_turn_id(tokenizer) == tokenizer.eos_token_id
-    with caplog.at_level(logging.WARNING):
-        warn_of_turn_layout(AutoModelForCausalLM.from_pretrained(tiny_model_dir), tokenizer, True, "cache")
-    assert caplog.text == ""
 
 
 def test_a_tokenizer_whose_eos_does_not_end_the_templates_turns_or_that_has_no_template_is_warned_of(
         tiny_model_dir, tmp_path, caplog):
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     other = tmp_path / "other-eos"  # as older Llama 3 tokenizers: eos <|end_of_text|>, turns end with <|eot_id|>
     shutil.copytree(tiny_model_dir, other)
     config = json.loads((other / "tokenizer_config.json").read_text())
     (other / "tokenizer_config.json").write_text(json.dumps({**config, "eos_token": "<|endoftext|>"}))
     tokenizer = AutoTokenizer.from_pretrained(other)
-    model.generation_config.eos_token_id = [tokenizer.eos_token_id, end_of_turn_id(tokenizer)]  # stops at both
-    with caplog.at_level(logging.WARNING):
-        warn_of_turn_layout(model, tokenizer, True, "cache")
+    stops = [tokenizer.eos_token_id, end_of_turn_id(tokenizer)]  # the model stops at both
+    generation = json.loads((other / "generation_config.json").read_text())
+    (other / "generation_config.json").write_text(json.dumps({**generation, "eos_token_id": stops}))
+    with caplog.at_level(logging.WARNING):  # when the pipeline starts, before augment generates
+        check_model(str(other), lora_targets=TARGETS, max_prompt_tokens=512, max_response_tokens=512,
+                    use_chat_template=True)
     assert "closes an assistant's turn with '<|im_end|>'" in caplog.text
     assert "scored ending with the tokenizer's eos_token '<|endoftext|>'" in caplog.text
     assert "Set the tokenizer's eos_token to '<|im_end|>'" in caplog.text
     caplog.clear()
-    model.generation_config.eos_token_id = tokenizer.eos_token_id  # a base model with a ChatML template (Qwen2.5's)
-    with caplog.at_level(logging.WARNING):
-        warn_of_turn_layout(model, tokenizer, True, "cache")
+    with caplog.at_level(logging.WARNING):  # a base model with a ChatML template (Qwen2.5's)
+        warn_of_turn_layout(tokenizer.eos_token_id, tokenizer, True, "cache")
     assert "does not stop generating at '<|im_end|>' either" in caplog.text and "use_chat_template=false" in caplog.text
     caplog.clear()
     tokenizer.chat_template = None
     with caplog.at_level(logging.WARNING):
-        warn_of_turn_layout(model, tokenizer, True, "cache")
-        warn_of_turn_layout(model, tokenizer, False, "cache")  # plain text meant: nothing to say
-    assert caplog.text.count("has no chat template") == 1 and "cache.use_chat_template=false" in caplog.text
+        warn_of_turn_layout(stops, tokenizer, True, "cache")
+        warn_of_turn_layout(stops, tokenizer, False, "cache")  # plain text meant: nothing to say
+    assert caplog.text.count("has no chat template") == 1
+    assert "cache.use_chat_template=false (in a pipeline augment.use_chat_template=false too)" in caplog.text
 
 
 def test_beyond_the_context_counts_the_sequences_longer_than_it():

@@ -11,7 +11,7 @@ import torch
 from lm_fixtures import tiny_model_dir  # noqa: F401  (fixture)
 from peft import LoraConfig, PeftModel, get_peft_model
 from torch import nn
-from transformers import GPT2Config, GPT2LMHeadModel
+from transformers import GPT2Config, GPT2LMHeadModel, MixtralConfig, MixtralForCausalLM
 
 from moplex_core.lm.loading import load_model
 from moplex_core.lm.multi_lora import (PEFT_CONFIG, LoRASettings, MultiLoRA, MultiLoRALinear, _LoRALinear, _Route,
@@ -281,6 +281,13 @@ def test_bad_routes_and_targets_are_refused(tiny_model_dir):  # noqa: F811
         target_layers(gpt2, ("c_attn",))
     with pytest.raises(ValueError, match=r"c_attn, c_fc, c_proj: Conv1D layer\(s\)"):  # the defaults: what it has
         target_layers(gpt2, LoRASettings().target_modules)
+    with torch.device("meta"):  # a mixture of experts: its experts' projections are fused parameters
+        mixtral = MixtralForCausalLM(MixtralConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                                   num_attention_heads=2, num_key_value_heads=1, vocab_size=64))
+    with pytest.raises(ValueError, match=r"\['down_proj', 'gate_proj', 'up_proj'\] match no linear layer of "
+                                         r"MixtralForCausalLM.*expert projections are fused parameters.*e.g. --set "
+                                         r"train.lora_targets='\[\"k_proj\", \"o_proj\", \"q_proj\", \"v_proj\"\]'"):
+        target_layers(mixtral, LoRASettings().target_modules)
     with pytest.raises(ValueError, match=r"names the output layer \(lm_head\).*cannot be routed per row"):
         MultiLoRA(load_model(tiny_model_dir), K, LoRASettings(target_modules=("q_proj", "lm_head")))
     special = load_model(tiny_model_dir)

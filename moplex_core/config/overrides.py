@@ -148,5 +148,8 @@ def describe_validation_error(err: ValidationError, known: Sequence[str] = ()) -
         message = problem["msg"].removeprefix("Value error, ")
         said = isinstance(problem.get("input"), dict) or ", got " in message  # a validator's own message names it
         got = "" if said else f" (got {problem.get('input')!r})"
+        if problem["type"] in ("tuple_type", "list_type") and isinstance(problem.get("input"), str):
+            items = [item.strip() for item in problem["input"].split(",") if item.strip()]
+            got += f"; a list is written as JSON: {key}='{json.dumps(items)}'"
         lines.append(f"  {key + ': ' if key else ''}{message}{got}")
     return "\n".join(lines)

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import torch
 from jinja2 import TemplateError
-from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PretrainedConfig,
+                          PreTrainedTokenizerBase)
 
 from moplex_core.lm.loading import hub_snapshot
 from moplex_core.lm.logprobs import refuse_rescaled_logits
@@ -69,15 +70,14 @@ def end_of_turn_id(tokenizer: PreTrainedTokenizerBase) -> int | None:
     return after[0] if after and after[0] in special else None
 
 
-def warn_of_turn_layout(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, use_chat_template: bool,
-                        setting: str) -> None:
+def warn_of_turn_layout(stops: int | Sequence[int] | None, tokenizer: PreTrainedTokenizerBase,
+                        use_chat_template: bool, setting: str) -> None:
     """Warn where prompts and responses would not be laid out as the model's turns are: the EOS every
     response is scored ending with is not a token the model stops generating at (its generation_config's
     eos_token_id) or not the one its chat template closes an assistant's turn with (scores would
     include an end its turns do not have), or there is no chat template to render a prompt with (the
-    response then follows the prompt's text directly). ``setting``: the stage's settings block
-    (``cache``), named in the advice."""
-    stops = model.generation_config.eos_token_id
+    response then follows the prompt's text directly). ``stops``: the generation config's eos_token_id;
+    ``setting``: the stage's settings block (``cache``), named in the advice."""
     stops = set() if stops is None else {stops} if isinstance(stops, int) else set(stops)
     if stops and tokenizer.eos_token_id not in stops:
         log.warning("the cache closes every response with the tokenizer's eos_token %r (id %d), but the model stops "
@@ -87,8 +87,9 @@ def warn_of_turn_layout(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBa
     if use_chat_template and tokenizer.chat_template is None:
         log.warning("the tokenizer of %s has no chat template: prompts are encoded as plain text and each response "
                     "follows the prompt's last token directly. For a base model that is what it reads; otherwise "
-                    "give the tokenizer its chat template (tokenizer_config.json). Set %s.use_chat_template=false to "
-                    "say plain text is meant.", tokenizer.name_or_path, setting)
+                    "give the tokenizer its chat template (tokenizer_config.json). Set %s.use_chat_template=false (in "
+                    "a pipeline augment.use_chat_template=false too) to say plain text is meant.",
+                    tokenizer.name_or_path, setting)
     turn_end = end_of_turn_id(tokenizer) if use_chat_template else None
     if turn_end is not None and turn_end != tokenizer.eos_token_id:
         token = tokenizer.convert_ids_to_tokens(turn_end)
@@ -113,11 +114,12 @@ def local_model_folder(name_or_path: str) -> Path | None:
 
 
 def check_model(model: str, *, lora_targets: Sequence[str], max_prompt_tokens: int | None,
-                max_response_tokens: int | None) -> None:
+                max_response_tokens: int | None, use_chat_template: bool) -> None:
     """Refuse settings ``model`` cannot run before any stage loads it: logits it transforms after lm_head
     (`refuse_rescaled_logits`), LoRA targets (train.lora_targets) that match none of its linear layers,
     and a cache whose longest sequence (cache.max_prompt_tokens + cache.max_response_tokens) exceeds
-    its positions. Nothing is checked for a model that is not on this machine (the stages check it
+    its positions; and warn of its turn layout (`warn_of_turn_layout`, which the cache repeats), before
+    augment generates. Nothing is checked for a model that is not on this machine (the stages check it
     where it is)."""
     folder = local_model_folder(model)
     if folder is None:
@@ -143,3 +145,13 @@ def check_model(model: str, *, lora_targets: Sequence[str], max_prompt_tokens: i
         log.info("the LoRA targets of %s are checked by the train stage (%s: %s)", model, type(err).__name__, err)
     else:
         target_layers(skeleton, lora_targets)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    except (ValueError, OSError) as err:
+        log.info("the tokenizer of %s is read by the stages that load it (%s: %s)", model, type(err).__name__, err)
+        return
+    try:
+        stops = GenerationConfig.from_pretrained(str(folder)).eos_token_id
+    except OSError:  # no generation_config.json: the model's config says where it stops
+        stops = GenerationConfig.from_model_config(config).eos_token_id
+    warn_of_turn_layout(stops, tokenizer, use_chat_template, "cache")

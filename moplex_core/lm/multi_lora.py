@@ -272,8 +272,13 @@ def target_layers(model: nn.Module, target_modules: Sequence[str]) -> dict[str, 
             by_type.setdefault(layer_type, []).append(name)
         kinds = "".join(f"; {', '.join(names)}: {layer_type} layer(s), not torch.nn.Linear, which the multi-LoRA layer "
                         "does not wrap" for layer_type, names in by_type.items())
+        experts = any("expert" in part for part in last.values())
+        moe = ("; a mixture-of-experts model's expert projections are fused parameters, not layers: target the "
+               "attention projections" if experts else "")
+        example = f"; e.g. --set train.lora_targets='{json.dumps(linear)}'" if linear else ""
         raise ValueError(f"target_modules (train.lora_targets) {unmatched} match no linear layer of "
-                         f"{type(model).__name__}{kinds}; its linear layers (but the output layer): {linear or 'none'}")
+                         f"{type(model).__name__}{kinds}; its linear layers (but the output layer): {linear or 'none'}"
+                         f"{moe}{example}")
     return layers
 
 
