@@ -85,6 +85,31 @@ def test_a_mixed_batch_equals_peft_with_each_rows_adapter(trained):
     assert (ours - peft.get_base_model()(ids, attention_mask=mask).logits.detach()).abs().max() > 1e-2
 
 
+def test_gpt2s_conv1d_projections_take_adapters_as_peft_does(tmp_path):
+    """transformers' Conv1D stores W transposed (x W + b): the same map, and PEFT's fan_in_fan_out."""
+    torch.manual_seed(0)
+    GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=2, n_head=2, vocab_size=64, n_positions=32)).save_pretrained(tmp_path)
+    model = GPT2LMHeadModel.from_pretrained(tmp_path, dtype=torch.float64).eval()
+    lora = MultiLoRA(model, K, LoRASettings(r=4, alpha=8.0, target_modules=("c_attn", "c_proj", "c_fc")), seed=1)
+    with torch.no_grad():
+        for param in lora.named_parameters().values():
+            param.add_(0.1 * torch.randn_like(param))
+    ids = torch.randint(0, 64, (K, 10))
+    with torch.no_grad(), lora.route(list(range(K))):
+        ours = model(ids).logits
+    lora.save_peft(tmp_path / "adapters", [f"c{c}" for c in range(K)], str(tmp_path))
+    assert json.loads((tmp_path / "adapters" / "c0" / PEFT_CONFIG).read_text())["fan_in_fan_out"] is True
+    base = GPT2LMHeadModel.from_pretrained(tmp_path, dtype=torch.float64).eval()
+    peft = PeftModel.from_pretrained(base, tmp_path / "adapters" / "c0", adapter_name="c0")
+    for c in range(1, K):
+        peft.load_adapter(tmp_path / "adapters" / f"c{c}", adapter_name=f"c{c}")
+    with torch.no_grad():
+        for c in range(K):
+            peft.set_adapter(f"c{c}")
+            torch.testing.assert_close(ours[c:c + 1], peft(ids[c:c + 1]).logits, rtol=1e-10, atol=1e-10)
+        assert (ours - peft.get_base_model()(ids).logits).abs().max() > 1e-2  # the adapters do something
+
+
 def test_gradients_match_peft_for_inputs_and_adapter_weights(trained):
     model, lora, peft, _ = trained
     ids, mask = batch(rows=3)
@@ -271,16 +296,15 @@ def test_bad_routes_and_targets_are_refused(tiny_model_dir):  # noqa: F811
                                          r"of Qwen3ForCausalLM; its linear layers \(but the output layer\): \['down_proj', "
                                          r"'gate_proj', 'k_proj', 'o_proj', 'q_proj', 'up_proj', 'v_proj'\]"):
         MultiLoRA(load_model(tiny_model_dir), K, LoRASettings(target_modules=("q_proj", "v_porj")))
-    # GPT-2's projections are transformers' Conv1D: named as such, on a model built on the meta device (as
-    # the pipeline checks a model before its stages run)
+    # GPT-2's projections are transformers' Conv1D, linear layers too: the defaults miss them, and the error
+    # names them (on a model built on the meta device, as the pipeline checks a model before its stages run)
     with torch.device("meta"):
         gpt2 = GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=64, n_positions=32))
-    with pytest.raises(ValueError, match=r"\['c_attn'\] match no linear layer of GPT2LMHeadModel; c_attn, c_fc, c_proj: "
-                                         r"Conv1D layer\(s\), "
-                                         r"not torch.nn.Linear.*its linear layers \(but the output layer\): none"):
-        target_layers(gpt2, ("c_attn",))
-    with pytest.raises(ValueError, match=r"c_attn, c_fc, c_proj: Conv1D layer\(s\)"):  # the defaults: what it has
+    with pytest.raises(ValueError, match=r"match no linear layer of GPT2LMHeadModel; its linear layers \(but the "
+                                         r"output layer\): \['c_attn', 'c_fc', 'c_proj'\]; e.g. --set "
+                                         r"train.lora_targets='\[\"c_attn\", \"c_fc\", \"c_proj\"\]'"):
         target_layers(gpt2, LoRASettings().target_modules)
+    assert len(target_layers(gpt2, ("c_attn", "c_fc"))) == 2
     with torch.device("meta"):  # a mixture of experts: its experts' projections are fused parameters
         mixtral = MixtralForCausalLM(MixtralConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                                    num_attention_heads=2, num_key_value_heads=1, vocab_size=64))

@@ -1,7 +1,8 @@
 """k LoRA adapters on one base model, applied per row of a batch (DESIGN 5.5).
 
-Every target ``nn.Linear`` (W: d_in -> d_out) of a causal LM is replaced in place by a
-`MultiLoRALinear` holding k adapters stacked in two parameters, adapter c as
+Every target ``nn.Linear`` (W: d_in -> d_out; or transformers' ``Conv1D``, GPT-2's, which stores W
+transposed) of a causal LM is replaced in place by a `MultiLoRALinear` holding k adapters stacked in
+two parameters, adapter c as
 
     A_c = lora_A[c]: [d_in, r]    (PEFT's ``lora_A.weight`` [r, d_in], transposed)
     B_c = lora_B[c]: [r, d_out]   (PEFT's ``lora_B.weight`` [d_out, r], transposed)
@@ -52,6 +53,7 @@ from peft import LoraConfig
 from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.nn import functional as F
+from transformers.pytorch_utils import Conv1D
 
 from moplex_core.lm.backward import first_order_only
 from moplex_core.lm.device import to_device
@@ -84,13 +86,15 @@ class _Route:
 
 
 class MultiLoRALinear(nn.Module):
-    """A frozen ``nn.Linear`` plus k LoRA adapters, one chosen per row by the shared route."""
+    """A frozen ``nn.Linear`` (or transformers' ``Conv1D``, GPT-2's projections: the same map with W
+    stored transposed) plus k LoRA adapters, one chosen per row by the shared route."""
 
-    def __init__(self, base: nn.Linear, k: int, settings: LoRASettings, route: _Route,
+    def __init__(self, base: nn.Linear | Conv1D, k: int, settings: LoRASettings, route: _Route,
                  generator: torch.Generator) -> None:
         super().__init__()
         self.base, self.route, self.scaling = base, route, settings.scaling
-        d_in, d_out = base.in_features, base.out_features
+        self.transposed = isinstance(base, Conv1D)  # W stored [d_in, d_out], computing x W + b
+        d_in, d_out = base.weight.shape if self.transposed else (base.in_features, base.out_features)
         device = base.weight.device
         dtype = base.weight.dtype if base.weight.dtype in (torch.float32, torch.float64) else torch.float32
         # PEFT's default init: A ~ kaiming_uniform(a=sqrt(5)) = U(-1/sqrt(d_in), 1/sqrt(d_in)), B = 0,
@@ -119,6 +123,11 @@ class MultiLoRALinear(nn.Module):
             with torch.inference_mode(False), torch.no_grad():
                 self._frozen = (key, (self.lora_A.detach().to(dtype), self.lora_B.detach().to(dtype)))
         return self._frozen[1]
+
+    @property
+    def base_weight(self) -> torch.Tensor:
+        """W as ``nn.Linear`` holds it, [d_out, d_in] (a view of a Conv1D's)."""
+        return self.base.weight.T if self.transposed else self.base.weight
 
     def __getstate__(self) -> dict[str, Any]:
         """Pickled and deep-copied without the stack of `frozen` (a cache, rebuilt on use)."""
@@ -162,9 +171,9 @@ class MultiLoRALinear(nn.Module):
             rows = x if x.dim() == 3 else x.reshape(len(routed), -1, x.shape[-1])
         lora_input = None if dropped is x else dropped.reshape(rows.shape)
         if torch.is_grad_enabled():
-            out = _LoRALinear.apply(rows, lora_input, self.base.weight, self.base.bias, a, b, self.scaling)
+            out = _LoRALinear.apply(rows, lora_input, self.base_weight, self.base.bias, a, b, self.scaling)
         else:  # no graph to record: the same ops without the autograd Function's cost per call
-            out = _lora_linear(rows, lora_input, self.base.weight, self.base.bias, a, b, self.scaling)[0]
+            out = _lora_linear(rows, lora_input, self.base_weight, self.base.bias, a, b, self.scaling)[0]
         return out if rows is x else out.view(*x.shape[:-1], out.shape[-1])  # [N or B, (L,) d_out] -> x's shape
 
 
@@ -233,19 +242,20 @@ def _add_product(into: torch.Tensor, left: torch.Tensor, right: torch.Tensor, al
     return into.baddbmm_(left, right, alpha=alpha) if right.dim() == 3 else into.addmm_(left, right, alpha=alpha)
 
 
-def target_layers(model: nn.Module, target_modules: Sequence[str]) -> dict[str, nn.Linear]:
-    """The layers of ``model`` that take adapters: each ``nn.Linear`` whose name ends in one of
-    ``target_modules`` (train.lora_targets), by its full name. Raises `ValueError` when a name matches
-    no such layer (naming the model's linear layers), or matches one the multi-LoRA layer cannot wrap:
-    a subclass or a hooked layer (quantized, offloaded), or the output layer. Runs on a model built on
-    the meta device as well, to check a model before any stage loads it."""
+def target_layers(model: nn.Module, target_modules: Sequence[str]) -> dict[str, nn.Linear | Conv1D]:
+    """The layers of ``model`` that take adapters: each ``nn.Linear`` (or transformers' ``Conv1D``,
+    GPT-2's) whose name ends in one of ``target_modules`` (train.lora_targets), by its full name.
+    Raises `ValueError` when a name matches no such layer (naming the model's linear layers), or
+    matches one the multi-LoRA layer cannot wrap: a subclass or a hooked layer (quantized, offloaded),
+    or the output layer. Runs on a model built on the meta device as well, to check a model before any
+    stage loads it."""
     targets = set(target_modules)
     output = model.get_output_embeddings()
-    layers: dict[str, nn.Linear] = {}
+    layers: dict[str, nn.Linear | Conv1D] = {}
     for name, module in model.named_modules():
-        if name.rsplit(".", 1)[-1] in targets and isinstance(module, nn.Linear):
+        if name.rsplit(".", 1)[-1] in targets and isinstance(module, nn.Linear | Conv1D):
             hooked = module._forward_hooks or module._forward_pre_hooks or hasattr(module, "_hf_hook")
-            if type(module) is not nn.Linear or hooked:
+            if type(module) not in (nn.Linear, Conv1D) or hooked:
                 raise ValueError(f"{name} is a {type(module).__qualname__}{' with hooks' if hooked else ''}, not a "
                                  "plain torch.nn.Linear; the multi-LoRA layer computes its base as x W^T + bias, "
                                  "which would not be this layer's output (a quantized layer, or one that "
@@ -260,18 +270,10 @@ def target_layers(model: nn.Module, target_modules: Sequence[str]) -> dict[str, 
     if unmatched:
         last = {name: name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
         linear = sorted({last[name] for name, module in model.named_modules()
-                         if isinstance(module, nn.Linear) and module is not output})
+                         if isinstance(module, nn.Linear | Conv1D) and module is not output})
         other = {last[name]: type(module).__qualname__ for name, module in model.named_modules()
-                 if last[name] in unmatched and not isinstance(module, nn.Linear)}
-        if not linear:  # GPT-2's projections are transformers' Conv1D
-            other |= {last[name]: type(module).__qualname__ for name, module in model.named_modules()
-                      if getattr(module, "weight", None) is not None and module.weight.dim() == 2
-                      and not isinstance(module, nn.Embedding | nn.Linear)}
-        by_type: dict[str, list[str]] = {}
-        for name, layer_type in sorted(other.items()):
-            by_type.setdefault(layer_type, []).append(name)
-        kinds = "".join(f"; {', '.join(names)}: {layer_type} layer(s), not torch.nn.Linear, which the multi-LoRA layer "
-                        "does not wrap" for layer_type, names in by_type.items())
+                 if last[name] in unmatched and not isinstance(module, nn.Linear | Conv1D)}
+        kinds = "".join(f"; {name} is a {layer_type}, not a linear layer" for name, layer_type in sorted(other.items()))
         experts = any("expert" in part for part in last.values())
         moe = ("; a mixture-of-experts model's expert projections are fused parameters, not layers: target the "
                "attention projections" if experts else "")
@@ -371,8 +373,9 @@ class MultiLoRA:
         equal bytes in any process (PEFT writes its target set in hash-seed order)."""
         if len(names) != self.k:
             raise ValueError(f"need one name per adapter ({self.k}), got {len(names)}")
+        transposed = any(layer.transposed for layer in self.layers.values())  # Conv1D: PEFT's fan_in_fan_out
         config = LoraConfig(r=self.settings.r, lora_alpha=self.settings.alpha, lora_dropout=self.settings.dropout,
-                            target_modules=sorted(self.settings.target_modules), bias="none",
+                            target_modules=sorted(self.settings.target_modules), bias="none", fan_in_fan_out=transposed,
                             base_model_name_or_path=base_model_name_or_path, inference_mode=True).to_dict()
         config["target_modules"] = sorted(config["target_modules"])
         for c, name in enumerate(names):
