@@ -690,7 +690,7 @@ def _lora_extra_bytes(lora: MultiLoRA, tokens: int, element_size: int) -> int:
     elements. The adapters' own bytes (B r (d_in + d_out) per projection) are left out, small
     against T."""
     r = lora.settings.r
-    per_token = sum(3 * layer.base.in_features + 3 * layer.base.out_features + 4 * r for layer in lora.layers.values())
+    per_token = sum(3 * layer.lora_A.shape[1] + 3 * layer.lora_B.shape[2] + 4 * r for layer in lora.layers.values())
     return tokens * per_token * element_size
 
 

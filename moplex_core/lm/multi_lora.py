@@ -257,8 +257,8 @@ def target_layers(model: nn.Module, target_modules: Sequence[str]) -> dict[str, 
             hooked = module._forward_hooks or module._forward_pre_hooks or hasattr(module, "_hf_hook")
             if type(module) not in (nn.Linear, Conv1D) or hooked:
                 raise ValueError(f"{name} is a {type(module).__qualname__}{' with hooks' if hooked else ''}, not a "
-                                 "plain torch.nn.Linear; the multi-LoRA layer computes its base as x W^T + bias, "
-                                 "which would not be this layer's output (a quantized layer, or one that "
+                                 "plain torch.nn.Linear (or Conv1D); the multi-LoRA layer computes its base from its "
+                                 "weight, which would not be this layer's output (a quantized layer, or one that "
                                  "accelerate's device_map offloads: load the model on one device)")
             if module is output:
                 raise ValueError(f"target_modules (train.lora_targets) names the output layer ({name}), which takes "
