@@ -41,7 +41,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import em_gpu
+import em_gpu_rig
 from moplex_core.lm.tiny import build_tiny_model
 from moplex_core.scorers.lora_policy import LoRAPolicyScorer
 
@@ -85,39 +85,39 @@ def main() -> None:
                         help="the model's dtype (the card runs bf16, where the lean RMSNorm is an autograd Function)")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    sizes = replace(em_gpu.TINY, k=args.k, batch_rows=(args.rows,), prompt_tokens=4, response_tokens=4,
+    sizes = replace(em_gpu_rig.TINY, k=args.k, batch_rows=(args.rows,), prompt_tokens=4, response_tokens=4,
                     dtype=getattr(torch, args.dtype))
     rows: list[tuple[str, int, int, float]] = []
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = build_tiny_model(Path(tmp) / "model", [em_gpu.TOKENIZER_TEXTS], layers=args.layers, hidden_size=16,
-                                     heads=2, kv_heads=1, seed=0)
-        batch = em_gpu._batches(model_dir, sizes)[args.rows]
-        plain = em_gpu._frozen_model(model_dir, sizes)
-        rows.append(("plain base model, fwd + input grad", *measure(lambda: em_gpu._input_grad_pass(plain, batch),
+        model_dir = build_tiny_model(Path(tmp) / "model", [em_gpu_rig.TOKENIZER_TEXTS], layers=args.layers,
+                                     hidden_size=16, heads=2, kv_heads=1, seed=0)
+        batch = em_gpu_rig.random_batches(model_dir, sizes)[args.rows]
+        plain = em_gpu_rig.load_frozen_model(model_dir, sizes)
+        rows.append(("plain base model, fwd + input grad", *measure(lambda: em_gpu_rig.input_grad_pass(plain, batch),
                                                                       args.repeats)))
         del plain
-        stock = em_gpu._stock_model(model_dir, sizes)
+        stock = em_gpu_rig.load_stock_model(model_dir, sizes)
         rows.append(("plain base model, transformers' RMSNorm and MLP (not lean), fwd + input grad",
-                     *measure(lambda: em_gpu._input_grad_pass(stock, batch), args.repeats)))
+                     *measure(lambda: em_gpu_rig.input_grad_pass(stock, batch), args.repeats)))
         del stock
-        model, lora = em_gpu._lora_model(model_dir, sizes)
+        model, lora = em_gpu_rig.load_lora_model(model_dir, sizes)
         params = list(lora.named_parameters().values())
         with lora.requires_grad(False):
             rows.append((f"E-step pass, {args.k} adapters mixed",
-                         *measure(lambda: em_gpu._mixed_pass(model, lora, batch, sizes), args.repeats)))
+                         *measure(lambda: em_gpu_rig.mixed_pass(model, lora, batch, sizes), args.repeats)))
         m_step_passes = (
-            (f"M-step pass, {args.k} adapters mixed", lambda: em_gpu._mixed_pass(model, lora, batch, sizes, params)),
-            ("M-step pass, one adapter", lambda: em_gpu._weight_grad_pass(
+            (f"M-step pass, {args.k} adapters mixed", lambda: em_gpu_rig.mixed_pass(model, lora, batch, sizes, params)),
+            ("M-step pass, one adapter", lambda: em_gpu_rig.weight_grad_pass(
                 model, batch, params, route=lambda sub: lora.route([0] * len(sub)))),
             (f"M-step pass, {args.k} adapters mixed, shared prompts",
-             lambda: em_gpu._mixed_pass(model, lora, batch, sizes, params, shared_prompts=True)))
+             lambda: em_gpu_rig.mixed_pass(model, lora, batch, sizes, params, shared_prompts=True)))
         for label, run in m_step_passes:
             rows.append((label, *measure(run, args.repeats)))
         del model, lora
-        vocab_size, eos_id = em_gpu._model_vocab(model_dir)
-        inputs = em_gpu.synthetic_inputs(sizes, 4, args.k, vocab_size, eos_id)  # k examples of m' = 4
+        vocab_size, eos_id = em_gpu_rig.model_vocab(model_dir)
+        inputs = em_gpu_rig.synthetic_inputs(sizes, 4, args.k, vocab_size, eos_id)  # k examples of m' = 4
         rankings = inputs.rankings()
-        scorer = LoRAPolicyScorer(model_dir, args.k, anchors=2, lora=em_gpu.LORA, batch_size=args.k,
+        scorer = LoRAPolicyScorer(model_dir, args.k, anchors=2, lora=em_gpu_rig.LORA, batch_size=args.k,
                                   score_batch_size=2 * args.k, seed=0, dtype=sizes.dtype)
         scorer.fit(inputs, rankings, torch.ones(args.k, args.k, dtype=torch.float64), 0)  # every adapter trained once
         scorer.score(inputs, 0)  # the estimates the timed M-steps hold

@@ -34,6 +34,13 @@ THROUGHPUT_PASSES = ("plain base model, fwd", "plain base model, right-padded ro
 BLOCK = f"import sys\nfor name in {ABSENT_ON_GPU!r}:\n    sys.modules[name] = None\n"
 
 
+def _runner(argv: list[str]) -> str:
+    """Python code that runs the script as `python3 benchmarks/em_gpu.py ARGV` does (its folder first on
+    sys.path, where its em_gpu_* modules are), with the GPU machine's missing packages blocked."""
+    return BLOCK + (f"import runpy\nsys.path.insert(0, 'benchmarks')\nsys.argv = {[SCRIPT, *argv]!r}\n"
+                    f"runpy.run_path({SCRIPT!r}, run_name='__main__')\n")
+
+
 def _table(stdout: str, header: str) -> list[list[str]]:
     """The cells of the body rows of the markdown table whose header line starts with ``header``."""
     lines = stdout.splitlines()
@@ -54,8 +61,7 @@ def _env() -> dict[str, str]:
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
     out = tmp_path_factory.mktemp("em_gpu")
-    runner = BLOCK + (f"import runpy\nsys.argv = [{SCRIPT!r}, '--tiny', '--out', {str(out)!r}]\n"
-                      f"runpy.run_path({SCRIPT!r}, run_name='__main__')\n")
+    runner = _runner(["--tiny", "--out", str(out)])
     proc = subprocess.run([sys.executable, "-c", runner], cwd=ROOT, env=_env(), capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0, f"stdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-5000:]}"
@@ -164,8 +170,7 @@ def test_a_split_run_resumes_where_the_first_part_stopped(tmp_path: Path) -> Non
     """--m-primes runs part of the EM section; --resume keeps an earlier run's rows and runs only the
     configurations it lacks, so one measurement can span several device time limits."""
     def run(out: Path, *extra: str) -> subprocess.CompletedProcess:
-        argv = [SCRIPT, "--tiny", "--out", str(out), "--sections", "em", *extra]
-        runner = BLOCK + f"import runpy\nsys.argv = {argv!r}\nrunpy.run_path({SCRIPT!r}, run_name='__main__')\n"
+        runner = _runner(["--tiny", "--out", str(out), "--sections", "em", *extra])
         proc = subprocess.run([sys.executable, "-c", runner], cwd=ROOT, env=_env(), capture_output=True, text=True,
                               timeout=600)
         assert proc.returncode == 0, proc.stderr[-5000:]
@@ -194,8 +199,7 @@ def test_the_m_step_minibatch_and_the_e_step_pass_are_settable(tmp_path: Path) -
     train.batch_size does, and --score-batch-size sets the rows per pass; both are recorded, and the
     timed M-step's optimizer steps say which ran (n = 2 examples x k = 3 clusters = 6 pairs)."""
     def run(out: Path, *extra: str) -> dict:
-        argv = [SCRIPT, "--tiny", "--out", str(out), "--sections", "em", "--m-primes", str(TINY_M_PRIMES[0]), *extra]
-        runner = BLOCK + f"import runpy\nsys.argv = {argv!r}\nrunpy.run_path({SCRIPT!r}, run_name='__main__')\n"
+        runner = _runner(["--tiny", "--out", str(out), "--sections", "em", "--m-primes", str(TINY_M_PRIMES[0]), *extra])
         proc = subprocess.run([sys.executable, "-c", runner], cwd=ROOT, env=_env(), capture_output=True, text=True,
                               timeout=600)
         assert proc.returncode == 0, proc.stderr[-5000:]
@@ -215,20 +219,19 @@ def test_the_m_step_minibatch_and_the_e_step_pass_are_settable(tmp_path: Path) -
 def test_the_gpu_smoke_run_asks_for_a_gpu_here() -> None:
     """--smoke is the tiny sizes on CUDA in bf16, for a GPU session's first seconds; without CUDA it says
     so instead of running on the CPU."""
-    runner = BLOCK + (f"import runpy\nsys.argv = [{SCRIPT!r}, '--smoke', '--out', 'unused']\n"
-                      f"runpy.run_path({SCRIPT!r}, run_name='__main__')\n")
+    runner = _runner(["--smoke", "--out", "unused"])
     proc = subprocess.run([sys.executable, "-c", runner], cwd=ROOT, env=_env(), capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 1 and "no CUDA device" in proc.stderr, proc.stderr[-3000:]
 
 
 def test_the_host_wait_check_names_every_place_once_with_its_callers() -> None:
-    # On the card, torch's sync check in "warn" mode warns where a pass waits; _waits turns each warning
+    # On the card, torch's sync check in "warn" mode warns where a pass waits; waits() turns each warning
     # into the frames that led to it. Here the warnings are raised by hand, from this file.
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import warnings
 
-    from em_gpu import _waits
+    from em_gpu_passes import waits
 
     def wait_here() -> None:
         warnings.warn("called a synchronizing CUDA operation", UserWarning)
@@ -242,10 +245,10 @@ def test_the_host_wait_check_names_every_place_once_with_its_callers() -> None:
     def wait_here_too() -> None:
         warnings.warn("called a synchronizing CUDA operation", UserWarning)
 
-    sites = _waits(run, where=("test_em_gpu_benchmark",))
+    sites = waits(run, where=("test_em_gpu_benchmark",))
     assert len(sites) == 2 and all(site.startswith("test_em_gpu_benchmark.py:") for site in sites)
     assert all(len(site.split(" <- ")) == 3 for site in sites)  # the warning's line, run's line, this test's
-    assert _waits(lambda: None) == []
+    assert waits(lambda: None) == []
 
 
 def test_host_ops_prints_every_pass_with_its_ops_and_host_time() -> None:
