@@ -36,6 +36,7 @@ from moplex_core.artifacts import ArtifactError
 from moplex_core.augment import ShortfallError
 from moplex_core.config import PipelineConfig, pipeline_preset, with_overrides
 from moplex_core.data.sources import DatasetUnavailableError
+from moplex_core.lm.device import PassOutOfMemoryError
 from moplex_core.lm.loading import ModelUnavailableError
 from moplex_core.pipeline import run_stages
 from moplex_core.processes import popen_ending_with_this_thread
@@ -55,13 +56,15 @@ STAGE_FLOWS = {"ingest": ingest_flow, "model": tiny_model_flow, "augment": augme
 # Errors a rerun of the stage repeats: bad rows, files or settings (ValueError: SchemaError,
 # RawSchemaError, pydantic's ValidationError), a bug's TypeError / LookupError, an artifact that is
 # corrupt or cannot be written, a dataset or model that is not here, an augmentation shortfall
-# (seeded), EM's non-finite scores (FloatingPointError: the same seeds diverge again), and a CUDA
-# fault (torch.AcceleratorError: the process's CUDA context is lost, so a rerun in this process cannot
-# succeed; a new flow run, e.g. Retry in the UI, starts a new process). Anything else (a killed vLLM
-# worker, a network file system's hiccup) is retried.
+# (seeded), EM's non-finite scores (FloatingPointError: the same seeds diverge again), a pass too
+# large for the device's memory (PassOutOfMemoryError: its message names the setting to lower), and a
+# CUDA fault (torch.AcceleratorError: the process's CUDA context is lost, so a rerun in this process
+# cannot succeed; a new flow run, e.g. Retry in the UI, starts a new process). Anything else (a killed
+# vLLM worker, a network file system's hiccup, an out-of-memory error outside moplex's sized passes)
+# is retried.
 NOT_RETRIED: tuple[type[BaseException], ...] = (ValueError, TypeError, LookupError, ArtifactError,
                                                 DatasetUnavailableError, ModelUnavailableError, ShortfallError,
-                                                FloatingPointError, torch.AcceleratorError)
+                                                FloatingPointError, PassOutOfMemoryError, torch.AcceleratorError)
 
 
 def run_stage(name: str, call: Callable[[], str], retries: int, delay_seconds: float,
@@ -157,7 +160,8 @@ def failure_cause(state: State) -> str:
 def without_heartbeats() -> AbstractContextManager[None]:
     """Prefect settings with no flow-run heartbeats (a context manager). Heartbeats drive zombie
     detection of deployed runs; elsewhere they only cost time: every flow run's exit waits up to 1 s
-    for Prefect's heartbeat thread, 7 to 8 flow runs per pipeline run."""
+    for Prefect's heartbeat thread, 6 or 7 flow runs per pipeline run (the pipeline's, one per stage;
+    more with stage retries)."""
     return temporary_settings(updates={PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None})
 
 

@@ -2,7 +2,7 @@
 
 A user's (or a new annotator's) rankings, read by `moplex ingest` into a rankings artifact, are
 scored exactly by each of the trained k adapters, r_c(y) = beta (log pi_c(y|x) - log pi_ref(y|x)), and
-each ranking gets its posterior over the clusters under the mixture EM fitted (DESIGN 5.2):
+each ranking gets its posterior over the clusters under the mixture EM fitted (DESIGN 5.3):
 
     gamma_c = alpha_c P_c(sigma) / sum_c' alpha_c' P_c'(sigma)
 

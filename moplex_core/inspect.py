@@ -69,8 +69,9 @@ def _version_report(version_dir: Path, rows: int) -> str:
     damaged = off_the_manifest(version_dir, manifest) if complete else []
     if damaged:
         lines.append(f"status:   DAMAGED: {', '.join(damaged)} missing or not the size {MANIFEST} records (an "
-                     "interrupted copy, an edit?): delete the version folder and rerun its stage (the pipeline "
-                     "checks only the row shards' sizes as it reads them)")
+                     "interrupted copy, an edit?): delete the version folder and rerun its stage (the stages "
+                     "check the sizes of only the files they read: row shards, a train artifact's adapters and "
+                     "result.json)")
     if complete:
         lines += [
             *([] if damaged else

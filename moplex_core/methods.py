@@ -1,7 +1,9 @@
 """The paper's baselines and ablations as presets of the one engine (DESIGN 7): each method is a few
-``key=value`` overrides of a MoPLEx base pipeline config, so every method shares the ingest, tiny
-model, augment and cache artifacts and only train and evaluate differ (used by
-moplex_core.experiments.compare and ``moplex experiment compare``)."""
+``key=value`` overrides of a MoPLEx base pipeline config, so every method shares the ingest and tiny
+model artifacts; those that keep the generated responses share the augment artifact and one cache,
+those with ``augment=null`` (dpo, single_pl, mixture_bt, maxmin_bt, no_aug) a second cache built on
+the rankings alone; train and evaluate are each method's (used by moplex_core.experiments.compare and
+``moplex experiment compare``)."""
 
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
 """Clustering, ranking and likelihood metrics (DESIGN.md 7).
 
 Cluster ids found by EM are arbitrary; every clustering metric that compares them with true labels
-goes through a Hungarian matching fitted on one split (validation) and applied to another (test), so
-that the test set never chooses its own label permutation.
+goes through a Hungarian matching fitted on one split (evaluate's fit_split, default validation) and
+applied to the others, so that the test set never chooses its own label permutation.
 """
 
 from __future__ import annotations

@@ -22,8 +22,9 @@ class InjectedFault(RuntimeError):
 
 @task(name="injected-fault", cache_policy=NO_CACHE)
 def fail_on_purpose(fault: FaultConfig, stage: str, run_count: int, retry: str) -> None:
-    """Raise when ``fault.stage`` is ``stage`` and this is one of the first ``fault.times`` runs;
-    ``retry``: how to retry this flow run (`flows.pipeline.how_to_retry`)."""
+    """Raise `InjectedFault` for ``stage`` (`flows.pipeline.moplex_pipeline` calls it where
+    ``fault.stage`` is ``stage`` and this is one of the first ``fault.times`` runs); ``retry``: how to
+    retry this flow run (`flows.pipeline.how_to_retry`)."""
     raise InjectedFault(
         f"stage {stage!r} fails on purpose (fault.stage = {fault.stage!r}, run {run_count} of the first "
         f"{fault.times} that fail). Retry this flow run ({retry}): the finished stages are "

@@ -4,7 +4,7 @@ Layout (DESIGN.md 4)::
 
     <root>/<stage>/<version>/
         part-00000.parquet ...   row shards, numbered from 0
-        <any other files>        e.g. rejected.parquet, report.md, em/iter-0001/adapters/c0/...
+        <any other files>        e.g. rejected.parquet, report.md, em/restart-00/iter-0001/...
         manifest.json            written last: its presence is what makes the version complete
     <root>/<stage>/.<version>.lock   held by the one writer of that version
 
@@ -18,7 +18,8 @@ hidden temporaries; the next writer of the same version removes the temporaries,
 part of an artifact.
 
 `layout` holds what a version folder is and how it is read back, `writer` how it is written,
-`store` the versions under one root, `errors` the errors; every public name is importable from here.
+`store` the versions under one root, `errors` the errors; every name other modules use is importable
+from here.
 """
 
 from moplex_core.artifacts.errors import (

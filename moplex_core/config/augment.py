@@ -31,8 +31,9 @@ class AugmentConfig(StageConfig):
     ``on_shortfall="fail"`` stops the stage there, ``"keep_fewer"`` keeps those rankings with fewer
     generated responses.
 
-    Sampling is seeded per prompt and attempt, so with ``hf`` texts do not depend on sharding or
-    batching (on one machine and dtype). vLLM's texts can: its kernels are not batch-invariant by
+    Sampling is seeded per prompt and attempt, so the seeds do not depend on sharding or batching,
+    and with ``hf`` neither do the texts, up to float rounding: another ``batch_size`` pads a prompt
+    to another length, which can flip a near-tie (moplex_core.generate.hf). vLLM's texts can: its kernels are not batch-invariant by
     default (its reproducibility docs), so a resumed shard may sample other texts than a clean run;
     the seeds still fix the draws, and the version is the same. What is left out of the version
     (`identity`): ``batch_size``, ``device``, ``vllm_python`` and ``vllm_gpu_memory_utilization``
@@ -63,8 +64,8 @@ class AugmentConfig(StageConfig):
     batch_size: int = Field(16, ge=1)
     """Sequences per transformers `generate` call (hf); vLLM schedules its own batches."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    """Weights and activations; ``auto`` is bfloat16 on a GPU and float32 on the CPU (hf: the version
-    holds the dtype ``auto`` resolves to, `identity_on_this_machine`)."""
+    """Weights and activations; ``auto``: with hf bfloat16 on a GPU and float32 on the CPU (the version
+    holds the dtype it resolves to, `identity_on_this_machine`), with vllm the model's own dtype."""
     device: Device = "auto"
     """hf only: ``auto`` (cuda when available, else cpu), ``cpu``, ``cuda``, ``cuda:1``, ..."""
     use_chat_template: bool = True

@@ -14,7 +14,8 @@ class EvaluateConfig(StageConfig):
 
     The Hungarian matching of EM's cluster ids to the true labels is fitted on ``fit_split`` and
     applied to every split. ``score_batch_size`` is the rows (one response under one adapter) per
-    scoring pass. Left out of the version: ``device`` and ``score_batch_size``.
+    scoring pass. Left out of the version: ``device`` (but the dtype the trained adapters score in on
+    it is in, `plan_evaluate`) and ``score_batch_size``.
     """
 
     splits: tuple[str, ...] = ("validation", "test")

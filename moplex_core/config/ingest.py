@@ -203,8 +203,9 @@ class IngestConfig(StageConfig):
 
     The data comes from ``path`` (a local file or folder in the dataset's raw schema) when given,
     else from the hub (``hub_name``, default the dataset's, at ``revision``, default the pinned one).
-    ``labels`` declares the cluster label set (default: the dataset's criteria or attributes; none
-    for persona and generic). ``validation="drop"`` writes the valid rows and records the others in
+    ``labels`` declares the cluster label set (default: UltraFeedback's criteria, HelpSteer2's
+    attributes for its ratings, c0..c{k-1} for synthetic; none for persona, prism, HelpSteer2's
+    preference data and generic). ``validation="drop"`` writes the valid rows and records the others in
     ``rejected.parquet``; ``"strict"`` writes nothing if any row is bad.
     """
 

@@ -40,7 +40,7 @@ class SyntheticConfig:
     noise: float = 1.0
     """Gumbel scale on the utilities; 0 gives deterministic rankings (ties become tiers)."""
     n_generated: int = 0
-    """m' - m extra responses below the originals."""
+    """m' - m extra responses (where they go: ``augment_mode``)."""
     augment_mode: Literal["below", "random", "top_m"] = "below"
     alpha: tuple[float, ...] | None = None
     """Cluster proportions; uniform when None."""

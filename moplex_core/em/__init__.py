@@ -18,7 +18,8 @@ from are kept beside them (``<dir>/restart-RR/start.parquet``), so a rerun does 
 and a reader can see how much of it EM kept.
 
 `types` holds what EM works on (`Rankings`, the `Scorer` protocol, `EMConfig`, `EMState`), `start`
-where it starts, `fit` the loop, `checkpoints` its files; every public name is importable from here.
+where it starts, `fit` the loop, `checkpoints` its files; every name other modules use is importable
+from here.
 """
 
 from moplex_core.em.checkpoints import (

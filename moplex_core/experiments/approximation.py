@@ -168,7 +168,8 @@ def run_approximation(
     model: str | Path, inputs: PolicyInputs, config: ApproximationConfig, out: Path | None = None,
     *, progress: bool = False,
 ) -> ApproximationOutputs:
-    """Train k adapters briefly per seed, measure every mode, write errors.parquet + table.md to ``out``."""
+    """Train k adapters briefly per seed, measure every mode, write errors.parquet, table.parquet and table.md
+    to ``out``."""
     if not config.seeds:
         raise ValueError("the approximation experiment needs at least one seed")
     if inputs.ref_contraction is None:

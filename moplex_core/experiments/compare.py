@@ -2,8 +2,9 @@
 
 A *method* (moplex_core.methods.METHODS) is a list of ``key=value`` overrides applied to a base pipeline config (a `PipelineConfig`
 whose train/augment settings are MoPLEx itself: generated responses and a < m' anchors). Every
-method runs the same ingest, tiny model, augment and cache artifacts (the store reuses them); only
-train and evaluate differ. Seeds vary ``train.seed``: the LoRA initialisation, the EM start, the
+method runs the same ingest and tiny model artifacts, and one of two caches (the store reuses them):
+the augmented rankings', or, for the methods without generated responses (``augment=null``), the
+rankings' alone; train and evaluate are each method's. Seeds vary ``train.seed``: the LoRA initialisation, the EM start, the
 M-step shuffling and the anchor draws; the data and the generated responses stay fixed.
 
     method       paper row                   what changes from the base (MoPLEx)
@@ -16,6 +17,7 @@ M-step shuffling and the anchor draws; the data and the generated responses stay
     no_aug       w/o generated responses     no generated responses
     k1           w/o mixture models          k = 1
     full         w/o gradient estimation     a = m' (every response exact)
+    guarded      (not in the paper)          exact fallback once the estimates fail (train.exact_fallback=0.5)
 
 MiCRo (the paper's third mixture-of-BT baseline: a BT mixture with a learned context router) has
 no preset: its router is a separate model, not a setting of this engine.

@@ -6,6 +6,7 @@
     vllm_worker   the stand-alone script that subprocess runs
     borrow        other rankings' responses to the same prompt (no model)
 
-Nothing here imports beyond torch, transformers, numpy, pyarrow and pandas at module level, so the
-package runs on GPU machines that have no Prefect and no vLLM.
+Nothing here imports Prefect or vLLM at module level (the model backends import moplex_core.lm:
+torch, transformers, peft, safetensors, huggingface_hub), so the package runs on GPU machines that
+have neither.
 """

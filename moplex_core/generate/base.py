@@ -2,9 +2,11 @@
 
 A `SampleRequest` asks for ``n`` texts for one key (a prompt_id; an example_id for ``borrow``) under
 one seed. The augment stage derives that seed from (its seed, the key, the attempt) with
-`request_seed`, and a sampling backend seeds sample ``j`` of a request with `sample_seed`, so a text
-depends on neither the other requests in its batch nor the shard it lands in (the hf backend's; vLLM
-seeds a request's samples seed, seed + 1, ..., and its kernels are not batch-invariant by default).
+`request_seed`, and a sampling backend seeds sample ``j`` of a request with `sample_seed`, so a
+sample's seed depends on neither the other requests in its batch nor the shard it lands in (the hf
+backend's; its texts can still move by float rounding with another batch size, see
+moplex_core.generate.hf; vLLM seeds a request's samples seed, seed + 1, ..., and its kernels are not
+batch-invariant by default).
 Deduplication and resampling are the augment stage's (moplex_core.augment); `normalise` is the equality it uses.
 """
 

@@ -7,7 +7,8 @@ The parent imports the shard functions below too: one implementation of the prot
 
 Protocol (one worker serves many request shards; the model loads once):
     argv    --settings SETTINGS.json   {"model", "dtype", "seed", "gpu_memory_utilization",
-                                        "temperature", "top_p", "max_tokens"; optional "revision"}
+                                        "temperature", "top_p", "max_tokens"; optional "revision",
+                                        "stop_token_ids"}
     stdin   one JSON line per request shard, {"requests": PATH, "responses": PATH}; end of input
             ends the worker with status 0
     stdout  protocol lines only (library output is sent to stderr): {"ready": true} once the model

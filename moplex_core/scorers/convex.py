@@ -1,7 +1,8 @@
 """The M-step shared by scorers whose per-cluster log-likelihood is concave in their parameters.
 
 A scorer with a parameter tensor theta [k, p] and a differentiable map (theta, inputs) -> scores
-[n, k, M] minimises the weighted negative PL log-likelihood plus a small ridge term,
+[n, k, M] minimises the weighted negative log-likelihood of the rankings' observation model (PL or
+Bradley-Terry pairs) plus a small ridge term,
 
     f(theta) = - (1/n) sum_ic w_ic log P(sigma_i | scores_ic(theta)) + (l2 / 2) ||theta||^2,
 

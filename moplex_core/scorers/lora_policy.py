@@ -297,7 +297,8 @@ class LoRAPolicyScorer:
         return self.beta * self._score_all(inputs, 0, None, "exact scores")[0]
 
     def exact(self) -> ExactView:
-        """This scorer seen through the Scorer protocol with exact scores (for evaluate_mixture)."""
+        """This scorer seen through the Scorer protocol with exact scores (em.fit ranks restarts by its
+        exact log-likelihood; evaluate_mixture takes it too)."""
         return ExactView(self)
 
     def reference_gap(self, inputs: PolicyInputs, responses: int | None = None) -> float:
