@@ -357,7 +357,7 @@ def _peft_rows(model_dir: Path, sizes: Sizes, batches: dict[int, list[TokenizedR
 def anchor_pass_profile(model_dir: Path, sizes: Sizes, out: Path) -> dict[str, Any]:
     """The plain pass, the mixed multi-LoRA E-step pass, the same through the prompt pass
     (``multi_lora_prompt_pass``) and the mixed M-step pass (``multi_lora_m``) over B =
-    min(batch_rows) rows, each timed as in section 2 and then run once under torch.profiler: per aten
+    min(batch_rows) rows, each timed as in the throughput section and then run once under torch.profiler: per aten
     op, its self time on the device (the kernels it launched; on the CPU, its CPU time) and its
     calls; the kernels launched and the device's busy time. Wall time well above busy time is time the
     card waits on the host (kernel launches, Python); busy time is the kernels themselves. Writes each

@@ -13,7 +13,7 @@ costs little (the plain pass takes about 25 ms at 2 rows and 32 at 12). The ops 
 the kernels a GPU would launch. The host time is indicative only: this CPU runs a batched matmul
 (the mixed passes' ``bmm``) as one small GEMM per row, where a GPU launches one kernel.
 
-Rows, over ``--rows`` rows routed to adapter b mod k (the benchmarks/em_gpu.py passes):
+Rows, over ``--rows`` rows routed to adapter b mod k (benchmarks/em_gpu.py's passes, from em_gpu_rig.py):
 - the plain base model's forward + input gradient (no adapters), with moplex's lean RMSNorm and MLP
   (load_model's) and with transformers' own;
 - the E-step's pass, k adapters mixed, forward + input gradient;

@@ -1,6 +1,6 @@
 """benchmarks/em_gpu.py stays runnable: its --tiny CPU path end to end, without the packages the GPU
 machine lacks (issue 9; DESIGN 8: no pydantic, prefect, datasets or vllm there); and so does
-benchmarks/host_ops.py, which reuses its passes, and benchmarks/activation_memory.py."""
+benchmarks/host_ops.py, which reuses its passes (em_gpu_rig), and benchmarks/activation_memory.py."""
 
 from __future__ import annotations
 
