@@ -266,7 +266,7 @@ def run_in_process(preset: str, overrides: list[str], root: str) -> tuple[bool, 
         return False, (
             f"{failure_cause(state)}\n"
             f"(pipeline run {run_id} ended {state.type.value}; Prefect's log above has the traceback.) Finished "
-            f"stages are kept: fix the cause and rerun the command, or retry the run (same PREFECT_HOME) with "
+            f"stages are kept: fix the cause and rerun the command, or retry the run (same PREFECT_HOME, or the same server where PREFECT_API_URL is set) with "
             f"`{retry_command(run_id)}` (a fault.stage set on purpose fails again on a new run). Prefect UI: {ui}"
         )
     dirs = state.result()

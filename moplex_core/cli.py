@@ -6,6 +6,7 @@ import argparse
 import os
 import re
 import sys
+import urllib.parse
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, get_args
@@ -107,8 +108,10 @@ def _prefect_unreachable(command: str, err: RuntimeError) -> int:
     its state); any other RuntimeError is raised as it is."""
     reached = re.search(r"Failed to reach API at (\S+?)/?$", str(err), flags=re.MULTILINE)
     if reached:
+        url = urllib.parse.urlsplit(reached.group(1))
+        start = "prefect server start" + ("" if url.port in (None, 4200) else f" --port {url.port}")
         print(f"{command}: the run could not start: no Prefect server answers at {reached.group(1)} "
-              "(PREFECT_API_URL). Start it (`prefect server start`), or run on a temporary local server: "
+              f"(PREFECT_API_URL). Start it (`{start}`), or run on a temporary local server: "
               "`prefect config unset PREFECT_API_URL` (or unset the environment variable).", file=sys.stderr)
         return 1
     if "ephemeral Prefect API server" not in str(err):

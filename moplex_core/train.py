@@ -161,9 +161,8 @@ def run_train(config: TrainConfig, cache_dir: str | Path, store: ArtifactStore, 
         bar = tqdm(total=config.em_iterations * config.restarts, desc="EM", disable=not progress)
 
         def on_iteration(state: EMState) -> None:
-            bar.n = state.restart * config.em_iterations + state.iteration + 1
-            bar.set_postfix(restart=state.restart, LL=f"{state.log_likelihood:.4f}")
-            bar.refresh()
+            bar.set_postfix(restart=state.restart, LL=f"{state.log_likelihood:.4f}", refresh=False)
+            bar.update(state.restart * config.em_iterations + state.iteration + 1 - bar.n)  # redrawn at tqdm's pace
             log.info("restart %d iteration %d: LL %.6f, alpha %s", state.restart, state.iteration,
                      state.log_likelihood, [round(a, 4) for a in state.alpha.tolist()])
 

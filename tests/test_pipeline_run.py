@@ -251,6 +251,7 @@ def test_a_prefect_server_that_does_not_answer_is_one_line_saying_what_to_do(tmp
                               str(tmp_path / "artifacts")], capture_output=True, text=True, env=env, timeout=300)
     assert run.returncode == 1 and "Traceback" not in run.stderr, run.stderr[-3000:]
     assert f"no Prefect server answers at http://127.0.0.1:{port}/api (PREFECT_API_URL)" in run.stderr
+    assert f"`prefect server start --port {port}`" in run.stderr  # the port the URL names, not 4200
     assert "prefect config unset PREFECT_API_URL" in run.stderr
 
 

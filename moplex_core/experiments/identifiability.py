@@ -169,7 +169,7 @@ def run_study(config: StudyConfig, out_dir: Path, progress: bool = True) -> Stud
     torch.set_num_threads(1)
     try:
         for (k, m, g, augment), seed in bar:
-            bar.set_postfix_str(f"k={k} m={m} m'={m + g} aug={augment} seed={seed}")
+            bar.set_postfix_str(f"k={k} m={m} m'={m + g} aug={augment} seed={seed}", refresh=False)
             rows.extend(run_cell(config, k, m, g, augment, seed))
     finally:
         torch.set_num_threads(threads)

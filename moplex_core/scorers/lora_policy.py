@@ -347,7 +347,7 @@ class LoRAPolicyScorer:
                         bar.update()
                         if len(objectives) % every == 0:  # on a GPU, one wait for it per so many steps
                             recent = torch.stack(objectives[-max(every, 20):]).tolist()
-                            bar.set_postfix(weighted_logP=f"{np.mean(recent):.4f}")
+                            bar.set_postfix(weighted_logP=f"{np.mean(recent):.4f}", refresh=False)
         finally:
             bar.close()
             self.lora.train_dropout(False)
