@@ -625,3 +625,69 @@ def test_each_iterations_state_keeps_its_own_history():
     states = []
     fit_mixture(lambda: LinearScorer(2, 2), x, rankings, EMConfig(k=2, max_iter=3, tol=0), on_iteration=states.append)
     assert [len(s.history) for s in states] == [1, 2, 3] and [len(s.halvings) for s in states] == [1, 2, 3]
+
+
+def test_a_restart_that_converged_before_a_kill_is_not_iterated_further_on_resume(tmp_path):
+    _, rankings, x = synthetic(k=2, m=6, n=300, seed=4)
+    config = EMConfig(k=2, restarts=2, max_iter=40, tol=1e-4, init="dirichlet", seed=3)
+    whole, _ = fit_mixture(lambda: LinearScorer(2, 2), x, rankings, config, checkpoint_dir=tmp_path / "whole")
+    assert whole.restarts[0].converged and len(whole.restarts[0].history) < config.max_iter
+
+    def killed(state: EMState) -> None:
+        if state.restart == 1:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        fit_mixture(lambda: LinearScorer(2, 2), x, rankings, config, checkpoint_dir=tmp_path / "killed",
+                    on_iteration=killed)
+    resumed, _ = fit_mixture(lambda: LinearScorer(2, 2), x, rankings, config, checkpoint_dir=tmp_path / "killed")
+    assert [r.history for r in resumed.restarts] == [r.history for r in whole.restarts]
+
+
+class Recording(LinearScorer):
+    """A linear scorer that keeps the weights of every M-step."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.weights = []
+
+    def fit(self, inputs, rankings, weights, iteration=0):
+        self.weights.append(weights.clone())
+        return super().fit(inputs, rankings, weights, iteration)
+
+
+def test_hard_em_fits_its_first_m_step_on_the_starts_one_hot_assignment():
+    _, rankings, x = synthetic(k=2, m=4, n=200)
+    config = EMConfig(k=2, hard=True, max_iter=1, init="dirichlet", seed=7)
+    scorers = []
+    fit_mixture(lambda: scorers.append(Recording(2, 2)) or scorers[-1], x, rankings, config)
+    start = initial_responsibilities(config, LinearScorer(2, 2), x, rankings, seed=7)
+    one_hot = torch.nn.functional.one_hot(start.argmax(1), 2).to(torch.float64)
+    assert torch.equal(scorers[0].weights[0], one_hot)
+
+
+def test_each_restarts_linearized_start_draws_from_seeds_no_other_restart_uses(monkeypatch):
+    # The start is an EM of its own (3 Dirichlet restarts, 1000 seeds apart): restart r's must use
+    # none of the seeds restart r - 1's used, or two restarts would start from one partition.
+    from moplex_core.em import fit
+
+    _, rankings, x = synthetic(k=2, m=4, n=60)
+    inner, real = [], fit.fit_mixture
+
+    def recording(make_scorer, inputs, data, config, *args, **kwargs):
+        inner.append({config.seed + 1000 * r for r in range(config.restarts)})
+        return real(make_scorer, inputs, data, config, *args, **kwargs)
+
+    monkeypatch.setattr(fit, "fit_mixture", recording)  # where the start looks it up
+    real(lambda: FeatureScorer(2, 2), x, rankings, EMConfig(k=2, init="linearized", restarts=2, max_iter=1, seed=4))
+    assert len(inner) == 2 and not inner[0] & inner[1]
+
+
+def test_a_coarser_or_finer_partition_is_not_a_repeated_start():
+    from moplex_core.em.start import _repeated_start
+
+    old = soft_one_hot(np.array([0, 1, 2, 0, 1, 2]), 3)
+    merged = soft_one_hot(np.array([0, 0, 1, 0, 0, 1]), 3)  # old's clusters 0 and 1 as one
+    relabelled = soft_one_hot(np.array([2, 0, 1, 2, 0, 1]), 3)
+    assert _repeated_start(merged, [old]) is None and _repeated_start(old, [merged]) is None
+    assert _repeated_start(relabelled, [merged, old]) == 1

@@ -24,7 +24,7 @@ from moplex_core.estimate import (
 from moplex_core.em import Rankings
 from moplex_core.lm.loading import load_model, load_tokenizer
 from moplex_core.lm.logprobs import embed, sequence_logprobs
-from moplex_core.lm.tokenize import pad_batch, tokenize_responses
+from moplex_core.lm.tokenize import TokenizedResponse, pad_batch, tokenize_responses
 from moplex_core.pl import PAD
 
 RESPONSES = ["[3, 1, 2]", "[5, 0, 2, 7]", "[1, 1]", "[-4, -2, -9]"]
@@ -41,15 +41,17 @@ def test_target_terms_are_the_other_responses_tokens_scored_in_the_anchors_conte
     # from transformers' own full logits of row i alone, in float64.
     model, tokenizer = model64
     seqs = tokenize_responses(tokenizer, "Which list is best?", RESPONSES)
+    start = seqs[0].response_start  # an alternative of token id 0 (a token like any other: Qwen's "!")
+    zeros = TokenizedResponse(seqs[0].input_ids[:start] + [0, 5, 0, tokenizer.eos_token_id], start)
     passed = anchor_pass(model, seqs, tokenizer.pad_token_id, input_grads=True, groups=groups,
-                         alternatives=[seqs] * len(seqs))
-    assert passed.target_terms.shape == (len(seqs), len(seqs)) and passed.target_terms.dtype == torch.float64
+                         alternatives=[[*seqs, zeros]] * len(seqs))
+    assert passed.target_terms.shape == (len(seqs), len(seqs) + 1) and passed.target_terms.dtype == torch.float64
     for i, anchor in enumerate(seqs):
         with torch.no_grad():
             logits = model(torch.tensor([anchor.input_ids])).logits[0].double()  # [L, V]
         logp = torch.log_softmax(logits, dim=-1)
         start, own = anchor.response_start, anchor.input_ids[anchor.response_start :]
-        for j, other in enumerate(seqs):
+        for j, other in enumerate([*seqs, zeros]):
             tokens = other.input_ids[other.response_start :]
             expected = sum(logp[start + t - 1, tokens[t]] - logp[start + t - 1, own[t]]
                            for t in range(min(len(own), len(tokens))))
@@ -59,7 +61,7 @@ def test_target_terms_are_the_other_responses_tokens_scored_in_the_anchors_conte
     emb, lengths = response_embeddings(model, seqs)
     first_order = passed.first_order(slice(1, 3), torch.tensor([1, 2]), emb, lengths)  # [2, M]
     torch.testing.assert_close(first_order, contraction(passed.input_grads[1:3], torch.tensor([1, 2]), emb, lengths)
-                               + passed.target_terms[1:3])
+                               + passed.target_terms[1:3, : len(seqs)])  # the example's own responses
 
 
 def test_first_order_term_equals_a_finite_difference_along_the_embedding_direction(model64):
@@ -172,6 +174,10 @@ def test_anchors_depend_only_on_seed_iteration_and_example():
     assert len(set(first.tolist())) == 3 and np.all(np.diff(first) > 0)
     draws = {tuple(anchor_indices("ex-1", 8, 3, seed=0, iteration=t)) for t in range(10)}
     assert len(draws) > 1
+    examples = {tuple(anchor_indices(f"ex-{i}", 8, 3, seed=0, iteration=2)) for i in range(40)}
+    assert len(examples) > 10  # each example draws its own anchors (56 possible draws)
+    seeds = {tuple(anchor_indices("ex-1", 8, 3, seed=s, iteration=2)) for s in range(10)}
+    assert len(seeds) > 1
     assert np.array_equal(anchor_indices("ex-1", 8, None, 0, 0), np.arange(8))
     assert np.array_equal(anchor_indices("ex-1", 4, 9, 0, 0), np.arange(4))
 

@@ -68,6 +68,16 @@ def test_fresh_adapters_start_exactly_at_the_base_model(tiny_model_dir):  # noqa
         torch.testing.assert_close(model(ids, attention_mask=mask).logits, base(ids, attention_mask=mask).logits)
 
 
+def test_lora_a_starts_as_peft_initialises_it(tiny_model_dir):  # noqa: F811
+    """PEFT's default: A ~ kaiming_uniform(a=sqrt(5)), U(-1/sqrt(d_in), 1/sqrt(d_in)). The range sets
+    how fast B learns from zero, so a narrower draw would train otherwise than PEFT's adapters."""
+    lora = MultiLoRA(load_model(tiny_model_dir, dtype=torch.float32), K, SETTINGS, seed=0)
+    for name, layer in lora.layers.items():
+        bound = layer.lora_A.shape[1] ** -0.5  # [k, d_in, r]
+        assert layer.lora_A.abs().max() <= bound and layer.lora_A.abs().max() > 0.9 * bound, name
+        assert abs(layer.lora_A.std().item() - bound / 3**0.5) < 0.1 * bound, name  # a uniform's std
+
+
 def test_a_mixed_batch_equals_peft_with_each_rows_adapter(trained):
     model, lora, peft, _ = trained
     ids, mask = batch()
@@ -372,6 +382,27 @@ def test_bf16_adapter_gradients_of_a_mixed_batch_are_summed_in_float32():
         exact = gradient(torch.float64, routed)
         errors[name] = ((gradient(torch.bfloat16, routed) - exact).norm() / exact.norm()).item()
     assert errors["mixed"] < 1.5 * errors["one adapter"], errors
+
+
+def test_the_bf16_stack_follows_an_in_place_change_between_two_passes_without_gradients(tiny_model_dir):  # noqa: F811
+    """In bf16 the stack is a copy: an adapter changed in place between two scoring passes (a restart's
+    adapters loaded after another restart's last E-step) must be read at once, with no training pass
+    between to drop the copy."""
+    model = load_model(tiny_model_dir, dtype=torch.bfloat16)
+    lora = MultiLoRA(model, K, SETTINGS, seed=5)
+    ids, mask = batch(rows=3)
+    with torch.no_grad():
+        for p in lora.named_parameters().values():
+            p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(2)) * 0.1)
+        base = model(ids, attention_mask=mask).logits
+        with lora.route([0, 1, 2]):
+            adapted = model(ids, attention_mask=mask).logits  # builds the stack
+        for p in lora.named_parameters().values():
+            p.zero_()
+        with lora.route([0, 1, 2]):
+            again = model(ids, attention_mask=mask).logits
+    assert (adapted.float() - base.float()).abs().max() > 0
+    torch.testing.assert_close(again, base, rtol=0, atol=0)  # zero adapters: the base model, bit for bit
 
 
 @pytest.mark.parametrize("route", [[2, 0, 1, 1, 2, 0], [1] * 6], ids=["mixed", "one adapter"])

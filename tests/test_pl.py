@@ -201,6 +201,10 @@ def test_fisher_score_at_zero_points_at_the_winner():
     # d/dr_j at r=0: 1[j observed] - sum over observed positions t with j in the risk set of 1/|risk set|
     assert torch.allclose(g, torch.tensor([[1 - 1 / 3 - 1 / 2, 1 - 1 / 3 - 1 / 2 - 1, 1 - 1 / 3]], dtype=torch.float64))
     assert g.sum().item() == pytest.approx(0.0, abs=1e-12)
+    # under Bradley-Terry pairs (the pairwise baselines' k-means start) each pair gives its winner +1/2
+    # and its loser -1/2: response 2 wins both its pairs, 0 one of two, 1 none
+    pairs = score_gradient_at_zero(prepare_rankings(tiers), "bt_pairs")
+    assert torch.allclose(pairs, torch.tensor([[0.0, -1.0, 1.0]], dtype=torch.float64))
 
 
 def test_rows_far_apart_use_the_exact_path_and_agree_with_their_neighbours():
