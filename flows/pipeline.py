@@ -143,18 +143,40 @@ def flow_run_url(run_id) -> str:
     return f"http://127.0.0.1:4200/runs/flow-run/{run_id} after `prefect server start` (same PREFECT_HOME)"
 
 
+def _raised(state: State) -> BaseException | None:
+    """The exception of ours that failed a run (not Prefect's wrapping), or None."""
+    try:
+        err = state.result(raise_on_failure=False)
+    except Exception:  # noqa: BLE001 -- the result may not be readable back
+        return None
+    if not isinstance(err, BaseException) or type(err).__module__.startswith("prefect."):
+        return None
+    return err
+
+
+def _stages(err: BaseException) -> list[str]:
+    """The stages ``err`` failed in, as `run_stage` noted them (none: it was raised between stages)."""
+    return [note.removeprefix(_STAGE_NOTE) for note in getattr(err, "__notes__", ()) if note.startswith(_STAGE_NOTE)]
+
+
 def failure_cause(state: State) -> str:
     """What failed a pipeline run, first: ``the <stage> stage failed: <Error>: <message>`` from the
     exception itself (its message names the file, row, field or setting), not Prefect's wrapping."""
-    try:
-        err = state.result(raise_on_failure=False)
-    except Exception:  # noqa: BLE001 -- the result may not be readable back; fall back to the state's message
-        err = None
-    if not isinstance(err, BaseException) or type(err).__module__.startswith("prefect."):  # no exception of ours
+    err = _raised(state)
+    if err is None:  # no exception of ours; fall back to the state's message
         return state.message or f"the pipeline run ended {state.type.value}"
-    stages = [note.removeprefix(_STAGE_NOTE) for note in getattr(err, "__notes__", ()) if note.startswith(_STAGE_NOTE)]
+    stages = _stages(err)
     where = f"the {stages[0]} stage failed: " if stages else ""
     return f"{where}{type(err).__name__}: {err}"
+
+
+def refused_its_settings(state: State) -> bool:
+    """Whether a run failed on a check of its settings between stages (`run_stages`: the rankings
+    against train.k and evaluate.splits, the model against the cache's lengths and the LoRA targets):
+    a ValueError no stage raised. A retry of that flow run applies the same settings and fails the same
+    way."""
+    err = _raised(state)
+    return isinstance(err, ValueError) and not _stages(err)
 
 
 def without_heartbeats() -> AbstractContextManager[None]:
@@ -263,11 +285,17 @@ def run_in_process(preset: str, overrides: list[str], root: str) -> tuple[bool, 
     run_id = state.state_details.flow_run_id
     ui = flow_run_url(run_id)
     if not state.is_completed():
+        if refused_its_settings(state):
+            advice = ("change the setting it names and rerun the command (a retry of this run would apply the "
+                      "same settings and fail the same way)")
+        else:
+            advice = (f"fix the cause and rerun the command, or retry the run (same PREFECT_HOME, or the same "
+                      f"server where PREFECT_API_URL is set) with `{retry_command(run_id)}` (a fault.stage set on "
+                      "purpose fails again on a new run)")
         return False, (
             f"{failure_cause(state)}\n"
             f"(pipeline run {run_id} ended {state.type.value}; Prefect's log above has the traceback.) Finished "
-            f"stages are kept: fix the cause and rerun the command, or retry the run (same PREFECT_HOME, or the same server where PREFECT_API_URL is set) with "
-            f"`{retry_command(run_id)}` (a fault.stage set on purpose fails again on a new run). Prefect UI: {ui}"
+            f"stages are kept: {advice}. Prefect UI: {ui}"
         )
     dirs = state.result()
     lines = [Path(dirs["report"]).read_text(), "artifacts (moplex inspect PATH shows any of them):"]

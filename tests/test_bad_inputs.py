@@ -419,6 +419,21 @@ def test_a_failed_pipeline_run_reports_the_stage_and_the_exception_not_prefects_
     assert failure_cause(Failed(message="the run crashed")) == "the run crashed"
 
 
+def test_a_settings_check_between_stages_is_told_apart_from_a_stages_failure():
+    # a retry of the flow run applies the same settings: only a stage's failure is worth retrying
+    from prefect.states import Failed
+
+    from flows.pipeline import refused_its_settings
+
+    stage_failed = RawSchemaError("x.jsonl line 2 is not valid JSON")
+    stage_failed.add_note("moplex pipeline stage: ingest")
+    checked = ValueError("cache.max_prompt_tokens + cache.max_response_tokens = 512 + 512 exceeds the 128 positions")
+    assert refused_its_settings(Failed(data=checked))
+    assert not refused_its_settings(Failed(data=stage_failed))
+    assert not refused_its_settings(Failed(data=OSError("NFS server not responding")))
+    assert not refused_its_settings(Failed(message="the run crashed"))
+
+
 
 def test_split_sizes_that_leave_rankings_out_say_so(tmp_path, caplog):
     # Prompts are placed whole, each in the first split with room for all its rankings: a two-ranking
