@@ -1,7 +1,8 @@
 """Evaluation of a fitted mixture on held-out splits (DESIGN.md 7), for any Scorer.
 
 Always exact scores. The Hungarian matching from EM's cluster ids to the true labels is fitted on
-``fit_split`` (default `validation`) and applied to every split (in-sample on the fit split). Ranking accuracy is reported four ways, labelled:
+``fit_split`` (default `validation`) and applied to every split (in-sample on the fit split).
+Ranking accuracy is reported four ways, labelled:
 
     posterior       each ranking routed to argmax_c gamma_ic, gamma computed from that same ranking
                     (the paper's number; optimistic: the ranking chooses its own scorer, and the more

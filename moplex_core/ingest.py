@@ -70,7 +70,7 @@ def code_version(dataset: str) -> str:
 class IngestPlan:
     ref: ArtifactRef
     path: Path
-    inputs: dict[str, str]  # {"source": "sha256:...", "reader": LOCAL_READER} for a local source; empty for hub/synthetic
+    inputs: dict[str, str]  # {"source": "sha256:...", "reader": LOCAL_READER} for a local source; else empty
     complete: bool
 
 

@@ -284,7 +284,8 @@ def atomic_path(target: Path) -> Iterator[Path]:
 
 
 def _remove_temporaries(version_dir: Path) -> None:
-    # Hidden entries are temporaries of killed writers (ours, `atomic_path`'s ".name.tmp-<uuid>", and e.g. moplex_core.train's ".adapters.tmp-<pid>").
+    # Hidden entries are temporaries of killed writers (ours, `atomic_path`'s ".name.tmp-<uuid>", and
+    # e.g. moplex_core.train's ".adapters.tmp-<pid>").
     for path in sorted(version_dir.rglob(".*"), reverse=True):
         if ".tmp-" in path.name:
             log.info("removing %s left by an interrupted writer", path)

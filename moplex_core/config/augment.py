@@ -33,9 +33,10 @@ class AugmentConfig(StageConfig):
 
     Sampling is seeded per prompt and attempt, so the seeds do not depend on sharding or batching,
     and with ``hf`` neither do the texts, up to float rounding: another ``batch_size`` pads a prompt
-    to another length, which can flip a near-tie (moplex_core.generate.hf). vLLM's texts can: its kernels are not batch-invariant by
-    default (its reproducibility docs), so a resumed shard may sample other texts than a clean run;
-    the seeds still fix the draws, and the version is the same. What is left out of the version
+    to another length, which can flip a near-tie (moplex_core.generate.hf). vLLM's texts can move
+    more: its kernels are not batch-invariant by default (its reproducibility docs), so a resumed
+    shard may sample other texts than a clean run; the seeds still fix the draws, and the version
+    is the same. What is left out of the version
     (`identity`): ``batch_size``, ``device``, ``vllm_python`` and ``vllm_gpu_memory_utilization``
     (where and how fast, not what), ``on_shortfall`` (what to accept, not what is generated), and
     ``model`` itself: a local model directory's content is an input of the version (moving it keeps

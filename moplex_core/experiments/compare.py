@@ -4,8 +4,9 @@ A *method* (moplex_core.methods.METHODS) is a list of ``key=value`` overrides ap
 whose train/augment settings are MoPLEx itself: generated responses and a < m' anchors). Every
 method runs the same ingest and tiny model artifacts, and one of two caches (the store reuses them):
 the augmented rankings', or, for the methods without generated responses (``augment=null``), the
-rankings' alone; train and evaluate are each method's. Seeds vary ``train.seed``: the LoRA initialisation, the EM start, the
-M-step shuffling and the anchor draws; the data and the generated responses stay fixed.
+rankings' alone; train and evaluate are each method's. Seeds vary ``train.seed``: the LoRA
+initialisation, the EM start, the M-step shuffling and the anchor draws; the data and the generated
+responses stay fixed.
 
     method       paper row                   what changes from the base (MoPLEx)
     dpo          DPO                         k = 1, Bradley-Terry over pairs, no generated responses, exact
