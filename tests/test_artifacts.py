@@ -151,6 +151,10 @@ def test_unfinished_or_tampered_artifacts_are_refused_with_a_way_out(tmp_path):
     (path / MANIFEST).unlink()
     with pytest.raises(ArtifactIncompleteError, match="did not finish. Rerun the stage"):
         store.load("demo", "v1")
+    lost = write_demo(store, "v2")
+    (lost / "part-00002.parquet").unlink()  # a shard the manifest lists: refused, never read around
+    with pytest.raises(ArtifactCorruptError, match="part-00002.parquet missing"):
+        store.load("demo", "v2")
 
 
 def test_everything_written_in_the_block_is_on_disk_before_the_manifest(tmp_path, monkeypatch):

@@ -15,10 +15,10 @@ from moplex_core.artifacts import ArtifactCorruptError, ArtifactStore, load_tabl
 from moplex_core.assign import ASSIGN_SCHEMA, plan_assign, run_assign
 from moplex_core.cache import load_policy_inputs
 from moplex_core.cli import main
-from moplex_core.config import IngestConfig
+from moplex_core.config import IngestConfig, TrainConfig
 from moplex_core.em import mixture_posteriors
 from moplex_core.ingest import run_ingest
-from moplex_core.train import load_posteriors
+from moplex_core.train import load_posteriors, run_train
 from stage_fixtures import tiny_trained_mixture
 
 # Not the defaults, so that a new cache built with any other settings is another version (and
@@ -53,6 +53,16 @@ def test_the_training_rankings_get_the_posteriors_em_ended_with(trained):
     posterior = torch.tensor([rows["posterior"][where[example]] for example in ids], dtype=torch.float64)
     torch.testing.assert_close(posterior, final, atol=1e-6, rtol=0)
     assert {rows["split"][where[example]] for example in ids} == {"train"}
+
+
+def test_two_mixtures_trained_on_one_cache_assign_to_two_versions(trained):
+    # the assign version hashes the train artifact: another mixture must never reuse this one's posteriors
+    store, train, _, other = trained
+    cache = store.path("cache", json.loads((train / "manifest.json").read_text())["inputs"]["cache"].split("/")[1])
+    another = run_train(TrainConfig(k=3, lora_r=4, em_iterations=1, anchors=None, seed=5,
+                                    lora_targets=("q_proj", "v_proj")), cache, store, progress=False).path
+    first, second = (plan_assign(t, other, store, device="cpu") for t in (train, another))
+    assert first.cache.ref == second.cache.ref and first.ref != second.ref
 
 
 def test_a_killed_assign_resumes_at_the_first_missing_shard(trained):

@@ -9,7 +9,11 @@ from pydantic import ValidationError
 
 from moplex_core.config import (
     INGEST_PRESETS,
+    AugmentConfig,
+    CacheConfig,
+    EvaluateConfig,
     IngestConfig,
+    TrainConfig,
     as_assignments,
     ingest_preset,
     pipeline_preset,
@@ -59,6 +63,49 @@ def test_identity_leaves_out_where_a_file_lives_and_other_datasets_options():
     assert here.identity() != IngestConfig(dataset="helpsteer2", path="x", helpsteer2={"min_gap": 2}).identity()
     hub = IngestConfig(dataset="ultrafeedback").identity()
     assert (hub["hub_name"], hub["revision"]) == ("openbmb/UltraFeedback", "40b436560ca83a8dba36114c22ab3c66e43f6d5e")
+
+
+# (a stage's config, another valid value of each setting, the settings its docstring leaves out of the version)
+VERSIONED = {
+    "cache": (CacheConfig(model="some/hub-model"),
+              {"use_chat_template": False, "max_prompt_tokens": 7, "max_response_tokens": 9, "shard_rows": 3,
+               "dtype": "float64", "contractions": False, "score_batch_size": 5, "device": "cpu", "chunk_size": 8},
+              {"score_batch_size", "device", "chunk_size"}),
+    "augment": (AugmentConfig(model="some/hub-model"),
+                {"n_generated": 5, "temperature": 1.0, "top_p": 0.5, "max_new_tokens": 7, "seed": 3, "max_attempts": 2,
+                 "shard_prompts": 3, "dtype": "float32", "use_chat_template": False, "max_prompt_tokens": 9,
+                 "batch_size": 2, "device": "cpu", "on_shortfall": "keep_fewer", "vllm_gpu_memory_utilization": 0.5},
+                {"batch_size", "device", "on_shortfall", "vllm_gpu_memory_utilization"}),
+    "train": (TrainConfig(),
+              {"k": 2, "beta": 0.2, "anchors": 3, "estimation": "logpi", "likelihood": "bt_pairs", "hard": True,
+               "lora_r": 4, "lora_alpha": 8.0, "lora_targets": ("q_proj",), "lr": 1e-3, "epochs": 2, "first_epochs": 3,
+               "batch_size": 4, "gamma_min": 0.0, "em_iterations": 3, "tol": 0.1, "init": "kmeans", "restarts": 2,
+               "estimation_check": 0, "seed": 1, "dtype": "float64", "share_prompts": False,
+               "score_batch_size": 5, "device": "cpu", "chunk_size": 9},
+              {"score_batch_size", "device", "chunk_size"}),
+    "evaluate": (EvaluateConfig(),
+                 {"splits": ("validation", "train"), "method": "x", "device": "cpu", "score_batch_size": 3},
+                 {"device", "score_batch_size"}),
+    "ingest": (IngestConfig(dataset="synthetic"),
+               {"seed": 2, "validation": "drop", "labels": ("a", "b", "c"), "shard_rows": 5}, set()),
+}
+
+
+@pytest.mark.parametrize("stage", VERSIONED)
+def test_every_setting_not_left_out_of_the_version_changes_it(stage):
+    # A setting missing from the identity would let a changed run reuse another setting's artifact.
+    config, changes, left_out = VERSIONED[stage]
+    for setting, value in changes.items():
+        changed = type(config).model_validate({**config.model_dump(), setting: value}).identity() != config.identity()
+        assert changed == (setting not in left_out), f"{stage}.{setting}"
+    moved = EvaluateConfig(splits=("validation", "test"), fit_split="test")  # the matching fitted on another split
+    assert moved.identity() != EvaluateConfig(splits=("validation", "test")).identity()
+
+
+def test_a_value_holding_an_equals_sign_is_kept_whole(tmp_path):
+    folder = tmp_path / "run=1"  # a hive-style folder
+    assert with_overrides(EvaluateConfig(), ["method=a=b"]).method == "a=b"
+    assert with_overrides(IngestConfig(dataset="generic", path=str(tmp_path)), [f"path={folder}"]).path == str(folder)
 
 
 def test_hub_source_defaults_and_overrides():

@@ -19,9 +19,11 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from lm_fixtures import HUB_NAME, as_cached_hub_model, tiny_model_dir, tiny_tokenizer  # noqa: F401 - fixtures
-from moplex_core.augment import Group, fill_groups
+import pyarrow as pa
+
+from moplex_core.augment import Group, fill_groups, groups_of
 from moplex_core.generate import vllm_backend, vllm_worker
-from moplex_core.generate.base import SampleRequest, normalise, request_seed, sample_seed
+from moplex_core.generate.base import Sample, SampleRequest, normalise, request_seed, sample_seed
 from moplex_core.generate.borrow import BorrowGenerator, borrow_pools
 from moplex_core.generate.hf import HFGenerator, sampling_processors
 from moplex_core.generate.vllm_backend import VLLMGenerator, VLLMWorkerError, request_rows
@@ -128,6 +130,60 @@ def test_duplicates_of_originals_and_of_each_other_are_resampled(tiny_model_dir)
         assert len(set(keys)) == len(keys) and not set(keys) & group.avoid and all(keys)
         assert len(keys) == 4 or filled[group.key].attempts == 6
     assert fill_groups(groups, generator, n=4, seed=0, max_attempts=6) == filled
+
+
+class Recorded:
+    """A generator that keeps the requests it is given; ``generator`` samples them."""
+
+    def __init__(self, generator) -> None:
+        self.generator, self.calls = generator, []
+
+    def sample(self, requests):
+        self.calls.append(list(requests))
+        return self.generator.sample(requests)
+
+
+def test_every_attempt_of_every_prompt_draws_from_its_own_seed(tiny_model_dir):
+    # At 1 token and a low temperature the tiny model repeats itself, so later attempts are needed;
+    # an attempt must not draw with an earlier one's seed (it would repeat its texts), nor a run's
+    # seed be ignored (augment.seed would change the version, not the texts).
+    generator = Recorded(HFGenerator(str(tiny_model_dir), max_new_tokens=1, temperature=0.3, batch_size=16))
+    groups = [Group(f"p{i}", p, None, frozenset()) for i, p in enumerate(PROMPTS[:2])]
+    filled = fill_groups(groups, generator, n=3, seed=5, max_attempts=3)
+    assert len(generator.calls) > 1
+    for attempt, call in enumerate(generator.calls):
+        assert [(r.key, r.seed) for r in call] == [(r.key, request_seed(5, r.key, attempt)) for r in call]
+    assert len({r.seed for call in generator.calls for r in call}) == sum(len(call) for call in generator.calls)
+    assert fill_groups(groups, generator.generator, n=3, seed=6, max_attempts=3) != filled
+
+
+def test_a_group_whose_pool_ran_out_is_not_asked_again_and_no_empty_text_is_kept():
+    borrow = Recorded(BorrowGenerator({"a": ["one text"], "b": ["x", "y", "z"]}))
+    groups = [Group("a", "p", None, frozenset()), Group("b", "p", None, frozenset())]
+    filled = fill_groups(groups, borrow, n=3, seed=0, max_attempts=4)
+    assert [[r.key for r in call] for call in borrow.calls] == [["a", "b"]]  # "a" got fewer than asked: used up
+    assert filled["a"].texts == ["one text"] and filled["a"].attempts == 1 and len(filled["b"].texts) == 3
+
+    class EndsAtOnce:
+        """A model that ends its first two texts at once (EOS first), as hf and vLLM return them: ""."""
+
+        def sample(self, requests):
+            return [[Sample("", 1), Sample(" \n", 1), *(Sample(f"text {i}", 2) for i in range(r.n - 2))]
+                    for r in requests]
+
+    empty = fill_groups([Group("c", "p", None, frozenset())], EndsAtOnce(), n=3, seed=0, max_attempts=2)
+    assert empty["c"].texts == ["text 0"] and empty["c"].attempts == 2
+
+
+def test_a_prompts_generated_texts_avoid_the_originals_of_every_ranking_of_it():
+    rankings = pa.table({"example_id": ["e0", "e1", "e2"], "prompt_id": ["p", "p", "q"], "prompt": ["hi", "hi", "yo"],
+                         "prompt_messages": [None, None, None],
+                         "responses": [["A one", "B two"], ["C three", "D four"], ["E", "F"]]})
+    groups, keys = groups_of(rankings, "hf")
+    assert keys == ["p", "p", "q"]
+    assert {g.key: g.avoid for g in groups} == {"p": {"a one", "b two", "c three", "d four"}, "q": {"e", "f"}}
+    groups, keys = groups_of(rankings, "borrow")  # borrow: each ranking its own group, its own originals
+    assert keys == ["e0", "e1", "e2"] and groups[1].avoid == {"c three", "d four"}
 
 
 def test_borrow_takes_other_rankings_responses_seeded_and_without_repeats():

@@ -25,7 +25,8 @@ from moplex_core.data.sources import (
 )
 from moplex_core.data.splits import assign_splits, split_groups
 from moplex_core.hashing import short_hash
-from moplex_core.ingest import build_rankings, code_version
+from moplex_core import ingest
+from moplex_core.ingest import build_rankings, code_version, plan_ingest
 from moplex_core.schema import RANKINGS_SCHEMA, SPLITS, SchemaError
 
 
@@ -136,12 +137,20 @@ def test_loading_by_name_offline_says_how_to_pass_a_local_path(monkeypatch):
         {"data_dir": "preference"},)
 
 
-def test_local_sources_are_fingerprinted_by_content_not_location(tmp_path, fixtures_dir):
+def test_local_sources_are_fingerprinted_by_content_not_location(tmp_path, fixtures_dir, monkeypatch):
     a, b = tmp_path / "a", tmp_path / "b"
     a.mkdir(), b.mkdir()
     shutil.copy(fixtures_dir / "helpsteer2.jsonl", a / "train.jsonl")
     shutil.copy(fixtures_dir / "helpsteer2.jsonl", b / "train.jsonl")
     assert source_fingerprint(a) == source_fingerprint(b)
+    renamed = tmp_path / "renamed"
+    renamed.mkdir()
+    shutil.copy(fixtures_dir / "helpsteer2.jsonl", renamed / "test.jsonl")  # the same bytes as another split's file
+    assert source_fingerprint(renamed) != source_fingerprint(a)
+    plan = plan_ingest(IngestConfig(dataset="helpsteer2", path=str(a)), ArtifactStore(tmp_path / "artifacts"))
+    monkeypatch.setattr(ingest, "LOCAL_READER", "local-next")  # a change to how local files are read
+    assert plan_ingest(IngestConfig(dataset="helpsteer2", path=str(a)), ArtifactStore(tmp_path / "artifacts")).ref \
+        != plan.ref
     with open(b / "train.jsonl", "a") as f:
         f.write("\n")
     assert source_fingerprint(a) != source_fingerprint(b)

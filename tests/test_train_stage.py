@@ -182,9 +182,12 @@ def test_the_start_kept_is_the_best_restarts(cache_dir, tmp_path):
     # exact. Here the estimates would have picked restart 0.
     estimated, exact = ([r[key] for r in summary["restarts"]] for key in ("log_likelihood", "exact_log_likelihood"))
     assert exact[1] > exact[0] and estimated[0] > estimated[1]
-    ids, start, _ = load_posteriors(result.path)
+    ids, start, final = load_posteriors(result.path)
     starts = [read_posteriors(result.path / "em" / f"restart-{r:02d}" / "start.parquet", ids) for r in (0, 1)]
     assert not torch.equal(starts[0], starts[1]) and torch.equal(start, starts[best])
+    finals = [read_posteriors(result.path / "em" / f"restart-{r:02d}" / "iter-0000" / "posteriors.parquet", ids)
+              for r in (0, 1)]
+    assert not torch.equal(finals[0], finals[1]) and torch.equal(final, finals[best])  # the best restart's end
 
 
 def test_restarts_of_the_default_start_are_different_runs(cache_dir, tmp_path):
