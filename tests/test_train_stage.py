@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import signal
 import subprocess
 import sys
@@ -87,13 +88,17 @@ def test_train_writes_every_iteration_and_the_final_adapters(cache_dir, tmp_path
     assert run_train(CONFIG, cache_dir, ArtifactStore(tmp_path), progress=False).built is False
 
 
-def test_backtracking_records_its_halvings_and_keeps_every_iteration_it_could_mend(cache_dir, tmp_path):
+def test_backtracking_records_its_halvings_and_keeps_every_iteration_it_could_mend(cache_dir, tmp_path, caplog):
     config = CONFIG.model_copy(update={"backtracks": 2})
+    caplog.set_level(logging.INFO, logger="moplex_core.scorers.lora_policy")
     result = json.loads((run_train(config, cache_dir, ArtifactStore(tmp_path), progress=False).path
                          / "result.json").read_text())
     history, halvings = result["history"], result["step_halvings"]
     assert len(halvings) == 3 and halvings[0] == 0 and sum(halvings) > 0  # it falls at iteration 2 here
     assert not [t for t in likelihood_falls(history) if halvings[t] < 2]  # a fall only where halvings ran out
+    # the look before each M-step (this iteration's anchors, the adapters before it) leaves the E-step's
+    # estimates as they were: no M-step pays an input-gradient pass of its own
+    assert "no E-step of these inputs" not in caplog.text
 
 
 def test_the_last_e_steps_estimates_are_checked_against_exact_scores(cache_dir, tmp_path):
