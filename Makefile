@@ -9,7 +9,7 @@ export PREFECT_SERVER_ANALYTICS_ENABLED := false
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: test test-fast demo study compare chaos bench gpu-wheels lock clean
+.PHONY: test test-fast demo study compare chaos mutants bench gpu-wheels lock clean
 
 # constraints.txt pins every package: the same versions on every clone give the same artifacts on
 # the same CPU (the tiny model's files record the transformers version that saved them, so even a
@@ -58,6 +58,11 @@ compare: $(STAMP)
 # short schedule). `python -m chaos --help` for --seed and --short.
 chaos: $(STAMP)
 	$(BIN)/python -m chaos
+
+# Every bug of chaos/mutant_catalogue.py put into a copy of the checkout, one at a time, against the test
+# modules that must catch it; about an hour on 2 cores (`python -m chaos.mutants --only ID,ID` for some).
+mutants: $(STAMP)
+	$(BIN)/python -m chaos.mutants
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/pl_core.py

@@ -80,6 +80,10 @@ def test_drop_mode_writes_valid_rows_and_rejected_parquet(tmp_path):
     manifest = store.manifest(STAGE, result.ref.version)
     assert "rejected.parquet" in manifest["files"] and manifest["summary"]["rejected_rows"] == 3
     assert result.rejected == 3
+    clean = tmp_path / "clean.jsonl"  # drop mode always lists what it set aside: none is an empty table
+    clean.write_text("\n".join(line for i, line in enumerate(BAD_GENERIC) if i not in (1, 2, 3)) + "\n")
+    kept = run_ingest(IngestConfig(dataset="generic", path=str(clean), labels=("a",), validation="drop"), store)
+    assert kept.rejected == 0 and pq.read_table(kept.path / "rejected.parquet").num_rows == 0
 
 
 def test_the_cli_says_how_many_rows_drop_mode_left_out(tmp_path, capsys):
