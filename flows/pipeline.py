@@ -36,7 +36,6 @@ from moplex_core.artifacts import ArtifactError
 from moplex_core.augment import ShortfallError
 from moplex_core.config import PipelineConfig, pipeline_preset, with_overrides
 from moplex_core.data.sources import DatasetUnavailableError
-from moplex_core.lm.device import PassOutOfMemoryError
 from moplex_core.lm.loading import ModelUnavailableError
 from moplex_core.pipeline import run_stages
 from moplex_core.processes import popen_ending_with_this_thread
@@ -56,15 +55,14 @@ STAGE_FLOWS = {"ingest": ingest_flow, "model": tiny_model_flow, "augment": augme
 # Errors a rerun of the stage repeats: bad rows, files or settings (ValueError: SchemaError,
 # RawSchemaError, pydantic's ValidationError), a bug's TypeError / LookupError, an artifact that is
 # corrupt or cannot be written, a dataset or model that is not here, an augmentation shortfall
-# (seeded), EM's non-finite scores (FloatingPointError: the same seeds diverge again), a pass too
-# large for the device's memory (PassOutOfMemoryError: its message names the setting to lower), and a
-# CUDA fault (torch.AcceleratorError: the process's CUDA context is lost, so a rerun in this process
-# cannot succeed; a new flow run, e.g. Retry in the UI, starts a new process). Anything else (a killed
-# vLLM worker, a network file system's hiccup, an out-of-memory error outside moplex's sized passes)
-# is retried.
+# (seeded), EM's non-finite scores (FloatingPointError: the same seeds diverge again), and a CUDA
+# fault (torch.AcceleratorError: the process's CUDA context is lost, so a rerun in this process cannot
+# succeed; a new flow run, e.g. Retry in the UI, starts a new process). Anything else (a killed vLLM
+# worker, a network file system's hiccup, a pass out of device memory: another process may have held
+# it, and the retry resumes from the finished shards or iterations) is retried.
 NOT_RETRIED: tuple[type[BaseException], ...] = (ValueError, TypeError, LookupError, ArtifactError,
                                                 DatasetUnavailableError, ModelUnavailableError, ShortfallError,
-                                                FloatingPointError, PassOutOfMemoryError, torch.AcceleratorError)
+                                                FloatingPointError, torch.AcceleratorError)
 
 
 def run_stage(name: str, call: Callable[[], str], retries: int, delay_seconds: float,

@@ -76,7 +76,8 @@ class PassOutOfMemoryError(torch.OutOfMemoryError):
 def passes_sized_by(setting: str) -> Iterator[None]:
     """A ``torch.OutOfMemoryError`` inside becomes a `PassOutOfMemoryError` whose message is
     ``setting`` (what sets the size of the passes, and how to lower it) and the allocator's first
-    line: a rerun with the same settings would run out again, and torch's message names no setting."""
+    line: torch's message names no setting, and unless another process held the memory a rerun with the
+    same settings runs out again (the pipeline still retries the stage once, for that case)."""
     try:
         yield
     except PassOutOfMemoryError:
