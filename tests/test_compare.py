@@ -182,3 +182,11 @@ def test_compare_flow_runs_methods_and_seeds_sharing_stages_and_reuses_them(pref
     assert changed != folder and "changed by `train.score_batch_size=4`;" in open(f"{changed}/report.md").read()
     assert {p: p.stat().st_mtime_ns for p in tmp_path.glob("*/*/manifest.json") if p.parts[-3] != "compare"} == \
         {p: t for p, t in manifests.items() if p.parts[-3] != "compare"}
+
+
+def test_the_sampling_note_leaves_out_a_cluster_without_test_rankings():
+    counts = [("all", 40), ("c0", 15), ("c1", 25), ("c2", 0)]
+    metrics = pd.DataFrame([("moplex", "test", "rankings", c, float(n), 0) for c, n in counts],
+                           columns=["method", "split", "metric", "cluster", "value", "seed"])
+    note = sampling_note(metrics)
+    assert "(c0 15, c1 25)" in note and "inf" not in note and "c2" not in note

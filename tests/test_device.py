@@ -47,3 +47,11 @@ def test_host_copies_bring_back_results_made_on_the_host_beside_the_devices():
         [((4,), torch.float64, "cpu"), ((4, 3), torch.float32, "cpu")],
         [((2,), torch.float64, "cpu"), None]]
     assert torch.equal(back[2][0], torch.ones(2, dtype=torch.float64))
+
+
+def test_nested_pass_sizes_name_the_inner_setting_once():
+    with pytest.raises(device.PassOutOfMemoryError) as raised:
+        with device.passes_sized_by("outer"), device.passes_sized_by("inner setting"):
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2 GiB")
+    assert str(raised.value) == ("the device ran out of memory in a pass: inner setting (CUDA out of memory. Tried to "
+                                 "allocate 2 GiB)")

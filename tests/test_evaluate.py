@@ -231,3 +231,30 @@ def test_scores_that_are_not_finite_are_refused_not_routed_to_cluster_0():
     with pytest.raises(FloatingPointError, match=r"evaluation: 1 score\(s\) of cluster\(s\) \[0\] are inf or NaN"):
         _ranking_metric(scores, torch.tensor([[0, 1]]), torch.tensor([0.5, 0.5], dtype=torch.float64),
                         "ranking_accuracy_posterior")
+
+
+def test_synthetic_rankings_are_plackett_luce_draws_of_value_over_noise():
+    # appendix B.1: Gumbel noise of scale `noise` on the values makes each ranking an exact PL draw
+    # with scores value / noise: a response of value 1 among two of value 0 is first with e / (e + 2)
+    data = generate_synthetic(SyntheticConfig(n=40000, k=1, m=3, n_values=2, noise=1.0, seed=5))
+    values = data.values[:, :, 0]
+    one_high = values.sum(1) == 1
+    top = data.tiers[one_high].argmin(1)
+    assert abs((values[one_high][np.arange(one_high.sum()), top] == 1).mean() - np.e / (np.e + 2)) < 0.015
+    noisy = generate_synthetic(SyntheticConfig(n=5, k=2, m=3, noise=2.0, seed=0))
+    assert torch.equal(noisy.true_scores(), torch.as_tensor(noisy.values, dtype=torch.float64).permute(0, 2, 1) / 2.0)
+    below = generate_synthetic(SyntheticConfig(n=3000, k=2, m=3, n_generated=3, n_values=4, augment_mode="below"))
+    assert (below.values[:, 3:, :].max(1) < below.values[:, :3, :].min(1)).all()  # strictly below every original
+
+
+def test_the_report_tables_leave_out_counts_and_diagnostics_rows():
+    def metrics(rows):
+        return pd.DataFrame([("moplex", *r, 0) for r in rows], columns=["method", "split", "metric", "cluster", "value",
+                                                                        "seed"])
+
+    counted = metrics([("test", "clustering_accuracy", "all", 0.7), ("test", "rankings", "all", 60.0),
+                       ("test", "rankings", "c0", 30.0)])
+    assert list(headline_table(counted).index) == ["clustering_accuracy"]  # counts are said apart
+    diagnosed = metrics([("test", "clustering_accuracy", "c0", 0.7), ("test", "clustering_accuracy", "c1", 0.6),
+                         ("test", "generated_cv", "adapter c0", 0.1)])
+    assert list(per_cluster_table(diagnosed, "test").index) == ["c0", "c1"]  # an adapter is no true cluster

@@ -14,8 +14,8 @@ import pytest
 from lm_fixtures import tiny_tokenizer  # noqa: F401 (session fixture)
 
 from moplex_core.config import IngestConfig, PersonaOptions, PrismOptions, SplitConfig, UltraFeedbackOptions
-from moplex_core.data import helpsteer2, persona, prism, ultrafeedback
-from moplex_core.data.sources import RawRejects, RawSchemaError, iter_local_records
+from moplex_core.data import generic, helpsteer2, persona, prism, ultrafeedback
+from moplex_core.data.sources import RawRejects, RawSchemaError, Record, iter_local_records
 from moplex_core.hashing import short_hash
 from moplex_core.ingest import build_rankings
 from moplex_core.lm.tokenize import encode_prompt
@@ -457,3 +457,43 @@ def test_a_strict_prism_ingest_names_the_bad_survey_records_before_what_follows_
     assert lines[0] == f"{len(survey)} source record(s) cannot be read or lack the dataset's fields:"
     assert f"{tmp_path / 'survey.jsonl'} line 1: a PRISM record needs field(s) ['user_id']" in lines[1]
     assert "After them, reading stopped at: " in str(err.value) and "no survey records" in str(err.value)
+
+
+# ---------------------------------------------------------------------------------------------------
+# record-level rules each adapter states, on records written here (mutation round 3)
+
+
+def _record(i: int, data: dict) -> Record:
+    return Record(f"line {i + 1}", data)
+
+
+def test_persona_two_personas_of_one_profile_asked_one_question_are_two_rankings():
+    base = {"instruction": "What should I cook tonight?", "original": "Pasta.", "data": "A curry, as you like spice."}
+    records = [_record(0, base | {"persona": "age: 30\nsex: Female\nrace: White alone\nhobby: climbing"}),
+               _record(1, base | {"persona": "age: 31\nsex: Female\nrace: White alone\nhobby: chess",
+                                  "data": "A salad, light before chess."})]
+    out = persona.to_rankings(records, PersonaOptions(top_profiles=None), source="p", seed=0)
+    assert len(out.rows) == 2 and "skipped_duplicate_record" not in out.stats
+
+
+def _prism(answers: list[tuple[int, str, int]], **options) -> dict:
+    survey = _record(0, {"user_id": "u1", "survey_only": False, "location": {"special_region": "UK"}})
+    history = [{"turn": 0, "role": "user", "content": "Hi?"}]
+    history += [{"turn": 0, "role": "model", "content": text, "within_turn_id": w, "score": score}
+                for w, text, score in answers]
+    conversation = _record(1, {"conversation_id": "c1", "user_id": "u1", "conversation_history": history})
+    (row,) = prism.to_rankings([survey, conversation], PrismOptions(top_profiles=None, **options), source="p").rows
+    return row
+
+
+def test_prism_reads_an_answer_repeated_with_other_whitespace_once_and_orders_by_within_turn_id():
+    row = _prism([(0, "Hello.", 90), (1, "Hello.\n", 80), (2, "Hey.", 10), (3, "Yo.", 50)], min_responses=3)
+    assert row["responses"] == ["Hello.", "Hey.", "Yo."]
+    row = _prism([(3, "d", 10), (0, "a", 90), (2, "c", 30), (1, "b", 60)])  # the history in another order
+    assert row["responses"] == ["a", "b", "c", "d"] and row["ranking"] == [[0], [1], [2], [3]]
+
+
+def test_generic_default_example_ids_differ_by_cluster():
+    row = {"prompt": "p", "responses": ["a", "b"], "ranking": [[0], [1]]}
+    out = generic.to_rankings([_record(0, row | {"cluster": "x"}), _record(1, row | {"cluster": "y"})], source="g")
+    assert out.rows[0]["example_id"] != out.rows[1]["example_id"]

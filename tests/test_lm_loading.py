@@ -114,3 +114,28 @@ def test_a_hub_name_is_pinned_to_the_commit_it_loads_at(tiny_model_dir: Path, tm
 def test_an_unknown_dtype_name_is_refused(tiny_model_dir: Path) -> None:
     with pytest.raises(ValueError, match="'float33' is not a torch floating-point dtype"):
         load_model(tiny_model_dir, dtype="float33")
+
+
+def test_dtypes_and_weights_are_recognised_as_the_hub_lays_them_out(tmp_path, monkeypatch):
+    from moplex_core.lm.loading import _as_dtype, _has_weights, resolve_dtype
+
+    with pytest.raises(ValueError, match="not a torch floating-point dtype"):
+        _as_dtype("int8")
+    (tmp_path / "model.safetensors.index.json").write_text("{}")  # a sharded snapshot
+    assert _has_weights(tmp_path)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: False)  # a V100, a T4
+    assert resolve_dtype("auto", "cuda") == torch.float32 and resolve_dtype("auto", "cpu") == torch.float32
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: True)
+    assert resolve_dtype("auto", "cuda:0") == torch.bfloat16
+
+
+def test_a_hidden_folder_of_a_model_folder_is_not_part_of_its_fingerprint(tmp_path):
+    # `hf download --local-dir` keeps .cache/huggingface/*.metadata there, rewritten on every download
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "model.safetensors").write_bytes(b"weights")
+    (model / "config.json").write_text("{}")
+    before = model_fingerprint(str(model))
+    (model / ".cache" / "huggingface").mkdir(parents=True)
+    (model / ".cache" / "huggingface" / "model.safetensors.metadata").write_text("etag 1700000000")
+    assert model_fingerprint(str(model)) == before

@@ -120,3 +120,12 @@ def test_a_model_set_for_one_stage_only_is_warned_of(caplog):
         caplog.clear()
         _warn_of_another_generator(with_overrides(demo, ["augment.use_chat_template=false"]))
         assert "augment.use_chat_template = False but cache.use_chat_template = True" in caplog.text
+
+
+def test_yarn_stretches_the_original_length_and_a_plain_text_turn_end_is_no_token(tiny_model_dir):  # noqa: F811
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256}
+    assert context_length(LlamaConfig(max_position_embeddings=512, rope_scaling=yarn)) == 1024
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_model_dir))
+    assert end_of_turn_id(tokenizer) == tokenizer.eos_token_id  # the tiny template closes a turn with EOS
+    tokenizer.chat_template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    assert end_of_turn_id(tokenizer) is None
