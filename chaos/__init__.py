@@ -1,6 +1,8 @@
 """Chaos checks of the pipeline (issue 8): runs killed at seeded points must resume to the artifacts of
 an uninterrupted run (`chaos.kills`), and bad inputs must be rejected with an actionable error
-(`chaos.bad_inputs`). ``python -m chaos`` (``make chaos``) runs both and prints the counts."""
+(`chaos.bad_inputs`). ``python -m chaos`` (``make chaos``) runs both and prints the counts.
+`chaos.mutants` (``make mutants``) puts the bugs of `chaos.mutant_catalogue` into a copy of the code,
+one at a time, and checks that the tests catch each."""
 
 from collections.abc import Sequence
 
