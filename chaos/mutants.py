@@ -69,6 +69,13 @@ def checkout_copy(target: Path, root: Path = ROOT) -> Path:
     return target
 
 
+def pytest_in(copy: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """pytest run in ``copy`` on the code there (first on PYTHONPATH), one thread, output captured."""
+    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args], cwd=copy,
+                          env={**os.environ, "PYTHONPATH": str(copy), "OMP_NUM_THREADS": "1"},
+                          capture_output=True, text=True)
+
+
 def run_mutant(mutant: Mutant, copy: Path) -> MutantResult:
     """Apply ``mutant`` in ``copy``, run its test files until one fails, restore the file."""
     started = time.perf_counter()
@@ -78,13 +85,10 @@ def run_mutant(mutant: Mutant, copy: Path) -> MutantResult:
     path = copy / mutant.file
     original = path.read_text()
     path.write_text(original.replace(mutant.old, mutant.new))
-    env = {**os.environ, "PYTHONPATH": str(copy), "OMP_NUM_THREADS": "1"}
     killed_by = None
     try:
         for test in mutant.tests:
-            done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
-                                   f"tests/{test}.py"], cwd=copy, env=env, capture_output=True)
-            if done.returncode != 0:
+            if pytest_in(copy, "-x", f"tests/{test}.py").returncode != 0:
                 killed_by = test
                 break
     finally:
@@ -119,9 +123,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         copy = checkout_copy(Path(scratch))
         tests = sorted({f"tests/{test}.py" for mutant in chosen for test in mutant.tests})
         print(f"the {len(tests)} test files on the unmutated code first ...", file=sys.stderr, flush=True)
-        baseline = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests], cwd=copy,
-                                  env={**os.environ, "PYTHONPATH": str(copy), "OMP_NUM_THREADS": "1"},
-                                  capture_output=True, text=True)
+        baseline = pytest_in(copy, *tests)
         if baseline.returncode != 0:  # a test that fails anyway would kill every mutant
             print(baseline.stdout[-3000:], file=sys.stderr)
             print("the tests fail without any mutant: fix them first", file=sys.stderr)
