@@ -126,6 +126,9 @@ def test_the_report_says_how_much_another_sample_of_test_rankings_would_move_a_v
                            "over clusters, 10.0 to 12.9 on one cluster")
     assert sampling_note(metrics[metrics.cluster == "all"]).startswith("The test split holds 60 rankings. The")
     assert sampling_note(_metrics([("moplex", "test", "clustering_accuracy", "all", 0.5, 0)])) == ""  # not counted
+    empty = sampling_note(_metrics([("moplex", "test", "rankings", c, float(n), 0)
+                                    for c, n in [("all", 40), ("c0", 15), ("c1", 25), ("c2", 0)]]))
+    assert "(c0 15, c1 25)" in empty and "inf" not in empty and "c2" not in empty  # a label with no test rankings
 
 
 def test_the_em_start_table_shows_start_end_and_their_agreement_per_method():
@@ -182,11 +185,3 @@ def test_compare_flow_runs_methods_and_seeds_sharing_stages_and_reuses_them(pref
     assert changed != folder and "changed by `train.score_batch_size=4`;" in open(f"{changed}/report.md").read()
     assert {p: p.stat().st_mtime_ns for p in tmp_path.glob("*/*/manifest.json") if p.parts[-3] != "compare"} == \
         {p: t for p, t in manifests.items() if p.parts[-3] != "compare"}
-
-
-def test_the_sampling_note_leaves_out_a_cluster_without_test_rankings():
-    counts = [("all", 40), ("c0", 15), ("c1", 25), ("c2", 0)]
-    metrics = pd.DataFrame([("moplex", "test", "rankings", c, float(n), 0) for c, n in counts],
-                           columns=["method", "split", "metric", "cluster", "value", "seed"])
-    note = sampling_note(metrics)
-    assert "(c0 15, c1 25)" in note and "inf" not in note and "c2" not in note

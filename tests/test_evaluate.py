@@ -169,6 +169,16 @@ def test_the_reports_tables_keep_a_metric_or_label_that_is_nan_as_a_dash():
     assert "| heldout_log_likelihood | - |" in markdown_table(headline_table(metrics))
 
 
+def test_the_report_tables_leave_out_counts_and_diagnostics_rows():
+    columns = ["split", "metric", "cluster", "value"]
+    counted = pd.DataFrame([("test", "clustering_accuracy", "all", 0.7), ("test", "rankings", "all", 60.0),
+                            ("test", "rankings", "c0", 30.0)], columns=columns)
+    assert list(headline_table(counted).index) == ["clustering_accuracy"]  # counts are said apart
+    diagnosed = pd.DataFrame([("test", "clustering_accuracy", "c0", 0.7), ("test", "clustering_accuracy", "c1", 0.6),
+                              ("test", "generated_cv", "adapter c0", 0.1)], columns=columns)
+    assert list(per_cluster_table(diagnosed, "test").index) == ["c0", "c1"]  # an adapter is no true cluster
+
+
 class FixedScores:
     """A Scorer whose scores are given: float64 [n, k, M]."""
 
@@ -245,16 +255,3 @@ def test_synthetic_rankings_are_plackett_luce_draws_of_value_over_noise():
     assert torch.equal(noisy.true_scores(), torch.as_tensor(noisy.values, dtype=torch.float64).permute(0, 2, 1) / 2.0)
     below = generate_synthetic(SyntheticConfig(n=3000, k=2, m=3, n_generated=3, n_values=4, augment_mode="below"))
     assert (below.values[:, 3:, :].max(1) < below.values[:, :3, :].min(1)).all()  # strictly below every original
-
-
-def test_the_report_tables_leave_out_counts_and_diagnostics_rows():
-    def metrics(rows):
-        return pd.DataFrame([("moplex", *r, 0) for r in rows], columns=["method", "split", "metric", "cluster", "value",
-                                                                        "seed"])
-
-    counted = metrics([("test", "clustering_accuracy", "all", 0.7), ("test", "rankings", "all", 60.0),
-                       ("test", "rankings", "c0", 30.0)])
-    assert list(headline_table(counted).index) == ["clustering_accuracy"]  # counts are said apart
-    diagnosed = metrics([("test", "clustering_accuracy", "c0", 0.7), ("test", "clustering_accuracy", "c1", 0.6),
-                         ("test", "generated_cv", "adapter c0", 0.1)])
-    assert list(per_cluster_table(diagnosed, "test").index) == ["c0", "c1"]  # an adapter is no true cluster
