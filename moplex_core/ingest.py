@@ -57,7 +57,9 @@ CODE_VERSION = "ingest-1"
 # the release's "EMPTY STRING" (its empty texts) is no prompt or response (it was ranked as one).
 # helpsteer2-2: a multi-turn prompt's turns become prompt_messages (helpsteer2.split_turns). generic-6: a
 # prompt_messages that is empty or ends on the assistant's turn is refused (it was kept, to fail in augment).
-ADAPTER_VERSIONS = {"generic": "generic-6", "ultrafeedback": "ultrafeedback-2", "persona": "persona-2",
+# generic-7: a row without an example_id that repeats an earlier one is a ranking of its own, its made id
+# numbered (-2, -3, ...; it was refused as a duplicate id).
+ADAPTER_VERSIONS = {"generic": "generic-7", "ultrafeedback": "ultrafeedback-2", "persona": "persona-2",
                     "prism": "prism-2", "helpsteer2": "helpsteer2-2"}
 
 
@@ -200,6 +202,11 @@ def build_rankings(config: IngestConfig, inputs: dict[str, str] | None = None) -
         log.warning("%d ranking(s) of the source name a split, which ingest does not keep: it splits by prompt "
                     "(split.fractions, seed). To keep the source's splits, set split.from_source=true (every row "
                     "then needs one of %s)", adapted.stats["ignored_column:split"], ", ".join(SPLITS))
+    if adapted.stats.get("repeated_rankings"):
+        log.warning("%d ranking(s) of the source repeat an earlier row's prompt, responses, ranking and cluster "
+                    "without an example_id: each is kept as a ranking of its own (example_id <the first's>-2, -3, "
+                    "...), as two raters who agree are. Where a repeat is a mistake (a file read twice), remove it "
+                    "or give the rows example_ids", adapted.stats["repeated_rankings"])
     labels = default_labels(config)
     if config.validation == "strict":
         table = check_rankings(adapted.rows, labels, config.split.from_source, adapted.where)

@@ -404,8 +404,8 @@ class _Claims:
         if other is not None and other != r:
             same = all(row[name] == self.rows[other][name] for name in _CONTENT)
             found.append(("example_id", f"is also the example_id of {self.row_at(other)}; ids must be unique"
-                          + ("; the two rows are the same ranking (a generic source without example_ids gives "
-                             "them one id): give each row its own example_id to keep both" if same else "")))
+                          + ("; the two rows are the same ranking: give each row its own example_id to keep "
+                             "both (or leave both out: a generic source numbers repeats)" if same else "")))
         for key, what in _prompt_keys(row):
             seen = self.split_of_prompt.get(key)
             if seen is not None and seen[0] != row["split"]:

@@ -53,6 +53,23 @@ def test_generic_reads_a_nan_ranked_prefix_as_null_every_tier(tmp_path):
     assert built.table.column("ranked_prefix").to_pylist() == [3]
 
 
+def test_generic_rows_that_repeat_a_ranking_without_ids_are_rankings_of_their_own(tmp_path, caplog):
+    # Two raters who agree on a slate write the same row; without example_ids both are kept.
+    agree = {"prompt": "p", "responses": ["a", "b", "c"], "ranking": [[0], [1], [2]]}
+    rows = [agree, agree | {"ranking": [[2], [1], [0]]}, agree, agree, agree | {"example_id": "mine"}]
+    (tmp_path / "raters.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    built = build_rankings(IngestConfig(dataset="generic", path=str(tmp_path / "raters.jsonl"), labels=None))
+    ids = built.table.column("example_id").to_pylist()
+    first = ids[0]
+    assert ids[2:] == [f"{first}-2", f"{first}-3", "mine"] and len(set(ids)) == 5
+    assert built.summary["adapter"]["repeated_rankings"] == 2
+    assert "2 ranking(s) of the source repeat an earlier row's" in caplog.text
+    caplog.clear()
+    (tmp_path / "raters.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[:2]))
+    built = build_rankings(IngestConfig(dataset="generic", path=str(tmp_path / "raters.jsonl"), labels=None))
+    assert "repeated_rankings" not in built.summary["adapter"] and "repeat an earlier" not in caplog.text
+
+
 @pytest.mark.parametrize("change, error", [
     ({1: "test"}, "a prompt must stay in one split"),  # rows 0 and 1 share prompt p1; row 0 is train
     ({2: "dev"}, "'dev'"),
@@ -77,7 +94,7 @@ def test_a_generic_split_column_that_is_not_kept_is_not_checked_either(tmp_path,
 
 
 def test_adapter_changes_change_only_their_datasets_versions():
-    assert code_version("generic") == "ingest-1+generic-6"
+    assert code_version("generic") == "ingest-1+generic-7"
     assert code_version("ultrafeedback") == "ingest-1+ultrafeedback-2"
     assert code_version("persona") == "ingest-1+persona-2"
     assert code_version("prism") == "ingest-1+prism-2"

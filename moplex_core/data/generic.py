@@ -1,7 +1,9 @@
 """Any Parquet/JSONL already in the canonical `rankings` schema (DESIGN.md 3).
 
 Convenience defaults for columns a hand-made file may leave out: ``prompt_id`` = hash of the prompt,
-``example_id`` = hash of (prompt_id, responses, ranking, cluster), ``ranked_prefix`` = all tiers,
+``example_id`` = hash of (prompt_id, responses, ranking, cluster), with ``-2``, ``-3``, ... on the
+second, third, ... row that repeats one (two raters who agree are two rankings; the stats count
+them as ``repeated_rankings``), ``ranked_prefix`` = all tiers,
 ``cluster`` = null, ``source`` = the source label given by the caller. ``split`` is set to null (the
 ingest assigns one) unless ``keep_split`` (``split.from_source``): a split column that is not kept is
 not checked either. Other columns are dropped and counted. Values are not checked here;
@@ -23,6 +25,7 @@ COLUMNS = tuple(RANKINGS_SCHEMA.names)
 def to_rankings(records: Iterable[Record], *, source: str, keep_split: bool = False) -> AdapterOutput:
     rows, where, originals = [], [], []
     stats: Counter[str] = Counter()
+    made: Counter[str] = Counter()  # rows per default example_id so far
     for record in records:
         stats["records"] += 1
         data = record.data
@@ -41,7 +44,12 @@ def to_rankings(records: Iterable[Record], *, source: str, keep_split: bool = Fa
             except (TypeError, ValueError):  # not JSON values: left for the validator to name
                 content = None
             if content is not None:
-                row["example_id"] = short_hash("generic", str(row["prompt_id"]), content)
+                made_id = short_hash("generic", str(row["prompt_id"]), content)
+                made[made_id] += 1
+                row["example_id"] = made_id
+                if made[made_id] > 1:
+                    row["example_id"] = f"{made_id}-{made[made_id]}"
+                    stats["repeated_rankings"] += 1
         if row["source"] is None:
             row["source"] = source
         if not keep_split and row["split"] is not None:
