@@ -6,15 +6,22 @@ from prefect import flow, get_run_logger
 
 from moplex_core.artifacts import ALREADY_COMPLETE, DEFAULT_ROOT
 from moplex_core.config import IngestConfig
+from moplex_core.ingest import rejected_note
 from tasks.ingest import plan_rankings, write_rankings
 
 
 @flow(name="ingest")
 def ingest_flow(config: IngestConfig, root: str = DEFAULT_ROOT) -> str:
-    """Write (or find) the rankings artifact of ``config`` under ``root``; returns its folder."""
+    """Write (or find) the rankings artifact of ``config`` under ``root``; returns its folder. What a
+    drop-mode ingest left out is a warning of the run, also where the version already existed."""
     logger = get_run_logger()
     plan = plan_rankings(config, root)
     if plan.complete:
         logger.info(ALREADY_COMPLETE, plan.ref, plan.path)
-        return str(plan.path)
-    return str(write_rankings(config, root, plan).path)
+        path = plan.path
+    else:
+        path = write_rankings(config, root, plan).path
+    left_out = rejected_note(path)
+    if left_out:
+        logger.warning(left_out)
+    return str(path)

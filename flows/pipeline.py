@@ -36,6 +36,7 @@ from moplex_core.artifacts import ArtifactError
 from moplex_core.augment import ShortfallError
 from moplex_core.config import PipelineConfig, pipeline_preset, with_overrides
 from moplex_core.data.sources import DatasetUnavailableError
+from moplex_core.ingest import rejected_note
 from moplex_core.lm.loading import ModelUnavailableError
 from moplex_core.pipeline import run_stages
 from moplex_core.processes import popen_ending_with_this_thread
@@ -295,12 +296,20 @@ def run_in_process(preset: str, overrides: list[str], root: str) -> tuple[bool, 
             f"(pipeline run {run_id} ended {state.type.value}; Prefect's log above has the traceback.) Finished "
             f"stages are kept: {advice}. Prefect UI: {ui}"
         )
-    dirs = state.result()
+    return True, completed_run_summary(state.result(), root, run_id)
+
+
+def completed_run_summary(dirs: dict[str, str], root: str, run_id) -> str:
+    """What `moplex run` tells the user after a completed run: the report, each stage's folder, what
+    a drop-mode ingest left out, how to score new rankings, and where the run is in the UI."""
     lines = [Path(dirs["report"]).read_text(), "artifacts (moplex inspect PATH shows any of them):"]
     lines += [f"  {stage:<9} {path}" for stage, path in dirs.items()]
+    left_out = rejected_note(dirs["ingest"])
+    if left_out:
+        lines.append(f"\n{left_out}")
     root = shlex.quote(root)
     lines.append(f"\nNew rankings to these clusters (README, Using the trained mixture): moplex ingest --dataset generic "
                  f"--path FILE --root {root}, then moplex assign {shlex.quote(dirs['train'])} ingest/<version> --root {root}")
     lines.append(f"\nPrefect flow run {run_id} (stage versions, metrics, report and file paths under "
-                 f"Artifacts):\n  {ui}")
-    return True, "\n".join(lines)
+                 f"Artifacts):\n  {flow_run_url(run_id)}")
+    return "\n".join(lines)

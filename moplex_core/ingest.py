@@ -106,8 +106,10 @@ def check_rankings_fit(rankings_dir: str | Path, *, k: int, splits: Sequence[str
     fewer training rankings than k clusters, or (``labelled``: EM starts from the labels) training
     rankings without a label or with other than k labels. The pipeline checks this right after
     ingest, before any model work; the train and evaluate stages would meet it only after generation
-    and caching."""
-    per_split = read_manifest(rankings_dir)["summary"]["rows_per_split"]
+    and caching. Rankings labelled with other than k clusters are a warning: the clustering metrics
+    then compare k clusters with those labels (an ablation of k may mean it)."""
+    summary = read_manifest(rankings_dir)["summary"]
+    per_split = summary["rows_per_split"]
     missing = [split for split in ("train", *splits) if not per_split.get(split)]
     if missing:
         raise ValueError(
@@ -115,6 +117,13 @@ def check_rankings_fit(rankings_dir: str | Path, *, k: int, splits: Sequence[str
             f"needs 'train' and evaluate scores {list(splits)}: give more rankings or other ingest.split "
             "fractions or sizes, or set evaluate.splits (with evaluate.fit_split among them)")
     check_clusters_fit(k, per_split["train"], f"the rankings at {rankings_dir} have")
+    labels = sorted(summary["rows_per_cluster"])
+    if k > 1 and labels and len(labels) != k and not labelled:  # k = 1: a single model, not a clustering
+        log.warning("the rankings carry %d cluster label(s) (%s) and train.k = %d: evaluate matches adapters to "
+                    "labels one to one, so rankings whose label or adapter is left unmatched count as misclustered "
+                    "(with more clusters than labels, clustering_accuracy_many_to_one gives each adapter its "
+                    "majority label). Set train.k=%d for one adapter per label", len(labels),
+                    ", ".join(labels[:12]) + (", ..." if len(labels) > 12 else ""), k, len(labels))
     if labelled:
         rows = load_table(rankings_dir, columns=["example_id", "split", "cluster"])
         train = rows.filter(pc.equal(rows.column("split"), "train"))
@@ -290,6 +299,16 @@ def _existing(store: ArtifactStore, plan: IngestPlan) -> IngestResult:
 
 def _left_out(summary: dict[str, Any]) -> int:
     return summary.get("rejected_rows", 0) + summary.get("unreadable_records", 0)
+
+
+def rejected_note(rankings_dir: str | Path) -> str | None:
+    """What a drop-mode ingest left out of the complete rankings artifact ``rankings_dir``, as a line
+    for a pipeline run's log and summary, or None if it left out nothing."""
+    left_out = _left_out(read_manifest(rankings_dir)["summary"])
+    if not left_out:
+        return None
+    return (f"ingest.validation=drop left out {left_out} source row(s) or record(s); each, with its reason and "
+            f"the record to fix, is in {Path(rankings_dir) / 'rejected.parquet'}")
 
 
 def default_labels(config: IngestConfig) -> tuple[str, ...] | None:

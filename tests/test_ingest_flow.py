@@ -159,3 +159,48 @@ def test_ingest_flow_twice_on_the_local_prefect_server(prefect_env, tmp_path, fi
     assert second == first
     assert {p.name: p.stat().st_mtime_ns for p in Path(first).iterdir()} == written  # nothing was written again
     assert ArtifactStore(root).load(STAGE, Path(first).name)["cluster"].nunique() == 4
+
+
+def test_the_ingest_flow_warns_of_what_drop_mode_left_out_also_when_the_version_exists(prefect_env, tmp_path,
+                                                                                    caplog):
+    from flows.ingest import ingest_flow
+
+    source = tmp_path / "bad.jsonl"
+    source.write_text("\n".join(BAD_GENERIC) + "\n")
+    config = IngestConfig(dataset="generic", path=str(source), labels=("a",), validation="drop")
+    prefect_logger = logging.getLogger("prefect")
+    prefect_logger.addHandler(caplog.handler)
+    try:
+        for _ in range(2):  # written, then found complete
+            caplog.clear()
+            path = ingest_flow(config, root=str(tmp_path / "artifacts"))
+            warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+            assert f"left out 3 source row(s) or record(s); each, with its reason and the record to fix, is in " \
+                   f"{Path(path) / 'rejected.parquet'}" in "\n".join(warnings)
+        caplog.clear()
+        clean = tmp_path / "clean.jsonl"
+        clean.write_text(BAD_GENERIC[0] + "\n")
+        ingest_flow(config.model_copy(update={"path": str(clean)}), root=str(tmp_path / "artifacts"))
+        assert "left out" not in caplog.text
+    finally:
+        prefect_logger.removeHandler(caplog.handler)
+
+
+def test_moplex_runs_summary_says_what_drop_mode_left_out(tmp_path):
+    from flows.pipeline import completed_run_summary
+
+    source = tmp_path / "bad.jsonl"
+    source.write_text("\n".join(BAD_GENERIC) + "\n")
+    store = ArtifactStore(tmp_path / "artifacts")
+    report = tmp_path / "report.md"
+    report.write_text("# the report\n")
+    for lines, said in ((BAD_GENERIC, True), (BAD_GENERIC[:1], False)):
+        source.write_text("\n".join(lines) + "\n")
+        config = IngestConfig(dataset="generic", path=str(source), labels=("a",), validation="drop")
+        ingested = run_ingest(config, store).path
+        dirs = {"ingest": str(ingested), "train": str(tmp_path / "train"), "report": str(report)}
+        summary = completed_run_summary(dirs, str(store.root), "run-id")
+        assert summary.startswith("# the report") and f"  ingest    {ingested}" in summary
+        assert (f"left out 3 source row(s) or record(s); each, with its reason and the record to fix, is in "
+                f"{ingested / 'rejected.parquet'}" in summary) is said
+        assert ("left out" in summary) is said
