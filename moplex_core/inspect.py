@@ -132,7 +132,9 @@ def _readable_table_report(title: str, files: list[Path], rows: int) -> list[str
     n = sum(pq.read_metadata(f).num_rows for f in files)
     lines = [f"-- {title}: {n} rows --", "schema:", _indent(schema.to_string(show_schema_metadata=False))]
     counts = _counting_columns(files, ("split", "cluster"))
-    if counts.num_columns and counts.num_rows:
+    if {"metric", "value", "split", "cluster"} <= set(schema.names):  # rows of metrics: their values, not counts
+        lines += _metric_values(files)
+    elif counts.num_columns and counts.num_rows:
         frame = pd.DataFrame({name: _labels(counts.column(name)) for name in counts.column_names})
         if counts.num_columns == 2:
             total = "(total)"  # a name no cluster or split has (evaluate's metrics use cluster "all")
@@ -149,6 +151,20 @@ def _readable_table_report(title: str, files: list[Path], rows: int) -> list[str
         width = max(len(k) for k in record)
         lines += [f"  {k:<{width}}  {_cell(v)}" for k, v in record.items()]
     return lines
+
+
+def _metric_values(files: list[Path]) -> list[str]:
+    """A metrics table's (evaluate's metrics.parquet, compare's comparison.parquet) values over all
+    rankings: metric x split, per method where it holds several, the mean where several seeds."""
+    frame = pd.concat(pq.read_table(f).to_pandas() for f in files)
+    frame = frame[frame["cluster"] == "all"]
+    if frame.empty:
+        return []
+    index = ["method", "metric"] if "method" in frame and frame["method"].nunique() > 1 else ["metric"]
+    table = frame.pivot_table(index=index, columns="split", values="value", aggfunc="mean", sort=False)
+    seeds = frame["seed"].nunique() if "seed" in frame else 1
+    title = f"values over all rankings ({' x '.join(index)} x split{f'; mean of {seeds} seeds' if seeds > 1 else ''}):"
+    return [title, _indent(table.to_string(float_format=lambda v: f"{v:.4f}", na_rep="-"))]
 
 
 def _labels(column: pa.ChunkedArray) -> pd.Categorical:

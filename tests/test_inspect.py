@@ -160,3 +160,20 @@ def test_a_version_of_named_files_counts_its_files_not_zero_rows(tmp_path):
     assert "rows:     no part-*.parquet shards: the stage writes the 2 named files below" in report
     assert "-- metrics.parquet: 2 rows --" in report
     assert "named-kind/v1" in (listing := inspect_path(tmp_path)) and "2 files" in listing and "0 rows" not in listing
+
+
+def test_a_metrics_table_shows_its_values_over_all_rankings_by_metric_and_split(tmp_path):
+    rows = [("m", "validation", "accuracy", "all", 0.5, 0), ("m", "test", "accuracy", "all", 0.75, 0),
+            ("m", "test", "accuracy", "all", 0.25, 1), ("m", "test", "accuracy", "c0", 0.0, 0),
+            ("m", "train_em", "ari_final", "all", 0.125, 0)]
+    path = tmp_path / "metrics.parquet"
+    pq.write_table(pa.table(dict(zip(("method", "split", "metric", "cluster", "value", "seed"), zip(*rows)))), path)
+    report = inspect_path(path)
+    assert "values over all rankings (metric x split; mean of 2 seeds):" in report
+    lines = report.splitlines()
+    assert lines[lines.index("  split      validation   test  train_em") + 2:][:2] == [
+        "  accuracy       0.5000 0.5000         -", "  ari_final           -      -    0.1250"]
+    assert "rows per cluster x split" not in report  # counts of metric rows would say nothing
+    two = [("k1", *row[1:]) for row in rows] + rows
+    pq.write_table(pa.table(dict(zip(("method", "split", "metric", "cluster", "value", "seed"), zip(*two)))), path)
+    assert "values over all rankings (method x metric x split; mean of 2 seeds):" in inspect_path(path)
