@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import shlex
 import sys
 import urllib.parse
 from collections.abc import Callable
@@ -189,6 +190,11 @@ def _assign(args: argparse.Namespace) -> int:
     from moplex_core.report import markdown_cell
 
     store = ArtifactStore(args.root)
+    if Path(args.rankings).expanduser().is_file():
+        print(f"moplex assign: {args.rankings} is a file; assign takes a rankings artifact. Ingest the file first: "
+              f"`moplex ingest --dataset generic --path {shlex.quote(args.rankings)} --root {shlex.quote(args.root)}`, "
+              "then give the ingest/<version> it names", file=sys.stderr)
+        return 1
     try:
         result = run_assign(store.resolve(args.train), store.resolve(args.rankings), store, model=args.model,
                             device=args.device, score_batch_size=args.score_batch_size, progress=not args.quiet)

@@ -149,7 +149,7 @@ def test_new_rankings_get_a_posterior_an_adapter_and_every_score(trained, capsys
     assert "already complete" in capsys.readouterr().out
 
 
-def test_assign_refuses_what_it_cannot_use_before_writing_anything(trained, capsys, tmp_path):
+def test_assign_refuses_what_it_cannot_use_before_writing_anything(trained, capsys, tmp_path, fixtures_dir):
     store, train, rankings, _ = trained
     root = ["--root", str(tmp_path / "elsewhere")]
     cache = store.list("cache")[0].path
@@ -157,6 +157,8 @@ def test_assign_refuses_what_it_cannot_use_before_writing_anything(trained, caps
         ([str(rankings), str(rankings)], "was written by the 'ingest' stage; give train/<version>"),
         ([str(train), str(cache)], "was written by the 'cache' stage; give ingest/<version> or augment/<version>"),
         ([str(train), str(rankings), "--device", "gpu"], "device 'gpu' is not a torch device"),
+        ([str(train), str(fixtures_dir / "generic.jsonl")], "is a file; assign takes a rankings artifact. Ingest the "
+                                                         "file first: `moplex ingest --dataset generic --path"),
     ]:
         assert main(["assign", *args, *root]) == 1
         assert message in capsys.readouterr().err
