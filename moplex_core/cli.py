@@ -185,14 +185,16 @@ def _augment(args: argparse.Namespace) -> int:
 
 def _assign(args: argparse.Namespace) -> int:
     # In this process, without Prefect, like `moplex ingest`.
-    from moplex_core.artifacts import ArtifactError, ArtifactStore
+    from moplex_core.artifacts import DEFAULT_ROOT, ArtifactError, ArtifactStore, is_version_folder
     from moplex_core.assign import run_assign
     from moplex_core.report import markdown_cell
 
-    store = ArtifactStore(args.root)
+    train = Path(args.train).expanduser()
+    root = args.root or (str(train.parent.parent) if is_version_folder(train) else DEFAULT_ROOT)
+    store = ArtifactStore(root)
     if Path(args.rankings).expanduser().is_file():
         print(f"moplex assign: {args.rankings} is a file; assign takes a rankings artifact. Ingest the file first: "
-              f"`moplex ingest --dataset generic --path {shlex.quote(args.rankings)} --root {shlex.quote(args.root)}`, "
+              f"`moplex ingest --dataset generic --path {shlex.quote(args.rankings)} --root {shlex.quote(root)}`, "
               "then give the ingest/<version> it names", file=sys.stderr)
         return 1
     try:
@@ -395,7 +397,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     assign.add_argument("train", help="the train artifact: its folder, or train/<version> under --root")
     assign.add_argument("rankings", help="the rankings artifact: its folder, or ingest/<version> under --root")
-    assign.add_argument("--root", default="data/artifacts", help="artifact root (the cache and assign artifacts go here)")
+    assign.add_argument("--root", help="artifact root (the cache and assign artifacts go here; default: the train "
+                        "artifact's, given as a folder, else data/artifacts)")
     assign.add_argument("--model", help="where the base model the adapters were trained on is now, when it moved: a "
                         "folder with the same files (default: where the train artifact's cache recorded it, or the "
                         "root's own tiny model)")

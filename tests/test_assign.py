@@ -109,7 +109,7 @@ def test_assign_refuses_damaged_artifacts_naming_the_file(trained, tmp_path):
     verify(first.path)
 
 
-def test_new_rankings_get_a_posterior_an_adapter_and_every_score(trained, capsys):
+def test_new_rankings_get_a_posterior_an_adapter_and_every_score(trained, capsys, monkeypatch, tmp_path):
     store, train, _, new = trained
     assert main(["assign", str(train), str(new), "--root", str(store.root), "--device", "cpu", "--quiet"]) == 0
     out = capsys.readouterr().out
@@ -145,8 +145,9 @@ def test_new_rankings_get_a_posterior_an_adapter_and_every_score(trained, capsys
     rows_, cols = linear_sum_assignment(-counts)
     assert summary["agreement_with_labels"]["accuracy_best_matching"] == round(counts[rows_, cols].sum() / 6, 4)
     assert "agreement with the labels:" in out
-    assert main(["assign", str(train), str(new), "--root", str(store.root), "--device", "cpu", "--quiet"]) == 0
-    assert "already complete" in capsys.readouterr().out
+    monkeypatch.chdir(tmp_path)  # without --root: the train folder's own root, not ./data/artifacts
+    assert main(["assign", str(train), str(new), "--device", "cpu", "--quiet"]) == 0
+    assert "already complete" in capsys.readouterr().out and not (tmp_path / "data").exists()
 
 
 def test_assign_refuses_what_it_cannot_use_before_writing_anything(trained, capsys, tmp_path, fixtures_dir):
