@@ -226,11 +226,11 @@ def _name(c: int, label_names: list[str] | None) -> str:
 # the evaluate stage: a train artifact and its cache in, `evaluation` out (DESIGN 3, 7)
 
 STAGE = "evaluate"
-CODE_VERSION = "evaluate-11"  # bump when a change to this stage changes what it writes (8: plots, "|" in labels;
+CODE_VERSION = "evaluate-12"  # bump when a change to this stage changes what it writes (8: plots, "|" in labels;
 # 9: ranking accuracy leave_pair_out, marginal = the mixture's pairwise probability, non-finite scores refused;
 # 10: clustering_accuracy_many_to_one when k exceeds the labels, no clustering rows when k = 1; 11: the report
 # says that EM's iterations are numbered from 0, and under which observation model heldout_log_likelihood is;
-# metrics.parquet counts each split's rankings, per true cluster too)
+# metrics.parquet counts each split's rankings, per true cluster too; 12: the report's mixture table)
 METRICS_FILE = "metrics.parquet"
 RANKINGS = "rankings"  # the metric that counts a split's rankings (per true cluster too): what each value rests on
 METRICS_COLUMNS = ("method", "split", "metric", "cluster", "value", "seed")
@@ -343,9 +343,27 @@ def run_evaluate(config: EvaluateConfig, train_dir: str | Path, cache_dir: str |
         writer.write_table(METRICS_FILE, metrics)
         if not diagnostics.empty:
             writer.write_table("diagnostics.parquet", diagnostics)
-        write_report(writer, metrics, diagnostics, em_result, confusion, plan.inputs, trained.likelihood)
+        write_report(writer, metrics, diagnostics, em_result, confusion, plan.inputs, trained.likelihood,
+                     mixture_table(train_dir))
         writer.summary.update({"metrics": len(metrics), "splits": list(config.splits), "method": config.method})
     return EvaluateResult(plan.ref, plan.path, True, metrics)
+
+
+def mixture_table(train_dir: str | Path) -> pd.DataFrame:
+    """The fitted mixture, one row per adapter (index ``adapter``): its mixing weight ``alpha``
+    (result.json), the training rankings whose final posterior puts them on it (argmax gamma, ties to
+    the lower index) and their mean posterior there (NaN for an adapter that holds none)."""
+    from moplex_core.train import load_posteriors
+
+    alpha = json.loads((Path(train_dir) / "result.json").read_text())["alpha"]
+    _, _, gamma = load_posteriors(train_dir)  # float64 [n, k]
+    assigned = gamma.argmax(1)  # [n]
+    rows = []
+    for c, weight in enumerate(alpha):
+        held = gamma[assigned == c, c]  # [n_c]
+        rows.append({"adapter": f"c{c}", "alpha": weight, "training rankings": int(held.numel()),
+                     "mean posterior": float(held.mean()) if held.numel() else float("nan")})
+    return pd.DataFrame(rows).set_index("adapter")
 
 
 def em_start_rows(train_dir: str | Path, cache_dir: str | Path, label_names: list[str] | None) -> pd.DataFrame:

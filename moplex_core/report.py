@@ -59,9 +59,11 @@ def per_cluster_table(metrics: pd.DataFrame, split: str) -> pd.DataFrame:
 
 
 def write_report(writer, metrics: pd.DataFrame, diagnostics: pd.DataFrame, em_result: dict[str, Any],
-                 confusion: dict[str, pd.DataFrame], inputs: dict[str, str], likelihood: str = "pl") -> None:
+                 confusion: dict[str, pd.DataFrame], inputs: dict[str, str], likelihood: str,
+                 mixture: pd.DataFrame) -> None:
     """report.md and plots/*.png into an open ArtifactWriter of the evaluate stage; ``em_result`` is
-    the train artifact's result.json, ``likelihood`` its observation model (train.likelihood)."""
+    the train artifact's result.json, ``likelihood`` its observation model (train.likelihood),
+    ``mixture`` its adapters' weights and training rankings (`moplex_core.evaluate.mixture_table`)."""
     history, halvings = em_result["history"], em_result.get("step_halvings", [])  # absent before train-8
     start_rows = metrics[metrics.split == EM_START_SPLIT]
     metrics = metrics[metrics.split != EM_START_SPLIT]
@@ -112,6 +114,13 @@ def write_report(writer, metrics: pd.DataFrame, diagnostics: pd.DataFrame, em_re
         markdown_table(headline_table(metrics)),
         "",
         *([f"Rankings: {totals}.", ""] if (totals := ranking_counts(metrics)) else []),
+        "## The mixture",
+        "",
+        "Each adapter's mixing weight alpha and the training rankings EM's final posteriors put on it (argmax "
+        "gamma), with their mean posterior there (1: no doubt; 1/k: none told apart).",
+        "",
+        markdown_table(mixture),
+        "",
     ]
     if not clusters.empty:
         counts = ranking_counts(metrics, last)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pandas as pd
 import pytest
@@ -10,7 +12,8 @@ from moplex_core.artifacts import ArtifactStore, verify
 from moplex_core.cache import load_policy_inputs
 from moplex_core.config import EvaluateConfig, IngestConfig
 from moplex_core.em import likelihood_falls
-from moplex_core.evaluate import METRICS_COLUMNS, em_start_metrics, estimation_rows, plan_evaluate, run_evaluate
+from moplex_core.evaluate import (METRICS_COLUMNS, em_start_metrics, estimation_rows, mixture_table, plan_evaluate,
+                                  run_evaluate)
 from moplex_core.ingest import run_ingest
 from moplex_core.inspect import inspect_path
 from moplex_core.report import write_report
@@ -63,8 +66,19 @@ def test_evaluation_writes_labelled_metrics_a_report_and_plots(trained):
     for png in ("em_log_likelihood.png", "cluster_accuracy.png", "confusion_test.png"):
         assert f"plots/{png}" in report
         assert (result.path / "plots" / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    shown = inspect_path(result.path, rows=1)  # metrics' cluster "all" beside the crosstab's total
-    assert "-- metrics.parquet:" in shown and "(total)" in shown and "rows per cluster x split:" in shown
+    shown = inspect_path(result.path, rows=1)
+    assert "-- metrics.parquet:" in shown and "values over all rankings (metric x split):" in shown
+    # the mixture: alpha as trained, each training ranking on its argmax-gamma adapter
+    alpha = json.loads((train / "result.json").read_text())["alpha"]
+    mixture = mixture_table(train)
+    assert mixture["alpha"].tolist() == alpha
+    assert mixture["training rankings"].tolist() == np.bincount(final.argmax(1).numpy(), minlength=3).tolist()
+    held = final.max(1).values
+    assert mixture["mean posterior"].tolist() == pytest.approx(
+        [float(held[final.argmax(1) == c].mean()) for c in range(3)], nan_ok=True)
+    section = report.split("## The mixture")[1].split("\n## ")[0]
+    assert "| adapter | alpha | training rankings | mean posterior |" in section
+    assert all(f"| c{c} | {a:.4f} | {n} |" in section for c, (a, n) in enumerate(zip(alpha, mixture["training rankings"])))
 
 
 def test_the_stage_metrics_are_the_trained_mixtures_own(trained):
@@ -109,7 +123,7 @@ def test_the_report_says_where_the_likelihood_fell_and_how_far_off_the_estimates
                                                           (8.1, 0.72)])]}
     em_result = {"history": history, "step_halvings": [0, 0, 2, 2, 0, 1], "estimation_check": check}
     with ArtifactStore(tmp_path).writer("evaluate", "0123456789ab", config={}) as writer:
-        write_report(writer, metrics, pd.DataFrame(), em_result, {}, {"train": "train/x"})
+        write_report(writer, metrics, pd.DataFrame(), em_result, {}, {"train": "train/x"}, "pl", mixture_table(train))
     section = (writer.path / "report.md").read_text().split("## EM training log-likelihood")[1].split("\n## ")[0]
     intro = (writer.path / "report.md").read_text().split("## Overall")[0]
     assert "log-likelihood per ranking under this run's Plackett-Luce model" in intro
@@ -134,14 +148,15 @@ def test_a_single_policy_with_anchors_has_an_estimation_check_and_no_em_start_se
                          estimation_rows(check).assign(method=metrics.method[0], seed=metrics.seed[0])])
     with ArtifactStore(tmp_path).writer("evaluate", "0123456789ab", config={}) as writer:
         write_report(writer, metrics, pd.DataFrame(), {"history": [-1.2, -1.1], "estimation_check": check}, {},
-                     {"train": "train/x"})
+                     {"train": "train/x"}, "pl", mixture_table(train))
     report = (writer.path / "report.md").read_text()
     assert "## The anchors' estimates at the end of training" in report and "EM's start and end" not in report
 
     fallback = {"iteration": 0, "relative_error": 1.78}  # train.exact_fallback at the first E-step: nothing measured
     with ArtifactStore(tmp_path).writer("evaluate", "ba9876543210", config={}) as writer:
         write_report(writer, metrics[metrics.split != "train_em"], pd.DataFrame(),
-                     {"history": [-1.2, -1.1], "estimation_check": None, "fell_back": fallback}, {}, {"train": "train/x"})
+                     {"history": [-1.2, -1.1], "estimation_check": None, "fell_back": fallback}, {}, {"train": "train/x"},
+                     "pl", mixture_table(train))
     section = (writer.path / "report.md").read_text().split("## The anchors' estimates")[1]
     assert "At E-step 0 the estimates were off by 1.78 times the spread" in section and "redid" in section
     assert "the final partition rests on exact scores" in section
@@ -149,7 +164,8 @@ def test_a_single_policy_with_anchors_has_an_estimation_check_and_no_em_start_se
                                          {"iteration": 1, "relative_error": 1.78, "same_cluster": None, "holds": False}]}
     with ArtifactStore(tmp_path).writer("evaluate", "cba987654321", config={}) as writer:
         write_report(writer, metrics, pd.DataFrame(), {"history": [-1.2, -1.1], "estimation_check": measured,
-                                                       "fell_back": fallback | {"iteration": 1}}, {}, {"train": "x"})
+                                                       "fell_back": fallback | {"iteration": 1}}, {}, {"train": "x"},
+                     "pl", mixture_table(train))
     section = (writer.path / "report.md").read_text().split("## The anchors' estimates until EM fell back")[1]
     assert "| 1 | 1.7800 | - | False |" in section and "At E-step 1 the estimates" in section
 
