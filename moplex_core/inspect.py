@@ -256,14 +256,52 @@ def _listing(directory: Path) -> str:
     if not infos:
         return f"{directory}: no artifacts"
     lines = [f"artifacts under {directory}:"]
+    differing = _differing_settings([info for info in infos if info.complete])
     for info in infos:
         if info.complete:
             status = "DAMAGED " if off_the_manifest(info.path, info.manifest) else "complete"
+            settings = differing.get(str(info.ref), "")
             lines.append(f"  {str(info.ref):<32} {status}    {_size(info.manifest, short=True):>16}  "
-                         f"{info.manifest['finished']}  {_made_from(info.manifest)}")
+                         f"{info.manifest['finished']}  {_made_from(info.manifest)}{f'  [{settings}]' if settings else ''}")
         else:
             lines.append(f"  {str(info.ref):<32} INCOMPLETE  {_so_far(info.path)} so far")
     return "\n".join(lines)
+
+
+def _differing_settings(infos: list[Any], most: int = 6) -> dict[str, str]:
+    """For each stage with several finished versions, each version's settings (config keys, dotted,
+    and ``code``, its stage's code version) whose values differ among them, as ``key=value`` (up to
+    ``most`` keys, long values cut), so that a listing tells the versions apart; by ``stage/version``."""
+    by_stage: dict[str, list[Any]] = {}
+    for info in infos:
+        by_stage.setdefault(info.ref.stage, []).append(info)
+    shown: dict[str, str] = {}
+    for versions in by_stage.values():
+        if len(versions) < 2:
+            continue
+        flat = [{**_flatten(info.manifest.get("config") or {}), "code": info.manifest.get("code_version")}
+                for info in versions]
+        keys = sorted({key for settings in flat for key in settings
+                       if len({json.dumps(s.get(key), sort_keys=True) for s in flat}) > 1})
+        for info, settings in zip(versions, flat, strict=True):
+            cells = [f"{key}={_short(settings.get(key))}" for key in keys[:most]]
+            shown[str(info.ref)] = " ".join(cells) + (f" (+{len(keys) - most} more)" if len(keys) > most else "")
+    return shown
+
+
+def _flatten(mapping: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for key, value in mapping.items():
+        if isinstance(value, dict) and value:
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def _short(value: Any, width: int = 24) -> str:
+    text = json.dumps(value, separators=(",", ":"))
+    return text if len(text) <= width else text[: width - 3] + "..."
 
 
 def _last_iterations(version_dir: Path) -> list[Path]:
