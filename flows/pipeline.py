@@ -309,7 +309,8 @@ def completed_run_summary(dirs: dict[str, str], root: str, run_id) -> str:
         lines.append(f"\n{left_out}")
     root = shlex.quote(root)
     lines.append(f"\nNew rankings to these clusters (README, Using the trained mixture): moplex ingest --dataset generic "
-                 f"--path FILE --root {root}, then moplex assign {shlex.quote(dirs['train'])} ingest/<version> --root {root}")
+                 f"--path FILE --set 'split.fractions=[1,0,0]' --root {root}, then moplex assign "
+                 f"{shlex.quote(dirs['train'])} ingest/<version>")
     lines.append(f"\nPrefect flow run {run_id} (stage versions, metrics, report and file paths under "
                  f"Artifacts):\n  {flow_run_url(run_id)}")
     return "\n".join(lines)

@@ -204,3 +204,5 @@ def test_moplex_runs_summary_says_what_drop_mode_left_out(tmp_path):
         assert (f"left out 3 source row(s) or record(s); each, with its reason and the record to fix, is in "
                 f"{ingested / 'rejected.parquet'}" in summary) is said
         assert ("left out" in summary) is said
+        assert (f"--root {store.root}, then moplex assign {tmp_path / 'train'} ingest/<version>\n\nPrefect flow run "
+                "run-id (stage versions, metrics, report and file paths under Artifacts):\n  ") in summary
