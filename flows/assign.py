@@ -5,16 +5,19 @@ from __future__ import annotations
 
 from prefect import flow, get_run_logger
 
-from moplex_core.artifacts import ALREADY_COMPLETE, DEFAULT_ROOT
+from moplex_core.artifacts import ALREADY_COMPLETE
+from moplex_core.assign import default_root
 from tasks.assign import plan_assignment, write_assignment
 
 
 @flow(name="assign")
-def assign_flow(train: str, rankings: str, root: str = DEFAULT_ROOT, device: str = "auto",
+def assign_flow(train: str, rankings: str, root: str | None = None, device: str = "auto",
                 score_batch_size: int = 32, model: str | None = None) -> str:
     """Write (or find) the posteriors of the rankings folder ``rankings`` (an ingest output) under the
-    mixture at ``train`` (a train artifact folder); returns the assign artifact's folder. ``model``:
-    where the base model is now, when it moved (default: where the train artifact's cache recorded it)."""
+    mixture at ``train`` (a train artifact folder); returns the assign artifact's folder. ``root``:
+    where its cache and assign artifacts go (default: the train artifact's root). ``model``: where the
+    base model is now, when it moved (default: where the train artifact's cache recorded it)."""
+    root = root or default_root(train)
     plan = plan_assignment(train, rankings, root, device, score_batch_size, model)
     if plan.complete:
         get_run_logger().info(ALREADY_COMPLETE, plan.ref, plan.path)

@@ -185,16 +185,16 @@ def _augment(args: argparse.Namespace) -> int:
 
 def _assign(args: argparse.Namespace) -> int:
     # In this process, without Prefect, like `moplex ingest`.
-    from moplex_core.artifacts import DEFAULT_ROOT, ArtifactError, ArtifactStore, is_version_folder
-    from moplex_core.assign import run_assign
+    from moplex_core.artifacts import ArtifactError, ArtifactStore
+    from moplex_core.assign import default_root, run_assign
     from moplex_core.report import markdown_cell
 
-    train = Path(args.train).expanduser()
-    root = args.root or (str(train.parent.parent) if is_version_folder(train) else DEFAULT_ROOT)
+    root = args.root or default_root(args.train)
     store = ArtifactStore(root)
     if Path(args.rankings).expanduser().is_file():
         print(f"moplex assign: {args.rankings} is a file; assign takes a rankings artifact. Ingest the file first: "
-              f"`moplex ingest --dataset generic --path {shlex.quote(args.rankings)} --root {shlex.quote(root)}`, "
+              f"`moplex ingest --dataset generic --path {shlex.quote(args.rankings)} --set 'split.fractions=[1,0,0]' "
+              f"--root {shlex.quote(root)}`, "
               "then give the ingest/<version> it names", file=sys.stderr)
         return 1
     try:

@@ -11,8 +11,8 @@ import pytest
 import torch
 from scipy.optimize import linear_sum_assignment
 
-from moplex_core.artifacts import ArtifactCorruptError, ArtifactStore, load_table, shard_paths, verify
-from moplex_core.assign import ASSIGN_SCHEMA, plan_assign, run_assign
+from moplex_core.artifacts import DEFAULT_ROOT, ArtifactCorruptError, ArtifactStore, load_table, shard_paths, verify
+from moplex_core.assign import ASSIGN_SCHEMA, default_root, plan_assign, run_assign
 from moplex_core.cache import load_policy_inputs
 from moplex_core.cli import main
 from moplex_core.config import IngestConfig, TrainConfig
@@ -148,6 +148,9 @@ def test_new_rankings_get_a_posterior_an_adapter_and_every_score(trained, capsys
     monkeypatch.chdir(tmp_path)  # without --root: the train folder's own root, not ./data/artifacts
     assert main(["assign", str(train), str(new), "--device", "cpu", "--quiet"]) == 0
     assert "already complete" in capsys.readouterr().out and not (tmp_path / "data").exists()
+    monkeypatch.chdir(train)  # typed relative to where the user is
+    assert default_root(".") == default_root(f"../{train.name}/") == str(store.root.resolve())
+    assert default_root("train/abc") == DEFAULT_ROOT  # a ref, not a folder: resolved under --root's default
 
 
 def test_assign_refuses_what_it_cannot_use_before_writing_anything(trained, capsys, tmp_path, fixtures_dir):
@@ -208,3 +211,5 @@ def test_assign_flow_on_the_local_prefect_server(prefect_env, trained, tmp_path)
     assert assign_flow(str(train), str(new), str(root), device="cpu") == folder
     assert ArtifactStore(root).manifest("assign", Path(folder).name)["finished"] == finished  # found, not redone
     verify(folder)
+    # without a root: the train artifact's own (found there if the CLI's test wrote it first)
+    assert assign_flow(str(train), str(new), device="cpu") == str(plan_assign(train, new, store, device="cpu").path)
