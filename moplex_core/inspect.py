@@ -300,8 +300,10 @@ def _flatten(mapping: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 
 def _short(value: Any, width: int = 24) -> str:
+    """A setting's value in at most ``width`` characters; a long one keeps its end (where two file
+    paths differ, as often as not)."""
     text = json.dumps(value, separators=(",", ":"))
-    return text if len(text) <= width else text[: width - 3] + "..."
+    return text if len(text) <= width else "..." + text[-(width - 3):]
 
 
 def _last_iterations(version_dir: Path) -> list[Path]:

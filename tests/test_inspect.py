@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import shutil
+
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -61,15 +63,25 @@ def test_a_listing_says_what_each_version_was_made_from_and_checkpoints_are_summ
     report = inspect_path(w.path)
     assert "em/restart-00/iter-0000/p.parquet" not in report and "-- em/" not in report
     assert f"in 3 files: every EM iteration's checkpoint (`moplex inspect {w.path / 'em'}` lists them" in report
-    # two versions of one stage: the settings they differ in tell them apart
-    config = {"k": 3, "lr": 0.003, "em": {"iterations": 6, "tol": 1e-4}, "seed": 0}
-    with store.writer("train", "t2", config=config | {"k": 2, "em": {"iterations": 6, "tol": 1e-3}},
-                      inputs={"cache": "cache/abcdef123456"}) as w:
-        w.write_shard(0, pa.table({"x": [1]}))
+    # several versions of one stage: the settings they differ in tell them apart, not those they share
+    config = {"k": 3, "lr": 0.003, "em": {"iterations": 6, "tol": 1e-4}, "seed": 0,
+              "path": "/home/me/data/raters_2026_a.jsonl"}
+    for version, changes in (("t2", {"k": 2, "em": {"iterations": 6, "tol": 1e-3}}), ("t3", {})):
+        with store.writer("train", version, config=config | changes, inputs={"cache": "cache/abcdef123456"},
+                          code_version="train-2") as w:
+            w.write_shard(0, pa.table({"x": [1]}))
     lines = {line.split()[0]: line for line in inspect_path(tmp_path).splitlines()[1:]}
-    assert lines["train/t2"].endswith("from cache/abcd  [em.iterations=6 em.tol=0.001 k=2 lr=0.003 seed=0]")
-    assert lines["train/t1"].endswith("from cache/abcd  [em.iterations=null em.tol=null k=null lr=null seed=null]")
+    assert lines["train/t2"].endswith(
+        'from cache/abcd  [code="train-2" em.iterations=6 em.tol=0.001 k=2 lr=0.003 path=.../raters_2026_a.jsonl" (+1 more)]')
+    assert lines["train/t3"].endswith(
+        'from cache/abcd  [code="train-2" em.iterations=6 em.tol=0.0001 k=3 lr=0.003 path=.../raters_2026_a.jsonl" (+1 more)]')
+    assert lines["train/t1"].endswith('[code="" em.iterations=null em.tol=null k=null lr=null path=null (+1 more)]')
     assert lines[str(rankings.ref)].endswith("ultrafeedback.jsonl")  # the only ingest version: nothing to tell apart
+    with store.writer("train", "t1b", config=config, inputs={}, code_version="train-2") as w:  # t3's config
+        w.write_shard(0, pa.table({"x": [1]}))
+    shutil.rmtree(tmp_path / "train" / "t1")
+    lines = {line.split()[0]: line for line in inspect_path(tmp_path).splitlines()[1:]}
+    assert lines["train/t2"].endswith("[em.tol=0.001 k=2]") and lines["train/t1b"].endswith("[em.tol=0.0001 k=3]")
 
 
 def test_a_version_whose_files_are_not_its_manifests_is_reported_damaged(rankings, tmp_path):
