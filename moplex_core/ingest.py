@@ -40,9 +40,9 @@ log = logging.getLogger(__name__)
 STAGE = "ingest"
 # Bump when a change to this stage changes what it writes. Kept at ingest-1 on 2026-11-24: a strict
 # ingest writes what it wrote; a drop-mode artifact of before then lacks rejected.parquet's `where`
-# column and the summary's unreadable_records (nothing reads either; a source with unreadable records
-# made no artifact before, it stopped); one written before unlabelled_rows (2026-11-24) counts the
-# unlabelled rankings under "None" in the summary's rows_per_cluster (nothing reads it either); one
+# column (nothing reads it) and the summary's unreadable_records (read as 0, which it was: a source with
+# unreadable records made no artifact before, it stopped); one written before unlabelled_rows (2026-11-24) counts the
+# unlabelled rankings under "None" in the summary's rows_per_cluster (check_rankings_fit leaves it out); one
 # written before 2026-11-25 leaves rejected.parquet's `field` empty for a source record set aside.
 CODE_VERSION = "ingest-1"
 # An adapter's own changes, added to its dataset's versions only (the others keep theirs). generic-2:
@@ -57,8 +57,8 @@ CODE_VERSION = "ingest-1"
 # the release's "EMPTY STRING" (its empty texts) is no prompt or response (it was ranked as one).
 # helpsteer2-2: a multi-turn prompt's turns become prompt_messages (helpsteer2.split_turns). generic-6: a
 # prompt_messages that is empty or ends on the assistant's turn is refused (it was kept, to fail in augment).
-# generic-7: a row without an example_id that repeats an earlier one is a ranking of its own, its made id
-# numbered (-2, -3, ...; it was refused as a duplicate id).
+# generic-7: a row without an example_id that repeats an earlier one, or whose made id a given one holds, is
+# a ranking of its own, its made id numbered (-2, -3, ...; it was refused as a duplicate id).
 ADAPTER_VERSIONS = {"generic": "generic-7", "ultrafeedback": "ultrafeedback-2", "persona": "persona-2",
                     "prism": "prism-2", "helpsteer2": "helpsteer2-2"}
 
@@ -118,6 +118,8 @@ def check_rankings_fit(rankings_dir: str | Path, *, k: int, splits: Sequence[str
             "fractions or sizes, or set evaluate.splits (with evaluate.fit_split among them)")
     check_clusters_fit(k, per_split["train"], f"the rankings at {rankings_dir} have")
     labels = sorted(summary["rows_per_cluster"])
+    if "unlabelled_rows" not in summary:  # written before 2026-11-24: unlabelled rankings counted under "None"
+        labels = [label for label in labels if label != "None"]
     if k > 1 and labels and len(labels) != k and not labelled:  # k = 1: a single model, not a clustering
         log.warning("the rankings carry %d cluster label(s) (%s) and train.k = %d: evaluate matches adapters to "
                     "labels one to one, so rankings whose label or adapter is left unmatched count as misclustered "
@@ -213,9 +215,10 @@ def build_rankings(config: IngestConfig, inputs: dict[str, str] | None = None) -
                     "then needs one of %s)", adapted.stats["ignored_column:split"], ", ".join(SPLITS))
     if adapted.stats.get("repeated_rankings"):
         log.warning("%d ranking(s) of the source repeat an earlier row's prompt, responses, ranking and cluster "
-                    "without an example_id: each is kept as a ranking of its own (example_id <the first's>-2, -3, "
-                    "...), as two raters who agree are. Where a repeat is a mistake (a file read twice), remove it "
-                    "or give the rows example_ids", adapted.stats["repeated_rankings"])
+                    "(or a given example_id holds its made one) without an example_id: each is kept as a ranking of "
+                    "its own (example_id <the made one>-2, -3, ...), as two raters who agree are. Where a repeat is "
+                    "a mistake (a file read twice), remove it or give the rows example_ids",
+                    adapted.stats["repeated_rankings"])
     labels = default_labels(config)
     if config.validation == "strict":
         table = check_rankings(adapted.rows, labels, config.split.from_source, adapted.where)

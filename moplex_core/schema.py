@@ -405,7 +405,7 @@ class _Claims:
             same = all(row[name] == self.rows[other][name] for name in _CONTENT)
             found.append(("example_id", f"is also the example_id of {self.row_at(other)}; ids must be unique"
                           + ("; the two rows are the same ranking: give each row its own example_id to keep "
-                             "both (or leave both out: a generic source numbers repeats)" if same else "")))
+                             "both" if same else "")))
         for key, what in _prompt_keys(row):
             seen = self.split_of_prompt.get(key)
             if seen is not None and seen[0] != row["split"]:

@@ -64,6 +64,11 @@ def test_generic_rows_that_repeat_a_ranking_without_ids_are_rankings_of_their_ow
     assert ids[2:] == [f"{first}-2", f"{first}-3", "mine"] and len(set(ids)) == 5
     assert built.summary["adapter"]["repeated_rankings"] == 2
     assert "2 ranking(s) of the source repeat an earlier row's" in caplog.text
+    # ids given to some rows (an exported artifact, with new rows after it) are never taken by a made one
+    rows = [agree | {"example_id": first}, agree | {"example_id": f"{first}-2"}, agree, agree]
+    (tmp_path / "raters.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    built = build_rankings(IngestConfig(dataset="generic", path=str(tmp_path / "raters.jsonl"), labels=None))
+    assert built.table.column("example_id").to_pylist() == [first, f"{first}-2", f"{first}-3", f"{first}-4"]
     caplog.clear()
     (tmp_path / "raters.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[:2]))
     built = build_rankings(IngestConfig(dataset="generic", path=str(tmp_path / "raters.jsonl"), labels=None))

@@ -1,9 +1,10 @@
 """Any Parquet/JSONL already in the canonical `rankings` schema (DESIGN.md 3).
 
 Convenience defaults for columns a hand-made file may leave out: ``prompt_id`` = hash of the prompt,
-``example_id`` = hash of (prompt_id, responses, ranking, cluster), with ``-2``, ``-3``, ... on the
-second, third, ... row that repeats one (two raters who agree are two rankings; the stats count
-them as ``repeated_rankings``), ``ranked_prefix`` = all tiers,
+``example_id`` = hash of (prompt_id, responses, ranking, cluster), with the first free ``-2``,
+``-3``, ... where an earlier row or a given example_id holds the hash (a row that repeats another is
+a ranking of its own, as two raters who agree are; the stats count them as ``repeated_rankings``),
+``ranked_prefix`` = all tiers,
 ``cluster`` = null, ``source`` = the source label given by the caller. ``split`` is set to null (the
 ingest assigns one) unless ``keep_split`` (``split.from_source``): a split column that is not kept is
 not checked either. Other columns are dropped and counted. Values are not checked here;
@@ -25,7 +26,7 @@ COLUMNS = tuple(RANKINGS_SCHEMA.names)
 def to_rankings(records: Iterable[Record], *, source: str, keep_split: bool = False) -> AdapterOutput:
     rows, where, originals = [], [], []
     stats: Counter[str] = Counter()
-    made: Counter[str] = Counter()  # rows per default example_id so far
+    made: list[tuple[int, str]] = []  # (row, content hash) of each row whose example_id is made
     for record in records:
         stats["records"] += 1
         data = record.data
@@ -44,12 +45,7 @@ def to_rankings(records: Iterable[Record], *, source: str, keep_split: bool = Fa
             except (TypeError, ValueError):  # not JSON values: left for the validator to name
                 content = None
             if content is not None:
-                made_id = short_hash("generic", str(row["prompt_id"]), content)
-                made[made_id] += 1
-                row["example_id"] = made_id
-                if made[made_id] > 1:
-                    row["example_id"] = f"{made_id}-{made[made_id]}"
-                    stats["repeated_rankings"] += 1
+                made.append((len(rows), short_hash("generic", str(row["prompt_id"]), content)))
         if row["source"] is None:
             row["source"] = source
         if not keep_split and row["split"] is not None:
@@ -58,5 +54,17 @@ def to_rankings(records: Iterable[Record], *, source: str, keep_split: bool = Fa
         rows.append(row)
         where.append(record.where)
         originals.append(data)
+    # A made id is the content hash, or, where a row before it or a given id holds that, the hash with
+    # the first free -2, -3, ...: a repeat is a ranking of its own, and never takes a given id.
+    taken = {row["example_id"] for row in rows if isinstance(row["example_id"], str)}
+    for r, content_hash in made:
+        example_id, n = content_hash, 1
+        while example_id in taken:
+            n += 1
+            example_id = f"{content_hash}-{n}"
+        taken.add(example_id)
+        rows[r]["example_id"] = example_id
+        if n > 1:
+            stats["repeated_rankings"] += 1
     stats["rankings"] = len(rows)
     return AdapterOutput(rows, dict(stats), where, originals)
