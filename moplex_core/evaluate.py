@@ -344,22 +344,22 @@ def run_evaluate(config: EvaluateConfig, train_dir: str | Path, cache_dir: str |
         if not diagnostics.empty:
             writer.write_table("diagnostics.parquet", diagnostics)
         write_report(writer, metrics, diagnostics, em_result, confusion, plan.inputs, trained.likelihood,
-                     mixture_table(train_dir))
+                     mixture_table(alpha, train_dir))
         writer.summary.update({"metrics": len(metrics), "splits": list(config.splits), "method": config.method})
     return EvaluateResult(plan.ref, plan.path, True, metrics)
 
 
-def mixture_table(train_dir: str | Path) -> pd.DataFrame:
-    """The fitted mixture, one row per adapter (index ``adapter``): its mixing weight ``alpha``
-    (result.json), the training rankings whose final posterior puts them on it (argmax gamma, ties to
-    the lower index) and their mean posterior there (NaN for an adapter that holds none)."""
+def mixture_table(alpha: torch.Tensor, train_dir: str | Path) -> pd.DataFrame:
+    """The fitted mixture, one row per adapter (index ``adapter``): its mixing weight (``alpha`` [k],
+    as `load_trained` gives it), the training rankings whose final posterior in ``train_dir`` puts
+    them on it (argmax gamma, ties to the lower index) and their mean posterior there (NaN for an
+    adapter that holds none)."""
     from moplex_core.train import load_posteriors
 
-    alpha = json.loads((Path(train_dir) / "result.json").read_text())["alpha"]
     _, _, gamma = load_posteriors(train_dir)  # float64 [n, k]
     assigned = gamma.argmax(1)  # [n]
     rows = []
-    for c, weight in enumerate(alpha):
+    for c, weight in enumerate(alpha.tolist()):
         held = gamma[assigned == c, c]  # [n_c]
         rows.append({"adapter": f"c{c}", "alpha": weight, "training rankings": int(held.numel()),
                      "mean posterior": float(held.mean()) if held.numel() else float("nan")})

@@ -7,6 +7,7 @@ import json
 import numpy as np
 import pandas as pd
 import pytest
+import torch
 
 from moplex_core.artifacts import ArtifactStore, verify
 from moplex_core.cache import load_policy_inputs
@@ -27,6 +28,11 @@ def trained(tmp_path_factory):
     store = ArtifactStore(tmp_path_factory.mktemp("artifacts"))
     _, cache, train = tiny_trained_mixture(store)
     return store, train, cache
+
+
+def _mixture(train):
+    """The report's mixture table of the train artifact at ``train``, with the alpha it trained."""
+    return mixture_table(torch.tensor(json.loads((train / "result.json").read_text())["alpha"]), train)
 
 
 def test_evaluation_writes_labelled_metrics_a_report_and_plots(trained):
@@ -70,8 +76,7 @@ def test_evaluation_writes_labelled_metrics_a_report_and_plots(trained):
     assert "-- metrics.parquet:" in shown and "values over all rankings (metric x split):" in shown
     # the mixture: alpha as trained, each training ranking on its argmax-gamma adapter
     alpha = json.loads((train / "result.json").read_text())["alpha"]
-    mixture = mixture_table(train)
-    assert mixture["alpha"].tolist() == alpha
+    mixture = mixture_table(torch.tensor(alpha, dtype=torch.float64), train)
     assert mixture["training rankings"].tolist() == np.bincount(final.argmax(1).numpy(), minlength=3).tolist()
     held = final.max(1).values
     assert mixture["mean posterior"].tolist() == pytest.approx(
@@ -123,7 +128,7 @@ def test_the_report_says_where_the_likelihood_fell_and_how_far_off_the_estimates
                                                           (8.1, 0.72)])]}
     em_result = {"history": history, "step_halvings": [0, 0, 2, 2, 0, 1], "estimation_check": check}
     with ArtifactStore(tmp_path).writer("evaluate", "0123456789ab", config={}) as writer:
-        write_report(writer, metrics, pd.DataFrame(), em_result, {}, {"train": "train/x"}, "pl", mixture_table(train))
+        write_report(writer, metrics, pd.DataFrame(), em_result, {}, {"train": "train/x"}, "pl", _mixture(train))
     section = (writer.path / "report.md").read_text().split("## EM training log-likelihood")[1].split("\n## ")[0]
     intro = (writer.path / "report.md").read_text().split("## Overall")[0]
     assert "log-likelihood per ranking under this run's Plackett-Luce model" in intro
@@ -148,7 +153,7 @@ def test_a_single_policy_with_anchors_has_an_estimation_check_and_no_em_start_se
                          estimation_rows(check).assign(method=metrics.method[0], seed=metrics.seed[0])])
     with ArtifactStore(tmp_path).writer("evaluate", "0123456789ab", config={}) as writer:
         write_report(writer, metrics, pd.DataFrame(), {"history": [-1.2, -1.1], "estimation_check": check}, {},
-                     {"train": "train/x"}, "pl", mixture_table(train))
+                     {"train": "train/x"}, "pl", _mixture(train))
     report = (writer.path / "report.md").read_text()
     assert "## The anchors' estimates at the end of training" in report and "EM's start and end" not in report
 
@@ -156,7 +161,7 @@ def test_a_single_policy_with_anchors_has_an_estimation_check_and_no_em_start_se
     with ArtifactStore(tmp_path).writer("evaluate", "ba9876543210", config={}) as writer:
         write_report(writer, metrics[metrics.split != "train_em"], pd.DataFrame(),
                      {"history": [-1.2, -1.1], "estimation_check": None, "fell_back": fallback}, {}, {"train": "train/x"},
-                     "pl", mixture_table(train))
+                     "pl", _mixture(train))
     section = (writer.path / "report.md").read_text().split("## The anchors' estimates")[1]
     assert "At E-step 0 the estimates were off by 1.78 times the spread" in section and "redid" in section
     assert "the final partition rests on exact scores" in section
@@ -165,7 +170,7 @@ def test_a_single_policy_with_anchors_has_an_estimation_check_and_no_em_start_se
     with ArtifactStore(tmp_path).writer("evaluate", "cba987654321", config={}) as writer:
         write_report(writer, metrics, pd.DataFrame(), {"history": [-1.2, -1.1], "estimation_check": measured,
                                                        "fell_back": fallback | {"iteration": 1}}, {}, {"train": "x"},
-                     "pl", mixture_table(train))
+                     "pl", _mixture(train))
     section = (writer.path / "report.md").read_text().split("## The anchors' estimates until EM fell back")[1]
     assert "| 1 | 1.7800 | - | False |" in section and "At E-step 1 the estimates" in section
 
