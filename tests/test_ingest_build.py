@@ -26,7 +26,7 @@ from moplex_core.data.sources import (
 from moplex_core.data.splits import assign_splits, split_groups
 from moplex_core.hashing import short_hash
 from moplex_core import ingest
-from moplex_core.ingest import build_rankings, code_version, plan_ingest
+from moplex_core.ingest import build_rankings, check_rankings_fit, code_version, plan_ingest, run_ingest
 from moplex_core.schema import RANKINGS_SCHEMA, SPLITS, SchemaError
 
 
@@ -96,6 +96,34 @@ def test_a_generic_split_column_that_is_not_kept_is_not_checked_either(tmp_path,
     with pytest.raises(SchemaError, match=error):
         build_rankings(IngestConfig(dataset="generic", path=str(tmp_path / "rows.jsonl"),
                                     split=SplitConfig(from_source=True)))
+
+
+def test_rankings_that_cannot_make_a_run_are_refused_with_what_to_change(tmp_path, caplog):
+    rankings = run_ingest(IngestConfig(dataset="synthetic", synthetic={"n": 30, "k": 3, "m": 3}),
+                          ArtifactStore(tmp_path)).path  # 24 / 3 / 3 rankings
+    check_rankings_fit(rankings, k=3, splits=("validation", "test"))
+    check_rankings_fit(rankings, k=1, splits=("validation", "test"))  # one model (a baseline): no clustering
+    assert "cluster label(s)" not in caplog.text
+    for k in (2, 4):  # labels other than k, fewer or more: a warning
+        caplog.clear()
+        check_rankings_fit(rankings, k=k, splits=("validation", "test"))
+        assert f"the rankings carry 3 cluster label(s) (c0, c1, c2) and train.k = {k}" in caplog.text
+        assert "Set train.k=3 for one adapter per label" in caplog.text
+    manifest = json.loads((rankings / "manifest.json").read_text())  # as written before 2026-11-24, unlabelled:
+    manifest["summary"]["rows_per_cluster"] = {"None": 30}  # the unlabelled rankings counted under "None"
+    del manifest["summary"]["unlabelled_rows"]
+    (rankings / "manifest.json").write_text(json.dumps(manifest))
+    caplog.clear()
+    check_rankings_fit(rankings, k=2, splits=("validation", "test"))
+    assert "cluster label(s)" not in caplog.text
+    with pytest.raises(ValueError, match="train.k = 25 clusters, but the rankings at .* have only 24 training"):
+        check_rankings_fit(rankings, k=25, splits=("validation", "test"))
+    with pytest.raises(ValueError, match=r"have none of split\(s\) \['holdout'\]"):
+        check_rankings_fit(rankings, k=3, splits=("holdout",))
+    # EM to start from the labels: every training ranking labelled, and k of them
+    check_rankings_fit(rankings, k=3, splits=("validation", "test"), labelled=True)
+    with pytest.raises(ValueError, match=r"the rankings artifact at .* carry 3 label\(s\) \(c0, c1, c2\) and train.k = 2"):
+        check_rankings_fit(rankings, k=2, splits=("validation", "test"), labelled=True)
 
 
 def test_adapter_changes_change_only_their_datasets_versions():

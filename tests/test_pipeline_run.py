@@ -214,29 +214,6 @@ def test_the_pipeline_stops_right_after_ingest_when_a_split_it_needs_is_empty(pr
     assert [p.name for p in tmp_path.iterdir()] == ["ingest"]
 
 
-def test_rankings_that_cannot_make_a_run_are_refused_with_what_to_change(tmp_path, caplog):
-    from moplex_core.artifacts import ArtifactStore
-    from moplex_core.config import IngestConfig
-    from moplex_core.ingest import check_rankings_fit, run_ingest
-
-    rankings = run_ingest(IngestConfig(dataset="synthetic", synthetic={"n": 30, "k": 3, "m": 3}),
-                          ArtifactStore(tmp_path)).path  # 24 / 3 / 3 rankings
-    check_rankings_fit(rankings, k=3, splits=("validation", "test"))
-    check_rankings_fit(rankings, k=1, splits=("validation", "test"))  # one model (a baseline): no clustering
-    assert "cluster label(s)" not in caplog.text
-    check_rankings_fit(rankings, k=2, splits=("validation", "test"))  # labels other than k: a warning
-    assert "the rankings carry 3 cluster label(s) (c0, c1, c2) and train.k = 2" in caplog.text
-    assert "Set train.k=3 for one adapter per label" in caplog.text
-    with pytest.raises(ValueError, match="train.k = 25 clusters, but the rankings at .* have only 24 training"):
-        check_rankings_fit(rankings, k=25, splits=("validation", "test"))
-    with pytest.raises(ValueError, match=r"have none of split\(s\) \['holdout'\]"):
-        check_rankings_fit(rankings, k=3, splits=("holdout",))
-    # EM to start from the labels: every training ranking labelled, and k of them
-    check_rankings_fit(rankings, k=3, splits=("validation", "test"), labelled=True)
-    with pytest.raises(ValueError, match=r"the rankings artifact at .* carry 3 label\(s\) \(c0, c1, c2\) and train.k = 2"):
-        check_rankings_fit(rankings, k=2, splits=("validation", "test"), labelled=True)
-
-
 @pytest.mark.slow  # ~16 s: Prefect tries the address for a while before it gives up
 def test_a_prefect_server_that_does_not_answer_is_one_line_saying_what_to_do(tmp_path):
     """PREFECT_API_URL left pointing at a server that is not running (`prefect config set` is saved in
