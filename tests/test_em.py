@@ -258,6 +258,7 @@ RUN_EM = textwrap.dedent(
     from moplex_core.data.synthetic import SyntheticConfig, generate_synthetic
     from moplex_core.em import EMConfig, Rankings, fit_mixture
     from moplex_core.scorers.linear import LinearScorer
+    torch.set_num_threads(1)  # bit for bit, as `moplex run --threads 1`: a loaded machine's BLAS threads need not be
     data = generate_synthetic(SyntheticConfig(n=400, k=3, m=4, seed=7))
     rankings = Rankings(torch.as_tensor(data.tiers))
     kill_after = int(sys.argv[2])
