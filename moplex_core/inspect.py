@@ -25,6 +25,7 @@ from moplex_core.artifacts import (CHECKPOINTS, MANIFEST, ArtifactStore, is_stag
 StageSection = Callable[[Path, list[Path]], list[str]]
 _STAGE_SECTIONS: dict[str, StageSection] = {}
 _CELL = 70
+_METRIC_COLUMNS = {"metric", "value", "split", "cluster"}  # a metrics table (evaluate's, compare's)
 
 
 def stage_section(stage: str) -> Callable[[StageSection], StageSection]:
@@ -131,8 +132,8 @@ def _readable_table_report(title: str, files: list[Path], rows: int) -> list[str
     schema = pq.read_schema(files[0])
     n = sum(pq.read_metadata(f).num_rows for f in files)
     lines = [f"-- {title}: {n} rows --", "schema:", _indent(schema.to_string(show_schema_metadata=False))]
-    counts = _counting_columns(files, ("split", "cluster"))
-    if {"metric", "value", "split", "cluster"} <= set(schema.names):  # rows of metrics: their values, not counts
+    counts = None if _METRIC_COLUMNS <= set(schema.names) else _counting_columns(files, ("split", "cluster"))
+    if counts is None:  # rows of metrics: their values, not counts
         lines += _metric_values(files)
     elif counts.num_columns and counts.num_rows:
         frame = pd.DataFrame({name: _labels(counts.column(name)) for name in counts.column_names})
