@@ -9,6 +9,7 @@ import shlex
 import sys
 import urllib.parse
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, get_args
 
@@ -41,6 +42,8 @@ def _experiment_approximation(args: argparse.Namespace) -> int:
     from moplex_core.experiments.approximation import ApproximationConfig, run_approximation
 
     config = ApproximationConfig(k=args.k, seeds=tuple(range(args.seed, args.seed + args.seeds)), examples=args.examples)
+    if args.lora_targets:
+        config = replace(config, lora=replace(config.lora, target_modules=tuple(args.lora_targets.split(","))))
     try:
         cache = ArtifactStore(args.root).resolve(args.cache)
         read_manifest(cache, ("cache",))  # refuses an unfinished artifact or one of another stage
@@ -321,6 +324,9 @@ def build_parser() -> argparse.ArgumentParser:
     approx.add_argument("--seed", type=_int_at_least(0), default=0, help="first seed")
     approx.add_argument("--seeds", type=_positive_int, default=3, help="number of seeds")
     approx.add_argument("--examples", type=_positive_int, default=50, help="examples per seed")
+    approx.add_argument("--lora-targets", metavar="NAMES",
+                        help="the model's linear layers that take the adapters, comma-separated (default: the "
+                             "Qwen3/Llama projections q_proj,...,down_proj; GPT-2: c_attn,c_fc,c_proj)")
     approx.add_argument("--quiet", action="store_true", help="no progress bar")
     approx.set_defaults(func=_experiment_approximation)
 

@@ -118,6 +118,9 @@ def test_what_is_not_a_usable_cache_is_refused_by_name(caches, tmp_path, capsys)
     assert "was written by the 'ingest' stage; give cache/<version>" in refused(str(ingest))
     assert "no artifact cache/ffffffff" in refused("cache/ffffffff", "--root", str(root))
     assert "Traceback" not in refused(str(tmp_path / "nowhere"))
+    unmatched = refused(str(cache), "--lora-targets", "c_attn")  # GPT-2's names on a Qwen3
+    assert "['c_attn'] match no linear layer of Qwen3ForCausalLM" in unmatched
+    assert "(moplex experiment approximation: --lora-targets down_proj,gate_proj,k_proj," in unmatched
     older = tmp_path / "older" / "cache" / cache.name  # a cache built before s_ref had its target terms
     shutil.copytree(cache, older)
     manifest = json.loads((older / "manifest.json").read_text())
@@ -133,3 +136,6 @@ def test_a_cache_is_found_by_a_version_prefix_under_the_root(caches, tmp_path):
     argv = ["experiment", "approximation", "--cache", f"cache/{cache.name[:6]}", "--root", str(cache.parent.parent),
             "--out", str(tmp_path / "out"), "--k", "2", "--seeds", "1", "--examples", "2", "--quiet"]
     assert main(argv) == 0 and (tmp_path / "out" / "errors.parquet").is_file()
+    errors = pd.read_parquet(tmp_path / "out" / "errors.parquet")
+    assert main([*argv, "--lora-targets", "q_proj,v_proj"]) == 0  # other adapters: other errors
+    assert not pd.read_parquet(tmp_path / "out" / "errors.parquet").equals(errors)

@@ -277,7 +277,8 @@ def target_layers(model: nn.Module, target_modules: Sequence[str]) -> dict[str, 
         experts = any("expert" in part for part in last.values())
         moe = ("; a mixture-of-experts model's expert projections are fused parameters, not layers: target the "
                "attention projections" if experts else "")
-        example = f"; e.g. --set train.lora_targets='{json.dumps(linear)}'" if linear else ""
+        example = (f"; e.g. --set train.lora_targets='{json.dumps(linear)}' (moplex experiment approximation: "
+                   f"--lora-targets {','.join(linear)})" if linear else "")
         raise ValueError(f"target_modules (train.lora_targets) {unmatched} match no linear layer of "
                          f"{type(model).__name__}{kinds}; its linear layers (but the output layer): {linear or 'none'}"
                          f"{moe}{example}")
