@@ -72,6 +72,19 @@ def test_the_tiny_model_passes_and_its_turns_end_with_its_eos(tiny_model_dir, ca
     assert end_of_turn_id(tokenizer) == tokenizer.eos_token_id
 
 
+def test_a_tokenizer_with_more_tokens_than_the_embedding_table_is_refused_before_any_stage(tiny_model_dir, tmp_path):
+    small = tmp_path / "small-vocab"
+    shutil.copytree(tiny_model_dir, small)
+    config = json.loads((small / "config.json").read_text())
+    tokens = len(AutoTokenizer.from_pretrained(tiny_model_dir))
+    assert config["vocab_size"] >= tokens  # the tiny model's own: passes (above)
+    (small / "config.json").write_text(json.dumps({**config, "vocab_size": tokens - 1}))
+    with pytest.raises(ValueError, match=rf"has {tokens} tokens, but the model's embedding table holds vocab_size = "
+                                         rf"{tokens - 1}: token ids from {tokens - 1} on would index past it"):
+        check_model(str(small), lora_targets=TARGETS, max_prompt_tokens=64, max_response_tokens=64,
+                    use_chat_template=True)
+
+
 def test_a_tokenizer_whose_eos_does_not_end_the_templates_turns_or_that_has_no_template_is_warned_of(
         tiny_model_dir, tmp_path, caplog):
     other = tmp_path / "other-eos"  # as older Llama 3 tokenizers: eos <|end_of_text|>, turns end with <|eot_id|>

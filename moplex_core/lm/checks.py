@@ -117,8 +117,8 @@ def check_model(model: str, *, lora_targets: Sequence[str], max_prompt_tokens: i
                 max_response_tokens: int | None, use_chat_template: bool) -> None:
     """Refuse settings ``model`` cannot run before any stage loads it: logits it transforms after lm_head
     (`refuse_rescaled_logits`), LoRA targets (train.lora_targets) that match none of its linear layers,
-    and a cache whose longest sequence (cache.max_prompt_tokens + cache.max_response_tokens) exceeds
-    its positions; and warn of its turn layout (`warn_of_turn_layout`, which the cache repeats), before
+    a cache whose longest sequence (cache.max_prompt_tokens + cache.max_response_tokens) exceeds
+    its positions, and a tokenizer with more tokens than its embedding table; and warn of its turn layout (`warn_of_turn_layout`, which the cache repeats), before
     augment generates. Nothing is checked for a model that is not on this machine (the stages check it
     where it is)."""
     folder = local_model_folder(model)
@@ -150,6 +150,12 @@ def check_model(model: str, *, lora_targets: Sequence[str], max_prompt_tokens: i
     except (ValueError, OSError) as err:
         log.info("the tokenizer of %s is read by the stages that load it (%s: %s)", model, type(err).__name__, err)
         return
+    vocab = getattr(config.get_text_config(decoder=True), "vocab_size", None)
+    if vocab is not None and len(tokenizer) > vocab:
+        raise ValueError(f"the tokenizer of {model} has {len(tokenizer)} tokens, but the model's embedding table holds "
+                         f"vocab_size = {vocab}: token ids from {vocab} on would index past it (an IndexError in "
+                         "augment or cache). Put the model's own tokenizer beside its config.json, or resize its "
+                         "embeddings to the tokenizer (model.resize_token_embeddings) and save it again")
     try:
         stops = GenerationConfig.from_pretrained(str(folder)).eos_token_id
     except OSError:  # no generation_config.json: the model's config says where it stops
