@@ -9,7 +9,7 @@ import shutil
 import pytest
 import torch
 from lm_fixtures import tiny_model_dir  # noqa: F401  (fixture)
-from peft import LoraConfig, PeftModel, get_peft_model
+from peft import AutoPeftModelForCausalLM, LoraConfig, PeftModel, get_peft_model
 from torch import nn
 from transformers import GPT2Config, GPT2LMHeadModel, MixtralConfig, MixtralForCausalLM
 
@@ -118,6 +118,9 @@ def test_gpt2s_conv1d_projections_take_adapters_as_peft_does(tmp_path):
             peft.set_adapter(f"c{c}")
             torch.testing.assert_close(ours[c:c + 1], peft(ids[c:c + 1]).logits, rtol=1e-10, atol=1e-10)
         assert (ours - peft.get_base_model()(ids).logits).abs().max() > 1e-2  # the adapters do something
+    auto = AutoPeftModelForCausalLM.from_pretrained(tmp_path / "adapters" / "c2", dtype=torch.float64).eval()
+    with torch.no_grad():  # the adapter alone names its base model and task: one call loads both
+        torch.testing.assert_close(ours[2:3], auto(ids[2:3]).logits, rtol=1e-10, atol=1e-10)
 
 
 def test_gradients_match_peft_for_inputs_and_adapter_weights(trained):

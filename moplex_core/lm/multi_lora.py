@@ -377,7 +377,8 @@ class MultiLoRA:
         transposed = any(layer.transposed for layer in self.layers.values())  # Conv1D: PEFT's fan_in_fan_out
         config = LoraConfig(r=self.settings.r, lora_alpha=self.settings.alpha, lora_dropout=self.settings.dropout,
                             target_modules=sorted(self.settings.target_modules), bias="none", fan_in_fan_out=transposed,
-                            base_model_name_or_path=base_model_name_or_path, inference_mode=True).to_dict()
+                            base_model_name_or_path=base_model_name_or_path, inference_mode=True,
+                            task_type="CAUSAL_LM").to_dict()  # AutoPeftModelForCausalLM reads it
         config["target_modules"] = sorted(config["target_modules"])
         for c, name in enumerate(names):
             out = Path(directory) / name
