@@ -321,6 +321,10 @@ def test_the_hf_backend_refuses_prompts_that_would_run_past_the_models_context(t
                                          rf"{context} positions the model reads .*e.g. 'p0': \d+ prompt tokens\); set "
                                          r"augment.max_prompt_tokens \(e.g. 4\)"):
         generator.sample(requests(n=1))
+    generator.max_new_tokens = context  # no prompt length fits: only a lower max_new_tokens helps
+    with pytest.raises(ValueError, match=rf"augment.max_new_tokens = {context} leaves no position for a prompt in the "
+                                         rf"{context} positions the model reads \(max_position_embeddings\): lower it"):
+        generator.sample(requests(n=1))
 
 
 # A stand-in for vllm_worker.py that speaks its protocol and, like vLLM, starts a process of its own

@@ -116,6 +116,10 @@ class HFGenerator:
             for r in requests
         ]
         context = context_length(self._model.config)
+        if context is not None and self.max_new_tokens >= context:
+            raise ValueError(f"augment.max_new_tokens = {self.max_new_tokens} leaves no position for a prompt in the "
+                             f"{context} positions the model reads (max_position_embeddings): lower it below "
+                             f"{context}, with room for the prompts")
         lengths = [(r.key, len(ids) + self.max_new_tokens) for r, ids in zip(requests, prompt_ids, strict=True)]
         beyond = beyond_the_context(lengths, context)
         if beyond is not None:
