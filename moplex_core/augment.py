@@ -170,29 +170,43 @@ def make_generator(config: AugmentConfig, rankings: pa.Table) -> Generator:
     return BorrowGenerator(borrow_pools(columns["example_id"], columns["prompt_id"], columns["responses"]))
 
 
-def refuse_unrenderable_prompts(config: AugmentConfig, rankings: pa.Table) -> None:
+def check_prompts(config: AugmentConfig, rankings: pa.Table) -> int:
     """Every distinct prompt of ``rankings`` rendered once with the model's tokenizer before a model
     loads (hf, vllm), so that a prompt no shard could render (chat messages without a chat template,
     say) stops the stage at once, naming every such prompt_id, and not when its shard comes up after
-    earlier shards were generated, whose work the fix (a new version) would not reuse."""
+    earlier shards were generated, whose work the fix (a new version) would not reuse. Returns how
+    many of them are longer than ``augment.max_prompt_tokens`` (generated from their last tokens),
+    and warns of them, naming the first."""
     if config.backend == "borrow":
-        return
+        return 0
     from moplex_core.generate.base import request_prompt_ids
     from moplex_core.lm.loading import load_tokenizer  # transformers: only the model backends need it
 
     tokenizer = load_tokenizer(config.model)
     rows = rankings.select(["prompt_id", "prompt", "prompt_messages"]).to_pylist()
     failed: dict[str, str] = {}  # prompt_id -> the reason
+    cut: dict[str, int] = {}  # prompt_id -> its tokens, uncut
     for row in {(r["prompt_id"], r["prompt"], r["prompt_messages"]): r for r in rows}.values():
         try:
-            request_prompt_ids(tokenizer, SampleRequest(row["prompt_id"], row["prompt"], row["prompt_messages"], 1, 0),
-                               use_chat_template=config.use_chat_template, max_prompt_tokens=config.max_prompt_tokens)
+            ids = request_prompt_ids(tokenizer, SampleRequest(row["prompt_id"], row["prompt"], row["prompt_messages"],
+                                                              1, 0),
+                                     use_chat_template=config.use_chat_template, max_prompt_tokens=None)
         except ValueError as err:
             failed.setdefault(row["prompt_id"], str(err))
+            continue
+        if config.max_prompt_tokens is not None and len(ids) > config.max_prompt_tokens:
+            cut[row["prompt_id"]] = len(ids)
     if failed:
         named = sorted(failed)
         raise ValueError(f"{len(failed)} prompt(s) cannot be rendered for generation ({', '.join(named[:10])}"
                          f"{', ...' if len(failed) > 10 else ''}); the first: {failed[named[0]]}")
+    if cut:
+        first = min(cut)
+        log.warning("%d prompt(s) are longer than augment.max_prompt_tokens = %d tokens (e.g. %s: %d tokens): they "
+                    "are generated from their last tokens, losing their start (any BOS and the chat template's "
+                    "opening). Raise augment.max_prompt_tokens to keep them whole.",
+                    len(cut), config.max_prompt_tokens, first, cut[first])
+    return len(cut)
 
 
 def groups_of(rankings: pa.Table, backend: str) -> tuple[list[Group], list[str]]:
@@ -315,8 +329,7 @@ def run_augment(
         todo = [s for s in range(len(shards)) if not writer.has_shard(s)]
         if len(todo) < len(shards):
             log.info("%s: reusing %d finished shard(s), generating %d", plan.ref, len(shards) - len(todo), len(todo))
-        if todo:
-            refuse_unrenderable_prompts(config, table.take([r for s in todo for r in shards[s]]))
+        prompts_cut = check_prompts(config, table.take([r for s in todo for r in shards[s]])) if todo else 0
         generator = make_generator(config, table) if todo else None
         bar = _progress_bar(config, sum(_n_groups(table.take(shards[s]), config.backend) for s in todo),
                             progress and bool(todo))
@@ -346,7 +359,8 @@ def run_augment(
                                   config.backend)  # the error on its way out is the one to report
         shortfall = pa.concat_tables(shortfalls)
         writer.write_table(SHORTFALL_FILE, shortfall)
-        writer.summary.update(_summary(writer.path, len(shards), shortfall, config, bar))
+        writer.summary.update(_summary(writer.path, len(shards), shortfall, config, bar),
+                              prompts_cut_this_run=prompts_cut)
     if shortfall.num_rows:
         log.warning("%s (kept with fewer, on_shortfall=keep_fewer):\n%s", _describe(shortfall), _show(shortfall))
     log.info("wrote %d augmented rankings to %s", table.num_rows, plan.path)

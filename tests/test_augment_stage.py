@@ -18,7 +18,7 @@ import pytest
 
 from chaos.kills import finished_work
 from lm_fixtures import tiny_model_dir  # noqa: F401 - fixture
-from moplex_core.artifacts import ArtifactStore, shard_paths
+from moplex_core.artifacts import ArtifactStore, read_manifest, shard_paths
 from moplex_core.augment import AUGMENTED_SCHEMA, SHORTFALL_FILE, STAGE, ShortfallError, plan_augment, run_augment
 from moplex_core.cache import run_cache
 from moplex_core.cli import main
@@ -29,6 +29,7 @@ from moplex_core.hashing import model_fingerprint
 from moplex_core.ingest import run_ingest
 from moplex_core.inspect import inspect_path
 from moplex_core.lm.loading import load_tokenizer
+from moplex_core.lm.tokenize import encode_prompt
 from moplex_core.schema import RANKINGS_SCHEMA
 
 ROWS = [  # two rankings share each of the first two prompts (as PERSONA's profiles share an instruction)
@@ -91,6 +92,24 @@ def test_a_prompt_no_shard_could_render_stops_the_stage_before_any_model_loads(t
         run_augment(config, rankings, store, progress=False)
     assert not list(shard_paths(plan_augment(config, rankings, store).path))  # nothing generated, nothing wasted
     assert run_augment(hf_config(tiny_model_dir, shard_prompts=1), rankings, store, progress=False).built
+
+
+def test_prompts_longer_than_max_prompt_tokens_are_warned_of_and_counted(tmp_path, tiny_model_dir, caplog):
+    store = ArtifactStore(tmp_path / "artifacts")
+    rankings = rankings_dir(tmp_path, store.root)
+    tokenizer = load_tokenizer(tiny_model_dir)
+    lengths = {p: len(encode_prompt(tokenizer, p)) for p, _, _ in ROWS}  # 4 distinct prompts
+    limit = sorted(set(lengths.values()))[0]  # the shortest stay whole, the others are cut
+    longer = sum(n > limit for n in lengths.values())
+    assert 0 < longer < len(lengths)
+    with caplog.at_level(logging.WARNING, logger="moplex_core.augment"):
+        result = run_augment(hf_config(tiny_model_dir, max_prompt_tokens=limit), rankings, store, progress=False)
+    assert f"{longer} prompt(s) are longer than augment.max_prompt_tokens = {limit} tokens" in caplog.text
+    assert read_manifest(result.path)["summary"]["prompts_cut_this_run"] == longer
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="moplex_core.augment"):
+        whole = run_augment(hf_config(tiny_model_dir), rankings, store, progress=False)
+    assert "max_prompt_tokens" not in caplog.text and read_manifest(whole.path)["summary"]["prompts_cut_this_run"] == 0
 
 
 def test_generated_once_per_prompt_shared_by_its_rankings_and_never_an_original(tmp_path, tiny_model_dir):
