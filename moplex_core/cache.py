@@ -34,7 +34,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from moplex_core.artifacts import ArtifactRef, ArtifactStore, load_table, read_manifest, shard_name
 from moplex_core.config import CacheConfig, local_model_absolute
 from moplex_core.estimate import reference_terms_batch
-from moplex_core.hashing import model_fingerprint
+from moplex_core.hashing import files_changed, model_files, model_fingerprint
 from moplex_core.lm.checks import beyond_the_context, context_length, warn_of_turn_layout
 from moplex_core.lm.device import passes_sized_by
 from moplex_core.lm.loading import (dtype_name, identity_on_this_machine, load_model, load_tokenizer, resolve_device,
@@ -150,6 +150,7 @@ def run_cache(config: CacheConfig, rankings_dir: str | Path, store: ArtifactStor
             "responses_ending_with_eos_text": marked,
             "prompts_with_special_token_text": specials,
             "input": plan.inputs["rankings"],
+            **({"model_files": model_files(config.model)} if plan.inputs["model"].startswith("sha256:") else {}),
         })
     log.info("wrote the cache of %d examples to %s", table.num_rows, plan.path)
     return CacheResult(plan.ref, plan.path, True, table.num_rows)
@@ -277,14 +278,17 @@ def cache_model(cache_dir: str | Path, model: str | None = None) -> str:
                     "which commit it was built with is not recorded and cannot be checked against the one cached "
                     "now (%s); download a hub model before its first stage (`hf download %s`) to pin it",
                     cache_dir, model, now.partition("@")[2], model)
-    elif now != built_with and given and local:
-        raise ValueError(f"the base model given, {model}, is not the one the cache at {cache_dir} was built with (at "
-                         f"{recorded} then): its identity is {now}, not {built_with}; give the folder that holds that "
-                         "model's files")
     elif now != built_with:
+        built_files = manifest["summary"].get("model_files")  # caches built before 2026-11-25 lack them
+        changes = f" ({files_changed(built_files, model_files(model))})" if local and built_files else ""
+        if given and local:
+            raise ValueError(f"the base model given, {model}, is not the one the cache at {cache_dir} was built with "
+                             f"(at {recorded} then): its identity is {now}, not {built_with}{changes}; give the folder "
+                             "that holds that model's files")
         raise ValueError(f"the base model at {model} is not the one the cache at {cache_dir} was built with: its "
-                         f"identity is {now} now, not {built_with}; restore that model (a hub name loads the commit that "
-                         "refs/main names in the local Hugging Face cache), or rebuild the cache and retrain on the new one")
+                         f"identity is {now} now, not {built_with}{changes}; restore that model (a hub name loads the "
+                         "commit that refs/main names in the local Hugging Face cache), or rebuild the cache and "
+                         "retrain on the new one")
     return local_model_absolute(model)
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 _CHUNK = 1 << 20
-_MODEL_HASHES: dict[tuple, str] = {}  # (folder, every file's name, size, mtime_ns, inode) -> fingerprint
+_MODEL_FILES: dict[tuple, dict[str, str]] = {}  # (folder, every file's name, size, mtime_ns, inode) -> digests
 
 
 def canonical_json(value: Any) -> str:
@@ -34,11 +34,8 @@ def sha256_file(path: str | Path) -> str:
 
 
 def model_fingerprint(model: str) -> str:
-    """``sha256:<hash>`` of a local model directory's files (relative names and bytes), so that a
-    retrained model gets a new version and a moved one keeps it. Hidden files (temporaries) do not
-    count. Within one process a folder whose files have kept their names, sizes, modification times
-    and inodes is not read again (a comparison's many train and evaluate stages check one multi-GB
-    model).
+    """``sha256:<hash>`` of a local model directory's files (`model_files`: relative names and
+    bytes), so that a retrained model gets a new version and a moved one keeps it.
 
     A hub name is ``hub:<name>@<commit>``, the commit of the local Hugging Face cache's snapshot it
     loads from, so a model updated on the hub and downloaded again is another model; a hub name that
@@ -49,11 +46,28 @@ def model_fingerprint(model: str) -> str:
 
         snapshot = hub_snapshot(model)
         return f"hub:{model}@{snapshot.name}" if snapshot is not None else f"hub:{model}"
+    listing = [[name, digest] for name, digest in model_files(path).items()]
+    return "sha256:" + short_hash(canonical_json(listing), length=64)
+
+
+def model_files(folder: str | Path) -> dict[str, str]:
+    """Relative name (posix) -> hex sha256 of every file of a local model folder, in path order.
+    Hidden files (temporaries) do not count. Within one process a folder whose files have kept their
+    names, sizes, modification times and inodes is not read again (a comparison's many train and
+    evaluate stages check one multi-GB model)."""
+    path = Path(folder).expanduser()
     files = sorted(p for p in path.rglob("*") if p.is_file()
                    and not any(part.startswith(".") for part in p.relative_to(path).parts))
     stats = [(f.relative_to(path).as_posix(), f.stat()) for f in files]
     key = (str(path.resolve()), tuple((name, s.st_size, s.st_mtime_ns, s.st_ino) for name, s in stats))
-    if key not in _MODEL_HASHES:
-        listing = [[name, sha256_file(path / name)] for name, _ in stats]
-        _MODEL_HASHES[key] = "sha256:" + short_hash(canonical_json(listing), length=64)
-    return _MODEL_HASHES[key]
+    if key not in _MODEL_FILES:
+        _MODEL_FILES[key] = {name: sha256_file(path / name) for name, _ in stats}
+    return dict(_MODEL_FILES[key])
+
+
+def files_changed(before: dict[str, str], now: dict[str, str]) -> str:
+    """What differs between two `model_files` listings, in words: "README.md added; model.safetensors
+    changed" (at most five names of each kind)."""
+    kinds = [("added", sorted(now.keys() - before.keys())), ("removed", sorted(before.keys() - now.keys())),
+             ("changed", sorted(n for n in before.keys() & now.keys() if before[n] != now[n]))]
+    return "; ".join(f"{', '.join(names[:5])}{', ...' if len(names) > 5 else ''} {kind}" for kind, names in kinds if names)

@@ -79,7 +79,9 @@ def test_train_refuses_a_base_model_changed_since_the_cache_was_built(tiny_model
     cache_model(cache)
     with open(model / "config.json", "a") as f:
         f.write("\n")  # retrained or replaced at the same path: other files
-    with pytest.raises(ValueError, match=f"the base model at {model} is not the one the cache at"):
+    (model / "README.md").write_text("# notes\n")  # any file counts; the refusal names the files
+    with pytest.raises(ValueError, match=f"the base model at {model} is not the one the cache at .*"
+                                         r"\(README.md added; config.json changed\)"):
         cache_model(cache)
     with pytest.raises(ValueError, match="restore that model"):
         run_train(TrainConfig(k=2, anchors=None), cache, store, progress=False)
@@ -87,8 +89,9 @@ def test_train_refuses_a_base_model_changed_since_the_cache_was_built(tiny_model
     model.rename(tmp_path / "moved")  # the folder is gone, not a hub name
     with pytest.raises(ValueError, match=f"the folder {model}, is not there now: put it back, or say where it is"):
         cache_model(cache)
-    with pytest.raises(ValueError, match="is not the one the cache at"):  # where it is now, still changed
-        cache_model(cache, str(tmp_path / "moved"))
+    (tmp_path / "moved" / "config.json").unlink()
+    with pytest.raises(ValueError, match=r"is not the one the cache at .*\(README.md added; config.json removed\)"):
+        cache_model(cache, str(tmp_path / "moved"))  # where it is now, still changed
 
 
 def test_a_moved_model_or_artifact_root_is_found_by_its_files(tiny_model_dir, tmp_path):  # noqa: F811
