@@ -84,6 +84,19 @@ def test_written_artifact_has_manifest_with_hashes_and_loads_back(tmp_path):
     assert not [p for p in path.iterdir() if p.name.startswith(".")]  # no temporaries or markers left
 
 
+def test_a_dataframe_is_written_with_plain_types_whatever_the_pandas_version(tmp_path):
+    frame = pd.DataFrame({"split": ["test", None], "value": [0.5, float("nan")], "seed": [0, 1]})
+    frame.index = [7, 9]  # an index is not a column of the file
+    with ArtifactStore(tmp_path).writer("demo", "v1", config={}, inputs={}, code_version="demo-1") as writer:
+        writer.write_table("metrics.parquet", frame)
+        writer.write_shard(0, frame)
+    for name in ("metrics.parquet", "part-00000.parquet"):
+        table = pq.read_table(tmp_path / "demo" / "v1" / name)
+        assert table.schema.metadata is None  # no pandas metadata: the bytes do not name its version
+        assert table.schema.types == [pa.string(), pa.float64(), pa.int64()]  # pandas 3 would give large_string
+        assert table.column("split").to_pylist() == ["test", None]
+
+
 def test_list_locate_and_fingerprint(tmp_path):
     store = ArtifactStore(tmp_path)
     write_demo(store, "aaa111")

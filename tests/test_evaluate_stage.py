@@ -6,6 +6,8 @@ import json
 
 import numpy as np
 import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 import torch
 
@@ -42,6 +44,8 @@ def test_evaluation_writes_labelled_metrics_a_report_and_plots(trained):
     verify(result.path)
     metrics = pd.read_parquet(result.path / "metrics.parquet")
     assert tuple(metrics.columns) == METRICS_COLUMNS
+    schema = pq.read_schema(result.path / "metrics.parquet")  # the pandas version does not show
+    assert schema.metadata is None and schema.types == [pa.string()] * 4 + [pa.float64(), pa.int64()]
     assert set(metrics.split) == {"validation", "test", "train_em"} and set(metrics.method) == {"moplex"}
     assert set(metrics.seed) == {0}
     overall = metrics[metrics.cluster == "all"].set_index(["split", "metric"]).value

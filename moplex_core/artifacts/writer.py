@@ -173,7 +173,7 @@ class ArtifactWriter:
         return (self.path / _check_relative(name)).exists()
 
     def write_shard(self, index: int, data: pa.Table | pd.DataFrame) -> Path:
-        table = data if isinstance(data, pa.Table) else pa.Table.from_pandas(data, preserve_index=False)
+        table = arrow_table(data)
         with self.open_shard(index, table.schema) as out:
             out.write_table(table)
         return self.path / shard_name(index)
@@ -186,7 +186,7 @@ class ArtifactWriter:
 
     def write_table(self, name: str, data: pa.Table | pd.DataFrame) -> Path:
         """Any other Parquet file of the artifact, e.g. ``rejected.parquet``."""
-        table = data if isinstance(data, pa.Table) else pa.Table.from_pandas(data, preserve_index=False)
+        table = arrow_table(data)
         with self._staged(name) as tmp:
             pq.write_table(table, tmp)
         return self.path / name
@@ -360,3 +360,14 @@ def _library_versions() -> dict[str, str]:
         except metadata.PackageNotFoundError:
             continue
     return versions
+
+
+def arrow_table(data: pa.Table | pd.DataFrame) -> pa.Table:
+    """``data`` as written to Parquet. A DataFrame loses its index and the pandas metadata, and its
+    text columns are ``string`` (pandas 3 gives ``large_string``), so that the file's bytes and
+    types do not depend on the pandas version and match the files written from Arrow schemas."""
+    if isinstance(data, pa.Table):
+        return data
+    table = pa.Table.from_pandas(data, preserve_index=False).replace_schema_metadata(None)
+    return table.cast(pa.schema([pa.field(f.name, pa.string() if pa.types.is_large_string(f.type) else f.type,
+                                          f.nullable) for f in table.schema]))

@@ -42,8 +42,9 @@ from moplex_core.evaluate import EM_START_SPLIT, METRICS_FILE, RANKING_VARIANTS,
 from moplex_core.report import markdown_cell, markdown_table, png_bytes
 
 STAGE = "compare"
-CODE_VERSION = "compare-6"  # bump when a change here changes what the report holds (5: NaN cells as -;
-# 6: how much the test sample's rankings alone move a value, `sampling_note`)
+CODE_VERSION = "compare-7"  # bump when a change here changes what the report holds (5: NaN cells as -;
+# 6: how much the test sample's rankings alone move a value, `sampling_note`; 7: comparison.parquet's text
+# columns as Arrow string, without pandas metadata)
 SPLIT = "test"
 
 
