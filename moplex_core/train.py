@@ -61,8 +61,9 @@ from moplex_core.scorers.lora_policy import LoRAPolicyScorer, PolicyInputs, Scor
 log = logging.getLogger(__name__)
 
 STAGE = "train"
-CODE_VERSION = "train-11"  # bump when a change to this stage changes what it writes (11: a k-means restart
-# that repeats an earlier restart's partition starts from a Dirichlet draw instead)
+CODE_VERSION = "train-12"  # bump when a change to this stage changes what it writes (11: a k-means restart
+# that repeats an earlier restart's partition starts from a Dirichlet draw instead; 12: adapter_config.json has
+# task_type CAUSAL_LM, so AutoPeftModelForCausalLM loads an adapter)
 POSTERIORS = "posteriors.parquet"
 SCORES = "scores.parquet"  # of one EM iteration, under em/restart-RR/iter-NNNN/ (SCORES_SCHEMA)
 ESTIMATES = "estimation.json"  # of one EM iteration, beside it: `measure_estimates`
@@ -102,16 +103,6 @@ def plan_train(config: TrainConfig, cache_dir: str | Path, store: ArtifactStore)
     identity = identity_on_this_machine(config.identity(), config.device)
     if config.lora_dropout:  # dropout masks come from the device's generator (see TrainConfig.identity)
         identity["device_type"] = torch.device(resolve_device(config.device)).type
-    if identity["dtype"] == "bfloat16":  # train-11 summed a mixed batch's adapter gradients in bfloat16, now in
-        identity["adapter_gradient_sum"] = "float32"  # float32: new bf16 versions; a float32 run is unchanged
-    if config.anchors is not None and config.backtracks:  # backtracking compared across anchor draws before
-        identity["backtracking_compares"] = "one draw"  # 2026-11-25: new versions; other runs are unchanged
-    if config.anchors is not None and config.restarts > 1:  # restarts were ranked by their estimated LL before
-        identity["restarts_compared"] = "exact"  # 2026-11-25: new versions; other runs are unchanged
-    if config.anchors is not None and config.exact_fallback is not None:  # the fallback's iteration was compared
-        identity["fallback_iteration"] = "not compared"  # with the estimated one before it (2026-11-25)
-    if config.anchors is not None:  # the M-step's estimates followed its anchors' current mean delta before
-        identity["m_step_estimates"] = "held"  # 2026-11-25: new versions; runs without anchors are unchanged
     version = store.version(STAGE, identity, inputs, CODE_VERSION)
     return TrainPlan(ArtifactRef(STAGE, version), store.path(STAGE, version), inputs, store.is_complete(STAGE, version))
 

@@ -153,6 +153,6 @@ class TrainConfig(StageConfig):
         dropout is on: its masks are drawn pass by pass (so by how rows are grouped into passes) and
         by the device's generator (train.plan_train adds the device type)."""
         volatile = {"score_batch_size", "device", "chunk_size"} - ({"score_batch_size"} if self.lora_dropout else set())
-        if self.anchor_weighting == "mean" or self.anchors in (None, 1):  # the default, or nothing to weigh:
-            volatile.add("anchor_weighting")  # the versions of before the setting existed hold
+        if self.anchors in (None, 1):  # nothing to weigh
+            volatile.add("anchor_weighting")
         return self.model_dump(mode="json", exclude=volatile)
