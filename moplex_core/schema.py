@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import math
 import numbers
+import re
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from decimal import Decimal
@@ -57,6 +58,7 @@ REJECTED_SCHEMA = pa.schema(
 )
 
 _MESSAGE_ROWS = 5
+_ADAPTER_NAME = re.compile(r"adapter c\d+")  # evaluate's name of an EM cluster (diagnostics rows)
 
 
 @dataclass(frozen=True)
@@ -475,6 +477,9 @@ def _own_issues(row: dict[str, Any], label_set: set[str] | None, require_split: 
     cluster = row["cluster"]
     if cluster is not None and not cluster.strip():
         bad("cluster", f"is {cluster!r}; leave it out (null) for a ranking without a label")
+    elif cluster is not None and (cluster == "all" or _ADAPTER_NAME.fullmatch(cluster)):
+        bad("cluster", f"{cluster!r} is reserved: the evaluation's rows name the average over a split's rankings "
+                       "'all' and EM's clusters 'adapter cN'; rename this label")
     elif cluster is not None and label_set is not None and cluster not in label_set:
         bad("cluster", f"{cluster!r} is not in the declared label set {sorted(label_set)}")
     split = row["split"]

@@ -66,6 +66,8 @@ BAD_ROWS = [
     ("ranked_prefix", {"ranked_prefix": 0}, "is 0"),
     ("cluster", {"cluster": "verbosity"}, "'verbosity' is not in the declared label set"),
     ("cluster", {"cluster": " "}, "is ' '; leave it out (null) for a ranking without a label"),
+    ("cluster", {"cluster": "all"}, "'all' is reserved: the evaluation's rows name the average over"),
+    ("cluster", {"cluster": "adapter c3"}, "'adapter c3' is reserved"),
     ("split", {"split": "dev"}, "is 'dev'; expected one of train, validation, test"),
     ("prompt", {"prompt": "   "}, "is missing or empty"),
     ("prompt_messages", {"prompt_messages": "not json"}, "is not valid JSON"),
