@@ -30,6 +30,7 @@ from moplex_core.artifacts import (
     artifact_version,
     read_manifest,
 )
+from moplex_core.artifacts.layout import STAGE_ORDER
 from moplex_core.hashing import sha256_file
 from moplex_core.inspect import inspect_path
 
@@ -41,8 +42,8 @@ def table(i: int, n: int = 10) -> pa.Table:
     return pa.table({"row": pa.array(rows, pa.int64()), "text": [f"row {k}" for k in rows]})
 
 
-def write_demo(store: ArtifactStore, version: str = "v1", shards: int = 3) -> Path:
-    with store.writer("demo", version, config={"shards": shards}, inputs={"rankings": "ingest/abc"},
+def write_demo(store: ArtifactStore, version: str = "v1", shards: int = 3, stage: str = "demo") -> Path:
+    with store.writer(stage, version, config={"shards": shards}, inputs={"rankings": "ingest/abc"},
                       code_version="demo-1") as w:
         for i in range(shards):
             w.write_shard(i, table(i))
@@ -97,6 +98,14 @@ def test_a_dataframe_is_written_with_plain_types_whatever_the_pandas_version(tmp
         assert table.column("split").to_pylist() == ["test", None]
 
 
+def test_the_listing_order_names_every_stage_of_the_pipeline():
+    from moplex_core import assign, augment, cache, evaluate, ingest, tiny_model, train
+    from moplex_core.experiments import compare
+
+    stages = [m.STAGE for m in (ingest, tiny_model, augment, cache, train, evaluate, assign, compare)]
+    assert list(STAGE_ORDER) == stages
+
+
 def test_list_locate_and_fingerprint(tmp_path):
     store = ArtifactStore(tmp_path)
     write_demo(store, "aaa111")
@@ -105,9 +114,10 @@ def test_list_locate_and_fingerprint(tmp_path):
     (tmp_path / "demo" / "abc333" / ".started").write_text("2026-11-24T00:00:00+00:00")
     (tmp_path / "demo" / "notes").mkdir()  # not a version: no marker, no manifest of moplex's
     (tmp_path / "experiments" / "identifiability").mkdir(parents=True)  # an experiment's --out under the root
+    write_demo(store, "fff999", stage="ingest")
     infos = store.list()
-    assert [(str(i.ref), i.complete) for i in infos] == [
-        ("demo/aaa111", True), ("demo/aab222", True), ("demo/abc333", False)
+    assert [(str(i.ref), i.complete) for i in infos] == [  # the pipeline's stages first, in its order
+        ("ingest/fff999", True), ("demo/aaa111", True), ("demo/aab222", True), ("demo/abc333", False)
     ]
     damaged = write_demo(store, "abd444")
     (damaged / MANIFEST).write_text('{"stage": "demo", "vers')  # a finished version's manifest, cut short
@@ -132,7 +142,7 @@ def test_list_locate_and_fingerprint(tmp_path):
     assert store.resolve(str(tmp_path / "demo" / "aaa111")) == tmp_path / "demo" / "aaa111"
     assert store.resolve("/no/such/folder") == Path("/no/such/folder")  # left for the caller to report
     assert store.resolve("/nosuchdir/abc") == Path("/nosuchdir/abc")  # a path, though it reads as stage/version
-    with pytest.raises(ArtifactNotFoundError, match=r"no stage 'nope' there; its stages: demo\)$"):
+    with pytest.raises(ArtifactNotFoundError, match=r"no stage 'nope' there; its stages: demo, ingest\)$"):
         store.resolve("nope/abc")  # experiments/ holds no version: not a stage
     # a version prefix at the end of a stage folder's path, from anywhere
     assert ArtifactStore(tmp_path / "elsewhere").resolve(str(tmp_path / "demo" / "aab")) == tmp_path / "demo" / "aab222"

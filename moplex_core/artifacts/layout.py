@@ -23,6 +23,8 @@ from moplex_core.artifacts.errors import (
 from moplex_core.hashing import canonical_json, sha256_file, short_hash
 
 DEFAULT_ROOT = "data/artifacts"
+STAGE_ORDER = ("ingest", "model", "augment", "cache", "train", "evaluate", "assign", "compare")
+"""The stage folders of a root in the pipeline's order, each the ``STAGE`` of its module, as listed."""
 ALREADY_COMPLETE = ("%s is already complete at %s (the same versioned settings and inputs; settings that do not "
                     "change what is written, such as batch sizes, make no new version); nothing to do")
 """What a stage flow logs for a version it finds complete (its ref and folder)."""

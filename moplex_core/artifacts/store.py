@@ -11,6 +11,7 @@ import pyarrow as pa
 
 from moplex_core.artifacts.errors import ArtifactError, ArtifactNotFoundError
 from moplex_core.artifacts.layout import (
+    STAGE_ORDER,
     ArtifactInfo,
     ArtifactRef,
     artifact_version,
@@ -84,10 +85,13 @@ class ArtifactStore:
         return short_hash(canonical_json(self.manifest(stage, version)["files"]))
 
     def list(self, stage: str | None = None) -> list[ArtifactInfo]:
-        """Every version folder under the root (or one stage), finished or not, sorted by name; other
-        folders (an experiment's output, a user's data) are not versions. A finished version whose
-        manifest cannot be read is listed unfinished, with manifest None."""
-        stage_dirs = [self.root / stage] if stage else sorted(self.root.iterdir()) if self.root.is_dir() else []
+        """Every version folder under the root (or one stage), finished or not: stages in the
+        pipeline's order (`STAGE_ORDER`, then any other by name), versions by name; other folders (an
+        experiment's output, a user's data) are not versions. A finished version whose manifest
+        cannot be read is listed unfinished, with manifest None."""
+        stage_dirs = [self.root / stage] if stage else sorted(
+            self.root.iterdir(), key=lambda d: (STAGE_ORDER.index(d.name) if d.name in STAGE_ORDER else len(STAGE_ORDER),
+                                                d.name)) if self.root.is_dir() else []
         infos = []
         for stage_dir in stage_dirs:
             if not stage_dir.is_dir() or stage_dir.name.startswith("."):
