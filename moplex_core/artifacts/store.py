@@ -105,18 +105,19 @@ class ArtifactStore:
 
     def resolve(self, text: str) -> Path:
         """What a user typed for an artifact: an existing path as it is, else ``stage/version``
-        (a version prefix is enough) under this root (`locate`), else a version prefix in an
-        existing stage folder (``ROOT/STAGE/PREFIX``)."""
+        (a version prefix is enough) under this root (`locate`), with any path inside it after
+        (``train/8f1d/em``), else a version prefix in an existing stage folder (``ROOT/STAGE/PREFIX``)."""
         path = Path(text).expanduser()
         if path.exists():
             return path
         in_stage_folder = len(path.parts) >= 2 and is_stage_folder(path.parent)
         spelled_as_path = path.is_absolute() or text.startswith(".")  # /tmp/x, ~/x, ./x: not stage/version
-        if text.strip("/").count("/") == 1 and not spelled_as_path:
+        parts = text.strip("/").split("/")
+        if len(parts) >= 2 and not spelled_as_path:
             try:
-                return self.locate(text).path
+                return self.locate("/".join(parts[:2])).path.joinpath(*parts[2:])
             except ArtifactNotFoundError:
-                if not in_stage_folder:
+                if len(parts) == 2 and not in_stage_folder:
                     raise
         if in_stage_folder:
             return ArtifactStore(path.parent.parent).locate(f"{path.parent.name}/{path.name}").path
