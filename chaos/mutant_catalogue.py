@@ -6,7 +6,8 @@ Gathered by three rounds of mutation testing (2026-11-25) over the math (pl, em,
 multi_lora, routed_adam, evaluate, metrics), the pipeline's bookkeeping (artifacts, schema, ingest,
 splits, augment, cache, train, assign, config) and the adapters, tokenizer, loading and generation;
 every mutant a round found surviving got a test. The whole catalogue, run end to end on 2026-11-25
-(185 mutants then): every one killed, 42 minutes of mutant runs on 2 cores. Add one when a bug slips past the tests: its
+(185 mutants then): every one killed, 42 minutes of mutant runs on 2 cores; the ones added since were each run
+when added and killed. Add one when a bug slips past the tests: its
 ``old`` must occur exactly once in its file (tests/test_mutant_catalogue.py)."""
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ TESTS: dict[str, tuple[str, ...]] = {  # source file -> test modules under tests
         'test_artifacts', 'test_inspect', 'test_cache_stage', 'test_concurrency', 'test_chaos',
         'test_train_stage',
     ),
+    'moplex_core/artifacts/store.py': ('test_artifacts', 'test_inspect'),
     'moplex_core/assign.py': ('test_assign',),
     'moplex_core/augment.py': ('test_augment_stage', 'test_generate', 'test_chaos', 'test_pipeline_config'),
     'moplex_core/cache.py': (
@@ -57,7 +59,7 @@ TESTS: dict[str, tuple[str, ...]] = {  # source file -> test modules under tests
     'moplex_core/evaluate.py': ('test_evaluate', 'test_metrics', 'test_evaluate_stage'),
     'moplex_core/experiments/compare.py': ('test_compare',),
     'moplex_core/generate/hf.py': ('test_generate', 'test_augment_stage'),
-    'moplex_core/hashing.py': ('test_artifacts', 'test_lm_loading'),
+    'moplex_core/hashing.py': ('test_artifacts', 'test_lm_loading', 'test_cache_stage'),
     'moplex_core/inspect.py': ('test_inspect', 'test_evaluate_stage', 'test_ingest_flow'),
     'moplex_core/ingest.py': (
         'test_ingest_build', 'test_bad_inputs', 'test_ingest_adapters', 'test_ingest_flow', 'test_config',
@@ -675,4 +677,22 @@ MUTANTS: list[Mutant] = [
     Mutant('inspect_metrics_last_seed', 'moplex_core/inspect.py', "inspect's metric table keeps one seed, not their mean",
            'values="value", aggfunc="mean", sort=False)',
            'values="value", aggfunc="last", sort=False)'),
+    Mutant('augment_cut_counts_equal', 'moplex_core/augment.py', 'a prompt exactly max_prompt_tokens long counted as cut',
+           'if config.max_prompt_tokens is not None and len(ids) > config.max_prompt_tokens:',
+           'if config.max_prompt_tokens is not None and len(ids) >= config.max_prompt_tokens:'),
+    Mutant('model_files_changed_swapped', 'moplex_core/hashing.py', 'a changed model names the added files as removed',
+           'kinds = [("added", sorted(now.keys() - before.keys())), ("removed", sorted(before.keys() - now.keys())),',
+           'kinds = [("added", sorted(before.keys() - now.keys())), ("removed", sorted(now.keys() - before.keys())),'),
+    Mutant('schema_label_all_accepted', 'moplex_core/schema.py', "the cluster label 'all' accepted",
+           'elif cluster is not None and (cluster == "all" or _ADAPTER_NAME.fullmatch(cluster)):',
+           'elif cluster is not None and _ADAPTER_NAME.fullmatch(cluster):'),
+    Mutant('writer_pandas_large_string', 'moplex_core/artifacts/writer.py', "a DataFrame's text columns written as pandas gives them",
+           'pa.string() if pa.types.is_large_string(f.type) else f.type',
+           'f.type'),
+    Mutant('store_resolve_drops_inner_path', 'moplex_core/artifacts/store.py', 'stage/prefix/inner resolves to the version folder',
+           'return self.locate("/".join(parts[:2])).path.joinpath(*parts[2:])',
+           'return self.locate("/".join(parts[:2])).path'),
+    Mutant('store_list_by_name', 'moplex_core/artifacts/store.py', 'the listing orders stages by name',
+           'key=lambda d: (STAGE_ORDER.index(d.name) if d.name in STAGE_ORDER else len(STAGE_ORDER),\n                                                d.name)',
+           'key=lambda d: d.name'),
 ]
