@@ -106,6 +106,22 @@ def test_the_listing_order_names_every_stage_of_the_pipeline():
     assert list(STAGE_ORDER) == stages
 
 
+def test_a_version_that_newer_code_builds_again_says_so(tmp_path, caplog):
+    store = ArtifactStore(tmp_path)
+    write_demo(store, "old111")  # code demo-1
+    write_demo(store, "other2", shards=2)  # other settings: not this one's predecessor
+    with caplog.at_level(logging.INFO, logger="moplex_core.artifacts.writer"):
+        with store.writer("demo", "new222", config={"shards": 3}, inputs={"rankings": "ingest/abc"},
+                          code_version="demo-2") as w:
+            w.write_shard(0, table(0))
+    assert caplog.text.count("demo/old111 has these settings and inputs but was written by demo-1; this code "
+                             "writes demo-2, so demo/new222 is built anew") == 1
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="moplex_core.artifacts.writer"):
+        write_demo(store, "same333", shards=2)  # the same code as its look-alikes: nothing to say
+    assert "built anew" not in caplog.text
+
+
 def test_list_locate_and_fingerprint(tmp_path):
     store = ArtifactStore(tmp_path)
     write_demo(store, "aaa111")

@@ -35,6 +35,7 @@ from moplex_core.artifacts.layout import (
     STARTED,
     ArtifactRef,
     is_complete,
+    readable_manifest,
     shard_name,
     shard_paths,
     visible_files,
@@ -121,9 +122,11 @@ class ArtifactWriter:
             self.path.mkdir(exist_ok=True)
             _remove_temporaries(self.path)
             self.reused = visible_files(self.path)
+            marker = self.path / STARTED
             if self.reused:
                 log.info("%s resumes an interrupted run; reusing %d finished file(s)", self.ref, len(self.reused))
-            marker = self.path / STARTED
+            elif not marker.exists():
+                self._say_what_it_supersedes()
             run = {"started": _now(), "config": self._config, "library_versions": _library_versions()}
             # Where a model lies is left out: its files are the version's input, so they are the same.
             changes = sorted({change for earlier in _runs(marker) for change in run_changes(earlier, run, ("model",))})
@@ -135,6 +138,24 @@ class ArtifactWriter:
             ended = not marker.exists() or marker.read_bytes().endswith(b"\n")  # an older moplex's has no newline
             with open(marker, "a") as started:  # one line per run of this version
                 started.write(("" if ended else "\n") + json.dumps(run, sort_keys=True, default=str) + "\n")
+
+    def _say_what_it_supersedes(self) -> None:
+        """A new version beside a finished one of the same settings and inputs that other stage code
+        wrote (an upgrade of moplex): say why the stage runs again, which it would otherwise do in
+        silence, hours of training perhaps."""
+        def settings(config: dict[str, Any], inputs: dict[str, Any]) -> Any:  # where a model lies is left out, as
+            return json.loads(json.dumps([{k: v for k, v in config.items() if k != "model"}, inputs],  # in a resume
+                                         sort_keys=True, default=str))
+
+        ours = settings(self._config, self._inputs)
+        for sibling in sorted(self.path.parent.iterdir()):
+            manifest = readable_manifest(sibling) if sibling != self.path and sibling.is_dir() else None
+            if manifest and manifest.get("code_version") != self._code_version and \
+                    settings(manifest.get("config") or {}, manifest.get("inputs") or {}) == ours:
+                log.warning("%s/%s has these settings and inputs but was written by %s; this code writes %s, so "
+                            "%s is built anew (`moplex inspect` shows both)", self.ref.stage, sibling.name,
+                            manifest.get("code_version"), self._code_version, self.ref)
+                return
 
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
