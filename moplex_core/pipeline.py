@@ -17,8 +17,8 @@ from typing import Any
 
 from moplex_core.artifacts import ArtifactStore
 from moplex_core.augment import run_augment
-from moplex_core.cache import run_cache
-from moplex_core.config import TINY_MODEL, PipelineConfig
+from moplex_core.cache import plan_cache, run_cache
+from moplex_core.config import TINY_MODEL, CacheConfig, PipelineConfig
 from moplex_core.evaluate import run_evaluate
 from moplex_core.ingest import check_rankings_fit, run_ingest
 from moplex_core.lm.checks import check_model
@@ -49,6 +49,7 @@ def run_stages(config: PipelineConfig, stage: Stage) -> dict[str, str]:
                 max_response_tokens=cache.max_response_tokens, use_chat_template=cache.use_chat_template)
     if augment is not None:
         dirs["augment"] = stage("augment", augment, dirs["ingest"])
+    say_unread_contractions(config, cache, dirs.get("augment", dirs["ingest"]))
     dirs["cache"] = stage("cache", cache, dirs.get("augment", dirs["ingest"]))
     # The cache records where its model was; train and evaluate load it from where the config says it is
     # now (a moved model folder or artifact root: the same files elsewhere keep the cache's version).
@@ -74,6 +75,21 @@ def _warn_of_another_generator(config: PipelineConfig) -> None:
         log.warning("augment.use_chat_template = %s but cache.use_chat_template = %s: responses are generated after "
                     "prompts rendered otherwise than the prompts they are scored after", augment.use_chat_template,
                     cache.use_chat_template)
+
+
+def say_unread_contractions(config: PipelineConfig, cache: CacheConfig, rankings: str) -> None:
+    """Before a cache is built with the reference contractions that this run's exact training
+    (train.anchors = null) never reads, say how to leave them out: its backward passes, about half
+    of the stage's time. Kept by default, for a later run with anchors and `moplex experiment
+    approximation`."""
+    if config.train.anchors is not None or not cache.contractions:
+        return
+    if plan_cache(cache, rankings, ArtifactStore(Path(rankings).parents[1])).complete:
+        return
+    log.info("train.anchors = null scores every response exactly, so this run reads none of the reference "
+             "contractions the cache computes (s_ref: its backward passes, about half of its time); "
+             "`--set cache.contractions=false` leaves them out, at the price of a cache that training with "
+             "anchors and `moplex experiment approximation` refuse")
 
 
 def in_this_process(root: str | Path) -> Stage:

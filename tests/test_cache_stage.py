@@ -16,10 +16,11 @@ from stage_fixtures import write_synthetic
 
 from moplex_core.artifacts import ArtifactStore, load_table, read_manifest
 from moplex_core.cache import cache_model, load_policy_inputs, plan_cache, policy_inputs, run_cache
-from moplex_core.config import CacheConfig, TrainConfig
+from moplex_core.config import CacheConfig, TrainConfig, pipeline_preset, with_overrides
 from moplex_core.estimate import reference_terms
 from moplex_core.lm.loading import identity_on_this_machine, load_model, load_tokenizer
 from moplex_core.lm.tokenize import tokenize_responses
+from moplex_core.pipeline import say_unread_contractions
 from moplex_core.pl import UNRANKED
 from moplex_core.train import load_trained, make_scorer, run_train
 
@@ -69,6 +70,27 @@ def test_a_cache_without_contractions_runs_forwards_only_with_the_same_log_probs
         make_scorer(TrainConfig(k=2, anchors=2), str(tiny_model_dir)).score(inputs)
     with pytest.raises(ValueError, match="1 of 2 cache rows have no ref_contraction"):
         policy_inputs(pa.concat_tables([lean_rows.slice(0, 1), full_rows.slice(1, 1)]))
+
+
+def test_a_pipeline_with_exact_training_says_how_to_leave_the_contractions_out(tiny_model_dir, tmp_path,  # noqa: F811
+                                                                             caplog):
+    store = ArtifactStore(tmp_path)
+    rankings = write_synthetic(store, n=6, m=3)
+    cache = CacheConfig(model=str(tiny_model_dir))
+    exact = pipeline_preset("synthetic-demo")  # train.anchors = null
+    said = "so this run reads none of the reference contractions the cache computes"
+
+    def says(config, cache_config) -> bool:
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="moplex_core.pipeline"):
+            say_unread_contractions(config, cache_config, str(rankings))
+        return said in caplog.text
+
+    assert says(exact, cache)
+    assert not says(exact, cache.model_copy(update={"contractions": False}))  # left out already
+    assert not says(with_overrides(exact, ["train.anchors=2"]), cache)  # read by the anchors
+    run_cache(cache, rankings, store, progress=False)
+    assert not says(exact, cache)  # built: too late to matter
 
 
 def test_train_refuses_a_base_model_changed_since_the_cache_was_built(tiny_model_dir, tmp_path):  # noqa: F811
