@@ -44,12 +44,26 @@ def test_a_tokenizer_that_cannot_split_special_tokens_encodes_the_text_as_it_doe
     class NoSplitting:  # as mistral_common's MistralCommonBackend refuses split_special_tokens
         eos_token, eos_token_id, name_or_path = tiny_tokenizer.eos_token, tiny_tokenizer.eos_token_id, "no-split"
 
-        def __call__(self, text, add_special_tokens=True, split_special_tokens=False):
+        def __call__(self, text, add_special_tokens=True, split_special_tokens=False, verbose=True):
             if split_special_tokens:
                 raise ValueError("`MistralCommonBackend` does not support `split_special_tokens`.")
-            return tiny_tokenizer(text, add_special_tokens=add_special_tokens)
+            return tiny_tokenizer(text, add_special_tokens=add_special_tokens, verbose=verbose)
 
     assert encode_response(NoSplitting(), "3 1 4") == encode_response(tiny_tokenizer, "3 1 4")
+
+
+def test_texts_past_model_max_length_raise_no_indexing_warning(tiny_tokenizer) -> None:  # noqa: F811
+    """moplex cuts them itself (and the stages say so): transformers' warning that running them
+    "will result in indexing errors" would be wrong. The tokenizer records that it warned."""
+    short = copy.deepcopy(tiny_tokenizer)
+    short.model_max_length = 4
+    (seq,) = tokenize_responses(short, "3 1 4 1 5 9 2 6 5 3 5", ["8 9 7 9 3 2 3 8 4 6"], max_prompt_tokens=3,
+                                max_response_tokens=3)
+    assert len(seq.input_ids) == 6
+    assert encode_prompt(short, "3 1 4 1 5 9 2 6 5 3 5", use_chat_template=False)
+    assert not short.deprecation_warnings.get("sequence-length-is-longer-than-the-specified-maximum")
+    short("3 1 4 1 5 9 2 6 5 3 5")  # what the flag records when the warning is given
+    assert short.deprecation_warnings.get("sequence-length-is-longer-than-the-specified-maximum")
 
 
 def test_chat_messages_render_like_the_same_prompt_as_text(tiny_tokenizer: PreTrainedTokenizerBase) -> None:

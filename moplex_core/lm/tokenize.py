@@ -92,12 +92,14 @@ def encode_prompt(
         except (TemplateError, ValueError, TypeError) as err:  # e.g. a system role it does not support
             raise ValueError(f"the tokenizer's chat template cannot render these prompt messages ({type(err).__name__}: "
                              f"{err}); change them, or set use_chat_template = false") from err
-        # The rendered template already holds every special token the model expects.
-        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        # The rendered template already holds every special token the model expects. verbose=False here and
+        # below: a text past the tokenizer's model_max_length is cut by max_prompt_tokens / max_response_tokens,
+        # and the stages count and warn of that; transformers' own warning would call it an indexing error.
+        ids = tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]
     elif isinstance(prompt, str):
-        ids = list(tokenizer(prompt, add_special_tokens=True)["input_ids"])
-        if ids and ids[-1] == tokenizer.eos_token_id and ids[-1:] != tokenizer(prompt, add_special_tokens=False)[
-                "input_ids"][-1:]:
+        ids = list(tokenizer(prompt, add_special_tokens=True, verbose=False)["input_ids"])
+        if ids and ids[-1] == tokenizer.eos_token_id and ids[-1:] != tokenizer(
+                prompt, add_special_tokens=False, verbose=False)["input_ids"][-1:]:
             ids = ids[:-1]  # a tokenizer that closes every text with EOS (add_eos_token) would end the turn here
     else:
         raise ValueError(
@@ -147,11 +149,11 @@ def _text_ids(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
     holds, not a control token (an "<|im_start|>" in an answer about chat formats). A tokenizer that
     cannot split them (mistral_common's) encodes the text as it does."""
     try:
-        return list(tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"])
+        return list(tokenizer(text, add_special_tokens=False, split_special_tokens=True, verbose=False)["input_ids"])
     except (TypeError, ValueError) as err:
         if "split_special_tokens" not in str(err):
             raise
-        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+        return list(tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"])
 
 
 def tokenize_responses(
