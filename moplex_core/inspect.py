@@ -21,8 +21,10 @@ import pyarrow.parquet as pq
 
 from moplex_core.artifacts import (CHECKPOINTS, MANIFEST, ArtifactStore, is_stage_folder, is_version_folder,
                                    off_the_manifest, readable_manifest, run_changes, shard_paths)
+from moplex_core.artifacts.layout import SHARD_RE
 
 StageSection = Callable[[Path, list[Path]], list[str]]
+_SHARDS_LISTED = 8  # a version with more lists its shards in one line
 _STAGE_SECTIONS: dict[str, StageSection] = {}
 _CELL = 70
 _METRIC_COLUMNS = {"metric", "value", "split", "cluster"}  # a metrics table (evaluate's, compare's)
@@ -87,10 +89,16 @@ def _version_report(version_dir: Path, rows: int) -> str:
         if manifest.get("summary"):
             lines += ["summary:", *_key_lines(manifest["summary"])]
         checkpoints = {name: entry for name, entry in manifest["files"].items() if name.startswith(f"{CHECKPOINTS}/")}
+        shard_names = sorted(name for name in manifest["files"] if SHARD_RE.match(name))
+        folded = shard_names if len(shard_names) > _SHARDS_LISTED else []  # hundreds of shards would bury the rest
         lines += ["files:"] + [
             f"  {name:<40} {entry['bytes']:>12,} B  sha256 {entry['sha256'][:12]}"
-            for name, entry in sorted(manifest["files"].items()) if name not in checkpoints
+            for name, entry in sorted(manifest["files"].items()) if name not in checkpoints and name not in folded
         ]
+        if folded:
+            lines.append(f"  {folded[0] + ' .. ' + folded[-1]:<40} "
+                         f"{sum(manifest['files'][name]['bytes'] for name in folded):>12,} B  in {len(folded)} shards "
+                         "(each with its sha256 in manifest.json)")
         if checkpoints:
             lines.append(f"  {CHECKPOINTS + '/':<40} {sum(e['bytes'] for e in checkpoints.values()):>12,} B  in "
                          f"{len(checkpoints)} files: every EM iteration's checkpoint (`moplex inspect "
@@ -319,6 +327,8 @@ def _so_far(version_dir: Path) -> str:
     if last:
         done = len(list((version_dir / CHECKPOINTS).glob("restart-*/iter-*/state.json")))
         return f"{done} finished EM iteration(s), the last {last[-1].parent.relative_to(version_dir).as_posix()}"
+    if version_dir.parent.name == "train":  # it writes no shards: stopped before its first EM iteration ended
+        return "no finished EM iteration"
     return f"{len(shard_paths(version_dir))} finished shard(s)"
 
 

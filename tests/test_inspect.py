@@ -111,13 +111,27 @@ def test_a_cluster_column_of_integers_with_nulls_and_an_empty_table_are_counted_
     assert "Empty" not in inspect_path(tmp_path / "empty.parquet", rows=3)
 
 
+def test_many_shards_are_listed_in_one_line(tmp_path):
+    store = ArtifactStore(tmp_path)
+    for version, shards in (("few", 8), ("many", 9)):
+        with store.writer("demo", version, config={}, inputs={}, code_version="demo-1") as writer:
+            for i in range(shards):
+                writer.write_shard(i, pa.table({"row": [i, i]}))
+    few, many = (inspect_path(tmp_path / "demo" / v, rows=0) for v in ("few", "many"))
+    assert few.count("part-0000") == 8 and "rows (part-*.parquet): 16 rows" in few
+    files = many.split("files:\n")[1].splitlines()[0].split()
+    assert files[:3] == ["part-00000.parquet", "..", "part-00008.parquet"] and files[5:7] == ["in", "9"]
+    assert int(files[3].replace(",", "")) == sum(p.stat().st_size for p in (tmp_path / "demo" / "many").glob("part-*"))
+    assert "rows (part-*.parquet): 18 rows" in many
+
+
 def test_odd_folders_are_reported_not_crashed_on(tmp_path):
     store = ArtifactStore(tmp_path)
     running = store.path("train", "bbb222")
     (running / "em" / "restart-00").mkdir(parents=True)  # a train run under way: no shards, no manifest yet
     (running / ".started").write_text("2026-11-24T00:00:00+00:00")
     assert inspect_path(tmp_path / "train").splitlines()[1].split()[:2] == ["train/bbb222", "INCOMPLETE"]
-    assert "INCOMPLETE (no manifest.json): 0 finished shard(s)" in inspect_path(running)
+    assert "INCOMPLETE (no manifest.json): no finished EM iteration;" in inspect_path(running)
     (running / "em" / "restart-00" / "state.json").write_text("{}")
     inside = inspect_path(running / "em")  # a folder of an artifact: its files, and where its report is
     assert inside.splitlines()[0] == (f"{running / 'em'}: a folder of the artifact train/bbb222 "
