@@ -219,8 +219,15 @@ def _earlier_runs(manifest: dict[str, Any]) -> list[str]:
     return lines
 
 
-def _key_lines(mapping: dict[str, Any]) -> list[str]:
-    return [f"  {key}: {json.dumps(value, sort_keys=True)}" for key, value in sorted(mapping.items())]
+def _key_lines(mapping: dict[str, Any], width: int = 200) -> list[str]:
+    """One line per key; a mapping too long for a line (the cache's `model_files` digests) by its keys."""
+    lines = []
+    for key, value in sorted(mapping.items()):
+        text = json.dumps(value, sort_keys=True)
+        if len(text) > width and isinstance(value, dict):
+            text = f"{len(value)} entries: {', '.join(sorted(value))} (values in {MANIFEST})"
+        lines.append(f"  {key}: {text}")
+    return lines
 
 
 def _indent(text: str) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -18,6 +19,7 @@ from moplex_core.artifacts import ArtifactStore, load_table, read_manifest
 from moplex_core.cache import cache_model, load_policy_inputs, plan_cache, policy_inputs, run_cache
 from moplex_core.config import CacheConfig, TrainConfig, pipeline_preset, with_overrides
 from moplex_core.estimate import reference_terms
+from moplex_core.inspect import inspect_path
 from moplex_core.lm.loading import identity_on_this_machine, load_model, load_tokenizer
 from moplex_core.lm.tokenize import tokenize_responses
 from moplex_core.pipeline import say_unread_contractions
@@ -99,6 +101,9 @@ def test_train_refuses_a_base_model_changed_since_the_cache_was_built(tiny_model
     store = ArtifactStore(tmp_path / "artifacts")
     cache = run_cache(CacheConfig(model=str(model)), write_synthetic(store, n=6, m=3), store, progress=False).path
     cache_model(cache)
+    files = read_manifest(cache)["summary"]["model_files"]  # name -> sha256, shown by name
+    assert files["config.json"] == hashlib.sha256((model / "config.json").read_bytes()).hexdigest()
+    assert f"model_files: {len(files)} entries: {', '.join(sorted(files))} (values in manifest.json)" in inspect_path(cache)
     with open(model / "config.json", "a") as f:
         f.write("\n")  # retrained or replaced at the same path: other files
     (model / "README.md").write_text("# notes\n")  # any file counts; the refusal names the files
