@@ -34,7 +34,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from moplex_core.artifacts import ArtifactRef, ArtifactStore, load_table, read_manifest, shard_name
 from moplex_core.config import CacheConfig, local_model_absolute
 from moplex_core.estimate import reference_terms_batch
-from moplex_core.hashing import files_changed, model_files, model_fingerprint
+from moplex_core.hashing import files_changed, files_fingerprint, model_files, model_fingerprint
 from moplex_core.lm.checks import beyond_the_context, context_length, warn_of_turn_layout
 from moplex_core.lm.device import passes_sized_by
 from moplex_core.lm.loading import (dtype_name, identity_on_this_machine, load_model, load_tokenizer, resolve_device,
@@ -150,7 +150,7 @@ def run_cache(config: CacheConfig, rankings_dir: str | Path, store: ArtifactStor
             "responses_ending_with_eos_text": marked,
             "prompts_with_special_token_text": specials,
             "input": plan.inputs["rankings"],
-            **({"model_files": model_files(config.model)} if plan.inputs["model"].startswith("sha256:") else {}),
+            **_model_files_of(config.model, plan.inputs["model"]),
         })
     log.info("wrote the cache of %d examples to %s", table.num_rows, plan.path)
     return CacheResult(plan.ref, plan.path, True, table.num_rows)
@@ -238,6 +238,15 @@ def truncated_responses(rows: pa.Table, max_response_tokens: int | None, eos_tok
     return int((at_limit & did_end).sum()) + longer
 
 
+def _model_files_of(model: str, fingerprint: str) -> dict[str, dict[str, str]]:
+    """``{"model_files": ...}`` for the summary: a local model's files and digests, so that a refusal of a
+    changed model can name the files; {} for a hub name, or a folder changed since the plan hashed it."""
+    if not fingerprint.startswith("sha256:"):
+        return {}
+    files = model_files(model)
+    return {"model_files": files} if files_fingerprint(files) == fingerprint else {}
+
+
 def prompts_at_the_limit(rows: pa.Table, max_prompt_tokens: int | None) -> int:
     """How many examples of cache ``rows`` have a prompt of exactly ``max_prompt_tokens`` tokens: cut
     from the left, or exactly that long (the cache keeps no longer count to tell them apart)."""
@@ -280,7 +289,8 @@ def cache_model(cache_dir: str | Path, model: str | None = None) -> str:
                     cache_dir, model, now.partition("@")[2], model)
     elif now != built_with:
         built_files = manifest["summary"].get("model_files")  # caches built before 2026-11-25 lack them
-        changes = f" ({files_changed(built_files, model_files(model))})" if local and built_files else ""
+        changed = files_changed(built_files, model_files(model)) if local and built_files else ""
+        changes = f" ({changed})" if changed else ""
         if given and local:
             raise ValueError(f"the base model given, {model}, is not the one the cache at {cache_dir} was built with "
                              f"(at {recorded} then): its identity is {now}, not {built_with}{changes}; give the folder "

@@ -46,8 +46,12 @@ def model_fingerprint(model: str) -> str:
 
         snapshot = hub_snapshot(model)
         return f"hub:{model}@{snapshot.name}" if snapshot is not None else f"hub:{model}"
-    listing = [[name, digest] for name, digest in model_files(path).items()]
-    return "sha256:" + short_hash(canonical_json(listing), length=64)
+    return files_fingerprint(model_files(path))
+
+
+def files_fingerprint(files: dict[str, str]) -> str:
+    """The ``sha256:`` fingerprint of a `model_files` listing."""
+    return "sha256:" + short_hash(canonical_json([[name, digest] for name, digest in files.items()]), length=64)
 
 
 def model_files(folder: str | Path) -> dict[str, str]:

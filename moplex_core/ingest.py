@@ -58,8 +58,9 @@ CODE_VERSION = "ingest-1"
 # helpsteer2-2: a multi-turn prompt's turns become prompt_messages (helpsteer2.split_turns). generic-6: a
 # prompt_messages that is empty or ends on the assistant's turn is refused (it was kept, to fail in augment).
 # generic-7: a row without an example_id that repeats an earlier one, or whose made id a given one holds, is
-# a ranking of its own, its made id numbered (-2, -3, ...; it was refused as a duplicate id).
-ADAPTER_VERSIONS = {"generic": "generic-7", "ultrafeedback": "ultrafeedback-2", "persona": "persona-2",
+# a ranking of its own, its made id numbered (-2, -3, ...; it was refused as a duplicate id). generic-8: the
+# cluster labels 'all' and 'adapter cN' are refused (the evaluation's rows use them).
+ADAPTER_VERSIONS = {"generic": "generic-8", "ultrafeedback": "ultrafeedback-2", "persona": "persona-2",
                     "prism": "prism-2", "helpsteer2": "helpsteer2-2"}
 
 

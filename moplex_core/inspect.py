@@ -225,7 +225,9 @@ def _key_lines(mapping: dict[str, Any], width: int = 200) -> list[str]:
     for key, value in sorted(mapping.items()):
         text = json.dumps(value, sort_keys=True)
         if len(text) > width and isinstance(value, dict):
-            text = f"{len(value)} entries: {', '.join(sorted(value))} (values in {MANIFEST})"
+            names = sorted(value)
+            text = (f"{len(value)} entries: {', '.join(names[:12])}{', ...' if len(names) > 12 else ''} "
+                    f"(values in {MANIFEST})")
         lines.append(f"  {key}: {text}")
     return lines
 

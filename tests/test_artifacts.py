@@ -157,6 +157,8 @@ def test_list_locate_and_fingerprint(tmp_path):
     assert store.resolve("demo/aab") == tmp_path / "demo" / "aab222"
     assert store.resolve("demo/aab/part-00001.parquet") == tmp_path / "demo" / "aab222" / "part-00001.parquet"
     assert store.resolve("no/such/file") == Path("no/such/file")  # a relative path of three parts, not a version
+    with pytest.raises(ArtifactNotFoundError, match=r"no artifact demo/zzz under .* \(versions of demo: "):
+        store.resolve("demo/zzz/part-00001.parquet")  # a stage of this root: its versions are named
     assert store.resolve(str(tmp_path / "demo" / "aaa111")) == tmp_path / "demo" / "aaa111"
     assert store.resolve("/no/such/folder") == Path("/no/such/folder")  # left for the caller to report
     assert store.resolve("/nosuchdir/abc") == Path("/nosuchdir/abc")  # a path, though it reads as stage/version

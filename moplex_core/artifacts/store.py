@@ -117,7 +117,7 @@ class ArtifactStore:
             try:
                 return self.locate("/".join(parts[:2])).path.joinpath(*parts[2:])
             except ArtifactNotFoundError:
-                if len(parts) == 2 and not in_stage_folder:
+                if (len(parts) == 2 and not in_stage_folder) or (len(parts) > 2 and is_stage_folder(self.root / parts[0])):
                     raise
         if in_stage_folder:
             return ArtifactStore(path.parent.parent).locate(f"{path.parent.name}/{path.name}").path

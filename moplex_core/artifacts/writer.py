@@ -140,9 +140,11 @@ class ArtifactWriter:
                 started.write(("" if ended else "\n") + json.dumps(run, sort_keys=True, default=str) + "\n")
 
     def _say_what_it_supersedes(self) -> None:
-        """A new version beside a finished one of the same settings and inputs that other stage code
-        wrote (an upgrade of moplex): say why the stage runs again, which it would otherwise do in
-        silence, hours of training perhaps."""
+        """A new version beside a finished one of the same inputs and recorded config (every setting,
+        those outside the version too, where the model lies aside) that other stage code wrote (an
+        upgrade of moplex): say why the stage runs again, which it would otherwise do in silence, hours
+        of training perhaps. A sibling that also differs in a setting outside the version (a batch
+        size) is not named: the writer has the recorded config, not the version's identity."""
         def settings(config: dict[str, Any], inputs: dict[str, Any]) -> Any:  # where a model lies is left out, as
             return json.loads(json.dumps([{k: v for k, v in config.items() if k != "model"}, inputs],  # in a resume
                                          sort_keys=True, default=str))

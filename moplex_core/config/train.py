@@ -19,7 +19,7 @@ class TrainConfig(StageConfig):
     ``anchor_weighting``: a non-anchor's estimate is the ``mean`` of every anchor's first-order
     estimate of it (the paper's Algorithm 1) or the estimate of the ``nearest`` anchor in input
     embedding space alone, where the first-order term is most accurate (README, "Which anchor
-    estimates a response"); in the version only when ``nearest`` with at least 2 anchors.
+    estimates a response"); in the version only with at least 2 anchors.
     ``epochs`` passes over the weighted (example, cluster) pairs per M-step, in minibatches of
     ``batch_size`` pairs (a rows each, m' without anchors: the M-step's memory); ``first_epochs``
     (None = ``epochs``) for the first M-step, which starts with every adapter at the base model and
