@@ -87,9 +87,10 @@ def say_unread_contractions(config: PipelineConfig, cache: CacheConfig, rankings
     if plan_cache(cache, rankings, ArtifactStore(Path(rankings).parents[1])).complete:
         return
     log.info("train.anchors = null scores every response exactly, so this run reads none of the reference "
-             "contractions the cache computes (s_ref: its backward passes, about half of its time); "
-             "`--set cache.contractions=false` leaves them out, at the price of a cache that training with "
-             "anchors and `moplex experiment approximation` refuse")
+             "contractions the cache computes (s_ref: its backward passes, about half of its time); unless a "
+             "later run with train.anchors or `moplex experiment approximation` is to read this cache (as a "
+             "comparison's `no_aug` reads the cache of its exact baselines), `--set cache.contractions=false` "
+             "leaves them out")
 
 
 def in_this_process(root: str | Path) -> Stage:
