@@ -693,6 +693,6 @@ MUTANTS: list[Mutant] = [
            'return self.locate("/".join(parts[:2])).path.joinpath(*parts[2:])',
            'return self.locate("/".join(parts[:2])).path'),
     Mutant('store_list_by_name', 'moplex_core/artifacts/store.py', 'the listing orders stages by name',
-           'key=lambda d: (STAGE_ORDER.index(d.name) if d.name in STAGE_ORDER else len(STAGE_ORDER),\n                                                d.name)',
-           'key=lambda d: d.name'),
+           'return (STAGE_ORDER.index(folder.name) if folder.name in STAGE_ORDER else len(STAGE_ORDER), folder.name)',
+           'return (0, folder.name)'),
 ]

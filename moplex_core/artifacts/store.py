@@ -89,9 +89,8 @@ class ArtifactStore:
         pipeline's order (`STAGE_ORDER`, then any other by name), versions by name; other folders (an
         experiment's output, a user's data) are not versions. A finished version whose manifest
         cannot be read is listed unfinished, with manifest None."""
-        stage_dirs = [self.root / stage] if stage else sorted(
-            self.root.iterdir(), key=lambda d: (STAGE_ORDER.index(d.name) if d.name in STAGE_ORDER else len(STAGE_ORDER),
-                                                d.name)) if self.root.is_dir() else []
+        stage_dirs = [self.root / stage] if stage else sorted(self.root.iterdir(), key=_in_stage_order) \
+            if self.root.is_dir() else []
         infos = []
         for stage_dir in stage_dirs:
             if not stage_dir.is_dir() or stage_dir.name.startswith("."):
@@ -117,7 +116,8 @@ class ArtifactStore:
             try:
                 return self.locate("/".join(parts[:2])).path.joinpath(*parts[2:])
             except ArtifactNotFoundError:
-                if (len(parts) == 2 and not in_stage_folder) or (len(parts) > 2 and is_stage_folder(self.root / parts[0])):
+                a_stage_here = is_stage_folder(self.root / parts[0])  # stage/badprefix/inner: name its versions
+                if (len(parts) == 2 and not in_stage_folder) or (len(parts) > 2 and a_stage_here):
                     raise
         if in_stage_folder:
             return ArtifactStore(path.parent.parent).locate(f"{path.parent.name}/{path.name}").path
@@ -146,6 +146,11 @@ class ArtifactStore:
         """The root named for a user whose root is not a folder, with what to do."""
         return (f"{self.root.resolve()}, which {'is a file' if self.root.exists() else 'does not exist'} (run from the "
                 "folder the artifacts are under, or give --root; `make demo` writes data/artifacts)")
+
+
+def _in_stage_order(folder: Path) -> tuple[int, str]:
+    """Sort key of a root's folders: the pipeline's stages in its order, then the rest by name."""
+    return (STAGE_ORDER.index(folder.name) if folder.name in STAGE_ORDER else len(STAGE_ORDER), folder.name)
 
 
 def _some(infos: list[ArtifactInfo], shown: int = 8) -> str:
