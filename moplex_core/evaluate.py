@@ -304,7 +304,7 @@ def run_evaluate(config: EvaluateConfig, train_dir: str | Path, cache_dir: str |
     from moplex_core.cache import cache_model, load_policy_inputs
     from moplex_core.lm.loading import resolve_device
     from moplex_core.report import write_report
-    from moplex_core.train import load_trained
+    from moplex_core.train import load_posteriors, load_trained
 
     plan = plan or plan_evaluate(config, train_dir, cache_dir, store)
     if plan.complete:
@@ -327,7 +327,8 @@ def run_evaluate(config: EvaluateConfig, train_dir: str | Path, cache_dir: str |
     diagnostics = _generated_diagnostics(outputs, splits, alpha, scorer.k)
     seed = read_manifest(train_dir)["config"]["seed"]
     em_result = json.loads((train_dir / "result.json").read_text())
-    parts = [metrics, _diagnostic_metrics(diagnostics), em_start_rows(train_dir, cache_dir, label_names),
+    posteriors = load_posteriors(train_dir)  # (training example ids, EM's start, its final posteriors)
+    parts = [metrics, _diagnostic_metrics(diagnostics), em_start_rows(posteriors, cache_dir, label_names),
              estimation_rows(em_result.get("estimation_check"),  # absent before train-8
                              em_result.get("fell_back"))]  # absent before train-9
     # An empty part would turn the string columns into objects: the result would not equal metrics.parquet read back.
@@ -345,19 +346,16 @@ def run_evaluate(config: EvaluateConfig, train_dir: str | Path, cache_dir: str |
         if not diagnostics.empty:
             writer.write_table("diagnostics.parquet", diagnostics)
         write_report(writer, metrics, diagnostics, em_result, confusion, plan.inputs, trained.likelihood,
-                     mixture_table(alpha, train_dir))
+                     mixture_table(alpha, posteriors[2]))
         writer.summary.update({"metrics": len(metrics), "splits": list(config.splits), "method": config.method})
     return EvaluateResult(plan.ref, plan.path, True, metrics)
 
 
-def mixture_table(alpha: torch.Tensor, train_dir: str | Path) -> pd.DataFrame:
+def mixture_table(alpha: torch.Tensor, gamma: torch.Tensor) -> pd.DataFrame:
     """The fitted mixture, one row per adapter (index ``adapter``): its mixing weight (``alpha`` [k],
-    as `load_trained` gives it), the training rankings whose final posterior in ``train_dir`` puts
-    them on it (argmax gamma, ties to the lower index) and their mean posterior there (NaN for an
-    adapter that holds none)."""
-    from moplex_core.train import load_posteriors
-
-    _, _, gamma = load_posteriors(train_dir)  # float64 [n, k]
+    as `load_trained` gives it), the training rankings whose final posterior ``gamma`` (float64 [n, k],
+    `load_posteriors`) puts them on it (argmax, ties to the lower index) and their mean posterior
+    there (NaN for an adapter that holds none)."""
     assigned = gamma.argmax(1)  # [n]
     rows = []
     for c, weight in enumerate(alpha.tolist()):
@@ -367,12 +365,11 @@ def mixture_table(alpha: torch.Tensor, train_dir: str | Path) -> pd.DataFrame:
     return pd.DataFrame(rows).set_index("adapter")
 
 
-def em_start_rows(train_dir: str | Path, cache_dir: str | Path, label_names: list[str] | None) -> pd.DataFrame:
-    """em_start_metrics of a train artifact, with the labels of its cache (`cache_label_names`) when
-    given; no rows for artifacts that did not keep their start."""
-    from moplex_core.train import load_posteriors
-
-    example_ids, start, final = load_posteriors(train_dir)
+def em_start_rows(posteriors: tuple[tuple[str, ...], torch.Tensor | None, torch.Tensor], cache_dir: str | Path,
+                  label_names: list[str] | None) -> pd.DataFrame:
+    """em_start_metrics of a train artifact's `load_posteriors`, with the labels of its cache
+    (`cache_label_names`) when given; no rows for artifacts that did not keep their start."""
+    example_ids, start, final = posteriors
     if start is None:
         return pd.DataFrame(columns=["split", "metric", "cluster", "value"])
     labels = None

@@ -34,7 +34,8 @@ def trained(tmp_path_factory):
 
 def _mixture(train):
     """The report's mixture table of the train artifact at ``train``, with the alpha it trained."""
-    return mixture_table(torch.tensor(json.loads((train / "result.json").read_text())["alpha"]), train)
+    return mixture_table(torch.tensor(json.loads((train / "result.json").read_text())["alpha"]),
+                         load_posteriors(train)[2])
 
 
 def test_evaluation_writes_labelled_metrics_a_report_and_plots(trained):
@@ -80,7 +81,7 @@ def test_evaluation_writes_labelled_metrics_a_report_and_plots(trained):
     assert "-- metrics.parquet:" in shown and "values over all rankings (metric x split):" in shown
     # the mixture: alpha as trained, each training ranking on its argmax-gamma adapter
     alpha = json.loads((train / "result.json").read_text())["alpha"]
-    mixture = mixture_table(torch.tensor(alpha, dtype=torch.float64), train)
+    mixture = mixture_table(torch.tensor(alpha, dtype=torch.float64), final)
     assert mixture["training rankings"].tolist() == np.bincount(final.argmax(1).numpy(), minlength=3).tolist()
     held = final.max(1).values
     assert mixture["mean posterior"].tolist() == pytest.approx(
