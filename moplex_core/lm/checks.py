@@ -118,8 +118,8 @@ def check_model(model: str, *, lora_targets: Sequence[str], max_prompt_tokens: i
     """Refuse settings ``model`` cannot run before any stage loads it: logits it transforms after lm_head
     (`refuse_rescaled_logits`), LoRA targets (train.lora_targets) that match none of its linear layers,
     a cache whose longest sequence (cache.max_prompt_tokens + cache.max_response_tokens) exceeds
-    its positions, and a tokenizer with more tokens than its embedding table; and warn of its turn layout (`warn_of_turn_layout`, which the cache repeats), before
-    augment generates. Nothing is checked for a model that is not on this machine (the stages check it
+    its positions, and a tokenizer with more tokens than its embedding table; and warn of its turn
+    layout (`warn_of_turn_layout`, which the cache repeats), before augment generates. Nothing is checked for a model that is not on this machine (the stages check it
     where it is)."""
     folder = local_model_folder(model)
     if folder is None:
