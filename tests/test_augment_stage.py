@@ -18,7 +18,7 @@ import pytest
 
 from chaos.kills import finished_work
 from lm_fixtures import tiny_model_dir  # noqa: F401 - fixture
-from moplex_core.artifacts import ArtifactStore, read_manifest, shard_paths
+from moplex_core.artifacts import ArtifactStore, load_table, read_manifest, shard_paths
 from moplex_core.augment import AUGMENTED_SCHEMA, SHORTFALL_FILE, STAGE, ShortfallError, plan_augment, run_augment
 from moplex_core.cache import run_cache
 from moplex_core.cli import main
@@ -60,14 +60,14 @@ def test_a_generation_cut_at_max_new_tokens_is_recorded_and_cached_without_eos(t
     store = ArtifactStore(tmp_path / "artifacts")
     result = run_augment(hf_config(tiny_model_dir, max_new_tokens=8), rankings_dir(tmp_path, store.root), store,
                          progress=False)
-    rows = store.load_table(STAGE, result.ref.version).to_pylist()
+    rows = load_table(store.path(STAGE, result.ref.version)).to_pylist()
     ended = [flag for row in rows for flag in row["generated_finished"]]
     assert all(len(row["generated_finished"]) == len(row["generated"]) for row in rows)
     assert any(ended) and not all(ended)  # at 8 tokens some texts end and some are cut: both kinds are checked
     assert "cut at max_new_tokens:" in inspect_path(result.path)
     cache = run_cache(CacheConfig(model=str(tiny_model_dir)), result.path, store, progress=False)
     eos = load_tokenizer(tiny_model_dir).eos_token_id
-    by_id = {row["example_id"]: row for row in store.load_table("cache", cache.ref.version).to_pylist()}
+    by_id = {row["example_id"]: row for row in load_table(store.path("cache", cache.ref.version)).to_pylist()}
     for row in rows:
         cached = by_id[row["example_id"]]["input_ids"]
         assert all(ids[-1] == eos for ids in cached[:len(row["responses"])])  # originals end
@@ -118,9 +118,9 @@ def test_generated_once_per_prompt_shared_by_its_rankings_and_never_an_original(
     result = run_augment(hf_config(tiny_model_dir), rankings, store, progress=False)
     assert result.built and result.rows == len(ROWS) and result.shortfall.num_rows == 0
     assert [p.name for p in shard_paths(result.path)] == ["part-00000.parquet", "part-00001.parquet"]  # 4 prompts
-    table = store.load_table(STAGE, result.ref.version)
+    table = load_table(store.path(STAGE, result.ref.version))
     assert table.schema == AUGMENTED_SCHEMA
-    assert table.select(RANKINGS_SCHEMA.names).to_pylist() == store.load_table("ingest", rankings.name).to_pylist()
+    assert table.select(RANKINGS_SCHEMA.names).to_pylist() == load_table(store.path("ingest", rankings.name)).to_pylist()
     rows = table.to_pylist()
     by_prompt: dict[str, list[str]] = {}
     for row in rows:
@@ -146,7 +146,7 @@ def test_generated_once_per_prompt_shared_by_its_rankings_and_never_an_original(
     (result.path / "part-00001.parquet").unlink()
     resumed = run_augment(hf_config(moved), rankings, store, progress=False)
     assert resumed.built and resumed.ref == result.ref
-    assert store.load_table(STAGE, result.ref.version).equals(table)
+    assert load_table(store.path(STAGE, result.ref.version)).equals(table)
     assert run_augment(hf_config(tiny_model_dir, seed=1), rankings, store, progress=False).ref != result.ref
 
 
@@ -192,7 +192,7 @@ def test_borrow_fills_each_ranking_from_the_other_rankings_of_its_prompt(tmp_pat
     rankings = rankings_dir(tmp_path, store.root)
     config = AugmentConfig(backend="borrow", n_generated=1, on_shortfall="keep_fewer")
     result = run_augment(config, rankings, store, progress=False)
-    rows = {tuple(r["responses"]): r for r in store.load_table(STAGE, result.ref.version).to_pylist()}
+    rows = {tuple(r["responses"]): r for r in load_table(store.path(STAGE, result.ref.version)).to_pylist()}
     assert rows[("3 1", "4 4 2")]["generated"] == ["7 0"] and rows[("3 1", "7 0")]["generated"] == ["4 4 2"]
     assert rows[("5", "6 6")]["generated"] == ["2 2"] and rows[("2 2", "6 6")]["generated"] == ["5"]
     assert rows[("0", "1 1")]["generated"] == [] and rows[("0", "1 1")]["generation"]["temperature"] is None

@@ -6,9 +6,6 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import pandas as pd
-import pyarrow as pa
-
 from moplex_core.artifacts.errors import ArtifactError, ArtifactNotFoundError
 from moplex_core.artifacts.layout import (
     STAGE_ORDER,
@@ -18,13 +15,10 @@ from moplex_core.artifacts.layout import (
     is_complete,
     is_stage_folder,
     is_version_folder,
-    load_table,
     read_manifest,
     readable_manifest,
-    verify,
 )
 from moplex_core.artifacts.writer import ArtifactWriter
-from moplex_core.hashing import canonical_json, short_hash
 
 
 class ArtifactStore:
@@ -70,19 +64,6 @@ class ArtifactStore:
         """
         return ArtifactWriter(self.path(stage, version), ArtifactRef(stage, version), dict(config),
                               {k: str(v) for k, v in (inputs or {}).items()}, code_version, lock_timeout)
-
-    def load_table(self, stage: str, version: str, columns: list[str] | None = None) -> pa.Table:
-        return load_table(self.path(stage, version), columns)
-
-    def load(self, stage: str, version: str, columns: list[str] | None = None) -> pd.DataFrame:
-        return self.load_table(stage, version, columns).to_pandas()
-
-    def verify(self, stage: str, version: str) -> None:
-        verify(self.path(stage, version))
-
-    def fingerprint(self, stage: str, version: str) -> str:
-        """A hash of the finished artifact's file contents (for cache keys that must notice a rewrite)."""
-        return short_hash(canonical_json(self.manifest(stage, version)["files"]))
 
     def list(self, stage: str | None = None) -> list[ArtifactInfo]:
         """Every version folder under the root (or one stage), finished or not: stages in the

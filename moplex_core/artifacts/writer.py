@@ -56,7 +56,7 @@ class ArtifactWriter:
     - ``w.complete`` is True when the version was already finished (another run completed it while
       this one waited): the body should do nothing, and nothing is written or rewritten;
     - otherwise files left by an interrupted run are kept (``w.reused`` names them) and hidden
-      temporaries are deleted; ``has_shard``/``has_file`` tell the body what it may skip.
+      temporaries are deleted; ``has_shard`` tells the body which shards it may skip.
 
     On a clean exit the manifest is written: config, inputs, rows (sum over shards), the sha256 of
     every file, start and finish times, library versions, ``w.summary`` (stage-specific numbers),
@@ -191,9 +191,6 @@ class ArtifactWriter:
             path.unlink()
             return False
         return True
-
-    def has_file(self, name: str) -> bool:
-        return (self.path / _check_relative(name)).exists()
 
     def write_shard(self, index: int, data: pa.Table | pd.DataFrame) -> Path:
         table = arrow_table(data)

@@ -1,5 +1,5 @@
 """What every config is made of: frozen blocks of settings that refuse unknown keys, a stage config's
-identity (what its artifact version hashes) and fingerprint, devices, and local paths made absolute."""
+identity (what its artifact version hashes), devices, and local paths made absolute."""
 
 from __future__ import annotations
 
@@ -9,8 +9,6 @@ from pathlib import Path
 from typing import Annotated, Any
 
 from pydantic import AfterValidator, BaseModel, ConfigDict
-
-from moplex_core.hashing import canonical_json, short_hash
 
 TINY_MODEL = "tiny"
 """The special model value: the pipeline builds a tiny offline Qwen3 model (moplex_core.lm.tiny) from
@@ -51,9 +49,3 @@ class StageConfig(Options):
     def identity(self) -> dict[str, Any]:
         """The settings that change the stage's output (all of them unless a stage says otherwise)."""
         return self.model_dump(mode="json")
-
-    def canonical_json(self) -> str:
-        return canonical_json(self.identity())
-
-    def fingerprint(self) -> str:
-        return short_hash(self.canonical_json())
