@@ -335,22 +335,6 @@ def estimate_delta(
     return apply_offsets(anchor_idx, anchor_delta, offsets, weights)
 
 
-def reference_terms(
-    model: PreTrainedModel | PeftModel,
-    sequences: Sequence[TokenizedResponse],
-    pad_token_id: int,
-    *,
-    chunk_size: int = 1024,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """What the cache stage stores for one example under pi_ref (the base model; a model with
-    `MultiLoRA` adapters outside a route is the same): (ref_logp float64 [M], s_ref float32 [M, M]).
-
-    Every response is an anchor once, so any later anchor choice finds its row of s_ref.
-    """
-    return reference_terms_batch(model, [sequences], pad_token_id, rows_per_pass=len(sequences),
-                                 chunk_size=chunk_size)[0]
-
-
 def reference_terms_batch(
     model: PreTrainedModel | PeftModel,
     examples: Sequence[Sequence[TokenizedResponse]],
@@ -360,9 +344,12 @@ def reference_terms_batch(
     chunk_size: int = 1024,
     contractions: bool = True,
 ) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
-    """`reference_terms` of several examples, their responses in order in forward + input-gradient
-    passes of at most ``rows_per_pass`` rows (an example's rows in one pass share its prompt pass);
-    forward passes only and s_ref None without ``contractions``.
+    """What the cache stage stores for each example under pi_ref (the base model; a model with
+    `MultiLoRA` adapters outside a route is the same): (ref_logp float64 [M], s_ref float32 [M, M]),
+    every response an anchor once, so any later anchor choice finds its row of s_ref. The examples'
+    responses go in order through forward + input-gradient passes of at most ``rows_per_pass`` rows
+    (an example's rows in one pass share its prompt pass); forward passes only and s_ref None without
+    ``contractions``.
 
     An example whose responses straddle passes gets its rows of s_ref from each pass: row i of s_ref
     needs only response i's input gradients and every response's embeddings.

@@ -161,8 +161,3 @@ def score_gradient_at_zero(index: RankingIndex, model: str = "pl") -> torch.Tens
     scores = torch.zeros(index.order.shape, dtype=torch.float64, requires_grad=True)
     (grad,) = torch.autograd.grad(LIKELIHOODS[model](scores, index).sum(), scores)
     return grad
-
-
-def bradley_terry_log_likelihood(winner_scores: torch.Tensor, loser_scores: torch.Tensor) -> torch.Tensor:
-    """log sigmoid(r_w - r_l): Plackett-Luce with m = 2 (paper section 2)."""
-    return torch.nn.functional.logsigmoid(winner_scores - loser_scores)

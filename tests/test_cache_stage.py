@@ -18,7 +18,7 @@ from stage_fixtures import write_synthetic
 from moplex_core.artifacts import ArtifactStore, load_table, read_manifest
 from moplex_core.cache import cache_model, load_policy_inputs, plan_cache, policy_inputs, run_cache
 from moplex_core.config import CacheConfig, TrainConfig, pipeline_preset, with_overrides
-from moplex_core.estimate import reference_terms
+from moplex_core.estimate import reference_terms_batch
 from moplex_core.inspect import inspect_path
 from moplex_core.lm.loading import identity_on_this_machine, load_model, load_tokenizer
 from moplex_core.lm.tokenize import tokenize_responses
@@ -38,7 +38,7 @@ def test_augmented_input_caches_originals_then_generated_with_reference_terms(ti
     for row, src in zip(cached, source, strict=True):
         seqs = tokenize_responses(tokenizer, src["prompt"], src["responses"] + src["generated"])
         assert row["input_ids"] == [s.input_ids for s in seqs] and row["n_original"] == 3
-        ref_logp, s_ref = reference_terms(model, seqs, tokenizer.pad_token_id)
+        (ref_logp, s_ref), = reference_terms_batch(model, [seqs], tokenizer.pad_token_id)
         torch.testing.assert_close(torch.tensor(row["ref_logp"], dtype=torch.float64), ref_logp, atol=1e-4, rtol=0)
         torch.testing.assert_close(torch.tensor(row["ref_contraction"]).reshape(5, 5), s_ref, atol=1e-4, rtol=1e-4)
     inputs, clusters = load_policy_inputs(result.path, split=None)

@@ -17,7 +17,6 @@ from moplex_core.estimate import (
     estimate_offsets,
     hold_estimates,
     nearest_anchor_weights,
-    reference_terms,
     reference_terms_batch,
     response_embeddings,
 )
@@ -185,7 +184,7 @@ def test_anchors_depend_only_on_seed_iteration_and_example():
 def test_reference_terms_match_the_reference_log_probs(model64):
     model, tokenizer = model64
     seqs = tokenize_responses(tokenizer, "Which list is best?", RESPONSES)
-    ref_logp, s_ref = reference_terms(model, seqs, tokenizer.pad_token_id)
+    (ref_logp, s_ref), = reference_terms_batch(model, [seqs], tokenizer.pad_token_id)
     for j, seq in enumerate(seqs):
         batch = pad_batch([seq], tokenizer.pad_token_id)
         alone = sequence_logprobs(model, batch.input_ids, batch.attention_mask, batch.response_mask)

@@ -18,7 +18,7 @@ from moplex_core.artifacts import ArtifactStore
 from moplex_core.cache import load_policy_inputs, run_cache
 from moplex_core.config import CacheConfig
 from moplex_core.em import EMConfig, initial_responsibilities
-from moplex_core.estimate import reference_terms, response_embeddings
+from moplex_core.estimate import reference_terms_batch, response_embeddings
 from moplex_core.lm.device import PassOutOfMemoryError
 from moplex_core.lm.loading import load_model, load_tokenizer
 from moplex_core.lm.logprobs import embed, output_score_features, sequence_logprobs
@@ -292,7 +292,7 @@ def test_the_m_step_objective_is_the_weighted_breslow_log_likelihood_written_out
     width = 5
     ref_logp, s_ref = torch.zeros(2, width, dtype=torch.float64), torch.zeros(2, width, width)
     for e, slate in enumerate(slates):
-        logp, contraction = reference_terms(policy.model, slate, policy.pad_token_id)
+        (logp, contraction), = reference_terms_batch(policy.model, [slate], policy.pad_token_id)
         ref_logp[e, :len(slate)], s_ref[e, :len(slate), :len(slate)] = logp, contraction
     generator = torch.Generator().manual_seed(11)
     with torch.no_grad():  # adapters away from the reference, so that anchors and estimates differ
@@ -634,7 +634,7 @@ def test_estimates_under_moved_adapters_are_algorithm_1_by_finite_differences(ti
                           score_batch_size=3, seed=1)
     seqs = tuple(tokenize_responses(load_tokenizer(tiny_model_dir), "Rank by criterion 1: which list is best?",
                                     ["3 1 2", "5 0 2 7", "1 1", "4 2 9 9 1"]))
-    ref_logp, s_ref = reference_terms(sc.model, seqs, sc.pad_token_id)  # float64 [4], float32 [4, 4]
+    (ref_logp, s_ref), = reference_terms_batch(sc.model, [seqs], sc.pad_token_id)  # float64 [4], float32 [4, 4]
     generator = torch.Generator().manual_seed(3)
     with torch.no_grad():
         for p in sc.lora.named_parameters().values():

@@ -11,9 +11,9 @@ from hypothesis import strategies as st
 from moplex_core.pl import (
     PAD,
     UNRANKED,
-    bradley_terry_log_likelihood,
     encode_tiers,
     encode_tiers_batch,
+    pairwise_log_likelihood,
     plackett_luce_log_likelihood,
     prepare_rankings,
     score_gradient_at_zero,
@@ -134,8 +134,9 @@ def test_breslow_ties_match_the_design_formula():
 @given(st.floats(-30, 30), st.floats(-30, 30))
 def test_bradley_terry_is_pl_with_two_items_and_the_sigmoid(rw, rl):
     s = torch.tensor([[rw, rl]], dtype=torch.float64)
-    pl = plackett_luce_log_likelihood(s, torch.tensor([[0, 1]])).item()
-    bt = bradley_terry_log_likelihood(s[:, 0], s[:, 1]).item()
+    tiers = torch.tensor([[0, 1]])
+    pl = plackett_luce_log_likelihood(s, tiers).item()
+    bt = pairwise_log_likelihood(s, prepare_rankings(tiers)).item()
     assert pl == pytest.approx(bt, abs=1e-12)
     assert math.exp(bt) == pytest.approx(1 / (1 + math.exp(-(rw - rl))), rel=1e-9)
 
