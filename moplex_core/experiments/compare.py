@@ -69,12 +69,12 @@ def collect_metrics(evaluations: list[tuple[str, int, str | Path]]) -> pd.DataFr
 AVERAGE = "Average"
 
 
-def summary_table(metrics: pd.DataFrame, metric: str, split: str = SPLIT) -> pd.DataFrame:
-    """Mean, std (sample; NaN for one seed) and count over seeds of one metric, per method and true
-    cluster, plus ``AVERAGE``: per seed the mean of the per-cluster values (every cluster weighted
+def seed_statistics(metrics: pd.DataFrame, metric: str) -> pd.DataFrame:
+    """Mean, std (sample; NaN for one seed) and count over seeds of one metric on the ``SPLIT``
+    rankings, per method and true cluster, plus ``AVERAGE``: per seed the mean of the per-cluster values (every cluster weighted
     alike, as the paper's tables average their columns), or the all-rankings value of a method that
     has no per-cluster rows (no labels)."""
-    rows = metrics[(metrics.metric == metric) & (metrics.split == split)]
+    rows = metrics[(metrics.metric == metric) & (metrics.split == SPLIT)]
     per_cluster = rows[rows.cluster != "all"]
     averages = per_cluster.groupby(["method", "seed"], sort=False)["value"].mean().reset_index()
     unlabelled = rows[(rows.cluster == "all") & ~rows.method.isin(per_cluster.method)]
@@ -83,9 +83,9 @@ def summary_table(metrics: pd.DataFrame, metric: str, split: str = SPLIT) -> pd.
     return stats.reset_index()
 
 
-def _averages(metrics: pd.DataFrame, metric: str, split: str) -> pd.DataFrame:
-    """summary_table's AVERAGE rows, indexed by method."""
-    stats = summary_table(metrics, metric, split)
+def _averages(metrics: pd.DataFrame, metric: str) -> pd.DataFrame:
+    """seed_statistics' AVERAGE rows, indexed by method."""
+    stats = seed_statistics(metrics, metric)
     return stats[stats.cluster == AVERAGE].set_index("method")
 
 
@@ -97,26 +97,26 @@ def _cell(mean: float, std: float) -> str:
     return f"{100 * mean:.1f}" if np.isnan(std) else f"{100 * mean:.1f} ± {100 * std:.1f}"
 
 
-def summary_shape(metrics: pd.DataFrame, dataset: str, split: str = SPLIT) -> str:
+def summary_shape(metrics: pd.DataFrame, dataset: str) -> str:
     """Paper Table 3's shape: clustering accuracy of the mixture methods, then the ranking accuracy
     (posterior-routed, the paper's number) of every method, on one dataset, and the same routed
     without the pair predicted (leave pair out, which k alone does not raise); % mean ± std over seeds."""
     methods = list(dict.fromkeys(metrics.method))
     lines = [f"| Methods | {dataset} |", "|---|---|", "| **Clustering accuracy** | |"]
-    clustering = _averages(metrics, "clustering_accuracy", split)
+    clustering = _averages(metrics, "clustering_accuracy")
     lines += [f"| {_label(m)} | {_cell(*clustering.loc[m, ['mean', 'std']])} |" for m in methods
               if _is_mixture(m) and m in clustering.index]
     for variant, title in (("posterior", "Ranking accuracy"), ("leave_pair_out", "Ranking accuracy, leave pair out")):
         lines.append(f"| **{title}** | |")
-        ranking = _averages(metrics, f"ranking_accuracy_{variant}", split)
+        ranking = _averages(metrics, f"ranking_accuracy_{variant}")
         lines += [f"| {_label(m)} | {_cell(*ranking.loc[m, ['mean', 'std']])} |" for m in methods if m in ranking.index]
     return "\n".join(lines)
 
 
-def per_cluster_shape(metrics: pd.DataFrame, metric: str = "ranking_accuracy_posterior", split: str = SPLIT) -> str:
+def per_cluster_shape(metrics: pd.DataFrame, metric: str = "ranking_accuracy_posterior") -> str:
     """Paper Table 4's shape: ``metric`` per true cluster and their average, one row per method
     (only the mixtures for clustering accuracy)."""
-    stats = summary_table(metrics, metric, split)
+    stats = seed_statistics(metrics, metric)
     if metric == "clustering_accuracy":
         stats = stats[[_is_mixture(m) for m in stats.method]]
     clusters = [c for c in dict.fromkeys(stats.cluster) if c != AVERAGE] + [AVERAGE]
@@ -169,10 +169,10 @@ def _plain_cell(mean: float, std: float) -> str:
     return f"{mean:.2f}" if np.isnan(std) else f"{mean:.2f} ± {std:.2f}"
 
 
-def all_variants_table(metrics: pd.DataFrame, split: str = SPLIT) -> pd.DataFrame:
+def all_variants_table(metrics: pd.DataFrame) -> pd.DataFrame:
     """Every headline metric (columns) per method (rows), mean over seeds, as fractions; the
     clustering columns NaN ("-") for a single-cluster method, where they mean nothing."""
-    overall = metrics[(metrics.split == split) & (metrics.cluster == "all")]
+    overall = metrics[(metrics.split == SPLIT) & (metrics.cluster == "all")]
     columns = ["clustering_accuracy", "ari", "nmi", *(f"ranking_accuracy_{v}" for v in RANKING_VARIANTS)]
     table = overall.pivot_table(index="method", columns="metric", values="value", aggfunc="mean", sort=False)
     table = table[[c for c in columns if c in table.columns]]
@@ -190,19 +190,19 @@ def _label(method: str) -> str:
     return f"{METHODS[method].paper} (`{method}`)" if method in METHODS else method
 
 
-def sampling_note(metrics: pd.DataFrame, split: str = SPLIT) -> str:
-    """The standard error the sampling of ``split``'s rankings gives a value, which the ± over seeds
+def sampling_note(metrics: pd.DataFrame) -> str:
+    """The standard error the sampling of the ``SPLIT`` rankings gives a value, which the ± over seeds
     leaves out: a mean over n independent rankings of a value in [0, 1] (a ranking's clustering hit,
     its fraction of pairs ordered right) has at most 0.5 / sqrt(n); the Average over K clusters at most
     the mean of its clusters' bounds, however they correlate (UltraFeedback's criteria share prompts).
     "" without the counts (evaluations before evaluate-11)."""
-    counts = metrics[(metrics.metric == RANKINGS) & (metrics.split == split)]
+    counts = metrics[(metrics.metric == RANKINGS) & (metrics.split == SPLIT)]
     if counts.empty:
         return ""
     first = counts[(counts.method == counts.method.iloc[0]) & (counts.seed == counts.seed.iloc[0])]  # one data set
     total = int(first[first.cluster == "all"].value.item())
     per_cluster = {c: int(n) for c, n in zip(first.cluster, first.value, strict=True) if c != "all" and n > 0}
-    note = f"The {split} split holds {total} rankings"
+    note = f"The {SPLIT} split holds {total} rankings"
     bounds = f"{50 / np.sqrt(total):.1f} points on all of them"
     if per_cluster:
         note += " (" + ", ".join(f"{c} {n}" for c, n in per_cluster.items()) + ")"
@@ -223,7 +223,7 @@ def chance_level(metrics: pd.DataFrame) -> float | None:
     return 1 / len(labels) if labels else None
 
 
-def comparison_plot(metrics: pd.DataFrame, chance: float | None, split: str = SPLIT) -> bytes:
+def comparison_plot(metrics: pd.DataFrame, chance: float | None) -> bytes:
     """Two bar panels with std error bars: clustering accuracy (mixture methods) and ranking
     accuracy (leave pair out, every method: routed without the pair it predicts, so that methods
     with more clusters gain nothing from the routing alone)."""
@@ -231,7 +231,7 @@ def comparison_plot(metrics: pd.DataFrame, chance: float | None, split: str = SP
     axes = figure.subplots(1, 2, gridspec_kw={"width_ratios": [1, 1.5]})
     for ax, metric, title in ((axes[0], "clustering_accuracy", "clustering accuracy"),
                               (axes[1], "ranking_accuracy_leave_pair_out", "ranking accuracy (leave pair out)")):
-        stats = _averages(metrics, metric, split).reset_index()
+        stats = _averages(metrics, metric).reset_index()
         if metric == "clustering_accuracy":
             stats = stats[[_is_mixture(m) for m in stats.method]]
         x = np.arange(len(stats))
@@ -239,7 +239,7 @@ def comparison_plot(metrics: pd.DataFrame, chance: float | None, split: str = SP
                color=["tab:orange" if m == "moplex" else "tab:blue" for m in stats.method])
         ax.set_xticks(x, stats.method, rotation=35, ha="right")
         ax.set_ylim(0, 100)
-        ax.set_ylabel(f"% ({split})")
+        ax.set_ylabel(f"% ({SPLIT})")
         ax.set_title(title)
         if metric == "clustering_accuracy" and chance is not None:
             ax.axhline(100 * chance, color="grey", linestyle="--", linewidth=1)

@@ -28,6 +28,8 @@ IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"  # end of a chat turn; the EOS that closes every scored response
 UNK_TOKEN = "<unk>"
 SPECIAL_TOKENS = (PAD_TOKEN, IM_START, IM_END, UNK_TOKEN)
+PRETRAIN_BATCH_SIZE = 16  # pairs per AdamW step of the tiny model's pre-training
+PRETRAIN_LR = 3e-3
 
 # Qwen's ChatML markup without tools or thinking blocks.
 CHAT_TEMPLATE = (
@@ -73,27 +75,24 @@ def build_tiny_model(
     layers: int = 2,
     heads: int = 4,
     kv_heads: int = 2,
-    intermediate_size: int | None = None,
     vocab_size: int = 320,
     max_positions: int = 1024,
     seed: int = 0,
     pretrain_steps: int = 0,
-    pretrain_batch_size: int = 16,
-    pretrain_lr: float = 3e-3,
 ) -> Path:
     """Build, optionally pre-train, and save a tiny Qwen3 chat model and its tokenizer to ``out_dir``.
 
     pairs:             (prompt, response) texts; the tokenizer is trained on all of them and the
                        pre-training reads each as a user turn answered by the assistant.
-    hidden_size, layers, heads, kv_heads, intermediate_size (default 3 * hidden_size), max_positions:
-                       the Qwen3Config (head_dim = hidden_size / heads; tied input/output
-                       embeddings, as in Qwen3-0.6B).
+    hidden_size, layers, heads, kv_heads, max_positions:
+                       the Qwen3Config (head_dim = hidden_size / heads; MLP width 3 * hidden_size;
+                       tied input/output embeddings, as in Qwen3-0.6B).
     vocab_size:        see build_tiny_tokenizer.
     seed:              weight initialisation and the pre-training batch order; the same seed gives
                        the same weights (built on one CPU thread), without touching the caller's RNG
                        or thread count.
     pretrain_steps:    AdamW steps of next-token loss on every non-pad token, batches of
-                       ``pretrain_batch_size`` pairs drawn without replacement epoch by epoch.
+                       ``PRETRAIN_BATCH_SIZE`` pairs drawn without replacement epoch by epoch.
 
     Returns ``out_dir`` as a Path.
     """
@@ -112,7 +111,7 @@ def build_tiny_model(
     config = Qwen3Config(
         vocab_size=len(tokenizer),
         hidden_size=hidden_size,
-        intermediate_size=intermediate_size or 3 * hidden_size,
+        intermediate_size=3 * hidden_size,
         num_hidden_layers=layers,
         num_attention_heads=heads,
         num_key_value_heads=kv_heads,
@@ -136,8 +135,8 @@ def build_tiny_model(
                     tokenizer,
                     pairs,
                     steps=pretrain_steps,
-                    batch_size=pretrain_batch_size,
-                    lr=pretrain_lr,
+                    batch_size=PRETRAIN_BATCH_SIZE,
+                    lr=PRETRAIN_LR,
                     seed=seed,
                 )
     finally:
