@@ -14,11 +14,9 @@ from __future__ import annotations
 
 import atexit
 import logging
-import os
 import shlex
 import signal
 import subprocess
-import sys
 import threading
 import time
 import types

@@ -52,7 +52,6 @@ iteration t and the M-step of iteration t + 1 the same round, t + 1.
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Callable, Hashable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
@@ -67,6 +66,7 @@ from transformers import PreTrainedModel
 from moplex_core.lm.device import HostCopies, to_device
 from moplex_core.lm.logprobs import PromptPrefix, embed, prefix_is_exact, prompt_prefix, sequence_logprobs
 from moplex_core.lm.tokenize import TokenizedResponse, pad_batch
+from moplex_core.hashing import seed_from
 
 EstimationMode = Literal["delta", "logpi"]
 RowRoute = Callable[[Sequence[int]], AbstractContextManager[Any]]
@@ -86,7 +86,7 @@ def anchor_indices(example_id: str, n_responses: int, a: int | None, seed: int, 
         return np.arange(n_responses, dtype=np.int64)
     if a < 1:
         raise ValueError(f"the number of anchors must be at least 1, got {a}")
-    example_key = int.from_bytes(hashlib.sha256(example_id.encode()).digest()[:8], "little")
+    example_key = seed_from(example_id)
     rng = np.random.default_rng([seed, iteration, example_key])
     return np.sort(rng.choice(n_responses, size=a, replace=False)).astype(np.int64)
 

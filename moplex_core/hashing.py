@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 _CHUNK = 1 << 20
 _MODEL_FILES: dict[tuple, dict[str, str]] = {}  # (folder, every file's name, size, mtime_ns, inode) -> digests
@@ -23,6 +23,12 @@ def canonical_json(value: Any) -> str:
 def short_hash(*parts: str, length: int = 16) -> str:
     """Hex sha256 prefix of the parts joined by a unit separator (so ("ab", "c") != ("a", "bc"))."""
     return hashlib.sha256("\x1f".join(parts).encode()).hexdigest()[:length]
+
+
+def seed_from(text: str, byteorder: Literal["little", "big"] = "little") -> int:
+    """A 64-bit integer from the sha256 of ``text`` (its first 8 bytes in ``byteorder``): a seed that
+    a name or an id gives the same on every machine and in every process (Python's hash() does not)."""
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], byteorder)
 
 
 def sha256_file(path: str | Path) -> str:
@@ -50,7 +56,8 @@ def model_fingerprint(model: str) -> str:
 
 
 def files_fingerprint(files: dict[str, str]) -> str:
-    """The ``sha256:`` fingerprint of a `model_files` listing."""
+    """The ``sha256:`` fingerprint of a listing of files (relative name -> hex sha256, in path order:
+    `model_files`, a dataset's `data.sources.source_fingerprint`)."""
     return "sha256:" + short_hash(canonical_json([[name, digest] for name, digest in files.items()]), length=64)
 
 

@@ -19,7 +19,6 @@ from moplex_core.data.sources import RawRejects, RawSchemaError, Record, iter_lo
 from moplex_core.hashing import short_hash
 from moplex_core.ingest import build_rankings
 from moplex_core.lm.tokenize import encode_prompt
-from moplex_core.schema import SchemaError
 
 
 def records(path: Path) -> list:

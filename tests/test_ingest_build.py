@@ -16,7 +16,6 @@ import pytest
 
 from moplex_core.artifacts import ArtifactStore
 from moplex_core.config import IngestConfig, SplitConfig
-from moplex_core.data import helpsteer2, persona, prism, ultrafeedback
 from moplex_core.data.sources import (
     DatasetUnavailableError,
     RawSchemaError,

@@ -9,7 +9,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from moplex_core.artifacts import ArtifactStore
+from moplex_core.artifacts import ArtifactStore, load_table
 from moplex_core.cli import main
 from moplex_core.config import IngestConfig
 from moplex_core.ingest import STAGE, plan_ingest, run_ingest
@@ -158,7 +158,7 @@ def test_ingest_flow_twice_on_the_local_prefect_server(prefect_env, tmp_path, fi
             logger.removeHandler(caplog.handler)
     assert second == first
     assert {p.name: p.stat().st_mtime_ns for p in Path(first).iterdir()} == written  # nothing was written again
-    assert ArtifactStore(root).load(STAGE, Path(first).name)["cluster"].nunique() == 4
+    assert load_table(first).to_pandas()["cluster"].nunique() == 4
 
 
 def test_the_ingest_flow_warns_of_what_drop_mode_left_out_also_when_the_version_exists(prefect_env, tmp_path,

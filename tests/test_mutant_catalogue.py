@@ -4,7 +4,6 @@ applies a mutant in a copy of the checkout, finds the test that catches it and l
 from __future__ import annotations
 
 from dataclasses import replace
-from pathlib import Path
 
 from chaos.mutant_catalogue import MUTANTS, TESTS
 from chaos.mutants import ROOT, applies, checkout_copy, run_mutant

@@ -29,7 +29,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from moplex_core.artifacts import is_version_folder
-from moplex_core.hashing import canonical_json, sha256_file, short_hash
+from moplex_core.hashing import files_fingerprint, sha256_file
 from moplex_core.schema import DROP_MODE, json_text
 
 DATA_SUFFIXES = (".jsonl", ".jsonl.gz", ".json", ".parquet")
@@ -191,8 +191,8 @@ def source_fingerprint(path: str | Path) -> str:
     names relative to the folder, and bytes). Where the source lives and a single file's name do not
     count, so moving or renaming it keeps the artifact version."""
     path = Path(path)
-    listing = [[f.relative_to(path).as_posix() if path.is_dir() else "", sha256_file(f)] for f in local_files(path)]
-    return "sha256:" + short_hash(canonical_json(listing), length=64)
+    return files_fingerprint({f.relative_to(path).as_posix() if path.is_dir() else "": sha256_file(f)
+                              for f in local_files(path)})
 
 
 def iter_local_records(path: str | Path) -> Iterator[Record]:

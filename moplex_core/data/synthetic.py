@@ -17,7 +17,6 @@ responses reach the top varies with the cluster. It needs noise > 0.
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
 from typing import Literal
 
@@ -25,6 +24,7 @@ import numpy as np
 import pandas as pd
 import torch
 
+from moplex_core.hashing import short_hash
 from moplex_core.pl import UNRANKED
 
 SOURCE = "synthetic"
@@ -98,8 +98,8 @@ class SyntheticRankings:
             ]
             rows.append(
                 {
-                    "example_id": _short_hash(f"{SOURCE}:{self.config.seed}:{i}:{self.labels[i]}"),
-                    "prompt_id": _short_hash(prompt),
+                    "example_id": short_hash(f"{SOURCE}:{self.config.seed}:{i}:{self.labels[i]}"),
+                    "prompt_id": short_hash(prompt),
                     "prompt": prompt,
                     "responses": texts[:m],
                     "generated": texts[m:],
@@ -150,7 +150,3 @@ def generate_synthetic(config: SyntheticConfig) -> SyntheticRankings:
     tiers = np.concatenate([tiers_ranked, np.full((n, m + g - ranked), UNRANKED)], axis=1).astype(np.int64)
     prefix = np.full(n, m, dtype=np.int64) if config.augment_mode == "top_m" else None
     return SyntheticRankings(config, values.astype(np.int64), tiers, labels.astype(np.int64), prefix)
-
-
-def _short_hash(text: str) -> str:
-    return hashlib.sha256(text.encode()).hexdigest()[:16]

@@ -12,12 +12,13 @@ Deduplication and resampling are the augment stage's (moplex_core.augment); `nor
 
 from __future__ import annotations
 
-import hashlib
 import json
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
+
+from moplex_core.hashing import seed_from
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -99,5 +100,4 @@ def stop_token_ids(tokenizer: PreTrainedTokenizerBase, generation_eos: int | lis
 
 
 def _hash_int(text: str) -> int:
-    digest = hashlib.sha256(text.encode()).digest()
-    return int.from_bytes(digest[:8], "big") >> (64 - _SEED_BITS)
+    return seed_from(text, "big") >> (64 - _SEED_BITS)

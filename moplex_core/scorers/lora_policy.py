@@ -74,6 +74,7 @@ from moplex_core.lm.multi_lora import LoRASettings, MultiLoRA
 from moplex_core.lm.routed_adam import RoutedAdam
 from moplex_core.lm.tokenize import TokenizedResponse, pad_batch
 from moplex_core.pl import LIKELIHOODS, PAD, RankingIndex
+from moplex_core.hashing import seed_from
 
 log = logging.getLogger(__name__)
 
@@ -360,7 +361,7 @@ class LoRAPolicyScorer:
     def _dropout_masks(self, iteration: int) -> Iterator[None]:
         """The global RNG (LoRA dropout's) seeded by (seed, iteration) for one M-step and restored after,
         so a redone M-step (EM's backtracking) and a resumed run draw the masks an uninterrupted run drew."""
-        seed = int.from_bytes(hashlib.sha256(f"dropout {self.seed} {iteration}".encode()).digest()[:8], "little")
+        seed = seed_from(f"dropout {self.seed} {iteration}")
         cuda = [self.model.device.index or 0] if self.model.device.type == "cuda" else []
         with torch.random.fork_rng(devices=cuda):  # restores the CPU's and the model's GPU's generators only
             torch.random.default_generator.manual_seed(seed)
