@@ -40,7 +40,8 @@ METHODS: dict[str, Method] = {m.name: m for m in (
     Method("moplex", "MoPLEx (Alg. 2)", (), "k Plackett-Luce models on augmented rankings, a anchors"),
     Method("no_pl", "w/o Plackett-Luce models", ("train.likelihood=bt_pairs",),
            "MoPLEx with Bradley-Terry over pairs of the augmented rankings"),
-    Method("no_aug", "w/o generated responses", ("augment=null",), "MoPLEx on the original rankings"),
+    Method("no_aug", "w/o generated responses", ("augment=null",),
+           "MoPLEx on the original rankings (a anchors of their m responses; every response exact where a >= m)"),
     Method("k1", "w/o mixture models", ("train.k=1", "train.restarts=1"), "MoPLEx with a single cluster"),
     Method("full", "w/o gradient estimation", ("train.anchors=null",), "MoPLEx with every response exact (a = m')"),
     Method("guarded", "MoPLEx + exact fallback (not in the paper)", ("train.exact_fallback=0.5",),
@@ -50,10 +51,18 @@ METHODS: dict[str, Method] = {m.name: m for m in (
 
 
 def method_config(base: PipelineConfig, method: str, seed: int) -> PipelineConfig:
-    """``base`` turned into ``method`` with ``train.seed = seed``; the evaluation names the method."""
+    """``base`` turned into ``method`` with ``train.seed = seed``; the evaluation names the method. A
+    method without the generated responses that keeps the anchors (``no_aug``) computes every response
+    exactly where the base's a is at least the m originals (Persona: a = 6 of m' = 26, m = 2); on a
+    generic source, whose m the config does not tell, the train stage checks a against the data."""
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
     if base.augment is None or base.train.anchors is None:
         raise ValueError("the base config must be MoPLEx itself (the methods are differences from it): "
                          "set augment (generated responses) and train.anchors (a < m')")
-    return with_overrides(base, [*METHODS[method].overrides, f"train.seed={seed}", f"evaluate.method={method}"])
+    overrides = list(METHODS[method].overrides)
+    if "augment=null" in overrides and "train.anchors=null" not in overrides:
+        m = with_overrides(base, _ORIGINALS_EXACT).responses_per_example()
+        if m is not None and base.train.anchors >= m:
+            overrides.append("train.anchors=null")
+    return with_overrides(base, [*overrides, f"train.seed={seed}", f"evaluate.method={method}"])

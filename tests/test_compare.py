@@ -51,6 +51,15 @@ def test_every_method_is_the_base_config_with_its_documented_differences():
         assert train.exact_fallback == (0.5 if method == "guarded" else None)
 
 
+def test_without_generated_responses_a_at_least_m_computes_every_response_exactly():
+    persona = pipeline_preset("persona-paper")  # a = 6 of m' = 26; m = 2 originals
+    assert persona.train.anchors == 6 and persona.responses_per_example() == 26
+    assert method_config(persona, "no_aug", 0).train.anchors is None
+    assert method_config(persona, "moplex", 0).train.anchors == 6
+    assert method_config(with_overrides(TINY_BASE, ["ingest.synthetic.m=4", "train.anchors=2"]), "no_aug", 0
+                         ).train.anchors == 2  # a < m: the anchors stay
+
+
 def test_a_base_that_is_not_moplex_and_unknown_methods_are_refused():
     with pytest.raises(ValueError, match="base config must be MoPLEx"):
         method_config(with_overrides(TINY_BASE, ["train.anchors=null"]), "moplex", 0)
