@@ -248,3 +248,63 @@ def test_a_pad_before_a_real_token_is_refused(model32, batch) -> None:
     assert padded_rows and not left.attention_mask[padded_rows, 0].any()
     with pytest.raises(ValueError, match=re.escape(f"pad before a real token in rows {padded_rows}")):
         score(model32, left)
+
+
+def _random_gemma2(vocab_size: int, cap: float) -> PreTrainedModel:
+    """A tiny Gemma 2 in float64 with random weights (seeded) large enough that ``cap`` bends its logits:
+    final logit soft-capping, attention soft-capping (eager attention), sliding-window layers."""
+    from transformers import AutoModelForCausalLM, Gemma2Config
+
+    torch.manual_seed(0)
+    config = Gemma2Config(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                          num_attention_heads=2, num_key_value_heads=1, head_dim=16, final_logit_softcapping=cap)
+    model = AutoModelForCausalLM.from_config(config).double().eval()
+    with torch.no_grad():
+        model.get_input_embeddings().weight.normal_(0, 1.0)  # tied: logits of a few units before the cap
+    return model
+
+
+def test_a_soft_capped_model_gives_its_own_log_probs_gradients_and_output_features(model32, batch) -> None:
+    """Gemma 2 soft-caps its logits after lm_head (cap tanh(logits / cap)): the chunked log-probs, their
+    input-embedding gradients and the output-layer features equal transformers' own forward and autograd."""
+    model = _random_gemma2(model32.config.vocab_size, cap=2.0)
+    decoder, lm_head = causal_lm_parts(model)
+    with torch.no_grad():
+        states = decoder(input_ids=batch.input_ids, attention_mask=batch.attention_mask).last_hidden_state
+        raw = lm_head.head(states[batch.attention_mask.bool()])  # [N, V] before the cap
+    assert raw.abs().max() > 4.0  # the cap bends them
+    inputs_embeds = embed(model, batch.input_ids).detach().requires_grad_(True)  # [B, L, d]
+    ours = score(model, batch, inputs_embeds=inputs_embeds, chunk_size=3)
+    (ours_grad,) = torch.autograd.grad(ours.sum(), inputs_embeds)
+    reference_embeds = inputs_embeds.detach().clone().requires_grad_(True)
+    reference = full_vocab_logprobs(model, batch, inputs_embeds=reference_embeds)
+    (reference_grad,) = torch.autograd.grad(reference.sum(), reference_embeds)
+    torch.testing.assert_close(ours, reference, rtol=0, atol=1e-10)
+    torch.testing.assert_close(ours_grad, reference_grad, rtol=0, atol=1e-10)
+    plain = full_vocab_logprobs(_random_gemma2(model32.config.vocab_size, cap=None), batch).detach()
+    assert (plain - reference.detach()).abs().max() > 1.0  # without the cap: other log-probs
+    generator = torch.Generator().manual_seed(0)
+    left = torch.randn(lm_head.head.weight.shape[0], 3, generator=generator, dtype=torch.float64)  # [V, p]
+    right = torch.randn(lm_head.head.weight.shape[1], 4, generator=generator, dtype=torch.float64)  # [d, q]
+    features = output_score_features(model, batch.input_ids, batch.attention_mask, batch.response_mask,
+                                     left, right, chunk_size=4)  # [B, p*q]
+    weight = lm_head.head.weight.detach().clone().requires_grad_(True)  # [V, d]
+    for row in range(batch.input_ids.shape[0]):
+        predicts = batch.response_mask[row, 1:]  # [L-1]
+        capped = 2.0 * torch.tanh(states[row, :-1][predicts] @ weight.T / 2.0)  # [T, V]
+        logp = capped.log_softmax(-1).gather(1, batch.input_ids[row, 1:][predicts][:, None]).sum()
+        (gradient,) = torch.autograd.grad(logp, weight)  # [V, d]
+        torch.testing.assert_close(features[row], (left.T @ gradient @ right).flatten(), rtol=1e-9, atol=1e-10)
+
+
+def test_soft_capping_runs_in_float32_on_a_bf16_head() -> None:
+    """A bf16 head's logits are capped in float32, against a float64 reference of the same logits."""
+    from moplex_core.lm.logprobs import SoftCappedHead
+
+    torch.manual_seed(0)
+    head = torch.nn.Linear(16, 40, bias=False).to(torch.bfloat16)  # [V = 40, d = 16]
+    hidden = (4 * torch.randn(5, 16)).to(torch.bfloat16)  # [n, d]
+    capped = SoftCappedHead(head, cap=30.0)(hidden)  # [n, V]
+    reference = 30.0 * torch.tanh(head(hidden).double() / 30.0)
+    assert capped.dtype == torch.float32
+    torch.testing.assert_close(capped.double(), reference, rtol=0, atol=1e-5)

@@ -33,12 +33,15 @@ def test_a_gpt2_model_is_checked_before_any_stage_for_its_positions_and_its_laye
 
 
 def test_a_model_that_rescales_its_logits_after_lm_head_is_refused_before_any_stage(tmp_path):
-    # Gemma 2's final_logit_softcapping: response-only chunked log-probs would skip it and be wrong
+    # Gemma 2's final_logit_softcapping is reproduced (logprobs.SoftCappedHead): its settings are checked
     Gemma2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
-                 head_dim=16, vocab_size=64).save_pretrained(tmp_path)
-    with pytest.raises(ValueError, match=r"rescales its logits after lm_head \(final_logit_softcapping\)"):
+                 head_dim=16, vocab_size=64, max_position_embeddings=128, final_logit_softcapping=30.0
+                 ).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=r"512 \+ 512 exceeds the 128 positions"):
         check_model(str(tmp_path), lora_targets=TARGETS, max_prompt_tokens=512, max_response_tokens=512,
                     use_chat_template=True)
+    check_model(str(tmp_path), lora_targets=TARGETS, max_prompt_tokens=64, max_response_tokens=64,
+                use_chat_template=True)
     granite = tmp_path / "granite"  # Granite divides its logits by logits_scaling
     GraniteConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, vocab_size=64,
                   logits_scaling=8.0).save_pretrained(granite)

@@ -52,29 +52,51 @@ def _cache_name(decoder: nn.Module) -> str:
 
 
 def refuse_rescaled_logits(config: PretrainedConfig, name: str) -> None:
-    """Raise for a model whose ForCausalLM forward transforms the logits after lm_head (Gemma 2's
-    final_logit_softcapping, and Gemma 3's where set; Cohere's logit_scale, Granite's logits_scaling,
-    Falcon-H1's lm_head_multiplier): response-only chunked log-probs skip that forward, so they would
-    be wrong without any error."""
-    for transform in ("final_logit_softcapping", "logit_scale", "logits_scaling", "lm_head_multiplier"):
+    """Raise for a model whose ForCausalLM forward transforms the logits after lm_head in a way
+    `causal_lm_parts` does not reproduce (Cohere's logit_scale, Granite's logits_scaling, Falcon-H1's
+    lm_head_multiplier): response-only chunked log-probs skip that forward, so they would be wrong
+    without any error. Gemma 2's (and Gemma 3's, where set) final_logit_softcapping is reproduced
+    (`SoftCappedHead`)."""
+    for transform in ("logit_scale", "logits_scaling", "lm_head_multiplier"):
         if getattr(config, transform, None) not in (None, 1.0):
             raise ValueError(
                 f"{name} rescales its logits after lm_head ({transform}), which response-only chunked "
-                "log-probs do not reproduce; use a model without it (Qwen, Llama, Mistral, Gemma 1)"
+                "log-probs do not reproduce; use a model without it (Qwen, Llama, Mistral, Gemma)"
             )
 
 
+class SoftCappedHead(nn.Module):
+    """``lm_head`` followed by final logit soft-capping, as Gemma 2's forward applies it after the
+    head: cap * tanh(logits / cap), computed in float32 at least (the head's bf16 logits are cast
+    first). Its parameters are the head's."""
+
+    def __init__(self, head: nn.Module, cap: float) -> None:
+        super().__init__()
+        self.head, self.cap = head, float(cap)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.head(hidden)  # [n, V]
+        return self.cap * torch.tanh(logits.to(torch.promote_types(logits.dtype, torch.float32)) / self.cap)
+
+    def slope(self, capped: torch.Tensor) -> torch.Tensor:
+        """d capped / d logits at the capped logits ``capped``: 1 - tanh^2 = 1 - (capped / cap)^2."""
+        return 1 - (capped / self.cap) ** 2
+
+
 def causal_lm_parts(model: PreTrainedModel | PeftModel) -> tuple[nn.Module, nn.Module]:
-    """The decoder (token embeddings -> last hidden states) and ``lm_head`` of a causal LM."""
+    """The decoder (token embeddings -> last hidden states) and ``lm_head`` of a causal LM, the head
+    wrapped in `SoftCappedHead` where the model soft-caps its logits."""
     causal_lm = model.get_base_model() if isinstance(model, PeftModel) else model
-    refuse_rescaled_logits(causal_lm.config.get_text_config(decoder=True), type(causal_lm).__name__)
+    text_config = causal_lm.config.get_text_config(decoder=True)
+    refuse_rescaled_logits(text_config, type(causal_lm).__name__)
     lm_head = causal_lm.get_output_embeddings()
     if lm_head is None:
         raise ValueError(
             f"{type(causal_lm).__name__} has no output embeddings (lm_head); load the model with "
             "AutoModelForCausalLM, not AutoModel"
         )
-    return causal_lm.get_decoder(), lm_head
+    cap = getattr(text_config, "final_logit_softcapping", None)
+    return causal_lm.get_decoder(), lm_head if cap is None else SoftCappedHead(lm_head, cap)
 
 
 def embed(model: PreTrainedModel | PeftModel, input_ids: torch.Tensor) -> torch.Tensor:
@@ -221,7 +243,8 @@ def output_score_features(
 
         G_b = d log pi(y_b|x_b) / dW = sum_t (e_{y_t} - softmax(W h_t)) h_t^T        [V, d]
 
-    over b's response tokens (h_t the final hidden state that predicts y_t). <Theta, left^T G right>
+    over b's response tokens (h_t the final hidden state that predicts y_t; for a soft-capped head,
+    softmax(c(W h_t)) with c = cap tanh(. / cap), and each vocabulary entry of e - p times c' there). <Theta, left^T G right>
     is then the first-order change of log pi(y|x) when W moves by left Theta right^T, a rank-limited
     change of the output layer: features in which the mixture's scores are linear at the reference
     model (`LoRAPolicyScorer.response_features`).
@@ -239,8 +262,14 @@ def output_score_features(
                                device=selected.device)  # [B, p*q]
         for start in range(0, targets.shape[0], chunk_size):
             hidden = selected[start : start + chunk_size]  # [n, d]
-            probs = torch.softmax(lm_head(hidden).double(), dim=-1)  # [n, V]
-            a = left[targets[start : start + chunk_size]] - probs @ left  # [n, p]: (e_y - p)^T left
+            logits = lm_head(hidden).double()  # [n, V]
+            probs = torch.softmax(logits, dim=-1)  # [n, V]
+            target = targets[start : start + chunk_size]  # [n]
+            if isinstance(lm_head, SoftCappedHead):  # d/dW through the cap: ((e_y - p) * slope)^T left
+                slope = lm_head.slope(logits)  # [n, V]
+                a = slope.gather(1, target[:, None]) * left[target] - (probs * slope) @ left  # [n, p]
+            else:
+                a = left[target] - probs @ left  # [n, p]: (e_y - p)^T left
             b = hidden.double() @ right  # [n, q]: h^T right
             owner = torch.nn.functional.one_hot(row_of[start : start + chunk_size], input_ids.shape[0])
             features += owner.double().T @ (a[:, :, None] * b[:, None, :]).flatten(1)  # [B, p*q], no atomics
