@@ -181,7 +181,11 @@ def _leave_pair_out_credit(scores: torch.Tensor, rankings: Rankings, alpha: torc
 
 def _mixture_credit(scores: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
     """float64 [n, M, M]: the credit of predicting i above j when the mixture's probability that i
-    precedes j, sum_c alpha_c sigmoid(r_ci - r_cj), is above 1/2 (0.5 at exactly 1/2)."""
+    precedes j, sum_c alpha_c sigmoid(r_ci - r_cj), is above 1/2 (0.5 at exactly 1/2). The sigmoid is
+    the pairwise marginal of a Plackett-Luce ranking of the whole slate; under the fitted model's
+    augmented bottom set (paper eq. 5: the originals above every generated response) the odds of i
+    above j in cluster c are (e^r_ci + Z_c) / (e^r_cj + Z_c), Z_c the generated responses' sum of
+    e^r, which agree in direction within a cluster but can differ once mixed over clusters."""
     first, second = scores.unsqueeze(3), scores.unsqueeze(2)  # [n, k, M, 1], [n, k, 1, M]
     precedes = torch.sigmoid((first - second).to(torch.float64))  # [n, k, M, M]; NaN only at padding
     probability = torch.einsum("k,nkij->nij", alpha.to(torch.float64), precedes)  # [n, M, M]
