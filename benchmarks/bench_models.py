@@ -11,17 +11,7 @@ from pathlib import Path
 
 import torch
 
-from moplex_core.lm.tiny import build_qwen3_0_6b_shape, build_tiny_model
-
-
-def tiny_pairs(n: int = 120) -> list[tuple[str, str]]:
-    """Prompts and digit-list answers like the tests' (tests/lm_fixtures.py)."""
-    generator = torch.Generator().manual_seed(0)
-    pairs = []
-    for i in range(n):
-        digits = torch.randint(0, 10, (int(torch.randint(2, 6, (1,), generator=generator)),), generator=generator)
-        pairs.append((f"Rank by criterion {i % 3}: which list is best?", " ".join(map(str, digits.tolist()))))
-    return pairs
+from moplex_core.lm.tiny import build_qwen3_0_6b_shape, build_tiny_model, tiny_pairs
 
 
 def add_model_options(parser: argparse.ArgumentParser) -> None:

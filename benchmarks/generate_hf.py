@@ -28,9 +28,10 @@ from transformers import GenerationConfig
 from moplex_core.generate.base import SampleRequest, request_seed
 from moplex_core.generate.hf import HFGenerator
 from moplex_core.lm.loading import load_model, load_tokenizer, resolve_dtype
+from moplex_core.lm.tiny import tiny_pairs
 from moplex_core.lm.tokenize import encode_prompt
 
-from bench_models import add_model_options, bench_model, tiny_pairs
+from bench_models import add_model_options, bench_model
 
 
 def plain_sampling_tokens_per_s(model_dir: Path, device: torch.device, dtype: str, prompts: list[str], n: int,

@@ -8,7 +8,6 @@ session's base temporary directory to run once per session, not once per module.
 from __future__ import annotations
 
 import functools
-import random
 import shutil
 from pathlib import Path
 
@@ -19,7 +18,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from moplex_core.lm.lean import LeanRMSNorm
-from moplex_core.lm.tiny import build_tiny_model, build_tiny_tokenizer
+from moplex_core.lm.tiny import build_tiny_model, build_tiny_tokenizer, tiny_pairs
 
 PRETRAIN_STEPS = 40
 HUB_NAME = "moplex-tests/tiny-qwen3"
@@ -35,16 +34,6 @@ def as_cached_hub_model(model_dir: Path, hub_cache: Path, commit: str, monkeypat
     (repo / "refs" / "main").write_text(commit)
     monkeypatch.setattr(hf_constants, "HF_HUB_CACHE", str(hub_cache))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-
-
-def tiny_pairs(n: int = 120, seed: int = 0) -> list[tuple[str, str]]:
-    """(prompt, response) texts in the spirit of the synthetic data: lists of digits to be ranked."""
-    rng = random.Random(seed)
-    pairs = []
-    for i in range(n):
-        digits = [str(rng.randrange(10)) for _ in range(rng.randrange(2, 6))]
-        pairs.append((f"Rank by criterion {i % 3}: which list is best?", " ".join(digits)))
-    return pairs
 
 
 @functools.cache

@@ -14,6 +14,7 @@ benchmarks of the cost of the LM path at the paper's scale.
 
 from __future__ import annotations
 
+import random
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -65,6 +66,17 @@ def build_tiny_tokenizer(texts: Sequence[str], *, vocab_size: int = 320) -> PreT
     )
     tokenizer.chat_template = CHAT_TEMPLATE
     return tokenizer
+
+
+def tiny_pairs(n: int = 120, seed: int = 0) -> list[tuple[str, str]]:
+    """(prompt, response) texts in the spirit of the synthetic data, lists of digits to be ranked: what
+    the tests and benchmarks build and pre-train their tiny models on."""
+    rng = random.Random(seed)
+    pairs = []
+    for i in range(n):
+        digits = [str(rng.randrange(10)) for _ in range(rng.randrange(2, 6))]
+        pairs.append((f"Rank by criterion {i % 3}: which list is best?", " ".join(digits)))
+    return pairs
 
 
 def build_tiny_model(
