@@ -36,7 +36,7 @@ import torch
 from tqdm.auto import tqdm
 
 from moplex_core.artifacts import (DEFAULT_ROOT, ArtifactRef, ArtifactStore, check_files, finished_shards,
-                                   is_version_folder, read_manifest, shard_name)
+                                   is_version_folder, read_manifest, root_of, shard_name)
 
 if TYPE_CHECKING:
     from moplex_core.cache import CachePlan
@@ -95,7 +95,7 @@ def plan_assign(train_dir: str | Path, rankings_dir: str | Path, store: Artifact
     train = read_manifest(train_dir, ("train",))
     read_manifest(rankings_dir, RANKING_STAGES)  # refuses an unfinished artifact or one of another stage
     resolved = _checked_device(device)
-    trained_cache_dir = train_dir.parents[1] / train["inputs"]["cache"]
+    trained_cache_dir = root_of(train_dir) / train["inputs"]["cache"]
     model = cache_model(trained_cache_dir, model)
     cache_config = _cache_config(read_manifest(trained_cache_dir), device, model)
     cache = plan_cache(cache_config, rankings_dir, store)
@@ -114,7 +114,7 @@ def default_root(train: str | Path) -> str:
     train artifact ``train`` when it is a version folder (``ROOT/train/<version>``, as typed: relative,
     with ``~``), else DEFAULT_ROOT."""
     path = Path(train).expanduser().resolve()
-    return str(path.parent.parent) if is_version_folder(path) else DEFAULT_ROOT
+    return str(root_of(path)) if is_version_folder(path) else DEFAULT_ROOT
 
 
 def run_assign(train_dir: str | Path, rankings_dir: str | Path, store: ArtifactStore, *, model: str | None = None,

@@ -31,7 +31,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from moplex_core.artifacts import ArtifactRef, ArtifactStore, load_table, read_manifest, shard_name
+from moplex_core.artifacts import ArtifactRef, ArtifactStore, load_table, read_manifest, root_of, shard_name
 from moplex_core.config import CacheConfig, local_model_absolute
 from moplex_core.estimate import reference_terms_batch
 from moplex_core.hashing import files_changed, files_fingerprint, model_files, model_fingerprint
@@ -270,7 +270,7 @@ def cache_model(cache_dir: str | Path, model: str | None = None) -> str:
     given = model is not None
     if model is None:
         model = recorded
-        root = ArtifactStore(cache_dir.resolve().parents[1])  # the root that holds the cache now
+        root = ArtifactStore(root_of(cache_dir.resolve()))  # the root that holds the cache now
         moved = root.path(TINY_MODEL_STAGE, Path(recorded).parent.name) / MODEL_DIR
         if local and not Path(recorded).expanduser().is_dir() and moved.is_dir():
             model = str(moved)

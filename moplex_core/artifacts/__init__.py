@@ -48,6 +48,7 @@ from moplex_core.artifacts.layout import (
     off_the_manifest,
     read_manifest,
     readable_manifest,
+    root_of,
     shard_name,
     shard_paths,
     verify,
@@ -60,5 +61,5 @@ __all__ = [
     "ArtifactError", "ArtifactIncompleteError", "ArtifactInfo", "ArtifactNotFoundError", "ArtifactRef",
     "ArtifactStageError", "ArtifactStorageError", "ArtifactStore", "ArtifactWriter", "artifact_version", "check_files",
     "finished_shards", "is_complete", "is_stage_folder", "is_version_folder", "load_table", "off_the_manifest",
-    "read_manifest", "readable_manifest", "run_changes", "shard_name", "shard_paths", "verify", "atomic_path",
+    "read_manifest", "readable_manifest", "root_of", "run_changes", "shard_name", "shard_paths", "verify", "atomic_path",
 ]

@@ -128,6 +128,12 @@ def readable_manifest(version_dir: Path) -> dict[str, Any] | None:
     return manifest if isinstance(manifest, dict) and "files" in manifest else None
 
 
+def root_of(version_dir: str | Path) -> Path:
+    """The artifact root that holds a version folder, ``ROOT`` of ``ROOT/STAGE/VERSION`` (as given:
+    resolve the path first where a relative or moved one must not matter)."""
+    return Path(version_dir).parents[1]
+
+
 def is_version_folder(path: str | Path) -> bool:
     """Whether ``path`` is a version folder written by moplex, finished or under way (a data folder
     of the user's may hold a ``manifest.json`` of its own: only moplex's names a stage). A

@@ -17,6 +17,7 @@ from moplex_core.artifacts.layout import (
     is_version_folder,
     read_manifest,
     readable_manifest,
+    root_of,
 )
 from moplex_core.artifacts.writer import ArtifactWriter
 
@@ -101,7 +102,7 @@ class ArtifactStore:
                 if (len(parts) == 2 and not in_stage_folder) or (len(parts) > 2 and a_stage_here):
                     raise
         if in_stage_folder:
-            return ArtifactStore(path.parent.parent).locate(f"{path.parent.name}/{path.name}").path
+            return ArtifactStore(root_of(path)).locate(f"{path.parent.name}/{path.name}").path
         return path
 
     def locate(self, ref: str | ArtifactRef) -> ArtifactInfo:
