@@ -692,3 +692,29 @@ def test_a_coarser_or_finer_partition_is_not_a_repeated_start():
     relabelled = soft_one_hot(np.array([2, 0, 1, 2, 0, 1]), 3)
     assert _repeated_start(merged, [old]) is None and _repeated_start(old, [merged]) is None
     assert _repeated_start(relabelled, [merged, old]) == 1
+
+
+def test_posteriors_are_alpha_times_each_clusters_eq5_probability_normalised():
+    """gamma_ic = alpha_c P_c(sigma_i) / sum_c' alpha_c' P_c'(sigma_i) and the mixture log-likelihood
+    log sum_c alpha_c P_c, with P_c written out (eq. 5: the originals in order above the generated set)."""
+    import math
+
+    from moplex_core.em import mixture_posteriors
+    from moplex_core.pl import encode_tiers
+
+    generator = torch.Generator().manual_seed(3)
+    orders = [[2, 0, 1], [0, 1, 2], [1, 2, 0], [2, 1, 0]]  # originals 0..2; 3 and 4 generated
+    scores = 2 * torch.randn(len(orders), 3, 5, generator=generator, dtype=torch.float64)  # [n, k, M]
+    alpha = torch.tensor([0.5, 0.3, 0.2], dtype=torch.float64)
+    tiers = torch.tensor([encode_tiers([[j] for j in order], 5) for order in orders])
+    gamma, ll = mixture_posteriors(scores, Rankings(tiers), alpha)
+    for i, order in enumerate(orders):
+        weighted = []
+        for c in range(3):
+            r = scores[i, c].tolist()
+            p = 1.0
+            for t in range(3):
+                p *= math.exp(r[order[t]]) / (sum(math.exp(r[j]) for j in order[t:]) + math.exp(r[3]) + math.exp(r[4]))
+            weighted.append(alpha[c].item() * p)
+        assert ll[i].item() == pytest.approx(math.log(sum(weighted)), rel=1e-12)
+        assert gamma[i].tolist() == pytest.approx([w / sum(weighted) for w in weighted], rel=1e-10)
