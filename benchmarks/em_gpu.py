@@ -299,6 +299,9 @@ def main() -> None:
     parser.add_argument("--resume", type=Path, metavar="JSON",
                         help="an em_gpu.json of an earlier run at the same size: its sections and EM "
                              "configurations are kept and not run again")
+    parser.add_argument("--report", type=Path, metavar="JSON",
+                        help="measure nothing: print the table of an earlier em_gpu.json and draw its em_gpu.png "
+                             "in --out (no device needed; docs/em_gpu.png is docs/em_gpu_h200.json's)")
     profile = parser.add_mutually_exclusive_group()
     profile.add_argument("--tiny", action="store_true", help="the tiny model on the CPU (the tests' path)")
     profile.add_argument("--smoke", action="store_true",
@@ -312,6 +315,13 @@ def main() -> None:
                         help="(example, cluster) pairs per M-step minibatch (default 1, the paper's comparison; "
                              "the pipeline's train.batch_size is 16)")
     args = parser.parse_args()
+    if args.report is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        earlier = json.loads(args.report.read_text())
+        print_report(earlier)
+        plot_figure5(earlier, args.out / "em_gpu.png")
+        print(f"\nwrote {args.out / 'em_gpu.png'}")
+        return
     sections = set(args.sections.split(","))
     if not sections <= set(SECTIONS) or args.examples < 1:
         parser.error(f"--sections takes {', '.join(SECTIONS)} (got {args.sections!r}); --examples >= 1")

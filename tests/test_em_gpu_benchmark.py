@@ -282,3 +282,12 @@ def test_activation_memory_prints_every_pass_with_less_kept_by_the_lean_modules_
     for row in rows:  # less in bf16; in float32 the lean modules run autograd
         stock, lean = float(row[2]), float(row[3])
         assert (0 < lean < stock) if row[1] == "bfloat16" else (lean == stock > 0), row
+
+
+def test_report_redraws_the_cards_figure_from_its_json_without_a_device(tmp_path: Path) -> None:
+    runner = _runner(["--report", "docs/em_gpu_h200.json", "--out", str(tmp_path)])
+    proc = subprocess.run([sys.executable, "-c", runner], cwd=ROOT, env=_env(), capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "663.4 TFLOP/s" in proc.stdout and _table(proc.stdout, "| m' | method |")
+    assert (tmp_path / "em_gpu.png").read_bytes() == (ROOT / "docs" / "em_gpu.png").read_bytes()
