@@ -186,6 +186,25 @@ def _augment(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cache(args: argparse.Namespace) -> int:
+    # In this process, without Prefect, like `moplex ingest`; flows/cache.py calls the same run_cache.
+    from moplex_core.artifacts import ArtifactError, ArtifactStore
+    from moplex_core.cache import run_cache
+    from moplex_core.config import CacheConfig, with_overrides
+
+    store = ArtifactStore(args.root)
+    try:
+        rankings = store.resolve(args.rankings)
+        # validated once, flags and --set together, as augment's
+        config = with_overrides(CacheConfig.model_construct(model=args.model), args.set)
+        result = run_cache(config, rankings, store, progress=not args.quiet)
+    except (ValueError, ArtifactError, OSError, RuntimeError) as err:
+        print(f"moplex cache: {err}", file=sys.stderr)
+        return 1
+    _say_done(result, "cached examples")
+    return 0
+
+
 def _assign(args: argparse.Namespace) -> int:
     # In this process, without Prefect, like `moplex ingest`.
     from moplex_core.artifacts import ArtifactError, ArtifactStore
@@ -391,6 +410,29 @@ def build_parser() -> argparse.ArgumentParser:
     )
     augment.add_argument("--quiet", action="store_true", help="no progress bar")
     augment.set_defaults(func=_augment)
+
+    cache = sub.add_parser(
+        "cache",
+        help="score a rankings or augmented artifact under the base model: reference log-probs and "
+        "contractions (paper 4.2; no Prefect needed)",
+        description="Write the cache stage's artifact of a rankings or augmented artifact: every response's "
+        "log pi_ref and, with contractions (the default), the anchor contractions s_ref, as the pipeline's cache "
+        "stage does; `moplex experiment approximation --cache` reads it. Resumes an interrupted run; a second "
+        "run with the same config does nothing.",
+    )
+    cache.add_argument("--rankings", required=True,
+                       help="the rankings or augmented artifact: its folder, or stage/version under --root "
+                       "(e.g. augment/9c1e)")
+    cache.add_argument("--model", required=True, help="the base model pi_ref: a local model directory or a cached "
+                       "hub name (the pipeline's tiny model is its folder, ROOT/model/VERSION/model)")
+    cache.add_argument("--root", default="data/artifacts", help="artifact root")
+    cache.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE",
+        help="override a CacheConfig field (e.g. max_prompt_tokens=256, score_batch_size=8, dtype=bfloat16, "
+        "contractions=false); repeatable",
+    )
+    cache.add_argument("--quiet", action="store_true", help="no progress bar")
+    cache.set_defaults(func=_cache)
 
     assign = sub.add_parser(
         "assign",

@@ -54,6 +54,22 @@ def test_rankings_input_caches_the_originals_only(tiny_model_dir, tmp_path):  # 
     assert run_cache(CacheConfig(model=str(tiny_model_dir)), rankings, store, progress=False).built is False
 
 
+def test_moplex_cache_writes_the_stages_artifact_from_the_command_line(tiny_model_dir, tmp_path, capsys):  # noqa: F811
+    from moplex_core.cli import main
+
+    store = ArtifactStore(tmp_path)
+    rankings = write_synthetic(store, n=4, m=3)
+    argv = ["cache", "--rankings", f"ingest/{rankings.name}", "--model", str(tiny_model_dir), "--root", str(tmp_path),
+            "--set", "contractions=false", "--quiet"]
+    assert main(argv) == 0
+    expected = run_cache(CacheConfig(model=str(tiny_model_dir), contractions=False), rankings, store, progress=False)
+    assert expected.built is False  # the command wrote this very version
+    assert f"{expected.ref}: wrote 4 cached examples" in capsys.readouterr().out
+    assert main(argv) == 0 and "nothing to do" in capsys.readouterr().out
+    assert main([*argv[:-3], "--set", "score_batch_size=0"]) == 1
+    assert "score_batch_size" in capsys.readouterr().err
+
+
 def test_a_cache_without_contractions_runs_forwards_only_with_the_same_log_probs(tiny_model_dir, tmp_path):  # noqa: F811
     store = ArtifactStore(tmp_path)
     augmented = write_synthetic(store, n=4, m=3, n_generated=2)
