@@ -58,6 +58,8 @@ def test_without_generated_responses_a_at_least_m_computes_every_response_exactl
     assert method_config(persona, "moplex", 0).train.anchors == 6
     assert method_config(with_overrides(TINY_BASE, ["ingest.synthetic.m=4", "train.anchors=2"]), "no_aug", 0
                          ).train.anchors == 2  # a < m: the anchors stay
+    assert method_config(with_overrides(TINY_BASE, ["ingest.synthetic.m=4", "train.anchors=4"]), "no_aug", 0
+                         ).train.anchors is None  # a = m: every response is an anchor, so exact
 
 
 def test_a_base_that_is_not_moplex_and_unknown_methods_are_refused():
