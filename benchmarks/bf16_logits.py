@@ -7,7 +7,7 @@ The tiny offline Qwen3 (pre-trained 40 steps on `tiny_pairs`) runs in bf16; its 
 the response positions go through the output layer twice, as the chunked log-probs do (a bf16 matmul,
 then float32) and in float32 (the same bf16 operands, a float32 matmul). The output layer's weight is
 scaled so that the logits reach a real model's sizes (Qwen3's reach 20-30), since the tiny model's stay
-below 4: a row per scale, the error per response token and per response in nats, and what that is in
+below 7: a row per scale, the error per response token and per response in nats, and what that is in
 r = beta (log pi - log pi_ref) at beta = 0.1 (the error of one log-prob; pi and pi_ref each carry one),
 and, for a 512-token response, the rms per token times sqrt(512): the size of a sum of 512 errors that
 add as independent ones do (their signs vary; the per-response column shows them partly cancelling).

@@ -79,16 +79,13 @@ class AssignResult:
     rows: int
 
 
-RANKING_STAGES = ("ingest", "augment")
-
-
 def plan_assign(train_dir: str | Path, rankings_dir: str | Path, store: ArtifactStore, *, model: str | None = None,
                 device: str = "auto", score_batch_size: int = 32) -> AssignPlan:
     """Where the assignment of ``rankings_dir`` (a rankings or augmented artifact) to the mixture of
     ``train_dir`` (a finished train artifact) lives, and the cache it needs. The base model is found
     at ``model`` when given, else where the train artifact's cache recorded it (`cache_model`); one
     whose files changed since the adapters were trained on it is refused."""
-    from moplex_core.cache import cache_model, plan_cache
+    from moplex_core.cache import RANKING_STAGES, cache_model, plan_cache
     from moplex_core.lm.loading import dtype_name, identity_on_this_machine, resolve_dtype
 
     train_dir, rankings_dir = Path(train_dir).resolve(), Path(rankings_dir).resolve()

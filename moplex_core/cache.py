@@ -81,8 +81,12 @@ class CacheResult:
     rows: int
 
 
+RANKING_STAGES = ("ingest", "augment")
+"""The stages whose artifacts hold rankings a cache scores."""
+
+
 def plan_cache(config: CacheConfig, rankings_dir: str | Path, store: ArtifactStore) -> CachePlan:
-    manifest = read_manifest(rankings_dir)
+    manifest = read_manifest(rankings_dir, RANKING_STAGES)  # refuses an unfinished artifact or another stage's
     inputs = {"rankings": f"{manifest['stage']}/{manifest['version']}", "model": model_fingerprint(config.model)}
     version = store.version(STAGE, identity_on_this_machine(config.identity(), config.device), inputs, CODE_VERSION)
     return CachePlan(ArtifactRef(STAGE, version), store.path(STAGE, version), inputs, store.is_complete(STAGE, version))

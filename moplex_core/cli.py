@@ -190,8 +190,12 @@ def _cache(args: argparse.Namespace) -> int:
     # In this process, without Prefect, like `moplex ingest`; flows/cache.py calls the same run_cache.
     from moplex_core.artifacts import ArtifactError, ArtifactStore
     from moplex_core.cache import run_cache
-    from moplex_core.config import CacheConfig, with_overrides
+    from moplex_core.config import TINY_MODEL, CacheConfig, with_overrides
 
+    if args.model == TINY_MODEL:
+        print(f"moplex cache: --model {TINY_MODEL} is the pipeline's own model, which `moplex run` builds; give its "
+              "folder, ROOT/model/VERSION/model", file=sys.stderr)
+        return 1
     store = ArtifactStore(args.root)
     try:
         rankings = store.resolve(args.rankings)
