@@ -72,6 +72,8 @@ def test_moplex_cache_writes_the_stages_artifact_from_the_command_line(tiny_mode
     assert "was written by the 'cache' stage; give ingest/<version> or augment/<version>" in capsys.readouterr().err
     assert main(["cache", "--rankings", str(rankings), "--model", "tiny", "--root", str(tmp_path)]) == 1
     assert "ROOT/model/VERSION/model" in capsys.readouterr().err
+    assert main(["augment", "--rankings", str(rankings), "--set", "model=tiny", "--root", str(tmp_path)]) == 1
+    assert "moplex augment: model 'tiny' is the pipeline's own model" in capsys.readouterr().err
 
 
 def test_a_cache_without_contractions_runs_forwards_only_with_the_same_log_probs(tiny_model_dir, tmp_path):  # noqa: F811

@@ -244,10 +244,10 @@ def output_score_features(
         G_b = d log pi(y_b|x_b) / dW = sum_t (e_{y_t} - softmax(W h_t)) h_t^T        [V, d]
 
     over b's response tokens (h_t the final hidden state that predicts y_t; for a soft-capped head,
-    softmax(c(W h_t)) with c = cap tanh(. / cap), and each vocabulary entry of e - p times c' there). <Theta, left^T G right>
-    is then the first-order change of log pi(y|x) when W moves by left Theta right^T, a rank-limited
-    change of the output layer: features in which the mixture's scores are linear at the reference
-    model (`LoRAPolicyScorer.response_features`).
+    softmax(c(W h_t)) with c = cap tanh(. / cap), and each vocabulary entry of e - p times c' there).
+    <Theta, left^T G right> is then the first-order change of log pi(y|x) when W moves by
+    left Theta right^T, a rank-limited change of the output layer: features in which the mixture's
+    scores are linear at the reference model (`LoRAPolicyScorer.response_features`).
 
     input_ids, attention_mask, response_mask: [B, L] as in `sequence_logprobs`.
     left: [V, p], right: [d, q] projections (float64, any device). No gradient.
