@@ -20,16 +20,20 @@ if TYPE_CHECKING:
 def _experiment_identifiability(args: argparse.Namespace) -> int:
     from moplex_core.experiments.identifiability import StudyConfig, run_study
 
-    config = StudyConfig(
-        n_train=args.n,
-        n_test=args.n_test,
-        seeds=tuple(range(args.seed, args.seed + args.seeds)),
-        ks=tuple(args.k),
-        ms=tuple(args.m),
-        noise=args.noise,
-        max_iter=args.max_iter,
-        restarts=args.restarts,
-    )
+    try:
+        config = StudyConfig(
+            n_train=args.n,
+            n_test=args.n_test,
+            seeds=tuple(range(args.seed, args.seed + args.seeds)),
+            ks=tuple(args.k),
+            ms=tuple(args.m),
+            noise=args.noise,
+            max_iter=args.max_iter,
+            restarts=args.restarts,
+        )
+    except ValueError as err:
+        print(f"moplex experiment identifiability: {err}", file=sys.stderr)
+        return 1
     outputs = run_study(config, Path(args.out), progress=not args.quiet)
     print(outputs.table_markdown)
     print(f"\nresults: {outputs.parquet}\nplot:    {outputs.plot}\ntable:   {outputs.markdown}")
@@ -328,10 +332,11 @@ def build_parser() -> argparse.ArgumentParser:
     ident.add_argument("--n", type=_positive_int, default=2000, help="training rankings per run (default: %(default)s)")
     ident.add_argument("--n-test", type=_positive_int, default=20000,
                        help="test rankings per run, scored by EM and the oracle alike (default: %(default)s)")
-    ident.add_argument("--k", type=_positive_int, nargs="+", default=[2, 3, 4], help="numbers of clusters (default: 2 3 4)")
+    ident.add_argument("--k", type=_int_at_least(2), nargs="+", default=[2, 3, 4], help="numbers of clusters (default: 2 3 4)")
     ident.add_argument("--m", type=_int_at_least(2), nargs="+", default=[2, 3, 4, 5, 6, 7, 8],
                        help="ranking lengths, responses per ranking (default: 2 to 8)")
-    ident.add_argument("--noise", type=_nonnegative_float, default=1.0, help="Gumbel noise scale")
+    ident.add_argument("--noise", type=_positive_float, default=1.0,
+                       help="Gumbel noise scale (above 0: the true PL scores are the integer utilities / noise)")
     ident.add_argument("--max-iter", type=_positive_int, default=100, help="EM iterations at most")
     ident.add_argument("--restarts", type=_positive_int, default=4,
                        help="EM restarts, the best log-likelihood kept (default: %(default)s)")
@@ -514,14 +519,14 @@ def _int_at_least(low: int) -> Callable[[str], int]:
     return parse
 
 
-def _nonnegative_float(text: str) -> float:
-    """An argparse type: a finite number of at least 0."""
+def _positive_float(text: str) -> float:
+    """An argparse type: a finite number above 0."""
     try:
         value = float(text)
     except ValueError:
         value = -1.0
-    if not 0 <= value < float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a finite number of at least 0, got {text!r}")
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a finite number above 0, got {text!r}")
     return value
 
 

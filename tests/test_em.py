@@ -329,6 +329,18 @@ def test_a_checkpoint_dir_refuses_to_resume_another_run(tmp_path):
                     warm_start=warm)
 
 
+@pytest.mark.parametrize("bad, message", [
+    (torch.full((40, 2), float("nan"), dtype=torch.float64), r"row\(s\) \[0, 1, .*\(40 of 40\)"),
+    (torch.tensor([[0.5, 0.5]] * 39 + [[2.0, -1.0]], dtype=torch.float64), r"row\(s\) \[39\] \(1 of 40\).*\[2.0, -1.0\]"),
+    (torch.tensor([[5.0, 5.0]] * 40, dtype=torch.float64), r"summing to 1"),
+    (torch.full((40, 3), 1 / 3, dtype=torch.float64), r"must be \[n, k\] = \[40, 2\].*got \[40, 3\]"),
+])
+def test_a_warm_start_that_is_not_a_distribution_per_ranking_is_refused_naming_its_rows(bad, message):
+    _, rankings, x = synthetic(k=2, m=4, n=40)
+    with pytest.raises(ValueError, match=message):
+        fit_mixture(lambda: LinearScorer(2, 2), x, rankings, EMConfig(k=2, max_iter=2), warm_start=bad)
+
+
 def test_a_restart_keeps_its_start_and_a_rerun_reads_it_back(tmp_path):
     calls = []
 

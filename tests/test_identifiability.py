@@ -44,10 +44,20 @@ def test_impossible_settings_are_refused_in_one_line_before_any_work(capsys):
     for command, argv, message in [
         ("identifiability", ["--seeds", "0"], "argument --seeds: expected an integer of at least 1, got '0'"),
         ("identifiability", ["--m", "3", "1"], "argument --m: expected an integer of at least 2, got '1'"),
-        ("identifiability", ["--noise", "-1"], "argument --noise: expected a finite number of at least 0"),
+        ("identifiability", ["--noise", "-1"], "argument --noise: expected a finite number above 0"),
+        ("identifiability", ["--noise", "0"], "argument --noise: expected a finite number above 0, got '0'"),
+        ("identifiability", ["--k", "2", "1"], "argument --k: expected an integer of at least 2, got '1'"),
         ("identifiability", ["--seed", "-1"], "argument --seed: expected an integer of at least 0"),
         ("approximation", ["--cache", "x", "--examples", "0"], "argument --examples: expected an integer of at least 1"),
     ]:
         with pytest.raises(SystemExit) as stopped:
             main(["experiment", command, *argv])
         assert stopped.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_a_study_whose_smallest_training_set_cannot_fit_its_largest_k_is_refused_before_the_first_cell(tmp_path, capsys):
+    code = main(["experiment", "identifiability", "--out", str(tmp_path), "--n", "3", "--k", "2", "4", "--m", "3",
+                 "--seeds", "1", "--quiet"])
+    assert code == 1
+    assert "n_train = 3 training rankings cannot fit k = 4 clusters" in capsys.readouterr().err
+    assert not any(tmp_path.iterdir())

@@ -96,6 +96,8 @@ def fit_mixture(
     """
     if config.k > len(rankings):
         raise ValueError(f"EM with k = {config.k} clusters needs at least {config.k} rankings, got {len(rankings)}")
+    if warm_start is not None:
+        _check_warm_start(warm_start, len(rankings), config.k)
     _warn_on_tied_rankings(rankings)
     if checkpoint_dir is not None:
         claim_checkpoint_dir(Path(checkpoint_dir), config, rankings, warm_start)
@@ -130,6 +132,20 @@ def _exact_log_likelihood(scorer: Scorer, inputs: Any, rankings: Rankings, state
                  "Lower the learning rate (train.lr) or beta, or check the inputs.")
     return mixture_posteriors(scores, rankings, state.alpha)[1].mean().item()
 
+
+def _check_warm_start(warm_start: torch.Tensor, n: int, k: int) -> None:
+    """Refuse a start EM could not use: not [n, k], or rows that are not distributions over the
+    k clusters (each would carry into alpha, gamma and the log-likelihood as NaN or a wrong scale)."""
+    if tuple(warm_start.shape) != (n, k):
+        raise ValueError(f"warm_start must be [n, k] = [{n}, {k}] (one row of cluster probabilities per "
+                         f"ranking), got {list(warm_start.shape)}")
+    start = warm_start.to(torch.float64)  # [n, k]
+    bad = ~(start.isfinite().all(1) & (start >= 0).all(1) & ((start.sum(1) - 1).abs() <= 1e-6))  # [n]
+    if bad.any():
+        rows = bad.nonzero().flatten().tolist()
+        raise ValueError(f"warm_start row(s) {rows[:10]}{' ...' if len(rows) > 10 else ''} ({len(rows)} of {n}) "
+                         f"are not probabilities over the k clusters (finite, >= 0, summing to 1); row "
+                         f"{rows[0]} is {start[rows[0]].tolist()}")
 
 
 def _run_restart(

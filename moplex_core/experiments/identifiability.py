@@ -53,6 +53,21 @@ class StudyConfig:
     (README): local optima, not the data."""
     init: str = "kmeans"
 
+    def __post_init__(self) -> None:
+        # Checked before the first cell: a cell that fails after others have fitted loses them all
+        # (the results are written at the end).
+        if min(self.ks) < 2:
+            raise ValueError(f"every k must be at least 2 (a one-cluster mixture has no clustering to identify), "
+                             f"got ks = {list(self.ks)}")
+        if min(self.ms) < 2:
+            raise ValueError(f"every m must be at least 2 (a ranking orders two responses or more), got ms = {list(self.ms)}")
+        if not self.noise > 0:
+            raise ValueError(f"noise must be above 0 (the oracle's true PL scores are the utilities / noise), "
+                             f"got {self.noise}")
+        if self.n_train < max(self.ks):
+            raise ValueError(f"n_train = {self.n_train} training rankings cannot fit k = {max(self.ks)} clusters: "
+                             f"EM needs at least k rankings")
+
 
 @dataclass
 class StudyOutputs:
