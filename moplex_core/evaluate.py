@@ -90,6 +90,9 @@ def evaluate_mixture(
 ) -> pd.DataFrame:
     """Metrics of the mixture (scorer, alpha) on every split; the matching is fitted on ``fit_split``."""
     k = scorer.k
+    empty = [name for name, split in splits.items() if len(split.rankings) == 0]
+    if empty:  # its ARI and NMI would read 1.0 (sklearn's convention for no samples), all else NaN
+        raise ValueError(f"split(s) {empty} hold no rankings: there is nothing to evaluate on them")
     outputs = {name: _posterior_outputs(scorer, alpha, split) for name, split in splits.items()}
     labelled = [split.labels for split in splits.values() if split.labels is not None and len(split.labels)]
     k_true = len(label_names) if label_names else max((int(labels.max()) + 1 for labels in labelled), default=k)
@@ -152,13 +155,20 @@ def _ranking_rows(
             continue
         acc = pair_accuracy(credits[variant], rankings.tiers, rankings.ranked_prefix).numpy()
         metric = f"ranking_accuracy_{variant}"
-        rows.append((split_name, metric, "all", float(np.nanmean(acc))))
+        rows.append((split_name, metric, "all", _mean_of_known(acc)))
         if split.labels is not None:
             for c in range(k_true):
                 members = split.labels == c
                 if members.any():
-                    rows.append((split_name, metric, _name(c, label_names), float(np.nanmean(acc[members]))))
+                    rows.append((split_name, metric, _name(c, label_names), _mean_of_known(acc[members])))
     return rows
+
+
+def _mean_of_known(accuracy: np.ndarray) -> float:
+    """The mean over rankings with a known pair (NaN marks one with none: every response tied); NaN,
+    without numpy's empty-slice warning, where no ranking has one."""
+    known = accuracy[~np.isnan(accuracy)]
+    return float(known.mean()) if known.size else float("nan")
 
 
 def _leave_pair_out_credit(scores: torch.Tensor, rankings: Rankings, alpha: torch.Tensor) -> torch.Tensor:

@@ -106,6 +106,16 @@ def test_the_linearized_starts_own_likelihood_falls_are_not_warned_about(monkeyp
             falling(lambda: FeatureScorer(2, 2), x, rankings, EMConfig(k=2, max_iter=1))  # elsewhere: warned
 
 
+def test_the_linearized_start_says_its_own_rankings_are_tied_where_only_the_generated_responses_are_below():
+    _, rankings, x = synthetic(k=2, m=4, n=50, n_generated=2)
+    tiers = rankings.tiers.clone()  # [50, 6]: 4 ranked, then 2 UNRANKED
+    tiers[:30, :4] = 0  # 30 rankings tie their four ranked responses, above the generated ones
+    with pytest.warns(RuntimeWarning) as caught:
+        initial_responsibilities(EMConfig(k=2, init="linearized"), FeatureScorer(2, 2), x, Rankings(tiers), seed=0)
+    messages = [str(w.message) for w in caught]
+    assert len(messages) == 1 and messages[0].startswith("init='linearized': 30 of 50 rankings order none")
+
+
 def test_linearized_start_needs_response_features():
     _, rankings, x = synthetic(k=2, m=4, n=50)
     with pytest.raises(ValueError, match="init='linearized' needs a scorer with response features.*LinearScorer"):
@@ -638,6 +648,14 @@ def test_each_iterations_state_keeps_its_own_history():
     states = []
     fit_mixture(lambda: LinearScorer(2, 2), x, rankings, EMConfig(k=2, max_iter=3, tol=0), on_iteration=states.append)
     assert [len(s.history) for s in states] == [1, 2, 3] and [len(s.halvings) for s in states] == [1, 2, 3]
+
+
+def test_em_on_identical_rankings_converges_although_its_likelihood_nears_zero():
+    # The LL per ranking tends to 0 (every ranking certain), where a purely relative tolerance never stops.
+    tiers = torch.arange(4).expand(30, 4).clone()  # [30, 4], one order
+    result, _ = fit_mixture(lambda: ItemScorer(3, 4), torch.arange(4).expand(30, 4).clone(), Rankings(tiers),
+                            EMConfig(k=3, init="dirichlet", max_iter=50))
+    assert result.best.converged and len(result.best.history) < 50 and result.best.history[-1] > -0.01
 
 
 def test_a_restart_that_converged_before_a_kill_is_not_iterated_further_on_resume(tmp_path):

@@ -1,5 +1,7 @@
 """evaluate_mixture on a mixture whose truth is known exactly (noise-free synthetic rankings)."""
 
+import warnings
+
 import numpy as np
 import pandas as pd
 import pytest
@@ -241,6 +243,22 @@ def test_scores_that_are_not_finite_are_refused_not_routed_to_cluster_0():
     with pytest.raises(FloatingPointError, match=r"evaluation: 1 score\(s\) of cluster\(s\) \[0\] are inf or NaN"):
         _ranking_metric(scores, torch.tensor([[0, 1]]), torch.tensor([0.5, 0.5], dtype=torch.float64),
                         "ranking_accuracy_posterior")
+
+
+def test_a_split_without_rankings_is_refused_not_scored_ari_one():
+    empty = EvalSplit(None, Rankings(torch.zeros((0, 2), dtype=torch.long)), np.zeros(0, dtype=np.int64))
+    with pytest.raises(ValueError, match=r"split\(s\) \['test'\] hold no rankings"):
+        evaluate_mixture(FixedScores(torch.zeros((0, 2, 2), dtype=torch.float64)), torch.tensor([0.5, 0.5], dtype=torch.float64),
+                         {"test": empty})
+
+
+def test_rankings_without_a_known_pair_give_nan_accuracy_without_numpys_warning():
+    scores = torch.tensor([[[1.0, 0.0], [0.0, 1.0]]] * 2, dtype=torch.float64)  # [n=2, k=2, M=2]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        value = _ranking_metric(scores, torch.zeros((2, 2), dtype=torch.long), torch.tensor([0.5, 0.5], dtype=torch.float64),
+                                "ranking_accuracy_posterior")
+    assert np.isnan(value)
 
 
 def test_synthetic_rankings_are_plackett_luce_draws_of_value_over_noise():

@@ -206,7 +206,7 @@ def _run_restart(
         comparable = len(history) > 1 and not step.became_exact
         if comparable and not config.hard:
             _warn_if_the_likelihood_fell(history, iteration, across_draws=step.held_under_its_draw)
-        converged = comparable and abs(history[-1] - history[-2]) <= config.tol * abs(history[-2])
+        converged = comparable and abs(history[-1] - history[-2]) <= config.tol * max(abs(history[-2]), 1.0)
         state = EMState(restart, iteration, gamma, alpha, list(history), converged, scorer.state_dict(),
                         list(halvings))
         if restart_dir is not None:

@@ -90,10 +90,20 @@ def _linearized_start(config: EMConfig, scorer: Scorer, inputs: Any, rankings: R
     real = (tiers != PAD).unsqueeze(-1)  # [n, M, 1]
     values = features[real.expand_as(features)].view(-1, features.shape[-1])  # [slots, d]
     standardised = torch.where(real, (features - values.mean(0)) / (values.std(0) + 1e-12), 0.0)
+    tied = ((tiers == 0) | (tiers == PAD)).all(1)  # [n]: no order among its own ranked responses
+    if tied.any():
+        warnings.warn(f"init='linearized': {int(tied.sum())} of {len(tied)} rankings order none of their ranked "
+                      "responses (all tied; generated responses below them say the same in every cluster), so "
+                      "they tell the start nothing about their cluster"
+                      + ("; with none ordered the start is no better than a random one" if tied.all() else ""),
+                      RuntimeWarning, stacklevel=2)
     with warnings.catch_warnings():
         # Its M-step maximises the likelihood with a ridge (LINEARIZED_L2), so the likelihood alone may
         # fall a little; that warning's advice names the LoRA adapters' settings, which this fit has not.
         warnings.filterwarnings("ignore", message=r"EM iteration \d+: the log-likelihood per ranking fell",
+                                category=RuntimeWarning)
+        # Its rankings without the generated responses: their ties are said above, as the start's.
+        warnings.filterwarnings("ignore", message=r"\d+ of \d+ rankings put every response in one tier",
                                 category=RuntimeWarning)
         result, _ = fit_mixture(
             lambda: LinearScorer(config.k, features.shape[-1], l2=LINEARIZED_L2, **LINEARIZED_SOLVER), standardised,

@@ -104,7 +104,8 @@ class EMConfig:
     k: int = 2
     max_iter: int = 50
     tol: float = 1e-6
-    """Stop when |LL_t - LL_{t-1}| <= tol * |LL_{t-1}| (LL per ranking)."""
+    """Stop when |LL_t - LL_{t-1}| <= tol * max(|LL_{t-1}|, 1) (LL per ranking, in nats: relative, and
+    absolute where the LL nears 0, as it does when every ranking is alike)."""
     gamma_min: float = 1e-3
     """M-step skips (example, cluster) pairs whose responsibility is below this."""
     init: Literal["kmeans", "dirichlet", "linearized", "labels"] = "kmeans"
