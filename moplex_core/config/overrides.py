@@ -49,8 +49,13 @@ def with_overrides(config: C, assignments: Sequence[str]) -> C:
                 break
             node = node[part]
         else:
-            scalar = isinstance(value, (bool, int, float))
-            node[leaf] = raw if scalar and _takes_text(type(config), [*parents, leaf]) else value
+            types = _types_in(_annotation_at(type(config), [*parents, leaf]))
+            if isinstance(value, (bool, int, float)) and str in types:
+                value = raw  # a setting that takes text keeps what was typed
+            elif isinstance(value, bool) and bool not in types and (int in types or float in types):  # read as 1 or 0
+                problems.append(f"  {key}: expected {_type_names(types)}, not a boolean (got {raw})")
+                continue
+            node[leaf] = value
     try:
         validated = type(config).model_validate(data)
     except ValidationError as err:
@@ -80,17 +85,24 @@ def _as_text(value: Any) -> str:
     return json.dumps(value)
 
 
-def _takes_text(model: type[BaseModel], path: Sequence[str]) -> bool:
-    """Whether the setting at dotted ``path`` of ``model`` takes a string (``str``, ``str | None``, a
-    `Device`), so that what was typed for it is text even when it reads as a number."""
+def _annotation_at(model: type[BaseModel], path: Sequence[str]) -> Any:
+    """The type of the setting at dotted ``path`` of ``model`` (``str | None``, a `Device`, ...); None
+    where there is no such setting (the validation then names the unknown key)."""
     annotation: Any = model
     for part in path:
         blocks = [t for t in _types_in(annotation) if isinstance(t, type) and issubclass(t, BaseModel)]
         field = blocks[0].model_fields.get(part) if blocks else None
         if field is None:
-            return False
+            return None
         annotation = field.annotation
-    return str in _types_in(annotation)
+    return annotation
+
+
+def _type_names(types: Sequence[Any]) -> str:
+    """The plain types among ``types`` as a user reads them: ``an integer or null``."""
+    names = {int: "an integer", float: "a number", type(None): "null"}
+    said = list(dict.fromkeys(names[t] for t in types if t in names))
+    return " or ".join(said)
 
 
 def _types_in(annotation: Any) -> list[Any]:
