@@ -240,6 +240,18 @@ def test_a_failed_writer_commits_nothing_and_the_next_one_reuses_finished_shards
     assert load_table(store.path("demo", "v1")).to_pandas()["row"].tolist() == list(range(30))
 
 
+def test_a_writer_that_failed_before_writing_anything_leaves_no_version_folder(tmp_path):
+    store = ArtifactStore(tmp_path)
+    with pytest.raises(OSError, match="no model at /nonexistent"):  # as a stage's model loading fails
+        with store.writer("demo", "v1", config={}):
+            raise OSError("no model at /nonexistent")
+    assert not store.path("demo", "v1").exists() and store.list("demo") == []
+    with store.writer("demo", "v1", config={}) as w:  # the rerun starts the version afresh
+        assert w.reused == []
+        w.write_shard(0, table(0))
+    assert store.is_complete("demo", "v1")
+
+
 def test_the_manifest_of_a_resumed_version_records_every_run_with_its_config_and_libraries(tmp_path, caplog):
     store = ArtifactStore(tmp_path)
     with pytest.raises(RuntimeError, match="boom"):

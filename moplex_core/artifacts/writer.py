@@ -167,6 +167,11 @@ class ArtifactWriter:
             if exc_type is None and not self.complete:
                 self._commit()
                 self.complete = True
+            elif not self.complete and not visible_files(self.path):
+                # Failed before it wrote anything (a model that is not there, bad input): no folder is
+                # left for `moplex inspect` to list as an interrupted run to resume.
+                with suppress(OSError):  # the error that stopped the run is the one to see
+                    shutil.rmtree(self.path)
         finally:
             self._lock.release()
         # A full or read-only root met by code writing its own files in the block (e.g. PEFT's
