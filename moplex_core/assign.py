@@ -86,12 +86,12 @@ def plan_assign(train_dir: str | Path, rankings_dir: str | Path, store: Artifact
     at ``model`` when given, else where the train artifact's cache recorded it (`cache_model`); one
     whose files changed since the adapters were trained on it is refused."""
     from moplex_core.cache import RANKING_STAGES, cache_model, plan_cache
-    from moplex_core.lm.loading import dtype_name, identity_on_this_machine, resolve_dtype
+    from moplex_core.lm.loading import dtype_name, identity_on_this_machine, resolve_device, resolve_dtype
 
     train_dir, rankings_dir = Path(train_dir).resolve(), Path(rankings_dir).resolve()
     train = read_manifest(train_dir, ("train",))
     read_manifest(rankings_dir, RANKING_STAGES)  # refuses an unfinished artifact or one of another stage
-    resolved = _checked_device(device)
+    resolved = resolve_device(device)
     trained_cache_dir = root_of(train_dir) / train["inputs"]["cache"]
     model = cache_model(trained_cache_dir, model)
     cache_config = _cache_config(read_manifest(trained_cache_dir), device, model)
@@ -214,17 +214,3 @@ def _cache_config(cache_manifest: dict[str, Any], device: str, model: str) -> Ca
     recorded = dict(cache_manifest["config"])
     recorded.pop("resolved_dtype", None)  # what "auto" was where it ran (cache-N artifacts record it)
     return CacheConfig.model_validate({**recorded, "model": model, "device": device, "contractions": False})
-
-
-def _checked_device(device: str) -> str:
-    """``device`` as `resolve_device` resolves it, refused at once when torch cannot use it here."""
-    from moplex_core.lm.loading import resolve_device
-
-    resolved = resolve_device(device)
-    try:
-        kind = torch.device(resolved).type
-    except RuntimeError:
-        raise ValueError(f"device {device!r} is not a torch device: give cpu, cuda, cuda:N or auto") from None
-    if kind == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device {device!r}: this machine has no CUDA device torch can use (give cpu or auto)")
-    return resolved

@@ -22,6 +22,7 @@ from moplex_core.config import TINY_MODEL, CacheConfig, PipelineConfig
 from moplex_core.evaluate import run_evaluate
 from moplex_core.ingest import check_rankings_fit, run_ingest
 from moplex_core.lm.checks import check_model
+from moplex_core.lm.loading import resolve_device
 from moplex_core.tiny_model import MODEL_DIR, run_tiny_model
 from moplex_core.train import run_train
 
@@ -35,6 +36,7 @@ log = logging.getLogger(__name__)
 def run_stages(config: PipelineConfig, stage: Stage) -> dict[str, str]:
     """Run every stage of ``config`` through ``stage``; returns each stage's artifact folder by name
     (``model``, the tiny model's, and ``augment`` only where the config has them)."""
+    _check_devices(config)
     dirs = {"ingest": stage("ingest", config.ingest)}
     check_rankings_fit(dirs["ingest"], k=config.train.k, splits=config.evaluate.splits,  # before any model work
                        labelled=config.train.init == "labels")
@@ -56,6 +58,19 @@ def run_stages(config: PipelineConfig, stage: Stage) -> dict[str, str]:
     dirs["train"] = stage("train", config.train, dirs["cache"], model=cache.model)
     dirs["evaluate"] = stage("evaluate", config.evaluate, dirs["train"], dirs["cache"], model=cache.model)
     return dirs
+
+
+def _check_devices(config: PipelineConfig) -> None:
+    """Refuse a stage's device this machine does not have before the first stage runs, not when that
+    stage starts (after the stages before it, with torch's error)."""
+    stages = {"augment": config.augment if config.augment and config.augment.backend == "hf" else None,
+              "cache": config.cache, "train": config.train, "evaluate": config.evaluate}
+    for name, stage_config in stages.items():
+        if stage_config is not None:
+            try:
+                resolve_device(stage_config.device)
+            except ValueError as err:
+                raise ValueError(f"{name}.device: {err}") from None
 
 
 def _warn_of_another_generator(config: PipelineConfig) -> None:

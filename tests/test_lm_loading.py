@@ -14,7 +14,7 @@ from lm_fixtures import HUB_NAME, as_cached_hub_model, tiny_model_dir  # noqa: F
 from transformers import AutoModelForCausalLM, Qwen3ForCausalLM
 
 from moplex_core.hashing import model_fingerprint
-from moplex_core.lm.loading import ModelUnavailableError, load_model, load_tokenizer
+from moplex_core.lm.loading import ModelUnavailableError, load_model, load_tokenizer, resolve_device
 
 
 def test_a_local_directory_loads_in_the_requested_dtype_ready_for_scoring(tiny_model_dir: Path) -> None:
@@ -139,3 +139,17 @@ def test_a_hidden_folder_of_a_model_folder_is_not_part_of_its_fingerprint(tmp_pa
     (model / ".cache" / "huggingface").mkdir(parents=True)
     (model / ".cache" / "huggingface" / "model.safetensors.metadata").write_text("etag 1700000000")
     assert model_fingerprint(str(model)) == before
+
+
+def test_a_device_torch_cannot_use_here_is_refused_naming_it(monkeypatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert resolve_device("auto") == "cpu" and resolve_device("cpu") == "cpu"
+    with pytest.raises(ValueError, match="device 'gpu' is not a torch device: give cpu, cuda, cuda:N or auto"):
+        resolve_device("gpu")
+    with pytest.raises(ValueError, match="device 'cuda': this machine has no CUDA device torch can use"):
+        resolve_device("cuda")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert resolve_device("auto") == "cuda" and resolve_device("cuda:1") == "cuda:1"
+    with pytest.raises(ValueError, match=r"device 'cuda:2': this machine has 2 CUDA device\(s\), cuda:0 to cuda:1"):
+        resolve_device("cuda:2")

@@ -199,3 +199,16 @@ def test_local_paths_are_made_absolute_where_the_config_is_read(tmp_path, monkey
     assert pipeline_preset("synthetic-demo").cache.model == TINY_MODEL
     generic = with_overrides(pipeline_preset("synthetic-demo"), ["ingest.dataset=generic", "ingest.path=~/data.jsonl"])
     assert generic.ingest.path == str(Path.home() / "data.jsonl")
+
+
+def test_a_stage_device_this_machine_lacks_is_refused_before_the_first_stage(monkeypatch):
+    import torch
+
+    from moplex_core.pipeline import run_stages
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    ran = []
+    config = with_overrides(pipeline_preset("synthetic-demo"), ["evaluate.device=cuda:0"])
+    with pytest.raises(ValueError, match="evaluate.device: device 'cuda:0': this machine has no CUDA device"):
+        run_stages(config, lambda name, *args, **kwargs: ran.append(name))
+    assert ran == []

@@ -29,8 +29,24 @@ _OFFLINE_VARIABLES = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
 
 
 def resolve_device(device: str) -> str:
-    """``auto``: cuda when this machine has one, else cpu; anything else as given."""
-    return ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
+    """``auto``: cuda when this machine has one, else cpu; anything else as given, refused (ValueError)
+    when torch cannot use it on this machine, before any model work (torch's own error comes later
+    and names no setting)."""
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        parsed = torch.device(device)
+    except RuntimeError:
+        raise ValueError(f"device {device!r} is not a torch device: give cpu, cuda, cuda:N or auto") from None
+    if parsed.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {device!r}: this machine has no CUDA device torch can use (give cpu or auto)")
+        if parsed.index is not None and parsed.index >= torch.cuda.device_count():
+            raise ValueError(f"device {device!r}: this machine has {torch.cuda.device_count()} CUDA device(s), "
+                             f"cuda:0 to cuda:{torch.cuda.device_count() - 1}")
+    if parsed.type == "mps" and not torch.backends.mps.is_available():
+        raise ValueError(f"device {device!r}: this machine has no MPS device torch can use (give cpu or auto)")
+    return device
 
 
 def resolve_dtype(dtype: str, device: str | torch.device) -> torch.dtype:
