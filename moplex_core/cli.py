@@ -107,6 +107,10 @@ def _preset_run(preset: str, args: argparse.Namespace) -> tuple[PipelineConfig, 
     config = with_overrides(pipeline_preset(preset), args.set)
     if args.root:
         config = with_overrides(config, [f"root={args.root}"])
+    root = Path(config.root).absolute()
+    in_the_way = next((p for p in (root, *root.parents) if p.exists() and not p.is_dir()), None)
+    if in_the_way is not None:  # found before Prefect starts, not by the first stage's writer
+        raise ValueError(f"the artifact root {root} cannot be a folder: {in_the_way} is a file (give --root DIR)")
     return config, as_assignments(config, [*(a.partition("=")[0] for a in args.set), "root"])
 
 

@@ -149,6 +149,7 @@ def test_a_root_under_a_file_is_a_clear_error_and_a_missing_root_is_named(tmp_pa
     assert main([*INGEST, "--root", str(tmp_path / "afile" / "root")]) == 1  # real: ENOTDIR, not injected
     err = capsys.readouterr().err
     assert f"cannot write {tmp_path / 'afile' / 'root'}" in err and "a part of the path is a file, not a folder" in err
+    assert "Move what is in the way, or choose another root" in err and "Free space" not in err
     assert main(["inspect", "ingest/abcd", "--root", str(tmp_path / "nowhere")]) == 1
     assert f"under {tmp_path / 'nowhere'}, which does not exist" in capsys.readouterr().err
     assert main(["inspect", "--root", str(tmp_path / "nowhere")]) == 1  # the root's listing

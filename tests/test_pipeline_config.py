@@ -132,6 +132,16 @@ def test_moplex_run_lists_the_presets_and_refuses_a_bad_override(capsys):
         assert f"argument --threads: expected an integer of at least 1, got '{threads}'" in capsys.readouterr().err
 
 
+def test_moplex_run_refuses_a_root_under_a_file_before_prefect_starts(tmp_path, capsys):
+    from moplex_core.cli import main
+
+    (tmp_path / "afile").write_text("")
+    for root in (tmp_path / "afile", tmp_path / "afile" / "below"):
+        assert main(["run", "synthetic-demo", "--root", str(root)]) == 1
+        assert (f"moplex run: the artifact root {root} cannot be a folder: {tmp_path / 'afile'} is a file"
+                in capsys.readouterr().err)
+
+
 def test_an_interrupt_ends_with_one_line_and_status_130(monkeypatch, capsys):
     from moplex_core import cli
 

@@ -56,10 +56,12 @@ def storage_error(err: BaseException | None, path: Path,
     problem = problems.get(err.errno)
     if problem is None:
         return None
+    fix = ("Move what is in the way" if err.errno in (errno.ENOTDIR, errno.ENOENT)
+           else "Free space or make the artifact root writable")
     return ArtifactStorageError(
         f"cannot write {path}: {problem} ({err.strerror}: {err.filename or path}). Nothing was marked "
-        "complete, and files already finished stay for a resume. Free space or make the artifact root "
-        "writable, or choose another root (moplex --root DIR, or root=DIR in the config)."
+        f"complete, and files already finished stay for a resume. {fix}, or choose another root (moplex "
+        "--root DIR, or root=DIR in the config)."
     )
 
 

@@ -123,7 +123,6 @@ class ArtifactStore:
         raise ArtifactError(f"{ref} is ambiguous under {self.root}: it matches {_some(matches)}; give more of the "
                             "version")
 
-
     def missing_root(self) -> str:
         """The root named for a user whose root is not a folder, with what to do."""
         return (f"{self.root.resolve()}, which {'is a file' if self.root.exists() else 'does not exist'} (run from the "
