@@ -20,15 +20,16 @@ import re
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from decimal import Decimal
-from typing import Any
+from typing import Any, get_args
 
 import pandas as pd
 import pyarrow as pa
 
+from moplex_core.config.base import SplitName
 from moplex_core.hashing import short_hash
 from moplex_core.pl import UNRANKED, encode_tiers
 
-SPLITS = ("train", "validation", "test")
+SPLITS: tuple[str, ...] = get_args(SplitName)
 
 RANKINGS_SCHEMA = pa.schema(
     [

@@ -222,3 +222,22 @@ def test_a_stage_device_this_machine_lacks_is_refused_before_the_first_stage(mon
     with pytest.raises(ValueError, match="evaluate.device: device 'cuda:0': this machine has no CUDA device"):
         run_stages(config, lambda name, *args, **kwargs: ran.append(name))
     assert ran == []
+
+
+def test_first_day_mistakes_are_named_with_the_fix():
+    from moplex_core.config import ingest_preset
+
+    demo = pipeline_preset("synthetic-demo")
+    for assignment, said in [
+        ('evaluate.splits=["tset"]', "evaluate.splits.0: Input should be 'train', 'validation' or 'test' (got 'tset')"),
+        ("ingest.split.fractions=[0.5,0.5]", "ingest.split.fractions: expected 3 values, got 2 ([0.5, 0.5])"),
+        ("ingest.split.fractions=[0.5]", "ingest.split.fractions: expected 3 values, got 1 ([0.5])"),
+        ("ingest.split.fractions=0.6,0.2,0.2", "a list is written as JSON: ingest.split.fractions='[0.6, 0.2, 0.2]'"),
+    ]:
+        with pytest.raises(ValueError) as refused:
+            with_overrides(demo, [assignment])
+        assert said in str(refused.value), str(refused.value)
+    with pytest.raises(ValueError, match="did you mean synthetic-demo?"):
+        pipeline_preset("data/presets/synthetic-demo.json")
+    with pytest.raises(ValueError, match="unknown ingest preset 'synthtic'; did you mean synthetic?"):
+        ingest_preset("synthtic")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict
 
@@ -43,6 +43,9 @@ def _torch_device(value: str) -> str:
 
 Device = Annotated[str, AfterValidator(_torch_device)]
 """Where a stage runs: refused up front when torch could not parse it (not after the stages before)."""
+
+SplitName = Literal["train", "validation", "test"]
+"""The splits ingest writes (`moplex_core.schema.SPLITS`, in this order)."""
 
 
 class StageConfig(Options):

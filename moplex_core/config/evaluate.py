@@ -6,7 +6,7 @@ from typing import Any
 
 from pydantic import Field, model_validator
 
-from moplex_core.config.base import Device, StageConfig
+from moplex_core.config.base import Device, SplitName, StageConfig
 
 
 class EvaluateConfig(StageConfig):
@@ -18,8 +18,8 @@ class EvaluateConfig(StageConfig):
     it is in, `plan_evaluate`) and ``score_batch_size``.
     """
 
-    splits: tuple[str, ...] = ("validation", "test")
-    fit_split: str = "validation"
+    splits: tuple[SplitName, ...] = ("validation", "test")
+    fit_split: SplitName = "validation"
     method: str = "moplex"
     """The `method` column of metrics.parquet (a baseline preset names itself here)."""
     device: Device = "auto"

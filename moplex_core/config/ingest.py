@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
@@ -306,4 +307,7 @@ def ingest_preset(name: str) -> IngestConfig:
     try:
         return INGEST_PRESETS[name]
     except KeyError:
-        raise ValueError(f"unknown ingest preset {name!r}; choose one of {', '.join(INGEST_PRESETS)}") from None
+        meant = difflib.get_close_matches(name, INGEST_PRESETS, n=1)
+        raise ValueError(f"unknown ingest preset {name!r}; " + (f"did you mean {meant[0]}? " if meant else "")
+                         + f"choose one of {', '.join(INGEST_PRESETS)} (`moplex run --list` names the pipeline "
+                         "presets, which are not ingest presets)") from None

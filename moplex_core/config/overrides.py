@@ -31,10 +31,7 @@ def with_overrides(config: C, assignments: Sequence[str]) -> C:
             example = assignment if assignment in known else _example_key(data)
             problems.append(f"  {assignment!r}: expected key=value (e.g. {example}=...)")
             continue
-        try:
-            value = json.loads(raw)
-        except json.JSONDecodeError:
-            value = raw
+        value = _as_value(raw)
         node = data
         *parents, leaf = key.split(".")
         for depth, part in enumerate(parents):
@@ -74,6 +71,14 @@ def as_assignments(config: BaseModel, keys: Sequence[str]) -> list[str]:
     keys = list(dict.fromkeys(keys))
     whole = [key for key in keys if not any(key.startswith(f"{block}.") for block in keys)]  # a block carries its keys
     return [f"{key}={_as_text(_at(data, key))}" for key in whole]
+
+
+def _as_value(text: str) -> Any:
+    """``text`` as the JSON it reads as (``0.6``), else as text."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
 
 
 def _as_text(value: Any) -> str:
@@ -150,8 +155,20 @@ def describe_validation_error(err: ValidationError, known: Sequence[str] = ()) -
     """One line per problem, ``dotted.key: what is wrong (got value)``, without pydantic's URLs;
     ``known`` (every dotted key of the settings) lets an unknown key name the one it was likely meant as."""
     lines = []
+    needed: dict[str, int] = {}  # a list given with too few items: how many its missing ones say it needs
+    for problem in err.errors():
+        if problem["type"] == "missing" and problem["loc"] and isinstance(problem["loc"][-1], int):
+            whole = ".".join(str(part) for part in problem["loc"][:-1])
+            needed[whole] = max(needed.get(whole, 0), problem["loc"][-1] + 1)
     for problem in err.errors():
         key = ".".join(str(part) for part in problem["loc"])
+        if problem["type"] == "missing" and problem["loc"] and isinstance(problem["loc"][-1], int):
+            whole = ".".join(str(part) for part in problem["loc"][:-1])
+            if whole in needed:
+                given = problem.get("input")
+                lines.append(f"  {whole}: expected {needed.pop(whole)} values, got "
+                             f"{len(given) if isinstance(given, (list, tuple)) else 'fewer'} ({given!r})")
+            continue
         if problem["type"] == "extra_forbidden":
             meant = _closest_key(key, known)
             hint = f"did you mean {meant}?" if meant else "check the spelling"
@@ -161,7 +178,7 @@ def describe_validation_error(err: ValidationError, known: Sequence[str] = ()) -
         said = isinstance(problem.get("input"), dict) or ", got " in message  # a validator's own message names it
         got = "" if said else f" (got {problem.get('input')!r})"
         if problem["type"] in ("tuple_type", "list_type") and isinstance(problem.get("input"), str):
-            items = [item.strip() for item in problem["input"].split(",") if item.strip()]
+            items = [_as_value(item.strip()) for item in problem["input"].split(",") if item.strip()]
             got += f"; a list is written as JSON: {key}='{json.dumps(items)}'"
         lines.append(f"  {key + ': ' if key else ''}{message}{got}")
     return "\n".join(lines)

@@ -107,7 +107,8 @@ def pipeline_preset(name: str) -> PipelineConfig:
     """The pipeline preset ``data/presets/<name>.json`` ({"description": ..., "config": {...}})."""
     path = PRESETS_DIR / f"{name}.json"
     if not path.is_file():
-        meant = difflib.get_close_matches(name, preset_names(), n=1)
+        named = Path(name).name.removesuffix(".json")  # a preset's file given for its name
+        meant = [named] if named in preset_names() else difflib.get_close_matches(name, preset_names(), n=1)
         raise ValueError(f"unknown pipeline preset {name!r}: no {path}; "
                          + (f"did you mean {meant[0]}? " if meant else "") + f"choose one of {', '.join(preset_names())}")
     try:
