@@ -14,7 +14,9 @@ def test_every_mutant_still_applies_once_and_names_test_modules_that_exist():
     stale = [m.id for m in MUTANTS if applies(m) is None]
     assert not stale, f"their old text is no longer in their file exactly once: update chaos/mutant_catalogue.py {stale}"
     assert all(m.new != m.old for m in MUTANTS)
-    assert set(TESTS) == {m.file for m in MUTANTS}
+    mutated = {m.file for m in MUTANTS}
+    assert not set(TESTS) - mutated, f"TESTS lists files no mutant mutates (add one, or drop them): {set(TESTS) - mutated}"
+    assert not mutated - set(TESTS), f"mutants of files TESTS has no test modules for (add them): {mutated - set(TESTS)}"
     assert not [t for tests in TESTS.values() for t in tests if not (ROOT / "tests" / f"{t}.py").is_file()]
 
 
