@@ -550,7 +550,13 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
     # The temporary server `moplex run` starts would send Prefect's usage telemetry: off unless asked for.
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        settings = [e for e in extra if "=" in e and not e.startswith("-")]
+        hint = (f" (each setting takes its own --set: {' '.join(f'--set {e}' for e in settings)})"
+                if settings and hasattr(args, "set") else "")
+        parser.error(f"unrecognized arguments: {' '.join(extra)}{hint}")
     if getattr(args, "quiet", False):  # transformers' own bars too (a model's weights loading)
         from transformers.utils import logging as transformers_logging
 
