@@ -141,12 +141,17 @@ def _at(data: dict[str, Any], key: str) -> Any:
 
 
 def _closest_key(key: str, known: Sequence[str]) -> str | None:
-    """The setting ``key`` was probably meant as: one of that name in another block (``em_iterations``
-    for ``train.em_iterations``), else the nearest spelling."""
-    leaf = key.rsplit(".", 1)[-1]
-    same_name = [k for k in known if k.rsplit(".", 1)[-1] == leaf and k != key]
+    """The setting(s) ``key`` was probably meant as: a near spelling in its own block
+    (``cache.score_batch_size`` for ``cache.batch_size``), else every setting of that name in other
+    blocks (``train.em_iterations`` for ``em_iterations``), else the nearest spelling anywhere."""
+    block, _, leaf = key.rpartition(".")
+    siblings = [k for k in known if k.rpartition(".")[0] == block and k != key]
+    close = difflib.get_close_matches(leaf, [k.rpartition(".")[2] for k in siblings], n=1, cutoff=0.75)
+    if close:
+        return f"{block}.{close[0]}" if block else close[0]
+    same_name = [k for k in known if k.rpartition(".")[2] == leaf and k != key]
     if same_name:
-        return same_name[0]
+        return " or ".join(same_name)
     close = difflib.get_close_matches(key, known, n=1, cutoff=0.8)
     return close[0] if close else None
 
