@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 
 import pytest
 from pydantic import ValidationError
@@ -185,6 +186,18 @@ def test_a_boolean_given_to_a_number_is_refused_not_read_as_one():
         "  train.lr: expected a number, not a boolean (got false)",
         "  train.anchors: expected an integer or null, not a boolean (got true)"]
     assert with_overrides(pipeline_preset("synthetic-demo"), ["train.share_prompts=false"]).train.share_prompts is False
+
+
+def test_a_block_given_whole_says_which_preset_settings_it_resets(caplog):
+    with caplog.at_level(logging.WARNING, logger="moplex_core.config"):
+        config = with_overrides(pipeline_preset("synthetic-demo"), ['train={"k": 2, "beta": 1.0}'])
+    assert config.train.k == 2 and config.train.lr == TrainConfig().lr
+    assert ("train={...} replaces the whole block, so its other settings are back at their defaults: anchors null -> "
+            "2, lora_r 8 -> 16, lr 0.003 -> 0.0001") in caplog.text and "beta" not in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="moplex_core.config"):
+        with_overrides(pipeline_preset("synthetic-demo"), ["train.k=2"])
+    assert caplog.text == ""
 
 
 def test_existing_datasets_keep_their_ingest_versions_as_options_are_added():

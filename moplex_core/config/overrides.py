@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import difflib
 import json
+import logging
 from collections.abc import Sequence
 from typing import Any, TypeVar, get_args
 
 from pydantic import BaseModel, ValidationError
 
 C = TypeVar("C", bound=BaseModel)
+
+log = logging.getLogger(__name__)
 
 
 def with_overrides(config: C, assignments: Sequence[str]) -> C:
@@ -25,6 +28,7 @@ def with_overrides(config: C, assignments: Sequence[str]) -> C:
     known = _dotted_keys(data)
     blocks = [key for key in known if isinstance(_at(data, key), dict)]  # before any assignment changes data
     problems = []
+    replaced: dict[str, tuple[dict[str, Any], set[str]]] = {}  # a block given whole: its settings before, those given
     for assignment in assignments:
         key, sep, raw = assignment.partition("=")
         if not sep or not key:
@@ -52,6 +56,8 @@ def with_overrides(config: C, assignments: Sequence[str]) -> C:
             elif isinstance(value, bool) and bool not in types and (int in types or float in types):  # read as 1 or 0
                 problems.append(f"  {key}: expected {_type_names(types)}, not a boolean (got {raw})")
                 continue
+            if isinstance(value, dict) and isinstance(node.get(leaf), dict):
+                replaced[key] = (node[leaf], set(value))
             node[leaf] = value
     try:
         validated = type(config).model_validate(data)
@@ -60,7 +66,20 @@ def with_overrides(config: C, assignments: Sequence[str]) -> C:
     if problems:
         given = f" (overrides {list(assignments)})" if assignments else ""
         raise ValueError(f"invalid {type(config).__name__} settings{given}:\n" + "\n".join(problems))
+    _say_what_whole_blocks_reset(replaced, validated.model_dump(mode="json"))
     return validated
+
+
+def _say_what_whole_blocks_reset(replaced: dict[str, tuple[dict[str, Any], set[str]]], now: dict[str, Any]) -> None:
+    """A block given whole (``train={"k": 2}``) takes its other settings' defaults: say which of them
+    that changed, since ``train.k=2`` was more likely meant."""
+    for key, (before, given) in replaced.items():
+        after = _at(now, key)
+        reset = [f"{name} {json.dumps(before[name])} -> {json.dumps(after.get(name))}" for name in before
+                 if name not in given and before[name] != after.get(name)]
+        if reset:
+            log.warning("%s={...} replaces the whole block, so its other settings are back at their defaults: %s "
+                        "(to change one setting, give %s.NAME=VALUE)", key, ", ".join(reset), key)
 
 
 def as_assignments(config: BaseModel, keys: Sequence[str]) -> list[str]:
