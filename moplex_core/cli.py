@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import shlex
@@ -284,6 +285,9 @@ def _run(args: argparse.Namespace) -> int:
     except ValueError as err:
         print(f"moplex run: {err}", file=sys.stderr)
         return 1
+    if args.show_config:
+        print(json.dumps(config.model_dump(mode="json"), indent=2))
+        return 0
     if args.threads is not None:
         import torch
 
@@ -486,14 +490,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     run.add_argument("preset", nargs="?", help="e.g. synthetic-demo (see --list)")
     run.add_argument("--list", action="store_true", help="list the presets and exit")
-    run.add_argument("--root", help="artifact root (default: the preset's, data/artifacts)")
+    run.add_argument("--root", help="artifact root (default: the preset's, data/artifacts; wins over --set root=...)")
     run.add_argument("--threads", type=_positive_int, help="torch CPU threads (1 is fastest for the tiny model on a busy "
                      "2-core machine; default: torch's)")
     run.add_argument(
         "--set", action="append", default=[], metavar="KEY=VALUE",
         help="override a PipelineConfig field, dotted (e.g. train.em_iterations=3, ingest.synthetic.n=120, "
-        "fault.stage=train); repeatable",
+        "augment.n_generated=4); repeat --set for each",
     )
+    run.add_argument("--show-config", action="store_true",
+                     help="print the config the run would use (the preset with --set and --root applied) as JSON "
+                          "and exit without running")
     run.set_defaults(func=_run)
 
     inspect = sub.add_parser(

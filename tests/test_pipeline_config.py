@@ -245,3 +245,14 @@ def test_first_day_mistakes_are_named_with_the_fix():
         pipeline_preset("data/presets/synthetic-demo.json")
     with pytest.raises(ValueError, match="unknown ingest preset 'synthtic'; did you mean synthetic?"):
         ingest_preset("synthtic")
+
+
+def test_show_config_prints_the_resolved_config_and_runs_nothing(tmp_path, capsys):
+    import json
+
+    from moplex_core.cli import main
+
+    assert main(["run", "synthetic-demo", "--set", "train.k=2", "--root", str(tmp_path / "r"), "--show-config"]) == 0
+    shown = PipelineConfig.model_validate(json.loads(capsys.readouterr().out))
+    assert shown == with_overrides(pipeline_preset("synthetic-demo"), ["train.k=2", f"root={tmp_path / 'r'}"])
+    assert not (tmp_path / "r").exists()
