@@ -167,6 +167,12 @@ def _assigned_rows(part: pa.Table, scorer: LoRAPolicyScorer, alpha: torch.Tensor
     rankings = inputs.rankings(likelihood)
     check_finite(scores, rankings, "moplex assign", "The trained adapters' scores of these rankings are not usable.")
     posterior, log_likelihood = mixture_posteriors(scores, rankings, alpha)  # [n, k], [n]
+    tied = rankings.all_tied
+    if tied.any():
+        log.warning("%d of %d rankings (the first: example_id %r) put every response in one tier: they order "
+                    "nothing, so their posteriors say little about their cluster (near the mixing weights, "
+                    "pulled toward the adapter that scores their responses most alike)", int(tied.sum()),
+                    len(tied), inputs.example_ids[int(tied.nonzero()[0])])
     return pa.Table.from_pydict({
         "example_id": list(inputs.example_ids),
         "split": part.column("split").to_pylist(),

@@ -213,3 +213,25 @@ def test_assign_flow_on_the_local_prefect_server(prefect_env, trained, tmp_path)
     verify(folder)
     # without a root: the train artifact's own (found there if the CLI's test wrote it first)
     assert assign_flow(str(train), str(new), device="cpu") == str(plan_assign(train, new, store, device="cpu").path)
+
+
+def test_rankings_that_order_nothing_are_warned_about(trained, caplog):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from moplex_core.assign import _assigned_rows
+    from moplex_core.train import load_trained
+
+    store, train, _, new = trained
+    run_assign(train, new, store, device="cpu", progress=False)
+    plan = plan_assign(train, new, store, device="cpu")
+    part = pq.read_table(shard_paths(plan.cache.path)[0])
+    m = len(part.column("ranking")[0].as_py())
+    rankings = [[list(range(m))], *part.column("ranking").to_pylist()[1:]]  # the first: all in one tier
+    part = part.set_column(part.schema.get_field_index("ranking"), "ranking",
+                           pa.array(rankings, type=part.schema.field("ranking").type))
+    scorer, alpha, trained_result = load_trained(train, None, device="cpu")
+    with caplog.at_level("WARNING", logger="moplex_core.assign"):
+        _assigned_rows(part, scorer, alpha, trained_result.likelihood)
+    first = part.column("example_id")[0].as_py()
+    assert f"1 of {part.num_rows} rankings (the first: example_id {first!r}) put every response in one tier" in caplog.text

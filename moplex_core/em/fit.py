@@ -301,12 +301,10 @@ def _m_and_e_step(scorer: Scorer, inputs: Any, rankings: Rankings, weights: torc
 
 
 def _warn_on_tied_rankings(rankings: Rankings) -> None:
-    """Rankings with every response in one observed tier order nothing: under Breslow ties (pl) they
-    only pull a cluster's scores together, under bt_pairs they have no pair at all. EM still runs;
-    if every ranking is tied, no cluster can be told apart and the posteriors tend to the mixing
-    weights."""
-    tiers = rankings.observed_tiers
-    tied = ((tiers == 0) | (tiers == PAD)).all(1)
+    """Rankings with every response in one observed tier (`Rankings.all_tied`) order nothing. EM still
+    runs; if every ranking is tied, no cluster can be told apart and the posteriors tend to the
+    mixing weights."""
+    tied = rankings.all_tied
     if tied.any():
         n_tied, n = int(tied.sum()), len(rankings)
         warnings.warn(

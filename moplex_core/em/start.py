@@ -90,7 +90,7 @@ def _linearized_start(config: EMConfig, scorer: Scorer, inputs: Any, rankings: R
     real = (tiers != PAD).unsqueeze(-1)  # [n, M, 1]
     values = features[real.expand_as(features)].view(-1, features.shape[-1])  # [slots, d]
     standardised = torch.where(real, (features - values.mean(0)) / (values.std(0) + 1e-12), 0.0)
-    tied = ((tiers == 0) | (tiers == PAD)).all(1)  # [n]: no order among its own ranked responses
+    tied = ranked.all_tied  # [n]: no order among its own ranked responses
     if tied.any():
         warnings.warn(f"init='linearized': {int(tied.sum())} of {len(tied)} rankings order none of their ranked "
                       "responses (all tied; generated responses below them say the same in every cluster), so "

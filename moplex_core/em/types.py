@@ -44,6 +44,13 @@ class Rankings:
         beyond = (self.tiers != PAD) & (self.tiers >= self.ranked_prefix.unsqueeze(1))
         return torch.where(beyond, UNRANKED, self.tiers)
 
+    @property
+    def all_tied(self) -> torch.Tensor:
+        """bool [n]: rankings with every observed response in one tier. They order nothing: under
+        Breslow ties (pl) they only pull a cluster's scores together, under bt_pairs they have no pair."""
+        tiers = self.observed_tiers
+        return ((tiers == 0) | (tiers == PAD)).all(1)
+
     def log_likelihood(self, scores: torch.Tensor) -> torch.Tensor:
         """Per ranking (and cluster): scores [n, M] -> [n], or [n, k, M] -> [n, k]."""
         batch = tuple(scores.shape[1:-1])
