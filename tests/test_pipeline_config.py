@@ -48,15 +48,17 @@ def test_values_that_would_fail_a_later_stage_are_refused_up_front():
     refused = {
         "train.lr=Infinity": "train.lr: Input should be a finite number",
         "ingest.split.fractions=[NaN, 0.5, 0.5]": "ingest.split.fractions.0: Input should be a finite number",
-        "evaluate.device=gpu": "'gpu' is not a device: give auto, cpu, cuda, cuda:N, mps or mps:N",
+        "evaluate.device=gpu": "evaluate.device: 'gpu' is not a device: give auto, cpu, cuda, cuda:N, mps or mps:N",
         "train.seed=-1": "train.seed: Input should be greater than or equal to 0",
         "ingest.seed=-1": "ingest.seed: Input should be greater than or equal to 0",
-        "tiny_model.heads=3": "hidden_size 64 / heads 3 must be a whole, even head size",
+        "tiny_model.heads=3": "\n  tiny_model.hidden_size 64 / tiny_model.heads 3 must be a whole, even head size",
+        "train.gamma_min=0.5": "\n  train.gamma_min = 0.5 is above 1/k",
         "root=": "root is empty",
     }
     for assignment, message in refused.items():
-        with pytest.raises(ValueError, match=re.escape(message)):
+        with pytest.raises(ValueError, match=re.escape(message)) as refusal:
             with_overrides(demo, [assignment])
+        assert "(got 'gpu')" not in str(refusal.value) and ": train." not in str(refusal.value)  # said once
     assert with_overrides(demo, ["train.device=cuda:1"]).train.device == "cuda:1"
     # a setting that holds text keeps what was typed: a root or a revision that reads as a number
     assert with_overrides(demo, ["root=2024"]).root == str(Path("2024").absolute())

@@ -199,10 +199,12 @@ def describe_validation_error(err: ValidationError, known: Sequence[str] = ()) -
             lines.append(f"  {key}: unknown key (not a setting of this block; {hint})")
             continue
         message = problem["msg"].removeprefix("Value error, ")
-        said = isinstance(problem.get("input"), dict) or ", got " in message  # a validator's own message names it
-        got = "" if said else f" (got {problem.get('input')!r})"
-        if problem["type"] in ("tuple_type", "list_type") and isinstance(problem.get("input"), str):
-            items = [_as_value(item.strip()) for item in problem["input"].split(",") if item.strip()]
+        given = problem.get("input")
+        said = isinstance(given, dict) or ", got " in message or (isinstance(given, str) and repr(given) in message)
+        got = "" if said else f" (got {given!r})"
+        if problem["type"] in ("tuple_type", "list_type") and isinstance(given, str):
+            items = [_as_value(item.strip()) for item in given.split(",") if item.strip()]
             got += f"; a list is written as JSON: {key}='{json.dumps(items)}'"
-        lines.append(f"  {key + ': ' if key else ''}{message}{got}")
+        named = not key or message.startswith(f"{key}.")  # a block's validator that names its setting itself
+        lines.append(f"  {'' if named else key + ': '}{message}{got}")
     return "\n".join(lines)

@@ -26,6 +26,6 @@ class TinyModelConfig(StageConfig):
     def _heads_fit(self) -> TinyModelConfig:
         head, rest = divmod(self.hidden_size, self.heads)
         if rest or self.heads % self.kv_heads or head % 2:
-            raise ValueError(f"tiny_model: hidden_size {self.hidden_size} / heads {self.heads} must be a whole, even "
-                             f"head size (rotary embeddings) and heads a multiple of kv_heads {self.kv_heads}")
+            raise ValueError(f"tiny_model.hidden_size {self.hidden_size} / tiny_model.heads {self.heads} must be a "
+                             f"whole, even head size (rotary embeddings) and heads a multiple of kv_heads {self.kv_heads}")
         return self
