@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,7 +20,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from moplex_core.artifacts import ArtifactRef, ArtifactStore, load_table, read_manifest
-from moplex_core.config import IngestConfig
+from moplex_core.config import HUB_SOURCES, IngestConfig
 from moplex_core.data import generic, helpsteer2, persona, prism, ultrafeedback
 from moplex_core.data.sources import (
     AdapterOutput,
@@ -45,6 +45,18 @@ STAGE = "ingest"
 # unlabelled rankings under "None" in the summary's rows_per_cluster (check_rankings_fit leaves it out); one
 # written before 2026-11-25 leaves rejected.parquet's `field` empty for a source record set aside.
 CODE_VERSION = "ingest-1"
+
+
+@dataclass(frozen=True)
+class Adapter:
+    """How one dataset becomes rankings: ``read(config, records, source, raw)``, where ``records()``
+    yields the source's raw records (never called for a generated dataset), and the adapter's own
+    code version (None: the stage's alone)."""
+
+    read: Callable[[IngestConfig, Callable[[], Iterator[Record]], str, RawRejects], AdapterOutput]
+    version: str | None = None
+
+
 # An adapter's own changes, added to its dataset's versions only (the others keep theirs). generic-2:
 # a split column that is not kept no longer rejects rows (validation=drop kept fewer before);
 # generic-3: rows that share a prompt text share a split whatever their prompt_ids; generic-4: an
@@ -60,13 +72,24 @@ CODE_VERSION = "ingest-1"
 # generic-7: a row without an example_id that repeats an earlier one, or whose made id a given one holds, is
 # a ranking of its own, its made id numbered (-2, -3, ...; it was refused as a duplicate id). generic-8: the
 # cluster labels 'all' and 'adapter cN' are refused (the evaluation's rows use them).
-ADAPTER_VERSIONS = {"generic": "generic-8", "ultrafeedback": "ultrafeedback-2", "persona": "persona-2",
-                    "prism": "prism-2", "helpsteer2": "helpsteer2-2"}
+ADAPTERS: dict[str, Adapter] = {  # one per IngestConfig.dataset
+    "ultrafeedback": Adapter(lambda c, records, source, raw: ultrafeedback.to_rankings(
+        records(), c.ultrafeedback, source=source, seed=c.seed, rejects=raw), "ultrafeedback-2"),
+    "persona": Adapter(lambda c, records, source, raw: persona.to_rankings(
+        records(), c.persona, source=source, seed=c.seed, rejects=raw), "persona-2"),
+    "helpsteer2": Adapter(lambda c, records, source, raw: helpsteer2.to_rankings(
+        records(), c.helpsteer2, source=source, rejects=raw), "helpsteer2-2"),
+    "prism": Adapter(lambda c, records, source, raw: prism.to_rankings(
+        records(), c.prism, source=source, rejects=raw), "prism-2"),
+    "generic": Adapter(lambda c, records, source, raw: generic.to_rankings(
+        records(), source=source, keep_split=c.split.from_source), "generic-8"),
+    "synthetic": Adapter(lambda c, records, source, raw: _synthetic(c)),
+}
 
 
 def code_version(dataset: str) -> str:
     """The code version of an ingest of ``dataset``: the stage's, plus its adapter's when it has one."""
-    return "+".join([CODE_VERSION, *([ADAPTER_VERSIONS[dataset]] if dataset in ADAPTER_VERSIONS else [])])
+    return "+".join([CODE_VERSION, *filter(None, [ADAPTERS[dataset].version])])
 
 
 @dataclass(frozen=True)
@@ -220,7 +243,7 @@ def build_rankings(config: IngestConfig, inputs: dict[str, str] | None = None) -
                     "its own (example_id <the made one>-2, -3, ...), as two raters who agree are. Where a repeat is "
                     "a mistake (a file read twice), remove it or give the rows example_ids",
                     adapted.stats["repeated_rankings"])
-    labels = default_labels(config)
+    labels = config.default_labels()
     if config.validation == "strict":
         table = check_rankings(adapted.rows, labels, config.split.from_source, adapted.where)
         rejected = None
@@ -315,19 +338,6 @@ def rejected_note(rankings_dir: str | Path) -> str | None:
             f"the record to fix, is in {Path(rankings_dir) / 'rejected.parquet'}")
 
 
-def default_labels(config: IngestConfig) -> tuple[str, ...] | None:
-    """The declared cluster label set: the config's, else the dataset's criteria/attributes/clusters."""
-    if config.labels is not None:
-        return config.labels
-    if config.dataset == "ultrafeedback":
-        return config.ultrafeedback.criteria
-    if config.dataset == "helpsteer2" and config.helpsteer2.data == "ratings":
-        return config.helpsteer2.attributes
-    if config.dataset == "synthetic":
-        return tuple(f"c{c}" for c in range(config.synthetic.k))
-    return None
-
-
 LOCAL_READER = "local-2"
 """Bumped when reading a local file yields other records from the same bytes, for every dataset read
 from one (an input of their versions; hub sources and the synthetic data keep theirs). local-2: a
@@ -342,18 +352,7 @@ def _inputs(config: IngestConfig) -> dict[str, str]:
 
 
 def _adapt(config: IngestConfig, source: str, raw: RawRejects) -> AdapterOutput:
-    if config.dataset == "synthetic":
-        return _synthetic(config)
-    records = raw.readable(_records(config))
-    if config.dataset == "ultrafeedback":
-        return ultrafeedback.to_rankings(records, config.ultrafeedback, source=source, seed=config.seed, rejects=raw)
-    if config.dataset == "persona":
-        return persona.to_rankings(records, config.persona, source=source, seed=config.seed, rejects=raw)
-    if config.dataset == "helpsteer2":
-        return helpsteer2.to_rankings(records, config.helpsteer2, source=source, rejects=raw)
-    if config.dataset == "prism":
-        return prism.to_rankings(records, config.prism, source=source, rejects=raw)
-    return generic.to_rankings(records, source=source, keep_split=config.split.from_source)
+    return ADAPTERS[config.dataset].read(config, lambda: raw.readable(_records(config)), source, raw)
 
 
 def _synthetic(config: IngestConfig) -> AdapterOutput:
@@ -379,7 +378,7 @@ def _source_label(config: IngestConfig, inputs: dict[str, str]) -> str:
     """The `source` column: dataset name + revision, or + a short hash of the local files' content."""
     if config.dataset == "synthetic":
         return "synthetic"
-    name = config.hub_source()[0] if config.dataset != "generic" else "generic"
+    name = config.hub_source()[0] if config.dataset in HUB_SOURCES or config.hub_name else config.dataset
     if config.path is not None:
         return f"{name}@local-{inputs['source'].removeprefix('sha256:')[:12]}"
     return f"{name}@{config.hub_source()[1] or 'latest'}"

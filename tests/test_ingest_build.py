@@ -322,3 +322,18 @@ def test_strict_ingest_names_every_unreadable_record_in_one_error_up_to_a_limit(
     monkeypatch.setattr("moplex_core.data.sources.READ_ON_LIMIT", 2)
     with pytest.raises(RawSchemaError, match=r"^the first 2 \(reading stopped there\) source record"):
         build_rankings(config)
+
+
+def test_every_dataset_has_an_adapter_and_every_block_and_hub_source_a_dataset():
+    # What a new dataset needs: a name in DatasetName, an entry in ADAPTERS, and (if it has settings or
+    # a hub home) a DatasetOptions block named after it and a HUB_SOURCES entry.
+    from typing import get_args
+
+    from moplex_core.config import HUB_SOURCES
+    from moplex_core.config.ingest import DATASET_BLOCKS, DatasetName
+    from moplex_core.ingest import ADAPTERS
+
+    names = set(get_args(DatasetName))
+    assert set(ADAPTERS) == names
+    assert set(DATASET_BLOCKS) <= names and set(HUB_SOURCES) <= names
+    assert names - set(DATASET_BLOCKS) == {"generic"}

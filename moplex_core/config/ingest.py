@@ -55,7 +55,28 @@ class SplitConfig(Options):
         return v
 
 
-class UltraFeedbackOptions(Options):
+class DatasetOptions(Options):
+    """The block of one dataset's own settings (``IngestConfig.<dataset>``), and what the configs
+    know of that dataset from it alone; a new dataset's block says here what differs from these."""
+
+    def labels(self) -> tuple[str, ...] | None:
+        """The cluster label set it declares (`IngestConfig.labels` unset), or None."""
+        return None
+
+    def responses(self) -> int | None:
+        """m, the responses per ranking (at most), where the settings alone tell it."""
+        return None
+
+    def hub_parts(self) -> tuple[dict[str, str], ...]:
+        """The `datasets.load_dataset` keyword arguments of each part read from the hub."""
+        return ({},)
+
+    def identity(self) -> dict[str, Any]:
+        """Its settings that enter the ingest version."""
+        return self.model_dump(mode="json")
+
+
+class UltraFeedbackOptions(DatasetOptions):
     """One ranking per prompt per criterion over a shared slate of ``m`` completions (k = 4).
 
     A slate is ``m`` completions with a non-empty response, drawn (seeded, per prompt) from those rated
@@ -80,8 +101,14 @@ class UltraFeedbackOptions(Options):
             raise ValueError(f"criteria must be distinct names from {ULTRAFEEDBACK_CRITERIA}, got {v}")
         return v
 
+    def labels(self) -> tuple[str, ...]:
+        return self.criteria
 
-class PersonaOptions(Options):
+    def responses(self) -> int:
+        return self.m
+
+
+class PersonaOptions(DatasetOptions):
     """Cluster = a demographic profile read from the persona text (DESIGN.md 6).
 
     The persona is ``key: value`` lines split on the first ": ". The profile label joins
@@ -116,8 +143,11 @@ class PersonaOptions(Options):
             raise ValueError(f"age_bands must be increasing non-negative band starts, got {v}")
         return v
 
+    def responses(self) -> int:
+        return 2
 
-class HelpSteer2Options(Options):
+
+class HelpSteer2Options(DatasetOptions):
     """``data="ratings"`` (the default config): for every pair of responses to one prompt and every
     attribute whose ratings differ by at least ``min_gap``, one ranking (m = 2) with the higher-rated
     response first; cluster = attribute. Higher is treated as preferred for every attribute,
@@ -147,8 +177,23 @@ class HelpSteer2Options(Options):
             raise ValueError(f"attributes must be distinct names from {HELPSTEER2_ATTRIBUTES}, got {v}")
         return v
 
+    def labels(self) -> tuple[str, ...] | None:
+        return self.attributes if self.data == "ratings" else None
 
-class PrismOptions(Options):
+    def responses(self) -> int:
+        return 2
+
+    def hub_parts(self) -> tuple[dict[str, str], ...]:
+        return ({"data_dir": "preference"},) if self.data == "preference" else ({},)
+
+    def identity(self) -> dict[str, Any]:
+        """Only the options of the data read (ratings keep their old versions); ``split_turns`` at its
+        default is the adapter's version (helpsteer2-2)."""
+        unused = {"data", "min_strength"} if self.data == "ratings" else {"attributes", "min_gap"}
+        return self.model_dump(mode="json", exclude=unused | ({"split_turns"} if self.split_turns else set()))
+
+
+class PrismOptions(DatasetOptions):
     """One ranking per conversation: the opening turn's model responses ranked by the participant's
     scores (1-100; equal scores are tied tiers); cluster = the participant's profile from the survey.
 
@@ -177,8 +222,14 @@ class PrismOptions(Options):
             raise ValueError(f"fields must be distinct survey columns or column.key paths, got {v}")
         return v
 
+    def responses(self) -> int:
+        return PRISM_OPENING_RESPONSES
 
-class SyntheticOptions(Options):
+    def hub_parts(self) -> tuple[dict[str, str], ...]:
+        return ({"name": "survey"}, {"name": "conversations"})  # the participants, then their conversations
+
+
+class SyntheticOptions(DatasetOptions):
     """moplex_core.data.synthetic.SyntheticConfig without its augmentation fields: the rankings
     artifact holds originals only (generated responses are the augment stage's); the seed is the
     ingest config's."""
@@ -197,6 +248,12 @@ class SyntheticOptions(Options):
         ):
             raise ValueError(f"alpha must be {self.k} non-negative proportions summing to 1, got {self.alpha}")
         return self
+
+    def labels(self) -> tuple[str, ...]:
+        return tuple(f"c{c}" for c in range(self.k))
+
+    def responses(self) -> int:
+        return self.m
 
 
 class IngestConfig(StageConfig):
@@ -257,32 +314,37 @@ class IngestConfig(StageConfig):
             return name, self.revision
         return name, default_revision
 
+    def options(self) -> DatasetOptions | None:
+        """The block of the dataset read (``self.<dataset>``); None for generic, which has none."""
+        return getattr(self, self.dataset) if self.dataset in DATASET_BLOCKS else None
+
+    def default_labels(self) -> tuple[str, ...] | None:
+        """The declared cluster label set: ``labels``, else the dataset's (`DatasetOptions.labels`)."""
+        options = self.options()
+        return self.labels if self.labels is not None else options.labels() if options else None
+
     def hub_parts(self) -> tuple[dict[str, str], ...]:
         """The `datasets.load_dataset` keyword arguments of each part this config reads from the hub:
         PRISM's two configs, HelpSteer2's ``preference`` data_dir, else the default config."""
-        if self.dataset == "prism":
-            return ({"name": "survey"}, {"name": "conversations"})
-        if self.dataset == "helpsteer2" and self.helpsteer2.data == "preference":
-            return ({"data_dir": "preference"},)
-        return ({},)
+        options = self.options()
+        return options.hub_parts() if options else ({},)
 
     def identity(self) -> dict[str, Any]:
         """Everything that changes the rankings except where a local file lives: its content is hashed
         separately (as the version's input), so moving a file keeps the version and editing it does
-        not. Options of other datasets are left out."""
-        data = self.model_dump(mode="json", exclude={"path"})
-        for name in ("ultrafeedback", "persona", "helpsteer2", "prism", "synthetic"):
-            if name != self.dataset:
-                del data[name]
-        if self.dataset == "helpsteer2":  # only the options of the data read (ratings keep their old versions)
-            unused = ("data", "min_strength") if self.helpsteer2.data == "ratings" else ("attributes", "min_gap")
-            for key in unused:
-                del data["helpsteer2"][key]
-            if self.helpsteer2.split_turns:  # the default's change is the adapter's version (helpsteer2-2)
-                del data["helpsteer2"]["split_turns"]
+        not. Options of other datasets are left out, and the dataset's own are its block's identity."""
+        data = self.model_dump(mode="json", exclude={"path", *(set(DATASET_BLOCKS) - {self.dataset})})
+        options = self.options()
+        if options is not None:
+            data[self.dataset] = options.identity()
         if self.path is None and self.dataset in HUB_SOURCES:
             data["hub_name"], data["revision"] = self.hub_source()
         return data
+
+
+DATASET_BLOCKS = tuple(name for name, field in IngestConfig.model_fields.items()
+                       if isinstance(field.annotation, type) and issubclass(field.annotation, DatasetOptions))
+"""The datasets with a block of their own settings (every one but generic), in field order."""
 
 
 INGEST_PRESETS: dict[str, IngestConfig] = {

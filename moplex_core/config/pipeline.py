@@ -13,7 +13,7 @@ from moplex_core.config.augment import AugmentConfig
 from moplex_core.config.base import TINY_MODEL, Options, absolute_path
 from moplex_core.config.cache import CacheConfig, no_contractions_message
 from moplex_core.config.evaluate import EvaluateConfig
-from moplex_core.config.ingest import PRISM_OPENING_RESPONSES, IngestConfig
+from moplex_core.config.ingest import IngestConfig
 from moplex_core.config.tiny_model import TinyModelConfig
 from moplex_core.config.train import TrainConfig
 
@@ -68,8 +68,8 @@ class PipelineConfig(Options):
     def responses_per_example(self) -> int | None:
         """m' (at most) where the config alone tells it: the dataset's m plus the generated ones; None
         for a generic source (the train stage checks against the data then)."""
-        m = {"synthetic": self.ingest.synthetic.m, "ultrafeedback": self.ingest.ultrafeedback.m,
-             "helpsteer2": 2, "persona": 2, "prism": PRISM_OPENING_RESPONSES}.get(self.ingest.dataset)
+        options = self.ingest.options()
+        m = options.responses() if options else None
         if m is None:
             return None
         return m + (self.augment.n_generated if self.augment is not None else 0)
