@@ -168,8 +168,9 @@ def failure_cause(state: State) -> str:
 
 
 def refused_its_settings(state: State) -> bool:
-    """Whether a run failed on a check of its settings between stages (`run_stages`: the rankings
-    against train.k and evaluate.splits, the model against the cache's lengths and the LoRA targets):
+    """Whether a run failed on a check of its settings between stages (`run_stages`: the stages'
+    devices on this machine, the rankings against train.k and evaluate.splits, the model against the
+    cache's lengths and the LoRA targets):
     a ValueError no stage raised. A retry of that flow run applies the same settings and fails the same
     way."""
     err = _raised(state)

@@ -265,7 +265,8 @@ def test_a_hub_server_error_is_worth_retrying_and_an_unknown_dataset_is_not(tmp_
     ("trian.k=3", "trian.k: 'trian' is not a block of PipelineConfig; did you mean train?"),
     ("k=3", "k: unknown key (not a setting of this block; did you mean ingest.synthetic.k or train.k?)"),
     ("cache.batch_size=8", "cache.batch_size: unknown key (not a setting of this block; did you mean "
-                           "cache.score_batch_size?)"),
+                           "cache.score_batch_size or augment.batch_size or train.batch_size?)"),
+    ("cache.fractions=1", "did you mean cache.contractions or ingest.split.fractions?)"),
     ("ingest.splt.sizes=[1,1,1]", "ingest.splt.sizes: 'splt' is not a block of ingest; did you mean ingest.split?"),
     ("ingest.split.fractions=[0.9,0.2,0.1]", "must be >= 0 and sum to 1, got (0.9, 0.2, 0.1)\n"),
     ("train.k=0", "train.k: Input should be greater than or equal to 1 (got 0)"),

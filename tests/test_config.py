@@ -186,6 +186,8 @@ def test_a_boolean_given_to_a_number_is_refused_not_read_as_one():
         "  train.lr: expected a number, not a boolean (got false)",
         "  train.anchors: expected an integer or null, not a boolean (got true)"]
     assert with_overrides(pipeline_preset("synthetic-demo"), ["train.share_prompts=false"]).train.share_prompts is False
+    with pytest.raises(ValueError, match=r"ingest.split.fractions: Input should be a valid tuple \(got True\)"):
+        with_overrides(pipeline_preset("synthetic-demo"), ["ingest.split.fractions=true"])  # a list, not a number
 
 
 def test_a_block_given_whole_says_which_preset_settings_it_resets(caplog):
@@ -194,6 +196,10 @@ def test_a_block_given_whole_says_which_preset_settings_it_resets(caplog):
     assert config.train.k == 2 and config.train.lr == TrainConfig().lr
     assert ("train={...} replaces the whole block, so its other settings are back at their defaults: anchors null -> "
             "2, lora_r 8 -> 16, lr 0.003 -> 0.0001") in caplog.text and "beta" not in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="moplex_core.config"):
+        with_overrides(pipeline_preset("synthetic-demo"), ['train={"k": 2}', "train.lr=0.1"])
+    assert "lora_r 8 -> 16" in caplog.text and "lr" not in caplog.text.replace("lora_r", "")  # typed on its own
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="moplex_core.config"):
         with_overrides(pipeline_preset("synthetic-demo"), ["train.k=2"])

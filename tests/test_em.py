@@ -748,3 +748,10 @@ def test_posteriors_are_alpha_times_each_clusters_eq5_probability_normalised():
             weighted.append(alpha[c].item() * p)
         assert ll[i].item() == pytest.approx(math.log(sum(weighted)), rel=1e-12)
         assert gamma[i].tolist() == pytest.approx([w / sum(weighted) for w in weighted], rel=1e-10)
+
+
+def test_a_synthetic_config_no_draw_could_honour_is_refused_naming_each_setting():
+    with pytest.raises(ValueError, match=r"SyntheticConfig: m = 1 \(at least 2\), n_values = 0 \(at least 1\), "
+                                         r"noise = -1 \(at least 0\)"):
+        SyntheticConfig(m=1, n_values=0, noise=-1)
+    assert SyntheticConfig(noise=0).noise == 0  # deterministic rankings are a real setting

@@ -144,7 +144,7 @@ def test_a_hidden_folder_of_a_model_folder_is_not_part_of_its_fingerprint(tmp_pa
 def test_a_device_torch_cannot_use_here_is_refused_naming_it(monkeypatch) -> None:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert resolve_device("auto") == "cpu" and resolve_device("cpu") == "cpu"
-    with pytest.raises(ValueError, match="device 'gpu' is not a torch device: give cpu, cuda, cuda:N or auto"):
+    with pytest.raises(ValueError, match="device 'gpu' is not a torch device: give auto, cpu, cuda, cuda:N, mps or mps:N"):
         resolve_device("gpu")
     with pytest.raises(ValueError, match="device 'cuda': this machine has no CUDA device torch can use"):
         resolve_device("cuda")

@@ -62,7 +62,10 @@ class ArtifactWriter:
     every file, start and finish times, library versions, ``w.summary`` (stage-specific numbers),
     and ``runs``: the start time, config and library versions of every run that worked on the
     version, failed attempts included (the top-level config is the last run's).
-    On an exception nothing is committed and finished files stay for the next run.
+    On an exception nothing is committed and finished files stay for the next run; a version that
+    has no finished file then (the stage failed before writing one: a missing model, bad input) is
+    removed, so that no folder is listed as an interrupted run to resume (its ``.started`` lines go
+    with it: no run worked on it).
     Code that writes its own files under ``w.path`` must write them under a hidden temporary name
     and rename them into place, as this class does.
     """

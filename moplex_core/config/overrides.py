@@ -7,7 +7,8 @@ import difflib
 import json
 import logging
 from collections.abc import Sequence
-from typing import Any, TypeVar, get_args
+from types import UnionType
+from typing import Annotated, Any, TypeVar, Union, get_args, get_origin
 
 from pydantic import BaseModel, ValidationError
 
@@ -50,11 +51,12 @@ def with_overrides(config: C, assignments: Sequence[str]) -> C:
                 break
             node = node[part]
         else:
-            types = _types_in(_annotation_at(type(config), [*parents, leaf]))
-            if isinstance(value, (bool, int, float)) and str in types:
+            annotation = _annotation_at(type(config), [*parents, leaf])
+            alternatives = _alternatives(annotation)  # a number, or null: not the items of a list
+            if isinstance(value, (bool, int, float)) and str in _types_in(annotation):
                 value = raw  # a setting that takes text keeps what was typed
-            elif isinstance(value, bool) and bool not in types and (int in types or float in types):  # read as 1 or 0
-                problems.append(f"  {key}: expected {_type_names(types)}, not a boolean (got {raw})")
+            elif isinstance(value, bool) and bool not in alternatives and (int in alternatives or float in alternatives):
+                problems.append(f"  {key}: expected {_type_names(alternatives)}, not a boolean (got {raw})")  # read as 1
                 continue
             if isinstance(value, dict) and isinstance(node.get(leaf), dict):
                 replaced[key] = (node[leaf], set(value))
@@ -66,14 +68,18 @@ def with_overrides(config: C, assignments: Sequence[str]) -> C:
     if problems:
         given = f" (overrides {list(assignments)})" if assignments else ""
         raise ValueError(f"invalid {type(config).__name__} settings{given}:\n" + "\n".join(problems))
-    _say_what_whole_blocks_reset(replaced, validated.model_dump(mode="json"))
+    typed = [assignment.partition("=")[0] for assignment in assignments]
+    _say_what_whole_blocks_reset(replaced, typed, validated.model_dump(mode="json"))
     return validated
 
 
-def _say_what_whole_blocks_reset(replaced: dict[str, tuple[dict[str, Any], set[str]]], now: dict[str, Any]) -> None:
+def _say_what_whole_blocks_reset(replaced: dict[str, tuple[dict[str, Any], set[str]]], typed: Sequence[str],
+                                 now: dict[str, Any]) -> None:
     """A block given whole (``train={"k": 2}``) takes its other settings' defaults: say which of them
-    that changed, since ``train.k=2`` was more likely meant."""
-    for key, (before, given) in replaced.items():
+    that changed, since ``train.k=2`` was more likely meant. Settings typed on their own
+    (``train.lr=0.1`` too) are the user's, not reset."""
+    for key, (before, in_block) in replaced.items():
+        given = in_block | {t[len(key) + 1:].split(".")[0] for t in typed if t.startswith(f"{key}.")}
         after = _at(now, key)
         reset = [f"{name} {json.dumps(before[name])} -> {json.dumps(after.get(name))}" for name in before
                  if name not in given and before[name] != after.get(name)]
@@ -129,6 +135,16 @@ def _type_names(types: Sequence[Any]) -> str:
     return " or ".join(said)
 
 
+def _alternatives(annotation: Any) -> list[Any]:
+    """The types ``annotation`` allows as a whole (the members of a union, Optional, Annotated), not
+    those inside a list or tuple of it."""
+    if get_origin(annotation) in (Union, UnionType):
+        return [t for arg in get_args(annotation) for t in _alternatives(arg)]
+    if get_origin(annotation) is Annotated:
+        return _alternatives(get_args(annotation)[0])
+    return [annotation]
+
+
 def _types_in(annotation: Any) -> list[Any]:
     """``annotation`` and every type inside it (unions, Optional, Annotated), flattened."""
     return [annotation, *(t for arg in get_args(annotation) for t in _types_in(arg))]
@@ -161,16 +177,14 @@ def _at(data: dict[str, Any], key: str) -> Any:
 
 def _closest_key(key: str, known: Sequence[str]) -> str | None:
     """The setting(s) ``key`` was probably meant as: a near spelling in its own block
-    (``cache.score_batch_size`` for ``cache.batch_size``), else every setting of that name in other
+    (``cache.score_batch_size`` for ``cache.batch_size``) and every setting of that name in other
     blocks (``train.em_iterations`` for ``em_iterations``), else the nearest spelling anywhere."""
     block, _, leaf = key.rpartition(".")
     siblings = [k for k in known if k.rpartition(".")[0] == block and k != key]
     close = difflib.get_close_matches(leaf, [k.rpartition(".")[2] for k in siblings], n=1, cutoff=0.75)
-    if close:
-        return f"{block}.{close[0]}" if block else close[0]
     same_name = [k for k in known if k.rpartition(".")[2] == leaf and k != key]
-    if same_name:
-        return " or ".join(same_name)
+    if close or same_name:
+        return " or ".join([*(f"{block}.{c}" if block else c for c in close), *same_name])
     close = difflib.get_close_matches(key, known, n=1, cutoff=0.8)
     return close[0] if close else None
 

@@ -46,6 +46,16 @@ class SyntheticConfig:
     """Cluster proportions; uniform when None."""
     seed: int = 0
 
+    def __post_init__(self) -> None:
+        # The pipeline's SyntheticOptions checks these for its settings; a library caller gets them here.
+        low = {"n": 1, "k": 1, "m": 2, "n_values": 1, "n_generated": 0, "seed": 0}
+        bad = [f"{name} = {getattr(self, name)} (at least {least})" for name, least in low.items()
+               if getattr(self, name) < least]
+        if not self.noise >= 0:
+            bad.append(f"noise = {self.noise} (at least 0)")
+        if bad:
+            raise ValueError(f"SyntheticConfig: {', '.join(bad)}")
+
 
 @dataclass
 class SyntheticRankings:

@@ -64,6 +64,9 @@ class StudyConfig:
         if not self.noise > 0:
             raise ValueError(f"noise must be above 0 (the oracle's true PL scores are the utilities / noise), "
                              f"got {self.noise}")
+        if min(self.n_val, self.n_test) < 1:
+            raise ValueError(f"n_val = {self.n_val} and n_test = {self.n_test} must be at least 1: the matching is "
+                             "fitted on validation and the study's numbers are test's")
         if self.n_train < max(self.ks):
             raise ValueError(f"n_train = {self.n_train} training rankings cannot fit k = {max(self.ks)} clusters: "
                              f"EM needs at least k rankings")

@@ -37,7 +37,7 @@ def resolve_device(device: str) -> str:
     try:
         parsed = torch.device(device)
     except RuntimeError:
-        raise ValueError(f"device {device!r} is not a torch device: give cpu, cuda, cuda:N or auto") from None
+        raise ValueError(f"device {device!r} is not a torch device: give auto, cpu, cuda, cuda:N, mps or mps:N") from None
     if parsed.type == "cuda":
         if not torch.cuda.is_available():
             raise ValueError(f"device {device!r}: this machine has no CUDA device torch can use (give cpu or auto)")
