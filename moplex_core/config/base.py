@@ -49,6 +49,15 @@ SplitName = Literal["train", "validation", "test"]
 
 
 class StageConfig(Options):
+    """A stage's settings. Its `identity` is hashed into the stage's version (`ArtifactStore.version`).
+
+    A new setting: give it a default that does what the stage did before, and leave it out of
+    `identity` while it holds that default (as `CacheConfig.contractions` does), so that every
+    existing version keeps its hash; a setting that only says how (a batch size, a device) stays
+    out always. Then give it another value in tests/test_config.py's VERSIONED table, which fails
+    naming any setting no version check varies.
+    """
+
     def identity(self) -> dict[str, Any]:
         """The settings that change the stage's output (all of them unless a stage says otherwise)."""
         return self.model_dump(mode="json")
