@@ -240,3 +240,14 @@ def test_assignments_of_checked_settings_give_them_back_from_any_directory(tmp_p
         config = with_overrides(pipeline_preset("synthetic-demo"), typed)
         again = as_assignments(config, [a.partition("=")[0] for a in typed])
         assert len(again) == 1 and with_overrides(pipeline_preset("synthetic-demo"), again) == config
+
+
+def test_each_dataset_declares_the_labels_its_docstring_names():
+    assert IngestConfig(dataset="ultrafeedback").default_labels() == ("helpfulness", "honesty",
+                                                                       "instruction_following", "truthfulness")
+    assert IngestConfig(dataset="helpsteer2").default_labels() == ("helpfulness", "correctness", "coherence",
+                                                                    "complexity", "verbosity")
+    assert IngestConfig(dataset="helpsteer2", helpsteer2={"data": "preference"}).default_labels() is None
+    assert IngestConfig(dataset="synthetic", synthetic={"k": 2}).default_labels() == ("c0", "c1")
+    assert [IngestConfig(dataset=d, path="x.jsonl").default_labels() for d in ("persona", "prism", "generic")] == [None] * 3
+    assert IngestConfig(dataset="persona", labels=("a", "b")).default_labels() == ("a", "b")
