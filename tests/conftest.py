@@ -32,6 +32,17 @@ def temporary_files_in_the_tests_folder(tmp_path: Path, monkeypatch: pytest.Monk
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
 
 
+@pytest.fixture(autouse=True)
+def environment_restored() -> Iterator[None]:
+    """The environment as it was before each test (after the session's fixtures set theirs): the
+    CLI's `main` sets Prefect variables with setdefault, which would otherwise carry into later tests
+    on the same worker."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+
+
 @pytest.fixture(scope="session")
 def fixtures_dir() -> Path:
     """Small hand-written files in each dataset's raw schema."""

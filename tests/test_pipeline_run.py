@@ -9,6 +9,7 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -71,7 +72,18 @@ def test_an_error_a_rerun_repeats_is_not_retried(error, caplog):
     assert "retry" not in caplog.text
 
 
-def test_an_in_process_run_on_a_temporary_server_sends_no_heartbeats_and_one_on_a_real_server_does():
+@pytest.fixture
+def stop_signals_restored() -> Iterator[None]:
+    """`local_run_settings` stops on SIGTERM, SIGHUP and SIGINT until the process exits, which in a test
+    worker is every later test's process: each test that enters it gives the handlers back."""
+    handlers = {signum: signal.getsignal(signum) for signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)}
+    yield
+    for signum, handler in handlers.items():
+        signal.signal(signum, handler)
+
+
+def test_an_in_process_run_on_a_temporary_server_sends_no_heartbeats_and_one_on_a_real_server_does(
+        stop_signals_restored):
     # Prefect's default (180 s), set here: the session's Prefect fixture runs without heartbeats.
     with temporary_settings(updates={PREFECT_FLOWS_HEARTBEAT_FREQUENCY: 180}):
         with temporary_settings(updates={PREFECT_API_URL: None}), local_run_settings():
@@ -81,17 +93,13 @@ def test_an_in_process_run_on_a_temporary_server_sends_no_heartbeats_and_one_on_
         assert PREFECT_FLOWS_HEARTBEAT_FREQUENCY.value() == 180
 
 
-def test_local_run_settings_patch_prefects_server_module_for_the_run_and_stop_on_signals_until_exit():
+def test_local_run_settings_patch_prefects_server_module_for_the_run_and_stop_on_signals_until_exit(
+        stop_signals_restored):
     from prefect.server.api import server
 
     from flows.pipeline import StopSignal
 
-    handlers = {signum: signal.getsignal(signum) for signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)}
-    try:
-        _check_local_run_settings(server, StopSignal)
-    finally:  # they stay until the process exits, which in a test worker is every later test's process
-        for signum, handler in handlers.items():
-            signal.signal(signum, handler)
+    _check_local_run_settings(server, StopSignal)
 
 
 def _check_local_run_settings(server, StopSignal) -> None:
