@@ -62,7 +62,7 @@ def test_scores_of_plus_minus_1e4_give_finite_one_hot_posteriors():
 def test_an_exactly_empty_cluster_gets_zero_posterior_without_nan():
     n, m = 40, 4
     rankings = random_rankings(n, m)
-    scores = torch.randn(n, 3, m, dtype=torch.float64) * 1e4
+    scores = torch.randn(n, 3, m, dtype=torch.float64, generator=torch.Generator().manual_seed(0)) * 1e4
     alpha = torch.tensor([0.5, 0.5, 0.0], dtype=torch.float64)
     gamma, ll = mixture_posteriors(scores, rankings, alpha)
     assert torch.isfinite(gamma).all() and torch.isfinite(ll).all()
@@ -106,31 +106,33 @@ def test_all_tied_rankings_warn_and_leave_the_posteriors_at_the_mixing_weights(i
 
 def test_all_tied_pairs_carry_no_likelihood_at_all():
     tied = Rankings(torch.zeros(10, 3, dtype=torch.int64), model="bt_pairs")
-    assert (tied.log_likelihood(torch.randn(10, 2, 3, dtype=torch.float64) * 1e4) == 0).all()
+    scores = torch.randn(10, 2, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(1)) * 1e4
+    assert (tied.log_likelihood(scores) == 0).all()
 
 
 def test_some_tied_rankings_warn_that_em_fits_on_the_others():
     rankings = random_rankings(30, 4)
     tiers = rankings.tiers.clone()
     tiers[:5] = 0
+    scores = torch.randn(30, 2, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
     with pytest.warns(RuntimeWarning, match="5 of 30 rankings .* EM fits on the others"):
-        fit_mixture(lambda: FixedScorer(torch.randn(30, 2, 4, dtype=torch.float64)), None, Rankings(tiers),
-                    EMConfig(k=2, max_iter=1, init="dirichlet"))
+        fit_mixture(lambda: FixedScorer(scores), None, Rankings(tiers), EMConfig(k=2, max_iter=1, init="dirichlet"))
 
 
 def test_a_top_1_prefix_over_a_shared_first_tier_is_not_called_tied():
     # tier 0 = {0, 1}, then 2, 3 unobserved beyond the prefix: "0 and 1 beat 2 and 3" is information
     tiers = torch.tensor([[0, 0, 1, 2]] * 6)
+    scores = torch.randn(6, 2, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)
-        fit_mixture(lambda: FixedScorer(torch.randn(6, 2, 4, dtype=torch.float64)), None,
-                    Rankings(tiers, torch.ones(6, dtype=torch.int64)), EMConfig(k=2, max_iter=1, init="dirichlet"))
+        fit_mixture(lambda: FixedScorer(scores), None, Rankings(tiers, torch.ones(6, dtype=torch.int64)),
+                    EMConfig(k=2, max_iter=1, init="dirichlet"))
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
 def test_non_finite_scores_stop_em_with_an_error_not_nan(bad):
     rankings = random_rankings(20, 4)
-    scores = torch.randn(20, 2, 4, dtype=torch.float64)
+    scores = torch.randn(20, 2, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
     scores[3, 1, 2] = bad
     with pytest.raises(FloatingPointError, match=r"EM iteration 0: 1 score\(s\) of cluster\(s\) \[1\] are inf or NaN"):
         fit_mixture(lambda: FixedScorer(scores), None, rankings, EMConfig(k=2, max_iter=2, init="dirichlet"))
@@ -138,7 +140,7 @@ def test_non_finite_scores_stop_em_with_an_error_not_nan(bad):
 
 def test_padding_slots_may_hold_anything():
     tiers = torch.tensor([[0, 1, -1], [1, 0, 2]])  # the first slate has 2 responses, its third slot is PAD
-    scores = torch.randn(2, 2, 3, dtype=torch.float64)
+    scores = torch.randn(2, 2, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
     scores[0, :, 2] = float("nan")
     result, _ = fit_mixture(lambda: FixedScorer(scores), None, Rankings(tiers),
                             EMConfig(k=2, max_iter=1, init="dirichlet"))

@@ -158,7 +158,7 @@ def test_ragged_slates_through_padding_match_unpadded():
 
 def test_batch_dimensions_broadcast_over_clusters():
     tiers = encode_tiers_batch([strict([0, 1, 2]), strict([2, 1, 0])], [3, 3])
-    scores = torch.randn(2, 5, 3, dtype=torch.float64)  # [n, k, M]
+    scores = torch.randn(2, 5, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(0))  # [n, k, M]
     index = prepare_rankings(tiers).expand(5)
     from moplex_core.pl import log_likelihood
 
