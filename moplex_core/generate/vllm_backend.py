@@ -211,8 +211,9 @@ class VLLMGenerator:
     def close(self, failed: bool = False) -> None:
         """End the worker and check that it exited cleanly: at the end of its input it finishes the
         shard in hand and exits. When the stage is failing (``failed``, Ctrl-C included) or a worker
-        failure was already reported, end its process group at once instead (SIGTERM, then SIGKILL)
-        and keep the exchange folder and log for reading."""
+        failure was already reported, end its process group at once instead (SIGTERM, then SIGKILL).
+        The exchange folder is kept only where the worker failed, for its log, which the error names;
+        otherwise (a clean close, or a stage failing for another reason) it is removed."""
         if self._closed:
             return
         self._closed = True
@@ -226,15 +227,19 @@ class VLLMGenerator:
             self._signal_group(signal.SIGKILL)
             self._process.wait()
             self._log.close()
+            self._remove_exchange_unless_failed()
             raise
         error = None if aborting or status == 0 else self._died(status, "while shutting down")
         self._log.close()
         for pipe in (self._process.stdin, self._process.stdout):
             with contextlib.suppress(OSError):
                 pipe.close()  # type: ignore[union-attr]
+        self._remove_exchange_unless_failed()
         if error is not None:
             raise error
-        if not aborting:
+
+    def _remove_exchange_unless_failed(self) -> None:
+        if not self._failed:  # else a VLLMWorkerError named the log in it
             shutil.rmtree(self.exchange, ignore_errors=True)
 
     def _stdin(self) -> IO[bytes]:
