@@ -12,10 +12,8 @@ a bad setting, a corrupt artifact, a dataset or model that is not here.
 
 from __future__ import annotations
 
-import atexit
 import logging
 import shlex
-import signal
 import subprocess
 import threading
 import time
@@ -37,7 +35,7 @@ from moplex_core.data.sources import DatasetUnavailableError
 from moplex_core.ingest import rejected_note
 from moplex_core.lm.loading import ModelUnavailableError
 from moplex_core.pipeline import run_stages
-from moplex_core.processes import popen_ending_with_this_thread
+from moplex_core.processes import popen_ending_with_this_thread, stop_on_signals_until_exit
 from flows.augment import augment_flow
 from flows.cache import cache_flow
 from flows.evaluate import evaluate_flow
@@ -237,40 +235,6 @@ def _stopped_with_this_thread(args, **kwargs) -> subprocess.Popen:
     if isinstance(args, list) and threading.current_thread() is threading.main_thread():
         return popen_ending_with_this_thread(args, start_new_session=True, **kwargs)
     return subprocess.Popen(args, start_new_session=True, **kwargs)
-
-
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
-
-
-def stop_on_signals_until_exit() -> None:
-    """SIGTERM, SIGHUP and SIGINT raise `StopSignal` in this (the main) thread from now until the
-    interpreter's exit hooks have run, Prefect's stopping of its temporary server included (hooks
-    run last registered first, and Prefect registers its own when the server starts, after this).
-    Prefect's engine, having recorded a crash, hands SIGTERM back to the handler it found; the
-    default one would end the process on the spot, before those hooks. SIGINT (Ctrl-C) is taken too:
-    with Python's own handler in place, an `asyncio.run` in the main thread swaps in one that only
-    cancels its task, so a SIGINT landing there is lost if the cancellation is absorbed (seen once: a
-    `moplex run` signalled as its train stage began ran on to the end)."""
-    if signal.getsignal(signal.SIGTERM) is _raise_stop_signal:
-        return
-    previous = {signum: signal.signal(signum, _raise_stop_signal) for signum in STOP_SIGNALS}
-    atexit.register(lambda: [signal.signal(signum, handler) for signum, handler in previous.items()])
-
-
-class StopSignal(KeyboardInterrupt):
-    """SIGTERM, SIGHUP or SIGINT during an in-process run, raised as Ctrl-C's KeyboardInterrupt is,
-    with the exit status a signal gives (128 + its number)."""
-
-    def __init__(self, signum: int) -> None:
-        super().__init__(f"stopped by signal {signum}")
-        self.signum, self.status = signum, 128 + signum
-
-    def __reduce__(self) -> tuple[type[StopSignal], tuple[int]]:
-        return StopSignal, (self.signum,)
-
-
-def _raise_stop_signal(signum: int, frame: object) -> None:
-    raise StopSignal(signum)
 
 
 def run_in_process(preset: str, overrides: list[str], root: str) -> tuple[bool, str]:

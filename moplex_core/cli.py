@@ -572,7 +572,7 @@ def main(argv: list[str] | None = None) -> int:
         status = args.func(args)
         sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's exit
         return status
-    except KeyboardInterrupt as stop:  # Ctrl-C, or SIGTERM during a run (flows.pipeline.StopSignal)
+    except KeyboardInterrupt as stop:  # Ctrl-C, SIGTERM or SIGHUP (moplex_core.processes.StopSignal)
         print(f"\nmoplex {args.command}: interrupted. Finished stages and the shards and EM iterations written "
               "so far are kept: the same command resumes from them.", file=sys.stderr)
         return getattr(stop, "status", 130)
@@ -583,6 +583,16 @@ def main(argv: list[str] | None = None) -> int:
         # points at /dev/null so that the interpreter's final flush does not raise again.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141
+
+
+def console_main() -> int:
+    """The `moplex` command (the console script): `main`, with SIGTERM and SIGHUP stopping it as
+    Ctrl-C does, so that what a stage started (a vLLM worker and its engine, a Prefect server) is
+    ended and finished work is kept. Left out of `main`, which tests call in their own process."""
+    from moplex_core.processes import stop_on_signals_until_exit
+
+    stop_on_signals_until_exit()
+    return main()
 
 
 def _stdout_closed() -> bool:
@@ -598,4 +608,4 @@ def _stdout_closed() -> bool:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(console_main())

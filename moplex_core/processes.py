@@ -1,5 +1,5 @@
 """Child processes that end with the thread that started them (the Prefect server of `moplex run`, the
-vLLM worker).
+vLLM worker), and the signals that stop a `moplex` command the way Ctrl-C does (`StopSignal`).
 
 On Linux the child first runs a few lines of Python in its own process: ask the kernel for SIGTERM
 when the parent thread ends (prctl PR_SET_PDEATHSIG, kept across exec), give up if the parent has
@@ -10,6 +10,7 @@ Elsewhere the command starts as it is.
 
 from __future__ import annotations
 
+import atexit
 import os
 import signal
 import subprocess
@@ -37,3 +38,38 @@ def popen_ending_with_this_thread(args: Sequence[str], **kwargs: Any) -> subproc
     if sys.platform.startswith("linux"):
         args = [sys.executable, "-c", _STOP_WITH_PARENT, str(os.getpid()), *map(str, args)]
     return subprocess.Popen(list(args), **kwargs)
+
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
+
+
+def stop_on_signals_until_exit() -> None:
+    """SIGTERM, SIGHUP and SIGINT raise `StopSignal` in this (the main) thread from now until the
+    interpreter's exit hooks have run, Prefect's stopping of its temporary server included (hooks
+    run last registered first, and Prefect registers its own when the server starts, after this).
+    Prefect's engine, having recorded a crash, hands SIGTERM back to the handler it found; the
+    default one would end the process on the spot, before those hooks. SIGINT (Ctrl-C) is taken too:
+    with Python's own handler in place, an `asyncio.run` in the main thread swaps in one that only
+    cancels its task, so a SIGINT landing there is lost if the cancellation is absorbed (seen once: a
+    `moplex run` signalled as its train stage began ran on to the end)."""
+    if any(signal.getsignal(signum) is _raise_stop_signal for signum in STOP_SIGNALS):
+        return
+    previous = {signum: signal.signal(signum, _raise_stop_signal) for signum in STOP_SIGNALS
+                if signal.getsignal(signum) is not signal.SIG_IGN}  # nohup's SIGHUP stays ignored
+    atexit.register(lambda: [signal.signal(signum, handler) for signum, handler in previous.items()])
+
+
+class StopSignal(KeyboardInterrupt):
+    """SIGTERM, SIGHUP or SIGINT during a `moplex` command, raised as Ctrl-C's KeyboardInterrupt is,
+    with the exit status a signal gives (128 + its number)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(f"stopped by signal {signum}")
+        self.signum, self.status = signum, 128 + signum
+
+    def __reduce__(self) -> tuple[type[StopSignal], tuple[int]]:
+        return StopSignal, (self.signum,)
+
+
+def _raise_stop_signal(signum: int, frame: object) -> None:
+    raise StopSignal(signum)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -97,7 +98,7 @@ def test_local_run_settings_patch_prefects_server_module_for_the_run_and_stop_on
         stop_signals_restored):
     from prefect.server.api import server
 
-    from flows.pipeline import StopSignal
+    from moplex_core.processes import StopSignal
 
     _check_local_run_settings(server, StopSignal)
 
@@ -256,3 +257,19 @@ def test_a_fault_in_a_run_without_a_deployment_names_the_retry_command_that_work
     entrypoint = f"--entrypoint {Path('flows/pipeline.py').resolve()}:moplex_pipeline"
     assert f"(CLI: prefect flow-run retry {state.state_details.flow_run_id} {entrypoint})" in str(err.value)
     assert "UI: Retry" not in str(err.value)  # no deployment: no worker would take a retry pressed in the UI
+
+
+@pytest.mark.timeout(120)
+def test_the_moplex_command_stops_on_sigterm_as_on_ctrl_c_and_leaves_an_ignored_sighup_ignored(tmp_path):
+    # A long study; its progress bar on stderr says it has started. nohup ignores SIGHUP before it starts.
+    command = [sys.executable, "-m", "moplex_core.cli", "experiment", "identifiability", "--out", str(tmp_path),
+               "--n", "100000", "--n-test", "1000", "--k", "2", "--m", "4", "--seeds", "1", "--restarts", "1"]
+    study = subprocess.Popen(command, stderr=subprocess.PIPE, text=True,
+                             preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN))
+    study.stderr.read(1)  # started
+    study.send_signal(signal.SIGHUP)
+    with pytest.raises(subprocess.TimeoutExpired):
+        study.wait(timeout=1)  # still running
+    study.send_signal(signal.SIGTERM)
+    assert study.wait(timeout=60) == 128 + signal.SIGTERM
+    assert "moplex experiment: interrupted." in study.stderr.read()
