@@ -573,8 +573,11 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's exit
         return status
     except KeyboardInterrupt as stop:  # Ctrl-C, SIGTERM or SIGHUP (moplex_core.processes.StopSignal)
-        print(f"\nmoplex {args.command}: interrupted. Finished stages and the shards and EM iterations written "
-              "so far are kept: the same command resumes from them.", file=sys.stderr)
+        study = getattr(args, "experiment", None) in ("identifiability", "approximation")  # written at their end
+        print(f"\nmoplex {args.command}{f' {args.experiment}' if study else ''}: interrupted. "
+              + ("Nothing was written: a study writes its results when it ends." if study else
+                 "Finished stages and the shards and EM iterations written so far are kept: the same command "
+                 "resumes from them."), file=sys.stderr)
         return getattr(stop, "status", 130)
     except BrokenPipeError:
         if not _stdout_closed():

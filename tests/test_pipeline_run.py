@@ -272,4 +272,4 @@ def test_the_moplex_command_stops_on_sigterm_as_on_ctrl_c_and_leaves_an_ignored_
         study.wait(timeout=1)  # still running
     study.send_signal(signal.SIGTERM)
     assert study.wait(timeout=60) == 128 + signal.SIGTERM
-    assert "moplex experiment: interrupted." in study.stderr.read()
+    assert "moplex experiment identifiability: interrupted. Nothing was written" in study.stderr.read()
