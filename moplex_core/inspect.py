@@ -321,7 +321,9 @@ def _short(value: Any, width: int = 24) -> str:
     """A setting's value in at most ``width`` characters; a long one keeps its end (where two file
     paths differ, as often as not)."""
     text = json.dumps(value, separators=(",", ":"))
-    return text if len(text) <= width else "..." + text[-(width - 3):]
+    if len(text) <= width:
+        return text
+    return f'"...{text[-(width - 5):]}' if isinstance(value, str) else "..." + text[-(width - 3):]  # quotes kept
 
 
 def _last_iterations(version_dir: Path) -> list[Path]:
