@@ -713,7 +713,7 @@ MUTANTS: list[Mutant] = [
            '        _check_warm_start(warm_start, len(rankings), config.k)\n',
            '        pass\n'),
     Mutant('overrides_bool_as_number', 'moplex_core/config/overrides.py', '--set train.k=true read as k = 1',
-           'elif isinstance(value, bool) and bool not in types and (int in types or float in types):',
+           'elif isinstance(value, bool) and bool not in alternatives and (int in alternatives or float in alternatives):',
            'elif False:'),
     Mutant('writer_keeps_empty_failed_version', 'moplex_core/artifacts/writer.py',
            'a stage that failed before writing anything leaves an INCOMPLETE version',
