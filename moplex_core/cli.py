@@ -7,7 +7,9 @@ import json
 import os
 import re
 import shlex
+import shutil
 import sys
+import textwrap
 import urllib.parse
 from collections.abc import Callable
 from dataclasses import replace
@@ -277,8 +279,10 @@ def _run(args: argparse.Namespace) -> int:
         if not args.list:
             print("moplex run: name a preset, e.g. `moplex run synthetic-demo`; these are the presets:", file=sys.stderr)
         print("pipeline presets (data/presets/*.json):")
+        width = max(shutil.get_terminal_size().columns, 60)
         for name in preset_names():
-            print(f"  {name:<22} {preset_description(name)}")
+            print(textwrap.fill(preset_description(name), width, initial_indent=f"  {name:<22} ",
+                                subsequent_indent=" " * 25))
         return 0 if args.list else 1
     try:
         config, overrides = _preset_run(args.preset, args)
