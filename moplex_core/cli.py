@@ -282,7 +282,7 @@ def _run(args: argparse.Namespace) -> int:
         width = max(shutil.get_terminal_size().columns, 60)
         for name in preset_names():
             print(textwrap.fill(preset_description(name), width, initial_indent=f"  {name:<22} ",
-                                subsequent_indent=" " * 25))
+                                subsequent_indent=" " * 25) or f"  {name}")
         return 0 if args.list else 1
     try:
         config, overrides = _preset_run(args.preset, args)
@@ -578,10 +578,11 @@ def main(argv: list[str] | None = None) -> int:
         return status
     except KeyboardInterrupt as stop:  # Ctrl-C, SIGTERM or SIGHUP (moplex_core.processes.StopSignal)
         study = getattr(args, "experiment", None) in ("identifiability", "approximation")  # written at their end
-        print(f"\nmoplex {args.command}{f' {args.experiment}' if study else ''}: interrupted. "
-              + ("Nothing was written: a study writes its results when it ends." if study else
-                 "Finished stages and the shards and EM iterations written so far are kept: the same command "
-                 "resumes from them."), file=sys.stderr)
+        said = ("" if args.command == "inspect" else
+                " Nothing was written: a study writes its results when it ends." if study else
+                " Finished stages and the shards and EM iterations written so far are kept: the same command "
+                "resumes from them.")
+        print(f"\nmoplex {args.command}{f' {args.experiment}' if study else ''}: interrupted.{said}", file=sys.stderr)
         return getattr(stop, "status", 130)
     except BrokenPipeError:
         if not _stdout_closed():

@@ -323,7 +323,7 @@ def _short(value: Any, width: int = 24) -> str:
     text = json.dumps(value, separators=(",", ":"))
     if len(text) <= width:
         return text
-    return f'"...{text[-(width - 5):]}' if isinstance(value, str) else "..." + text[-(width - 3):]  # quotes kept
+    return f'"...{text[-(width - 4):]}' if isinstance(value, str) else "..." + text[-(width - 3):]  # quotes kept
 
 
 def _last_iterations(version_dir: Path) -> list[Path]:

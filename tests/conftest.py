@@ -39,8 +39,11 @@ def environment_restored() -> Iterator[None]:
     on the same worker."""
     saved = dict(os.environ)
     yield
-    os.environ.clear()
-    os.environ.update(saved)
+    for name in set(os.environ) - set(saved):  # only what changed: other threads may read it meanwhile
+        del os.environ[name]
+    for name, value in saved.items():
+        if os.environ.get(name) != value:
+            os.environ[name] = value
 
 
 @pytest.fixture(scope="session")

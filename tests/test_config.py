@@ -202,6 +202,10 @@ def test_a_block_given_whole_says_which_preset_settings_it_resets(caplog):
     assert "lora_r 8 -> 16" in caplog.text and "lr" not in caplog.text.replace("lora_r", "")  # typed on its own
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="moplex_core.config"):
+        config = with_overrides(pipeline_preset("synthetic-demo"), ["train.lr=0.123", 'train={"k": 2}'])
+    assert config.train.lr == TrainConfig().lr and "lr 0.123 -> 0.0001" in caplog.text  # typed before: replaced too
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="moplex_core.config"):
         with_overrides(pipeline_preset("synthetic-demo"), ["train.k=2"])
     assert caplog.text == ""
 

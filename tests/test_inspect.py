@@ -72,9 +72,9 @@ def test_a_listing_says_what_each_version_was_made_from_and_checkpoints_are_summ
             w.write_shard(0, pa.table({"x": [1]}))
     lines = {line.split()[0]: line for line in inspect_path(tmp_path).splitlines()[1:]}
     assert lines["train/t2"].endswith(
-        'from cache/abcd  [code="train-2" em.iterations=6 em.tol=0.001 k=2 lr=0.003 path="...aters_2026_a.jsonl" (+1 more)]')
+        'from cache/abcd  [code="train-2" em.iterations=6 em.tol=0.001 k=2 lr=0.003 path="...raters_2026_a.jsonl" (+1 more)]')
     assert lines["train/t3"].endswith(
-        'from cache/abcd  [code="train-2" em.iterations=6 em.tol=0.0001 k=3 lr=0.003 path="...aters_2026_a.jsonl" (+1 more)]')
+        'from cache/abcd  [code="train-2" em.iterations=6 em.tol=0.0001 k=3 lr=0.003 path="...raters_2026_a.jsonl" (+1 more)]')
     assert lines["train/t1"].endswith('[code="" em.iterations=null em.tol=null k=null lr=null path=null (+1 more)]')
     assert lines[str(rankings.ref)].endswith("ultrafeedback.jsonl")  # the only ingest version: nothing to tell apart
     with store.writer("train", "t1b", config=config, inputs={}, code_version="train-2") as w:  # t3's config

@@ -156,8 +156,11 @@ def test_an_interrupt_ends_with_one_line_and_status_130(monkeypatch, capsys):
 
     monkeypatch.setattr(cli, "_inspect", interrupted)
     assert cli.main(["inspect", "anything"]) == 130
+    assert capsys.readouterr().err == "\nmoplex inspect: interrupted.\n"  # it writes nothing to resume
+    monkeypatch.setattr(cli, "_ingest", interrupted)
+    assert cli.main(["ingest", "--dataset", "synthetic"]) == 130
     err = capsys.readouterr().err
-    assert "moplex inspect: interrupted." in err and "the same command resumes" in err and "Traceback" not in err
+    assert "moplex ingest: interrupted." in err and "the same command resumes" in err and "Traceback" not in err
 
 
 def test_a_closed_pipe_ends_the_listing_quietly():

@@ -78,6 +78,8 @@ def stop_signals_restored() -> Iterator[None]:
     """`local_run_settings` stops on SIGTERM, SIGHUP and SIGINT until the process exits, which in a test
     worker is every later test's process: each test that enters it gives the handlers back."""
     handlers = {signum: signal.getsignal(signum) for signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)}
+    for signum in handlers:  # as a test worker normally has them (not under nohup, which ignores SIGHUP)
+        signal.signal(signum, signal.SIG_DFL if signum != signal.SIGINT else signal.default_int_handler)
     yield
     for signum, handler in handlers.items():
         signal.signal(signum, handler)
@@ -264,12 +266,21 @@ def test_the_moplex_command_stops_on_sigterm_as_on_ctrl_c_and_leaves_an_ignored_
     # A long study; its progress bar on stderr says it has started. nohup ignores SIGHUP before it starts.
     command = [sys.executable, "-m", "moplex_core.cli", "experiment", "identifiability", "--out", str(tmp_path),
                "--n", "100000", "--n-test", "1000", "--k", "2", "--m", "4", "--seeds", "1", "--restarts", "1"]
-    study = subprocess.Popen(command, stderr=subprocess.PIPE, text=True,
-                             preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN))
-    study.stderr.read(1)  # started
-    study.send_signal(signal.SIGHUP)
-    with pytest.raises(subprocess.TimeoutExpired):
-        study.wait(timeout=1)  # still running
-    study.send_signal(signal.SIGTERM)
-    assert study.wait(timeout=60) == 128 + signal.SIGTERM
-    assert "moplex experiment identifiability: interrupted. Nothing was written" in study.stderr.read()
+
+    def as_nohup_starts_it() -> None:  # whatever this test process ignores
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+    study = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, preexec_fn=as_nohup_starts_it)
+    try:
+        said = ""
+        while "identifiability:" not in said and study.poll() is None:  # its progress bar: running
+            said += study.stderr.read(1)
+        study.send_signal(signal.SIGHUP)
+        with pytest.raises(subprocess.TimeoutExpired):
+            study.wait(timeout=1)  # still running
+        study.send_signal(signal.SIGTERM)
+        assert study.wait(timeout=60) == 128 + signal.SIGTERM
+        assert "moplex experiment identifiability: interrupted. Nothing was written" in study.stderr.read()
+    finally:
+        study.kill()

@@ -58,6 +58,9 @@ def with_overrides(config: C, assignments: Sequence[str]) -> C:
             elif isinstance(value, bool) and bool not in alternatives and (int in alternatives or float in alternatives):
                 problems.append(f"  {key}: expected {_type_names(alternatives)}, not a boolean (got {raw})")  # read as 1
                 continue
+            for block, (_, given) in replaced.items():  # typed after the block: the user's, not a reset
+                if key.startswith(f"{block}."):
+                    given.add(key[len(block) + 1:].split(".")[0])
             if isinstance(value, dict) and isinstance(node.get(leaf), dict):
                 replaced[key] = (node[leaf], set(value))
             node[leaf] = value
@@ -68,18 +71,15 @@ def with_overrides(config: C, assignments: Sequence[str]) -> C:
     if problems:
         given = f" (overrides {list(assignments)})" if assignments else ""
         raise ValueError(f"invalid {type(config).__name__} settings{given}:\n" + "\n".join(problems))
-    typed = [assignment.partition("=")[0] for assignment in assignments]
-    _say_what_whole_blocks_reset(replaced, typed, validated.model_dump(mode="json"))
+    _say_what_whole_blocks_reset(replaced, validated.model_dump(mode="json"))
     return validated
 
 
-def _say_what_whole_blocks_reset(replaced: dict[str, tuple[dict[str, Any], set[str]]], typed: Sequence[str],
-                                 now: dict[str, Any]) -> None:
+def _say_what_whole_blocks_reset(replaced: dict[str, tuple[dict[str, Any], set[str]]], now: dict[str, Any]) -> None:
     """A block given whole (``train={"k": 2}``) takes its other settings' defaults: say which of them
-    that changed, since ``train.k=2`` was more likely meant. Settings typed on their own
-    (``train.lr=0.1`` too) are the user's, not reset."""
-    for key, (before, in_block) in replaced.items():
-        given = in_block | {t[len(key) + 1:].split(".")[0] for t in typed if t.startswith(f"{key}.")}
+    that changed, since ``train.k=2`` was more likely meant. ``replaced``: each such block's settings
+    before it, and those the user gave (in it, or typed on their own after it)."""
+    for key, (before, given) in replaced.items():
         after = _at(now, key)
         reset = [f"{name} {json.dumps(before[name])} -> {json.dumps(after.get(name))}" for name in before
                  if name not in given and before[name] != after.get(name)]
