@@ -57,11 +57,15 @@ def to_rankings(records: Iterable[Record], *, source: str, keep_split: bool = Fa
     # A made id is the content hash, or, where a row before it or a given id holds that, the hash with
     # the first free -2, -3, ...: a repeat is a ranking of its own, and never takes a given id.
     taken = {row["example_id"] for row in rows if isinstance(row["example_id"], str)}
+    tried: dict[str, int] = {}  # per hash, the suffix its last repeat took: the next is free beyond it
     for r, content_hash in made:
-        example_id, n = content_hash, 1
+        example_id, n = content_hash, tried.get(content_hash, 1)
+        if n > 1:
+            example_id = f"{content_hash}-{n}"
         while example_id in taken:
             n += 1
             example_id = f"{content_hash}-{n}"
+        tried[content_hash] = n
         taken.add(example_id)
         rows[r]["example_id"] = example_id
         if n > 1:
