@@ -460,3 +460,24 @@ def test_a_model_folder_is_read_once_per_process_until_a_file_changes(tmp_path, 
     (model / "model.safetensors").write_bytes(b"weightz")  # the same size, other bytes
     os.utime(model / "model.safetensors", ns=(written + 10**9, written + 10**9))  # a later time on any file system
     assert hashing.model_fingerprint(str(model)) != first and len(reads) == 4
+
+
+def test_a_link_in_a_version_folder_is_never_followed(tmp_path):
+    store = ArtifactStore(tmp_path)
+    outside = tmp_path / "outside.txt"
+    outside.write_text("precious\n")
+    folder = store.path("demo", "v1")
+    folder.mkdir(parents=True)
+    (folder / ".started").symlink_to(outside)  # a run would append its record there, and read it back
+    with pytest.raises(ArtifactCorruptError, match=r"\.started is not a regular file \(a link\?\)"):
+        with store.writer("demo", "v1", config={}):
+            pass
+    assert outside.read_text() == "precious\n"
+    (folder / ".started").unlink()
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "keep").write_text("")
+    (folder / ".x.tmp-1").symlink_to(elsewhere, target_is_directory=True)  # a temporary that is a link
+    with store.writer("demo", "v1", config={}) as w:  # the lock was given back; the link goes, not its target
+        w.write_shard(0, table(0))
+    assert (elsewhere / "keep").exists() and not (folder / ".x.tmp-1").exists()

@@ -24,6 +24,7 @@ from filelock import FileLock, Timeout
 
 from moplex_core.artifacts.errors import (
     FOLDER_PROBLEMS,
+    ArtifactCorruptError,
     ArtifactError,
     about_the_folder,
     storage_error,
@@ -95,7 +96,7 @@ class ArtifactWriter:
         try:
             with storage_errors(self.path, FOLDER_PROBLEMS):
                 self._enter()
-        except OSError:
+        except BaseException:
             if self._lock.is_locked:
                 self._lock.release()
             raise
@@ -126,6 +127,9 @@ class ArtifactWriter:
             _remove_temporaries(self.path)
             self.reused = visible_files(self.path)
             marker = self.path / STARTED
+            if marker.is_symlink() or (marker.exists() and not marker.is_file()):
+                raise ArtifactCorruptError(f"{marker} is not a regular file (a link?): a run records itself there, "
+                                           "and no link is followed out of a version folder; remove it and rerun")
             if self.reused:
                 log.info("%s resumes an interrupted run; reusing %d finished file(s)", self.ref, len(self.reused))
             elif not marker.exists():
@@ -317,9 +321,9 @@ def _remove_temporaries(version_dir: Path) -> None:
     for path in sorted(version_dir.rglob(".*"), reverse=True):
         if ".tmp-" in path.name:
             log.info("removing %s left by an interrupted writer", path)
-            if path.is_dir():
+            if path.is_dir() and not path.is_symlink():
                 shutil.rmtree(path)
-            else:
+            else:  # a file, or a link (never followed: what it points at is not ours)
                 path.unlink(missing_ok=True)
 
 
