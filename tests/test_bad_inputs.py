@@ -81,6 +81,14 @@ def test_a_utf8_byte_order_mark_is_read_as_windows_tools_write_it(tmp_path, name
     assert record.data == GOOD and record.unreadable is None
 
 
+def test_json_nested_past_the_recursion_limit_names_its_line(tmp_path):
+    deep = b'{"a": ' + b"[" * 5000 + b"]" * 5000 + b"}"
+    path = _write(tmp_path / "x.jsonl", b'{"a": 1}\n' + deep + b"\n")
+    assert _error(path).startswith(f"{path} line 2 nests JSON arrays or objects too deeply to read")
+    path = _write(tmp_path / "x.json", b"[" + deep + b"]")
+    assert _error(path).startswith(f"{path} nests JSON arrays or objects too deeply to read")
+
+
 def test_non_utf8_json_names_the_line_within_the_file(tmp_path):
     path = _write(tmp_path / "x.json", b'[{"a": 1},\n {"b": "\xff"}]')
     assert f"{path} is not UTF-8 text (line 2, byte 9 is b'\\xff')" in _error(path)

@@ -311,6 +311,9 @@ def _parse_json(text: str, where: str, *, whole_file: bool) -> Any:
             at = "at the end of the line" if err.pos >= len(text.rstrip()) else f"column {err.pos + 1}"
         expected = "a JSON array of objects" if whole_file else "one JSON object per line"
         raise RawSchemaError(f"{where} is not valid JSON ({at}: {err.msg}); expected {expected}") from None
+    except RecursionError:  # arrays or objects nested about a thousand deep: no dataset's record is
+        raise RawSchemaError(f"{where} nests JSON arrays or objects too deeply to read (Python's recursion "
+                             "limit); no dataset's record is nested like that") from None
 
 
 def iter_hub_records(name: str, revision: str | None, dataset: str,
