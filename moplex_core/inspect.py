@@ -10,6 +10,7 @@ registering a function with `stage_section`.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -41,7 +42,20 @@ def stage_section(stage: str) -> Callable[[StageSection], StageSection]:
 
 
 def inspect_path(path: str | Path, rows: int = 3) -> str:
-    path = Path(path)
+    """The report of ``path`` (see `moplex inspect --help`), every character of the data that a
+    terminal would act on (escape sequences, carriage returns, bidi overrides) written as an escape."""
+    return _printable(_report(Path(path), rows))
+
+
+_UNPRINTABLE = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f\u200e\u200f\u202a-\u202e\u2066-\u2069]")
+
+
+def _printable(text: str) -> str:
+    """``text`` with control and bidi characters as ``\\xNN`` / ``\\uNNNN`` (newlines and tabs kept)."""
+    return _UNPRINTABLE.sub(lambda m: m.group().encode("unicode_escape").decode("ascii"), text)
+
+
+def _report(path: Path, rows: int) -> str:
     if path.is_file() and path.name == MANIFEST and is_version_folder(path.parent):
         return _version_report(path.parent, rows)
     if path.is_file() and path.suffix == ".parquet":

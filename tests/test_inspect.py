@@ -212,3 +212,12 @@ def test_a_metrics_table_shows_its_values_over_all_rankings_by_metric_and_split(
     two = [("k1", *row[1:]) for row in rows] + rows
     pq.write_table(pa.table(dict(zip(("method", "split", "metric", "cluster", "value", "seed"), zip(*two)))), path)
     assert "values over all rankings (method x metric x split; mean of 2 seeds):" in inspect_path(path)
+
+
+def test_text_from_the_data_reaches_the_terminal_escaped(tmp_path):
+    # A label that would retitle the terminal and recolour it, a carriage return, a bidi override.
+    path = tmp_path / "t.parquet"
+    pq.write_table(pa.table({"cluster": ["c0\x1b]0;pwned\x07\x1b[41m", "c1\r", "c2\u202e"], "split": ["train"] * 3}), path)
+    report = inspect_path(path)
+    assert "\x1b" not in report and "\r" not in report and "\u202e" not in report
+    assert "c0\\x1b]0;pwned\\x07\\x1b[41m" in report and "c1\\r" in report and "c2\\u202e" in report
