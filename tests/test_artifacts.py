@@ -32,7 +32,7 @@ from moplex_core.artifacts import (
     read_manifest,
     verify,
 )
-from moplex_core.artifacts.layout import STAGE_ORDER
+from moplex_core.artifacts.layout import STAGE_ORDER, readable_manifest
 from moplex_core.hashing import sha256_file
 from moplex_core.inspect import inspect_path
 
@@ -481,3 +481,16 @@ def test_a_link_in_a_version_folder_is_never_followed(tmp_path):
     with store.writer("demo", "v1", config={}) as w:  # the lock was given back; the link goes, not its target
         w.write_shard(0, table(0))
     assert (elsewhere / "keep").exists() and not (folder / ".x.tmp-1").exists()
+
+
+def test_a_manifest_naming_files_outside_its_folder_is_refused_not_read(tmp_path):
+    store = ArtifactStore(tmp_path)
+    with store.writer("demo", "v1", config={}) as w:
+        w.write_shard(0, table(0))
+    manifest_path = store.path("demo", "v1") / "manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    manifest["files"]["../../secret.txt"] = {"bytes": 1, "sha256": "0" * 64}
+    manifest_path.write_text(json.dumps(manifest))
+    with pytest.raises(ArtifactCorruptError, match=r"lists files outside its version folder \('\.\./\.\./secret\.txt'\)"):
+        verify(store.path("demo", "v1"))
+    assert readable_manifest(store.path("demo", "v1")) is None  # inspect then reports it unreadable

@@ -7,7 +7,7 @@ import json
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 import pyarrow as pa
@@ -113,10 +113,25 @@ def read_manifest(version_dir: str | Path, stages: tuple[str, ...] = ()) -> dict
     if not isinstance(manifest, dict):
         raise ArtifactCorruptError(f"{version_dir / MANIFEST} holds no manifest (a JSON {type(manifest).__name__}): "
                                    "delete the version folder and rerun its stage")
+    outside = [name for name in manifest.get("files") or {} if not _is_own_file_name(name)]
+    if outside:  # an edited manifest: nothing outside the version folder is checked, hashed or read
+        raise ArtifactCorruptError(f"{version_dir / MANIFEST} lists files outside its version folder "
+                                   f"({', '.join(map(repr, outside[:3]))}): delete the version folder and rerun its stage")
     if stages and manifest.get("stage") not in stages:
         wanted = " or ".join(f"{stage}/<version>" for stage in stages)
         raise ArtifactStageError(f"{version_dir} was written by the {manifest.get('stage')!r} stage; give {wanted}")
     return manifest
+
+
+def own_file_name(name: str) -> str:
+    """``name`` as a file of a version folder: a relative POSIX path without hidden or '..' parts,
+    and not the manifest itself; ValueError otherwise (a name that would leave the folder)."""
+    rel = PurePosixPath(name)
+    if rel.is_absolute() or not rel.parts or any(p in ("", ".", "..") or p.startswith(".") for p in rel.parts):
+        raise ValueError(f"artifact file names are relative paths without hidden or '..' parts, got {name!r}")
+    if rel.as_posix() == MANIFEST:
+        raise ValueError(f"{MANIFEST} is written by the store itself")
+    return rel.as_posix()
 
 
 def readable_manifest(version_dir: Path) -> dict[str, Any] | None:
@@ -126,6 +141,14 @@ def readable_manifest(version_dir: Path) -> dict[str, Any] | None:
     except (ArtifactError, OSError, ValueError):
         return None
     return manifest if isinstance(manifest, dict) and "files" in manifest else None
+
+
+def _is_own_file_name(name: str) -> bool:
+    try:
+        own_file_name(name)
+    except ValueError:
+        return False
+    return True
 
 
 def root_of(version_dir: str | Path) -> Path:
@@ -214,7 +237,6 @@ def verify(version_dir: str | Path) -> None:
             f"{version_dir} does not match its manifest: " + "; ".join(problems)
             + ". Delete the version directory and rerun its stage."
         )
-
 
 
 def visible_files(version_dir: Path) -> list[str]:

@@ -36,6 +36,7 @@ from moplex_core.artifacts.layout import (
     STARTED,
     ArtifactRef,
     is_complete,
+    own_file_name,
     readable_manifest,
     shard_name,
     shard_paths,
@@ -231,7 +232,7 @@ class ArtifactWriter:
     @contextmanager
     def directory(self, name: str) -> Iterator[Path]:
         """A folder filled by other code (e.g. PEFT ``save_pretrained``), renamed into place when whole."""
-        target = self.path / _check_relative(name)
+        target = self.path / own_file_name(name)
         self._check_writable()
         target.parent.mkdir(parents=True, exist_ok=True)
         staging = target.with_name(f".{target.name}.tmp-{uuid.uuid4().hex[:8]}")
@@ -248,7 +249,7 @@ class ArtifactWriter:
 
     @contextmanager
     def _staged(self, name: str) -> Iterator[Path]:
-        target = self.path / _check_relative(name)
+        target = self.path / own_file_name(name)
         self._check_writable()
         with atomic_path(target) as tmp:
             yield tmp
@@ -326,15 +327,6 @@ def _remove_temporaries(version_dir: Path) -> None:
             else:  # a file, or a link (never followed: what it points at is not ours)
                 path.unlink(missing_ok=True)
 
-
-
-def _check_relative(name: str) -> str:
-    rel = PurePosixPath(name)
-    if rel.is_absolute() or not rel.parts or any(p in ("", ".", "..") or p.startswith(".") for p in rel.parts):
-        raise ValueError(f"artifact file names are relative paths without hidden or '..' parts, got {name!r}")
-    if rel.as_posix() == MANIFEST:
-        raise ValueError(f"{MANIFEST} is written by the store itself")
-    return rel.as_posix()
 
 
 def _sync_tree(version_dir: Path, names: Iterable[str]) -> None:
