@@ -148,6 +148,19 @@ def _temporary_servers(home: Path | None) -> list[int]:
     return pids
 
 
+def _as_from_a_terminal(command: list[str], ignoring: tuple[signal.Signals, ...] = ()) -> list[str]:
+    """``command`` started with SIGINT, SIGTERM and SIGHUP at their defaults, as a terminal starts it,
+    but for those in ``ignoring`` (`nohup` ignores SIGHUP): this test process may have been started
+    ignoring some (a shell script's background job ignores SIGINT), and a child inherits that. An exec
+    shim, since preexec_fn is unsafe in a process with threads."""
+    shim = ("import os, signal, sys\n"
+            "for name in ('SIGINT', 'SIGTERM', 'SIGHUP'):\n"
+            "    ignored = name in sys.argv[1].split(',')\n"
+            "    signal.signal(getattr(signal, name), signal.SIG_IGN if ignored else signal.SIG_DFL)\n"
+            "os.execv(sys.argv[2], sys.argv[2:])\n")
+    return [sys.executable, "-c", shim, ",".join(s.name for s in ignoring), *command]
+
+
 def _signal_moplex_run_in_train(tmp_path: Path, signum: int, wait_for_server: float = 0.0
                                 ) -> tuple[int, str, list[int]]:
     """Start `moplex run synthetic-demo` in a process group of its own, send ``signum`` to the group
@@ -162,9 +175,9 @@ def _signal_moplex_run_in_train(tmp_path: Path, signum: int, wait_for_server: fl
                TOKENIZERS_PARALLELISM="false")
     log = tmp_path / "stderr.log"
     with log.open("w") as err:
-        run = subprocess.Popen([sys.executable, "-m", "moplex_core.cli", "run", "synthetic-demo", "--threads", "1",
-                                "--root", str(tmp_path / "artifacts")], stdout=subprocess.DEVNULL, stderr=err,
-                               env=env, start_new_session=True)
+        run = subprocess.Popen(_as_from_a_terminal([sys.executable, "-m", "moplex_core.cli", "run", "synthetic-demo",
+                                                    "--threads", "1", "--root", str(tmp_path / "artifacts")]),
+                               stdout=subprocess.DEVNULL, stderr=err, env=env, start_new_session=True)
         try:
             deadline = time.monotonic() + 600
             while "for flow 'train'" not in log.read_text() and run.poll() is None and time.monotonic() < deadline:
@@ -266,12 +279,7 @@ def test_the_moplex_command_stops_on_sigterm_as_on_ctrl_c_and_leaves_an_ignored_
     # A long study; its progress bar on stderr says it has started. nohup ignores SIGHUP before it starts.
     command = [sys.executable, "-m", "moplex_core.cli", "experiment", "identifiability", "--out", str(tmp_path),
                "--n", "100000", "--n-test", "1000", "--k", "2", "--m", "4", "--seeds", "1", "--restarts", "1"]
-
-    def as_nohup_starts_it() -> None:  # whatever this test process ignores
-        signal.signal(signal.SIGHUP, signal.SIG_IGN)
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-
-    study = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, preexec_fn=as_nohup_starts_it)
+    study = subprocess.Popen(_as_from_a_terminal(command, ignoring=(signal.SIGHUP,)), stderr=subprocess.PIPE, text=True)
     try:
         said = ""
         while "identifiability:" not in said and study.poll() is None:  # its progress bar: running
