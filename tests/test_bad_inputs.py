@@ -89,6 +89,14 @@ def test_json_nested_past_the_recursion_limit_names_its_line(tmp_path):
     assert _error(path).startswith(f"{path} nests JSON arrays or objects too deeply to read")
 
 
+def test_a_parquet_string_that_is_not_utf8_names_its_row_and_field(tmp_path):
+    offsets = pa.py_buffer(bytes([0, 0, 0, 0, 1, 0, 0, 0, 2, 0, 0, 0]))
+    cluster = pa.Array.from_buffers(pa.string(), 2, [None, offsets, pa.py_buffer(b"a\xff")])  # row 1: 0xff
+    path = tmp_path / "x.parquet"
+    pq.write_table(pa.table({"prompt": ["p", "q"], "cluster": cluster}), path)
+    assert _error(path).startswith(f"{path} row 1 field 'cluster' is not UTF-8 text")
+
+
 def test_non_utf8_json_names_the_line_within_the_file(tmp_path):
     path = _write(tmp_path / "x.json", b'[{"a": 1},\n {"b": "\xff"}]')
     assert f"{path} is not UTF-8 text (line 2, byte 9 is b'\\xff')" in _error(path)

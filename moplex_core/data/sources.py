@@ -281,9 +281,25 @@ def _parquet_records(file: Path) -> Iterator[Record]:
             raise RawSchemaError(f"{file} is damaged after row {row} ({err}); rewrite the file") from None
         if batch is None:
             return
-        for data in batch.to_pylist():
+        try:
+            records = batch.to_pylist()
+        except UnicodeDecodeError:  # a string column that Arrow holds unchecked
+            raise RawSchemaError(_not_utf8(file, batch, row)) from None
+        for data in records:
             yield Record(f"{file} row {row}", data)
             row += 1
+
+
+def _not_utf8(file: Path, batch: pa.RecordBatch, first_row: int) -> str:
+    """Where a Parquet batch that starts at ``first_row`` holds text that is not UTF-8."""
+    for i in range(batch.num_rows):
+        for name in batch.schema.names:
+            try:
+                batch.column(name)[i].as_py()
+            except UnicodeDecodeError:
+                return (f"{file} row {first_row + i} field {name!r} is not UTF-8 text; rewrite the file with its "
+                        "strings in UTF-8")
+    return f"{file} holds text that is not UTF-8 after row {first_row}; rewrite the file with its strings in UTF-8"
 
 
 def _utf8(raw: bytes, where: str, *, whole_file: bool) -> str:
