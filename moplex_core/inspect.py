@@ -190,7 +190,15 @@ def _metric_values(files: list[Path]) -> list[str]:
     table = frame.pivot_table(index=index, columns="split", values="value", aggfunc="mean", sort=False)
     seeds = frame["seed"].nunique() if "seed" in frame else 1
     title = f"values over all rankings ({' x '.join(index)} x split{f'; mean of {seeds} seeds' if seeds > 1 else ''}):"
-    return [title, _indent(table.to_string(float_format=lambda v: f"{v:.4f}", na_rep="-"))]
+    return [title, _indent(table.apply(_row_text, axis=1).to_string())]
+
+
+def _row_text(row: pd.Series) -> pd.Series:
+    """One metric's values as text: whole numbers where every value is one (counts such as
+    ``rankings``), four decimals otherwise; "-" where a split lacks the metric."""
+    values = row.dropna()
+    whole = bool(len(values)) and bool((values == values.round()).all())
+    return row.map(lambda v: "-" if pd.isna(v) else f"{v:.0f}" if whole else f"{v:.4f}")
 
 
 def _labels(column: pa.ChunkedArray) -> pd.Categorical:

@@ -200,14 +200,16 @@ def test_a_version_of_named_files_counts_its_files_not_zero_rows(tmp_path):
 def test_a_metrics_table_shows_its_values_over_all_rankings_by_metric_and_split(tmp_path):
     rows = [("m", "validation", "accuracy", "all", 0.5, 0), ("m", "test", "accuracy", "all", 0.75, 0),
             ("m", "test", "accuracy", "all", 0.25, 1), ("m", "test", "accuracy", "c0", 0.0, 0),
-            ("m", "train_em", "ari_final", "all", 0.125, 0)]
+            ("m", "train_em", "ari_final", "all", 0.125, 0), ("m", "test", "rankings", "all", 60.0, 0),
+            ("m", "test", "rankings", "all", 60.0, 1)]
     path = tmp_path / "metrics.parquet"
     pq.write_table(pa.table(dict(zip(("method", "split", "metric", "cluster", "value", "seed"), zip(*rows)))), path)
     report = inspect_path(path)
     assert "values over all rankings (metric x split; mean of 2 seeds):" in report
     lines = report.splitlines()
-    assert lines[lines.index("  split      validation   test  train_em") + 2:][:2] == [
-        "  accuracy       0.5000 0.5000         -", "  ari_final           -      -    0.1250"]
+    assert lines[lines.index("  split     validation    test train_em") + 2:][:3] == [  # a count as a count
+        "  accuracy      0.5000  0.5000        -", "  ari_final          -       -   0.1250",
+        "  rankings           -      60        -"]
     assert "rows per cluster x split" not in report  # counts of metric rows would say nothing
     two = [("k1", *row[1:]) for row in rows] + rows
     pq.write_table(pa.table(dict(zip(("method", "split", "metric", "cluster", "value", "seed"), zip(*two)))), path)
