@@ -69,7 +69,7 @@ bench: $(STAMP)
 
 # pydantic's wheels for the lent GPU machine (Python 3.12; it has torch, transformers and peft but no
 # pydantic), at this venv's versions, into .whl/ (git-ignored), for benchmarks/pipeline_stages.py there:
-# the `run` call carries .whl and installs it first (README, section GPU efficiency).
+# the `run` call carries .whl and installs it first (docs/gpu-efficiency.md).
 GPU_WHEELS := pydantic pydantic-core annotated-types typing-inspection typing-extensions
 gpu-wheels: $(STAMP)
 	rm -rf .whl

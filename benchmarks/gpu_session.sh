@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The measurements a session with the H200 takes (issue 9; README, "GPU efficiency"), one device call
+# The measurements a session with the H200 takes (issue 9; docs/gpu-efficiency.md), one device call
 # per step, each under the machine's 10-minute limit: `bash benchmarks/gpu_session.sh STEP`, run from
 # the repository root on the GPU machine (its torch, transformers and peft; nothing carried but
 # `.whl` for step 2). Everything lands under $OUT, which the device tool returns.

@@ -9,7 +9,7 @@ function called directly (`moplex_core.pipeline.in_this_process`), into the arti
 ``--root``: the same artifacts as ``moplex run PRESET --root DIR`` (a complete version is found,
 not rebuilt: rerun it and every stage says "reused"). Made for a machine that has a GPU but no
 Prefect (the lent H200: torch, transformers and peft, no Prefect and no pydantic, whose wheels
-travel with the call, README), where the stages' ``device: auto`` means CUDA and ``dtype: auto``
+travel with the call, docs/gpu-efficiency.md), where the stages' ``device: auto`` means CUDA and ``dtype: auto``
 bf16; on the CPU it says where ``make demo``'s time goes.
 
 Prints one markdown table (stage, version, rows of its Parquet, reused, seconds, peak GPU memory

@@ -13,7 +13,7 @@ log-probs there, the target term u, computed in the anchor's own pass, `anchor_p
 
 for pi = pi_c (s_c, anchor i, any j) and pi = pi_ref (s_ref, cached once: pi_ref is fixed). The
 paper's Algorithm 1 has the input term alone; on the tiny model the target term removes most of its
-error (`moplex experiment approximation` reports both; README, docs/design-changes.md 5.4). With
+error (`moplex experiment approximation` reports both; docs/lm-path.md, docs/design-changes.md 5.4). With
 delta_c(y) = log pi_c(y|x) - log pi_ref(y|x):
 
     delta mode:  delta_hat_c(y_j) = mean_{i in anchors} ( delta_c(y_i) + s_c[i][j] - s_ref[i][j] )
@@ -255,7 +255,7 @@ def nearest_anchor_weights(anchor_idx: torch.Tensor, emb: torch.Tensor) -> torch
     """The ``nearest`` weighting of one example: float64 [a, M] on emb's device, column j all on the
     anchor closest to y_j in input embedding space (the first of equally close ones), where the
     first-order estimate is most accurate (its error grows with the distance: paper Table 1, and
-    the approximation table in the README).
+    the approximation table in docs/lm-path.md).
 
     emb: `response_embeddings` of the example, float32 [M, T, d], zero past each response's end. The
     distance is ||h(x, y_j) - h(x, y_i)|| over every response position, so a position where only one

@@ -1,5 +1,5 @@
 """EM at the numerical edges (issue 8, item 4): extreme scores, all-tied rankings, emptied clusters,
-non-finite scores. The behaviour pinned here is the one README.md's "Reliability" section documents.
+non-finite scores. The behaviour pinned here is the one docs/reliability.md documents.
 (An emptied cluster under soft EM is tests/test_em.py::test_an_emptied_cluster_warns_and_stays_finite;
 extreme scores in the PL likelihood itself are tests/test_pl.py.)"""
 

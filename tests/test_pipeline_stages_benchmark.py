@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-ABSENT_ON_GPU = ("prefect", "datasets", "vllm")  # pydantic travels there as wheels (README)
+ABSENT_ON_GPU = ("prefect", "datasets", "vllm")  # pydantic travels there as wheels (docs/gpu-efficiency.md)
 # A missing package is a None entry in sys.modules: importing it raises ImportError.
 RUN = (f"import runpy, sys\nfor name in {ABSENT_ON_GPU!r}:\n    sys.modules[name] = None\n"
        "sys.argv[0] = 'benchmarks/pipeline_stages.py'\nrunpy.run_path(sys.argv[0], run_name='__main__')\n")

@@ -18,7 +18,7 @@ class TrainConfig(StageConfig):
     ``delta`` linearises log pi_c - log pi_ref, ``logpi`` log pi_c alone (the authors' code).
     ``anchor_weighting``: a non-anchor's estimate is the ``mean`` of every anchor's first-order
     estimate of it (the paper's Algorithm 1) or the estimate of the ``nearest`` anchor in input
-    embedding space alone, where the first-order term is most accurate (README, "Which anchor
+    embedding space alone, where the first-order term is most accurate (docs/lm-path.md, "Which anchor
     estimates a response"); in the version only with at least 2 anchors.
     ``epochs`` passes over the weighted (example, cluster) pairs per M-step, in minibatches of
     ``batch_size`` pairs (a rows each, m' without anchors: the M-step's memory); ``first_epochs``
@@ -29,7 +29,7 @@ class TrainConfig(StageConfig):
     (the same scores and gradients up to float rounding, for fewer tokens; with ``lora_dropout``
     the rows share the prompt's dropout mask): faster on the CPU, slower on an H200 (1.5-2.2x at
     m' = 26 in 8-row passes, a second decoder call per pass; about 5% for full computation at 32-row passes;
-    README, GPU efficiency). Trains on the cache's ``train`` split.
+    docs/gpu-efficiency.md). Trains on the cache's ``train`` split.
 
     ``likelihood`` is the observation model of a ranking: ``pl`` (Plackett-Luce, eq. 2 and 5) or
     ``bt_pairs`` (Bradley-Terry over every ordered pair of the ranking, as DPO and the mixture-of-BT

@@ -50,7 +50,7 @@ class StudyConfig:
     """The first from k-means, the others from k-means with other seeds, or from a Dirichlet draw where
     k-means finds the same partition again (`moplex_core.em`). At k = 4, m = 2 EM ended 4.6 points
     below the oracle from 2 k-means restarts (a third of which repeated the first) and 2.2 from 4
-    (README): local optima, not the data."""
+    (docs/identifiability.md): local optima, not the data."""
     init: str = "kmeans"
 
     def __post_init__(self) -> None:

@@ -5,7 +5,7 @@ place), so a second derivative through them would be silently wrong. torch's ``o
 guards that, but runs every backward under a ``no_grad`` context and checks its outputs after: about
 20 us of host time per call on this machine (`first_order_only`: 1 us), and a pass of Qwen3-0.6B
 calls such a backward 196 times (the LoRA layers) to 336 times (in bf16, with the lean modules); a
-GPU waits on that host time when a pass's kernels are small (README, GPU efficiency).
+GPU waits on that host time when a pass's kernels are small (docs/gpu-efficiency.md).
 """
 
 from __future__ import annotations
