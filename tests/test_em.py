@@ -796,3 +796,16 @@ def test_a_scorer_with_another_k_than_the_config_and_posteriors_of_mismatched_sh
         posteriors(scorer, x, rankings, [0.5, 0.25, 0.25])
     with pytest.raises(ValueError, match=r"= \[10, k, 4\] for 10 rankings of 4 slots.*got scores \(40, 2, 4\)"):
         posteriors(scorer, x, rankings.subset(np.arange(10)), result.best.alpha)
+
+
+def test_the_readmes_python_example_runs_as_written_and_finds_the_two_groups(capsys):
+    """README "From Python": every line of its example, exactly as the README shows it."""
+    import pathlib
+    import re
+
+    readme = (pathlib.Path(__file__).parents[1] / "README.md").read_text()
+    section = readme[readme.index("### From Python: a mixture of your own rankings"):]
+    example = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    exec(compile(example, "README.md example", "exec"), {})
+    alpha, *_, ari_line = capsys.readouterr().out.strip().splitlines()
+    assert ari_line.split()[0] == "1.0"  # "ARI 1.0 here", as the README says
