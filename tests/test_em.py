@@ -809,3 +809,12 @@ def test_the_readmes_python_example_runs_as_written_and_finds_the_two_groups(cap
     exec(compile(example, "README.md example", "exec"), {})
     alpha, *_, ari_line = capsys.readouterr().out.strip().splitlines()
     assert ari_line.split()[0] == "1.0"  # "ARI 1.0 here", as the README says
+
+
+def test_a_warm_start_from_numpy_is_taken_as_the_same_tensor_would_be():
+    data, rankings, x = synthetic(k=2, m=4, n=60)
+    start = soft_one_hot(data.labels, 2)
+    config = EMConfig(k=2, init="labels", max_iter=3)
+    from_tensor, _ = fit_mixture(lambda: LinearScorer(2, x.shape[-1]), x, rankings, config, warm_start=start)
+    from_numpy, _ = fit_mixture(lambda: LinearScorer(2, x.shape[-1]), x, rankings, config, warm_start=start.numpy())
+    assert torch.equal(from_numpy.best.gamma, from_tensor.best.gamma)  # 'numpy.ndarray' has no attribute 'to' before

@@ -113,6 +113,7 @@ def fit_mixture(
     if config.k > len(rankings):
         raise ValueError(f"EM with k = {config.k} clusters needs at least {config.k} rankings, got {len(rankings)}")
     if warm_start is not None:
+        warm_start = torch.as_tensor(warm_start)  # numpy's too (its rows are checked, then used in float64)
         _check_warm_start(warm_start, len(rankings), config.k)
     _warn_on_tied_rankings(rankings)
     if checkpoint_dir is not None:
