@@ -8,6 +8,7 @@ applied to the others, so that the test set never chooses its own label permutat
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -38,13 +39,27 @@ class ClusterMatching:
     majority: np.ndarray  # int64 [k_pred]
 
     def apply(self, predicted: np.ndarray) -> np.ndarray:
-        return self.mapping[np.asarray(predicted)]
+        return self.mapping[cluster_ids(predicted, "predicted")]
+
+
+def cluster_ids(values: Any, name: str = "labels") -> np.ndarray:
+    """``values`` (numpy, a list, a pandas Series, a tensor) as int64 ids 0, 1, ...: the clustering
+    metrics' labels. Strings are refused (compared with the matching's integer ids they would count
+    every ranking wrong, silently): ``pd.factorize(labels, sort=True)[0]`` turns ``c0``, ``c1``, ... into ids."""
+    array = np.asarray(values)
+    if array.dtype.kind in "iu":
+        return array.astype(np.int64, copy=False)
+    if array.dtype.kind == "f" and np.isfinite(array).all() and (array == np.round(array)).all():
+        return array.astype(np.int64)
+    raise TypeError(f"{name} must be integer cluster ids 0, 1, ...; got {array.dtype} values such as "
+                    f"{array.ravel()[:3].tolist()} (pd.factorize(labels, sort=True)[0] gives ids for string labels; "
+                    "NaN: a ranking without one)")
 
 
 def fit_matching(predicted: np.ndarray, true: np.ndarray, k_pred: int, k_true: int) -> ClusterMatching:
     """Hungarian matching maximising agreement between predicted and true labels."""
     counts = np.zeros((k_pred, k_true), dtype=np.int64)
-    np.add.at(counts, (np.asarray(predicted), np.asarray(true)), 1)
+    np.add.at(counts, (cluster_ids(predicted, "predicted"), cluster_ids(true, "true")), 1)
     rows, cols = linear_sum_assignment(-counts)
     mapping = np.full(k_pred, -1, dtype=np.int64)
     mapping[rows] = cols
@@ -57,20 +72,20 @@ def fit_matching(predicted: np.ndarray, true: np.ndarray, k_pred: int, k_true: i
 
 
 def clustering_accuracy(predicted: np.ndarray, true: np.ndarray, matching: ClusterMatching) -> float:
-    return float(np.mean(matching.apply(predicted) == np.asarray(true)))
+    return float(np.mean(matching.apply(predicted) == cluster_ids(true, "true")))
 
 
 def many_to_one_accuracy(predicted: np.ndarray, true: np.ndarray, matching: ClusterMatching) -> float:
     """The fraction whose cluster's majority label (`ClusterMatching.majority`, fitted on another
     split) is their own: every cluster counts, however many share a label."""
-    return float(np.mean(matching.majority[np.asarray(predicted)] == np.asarray(true)))
+    return float(np.mean(matching.majority[cluster_ids(predicted, "predicted")] == cluster_ids(true, "true")))
 
 
 def per_cluster_accuracy(
     predicted: np.ndarray, true: np.ndarray, matching: ClusterMatching, k_true: int
 ) -> np.ndarray:
     """Recall of each true cluster after matching, float [k_true] (NaN where a cluster is absent)."""
-    mapped, true = matching.apply(predicted), np.asarray(true)
+    mapped, true = matching.apply(predicted), cluster_ids(true, "true")
     out = np.full(k_true, np.nan)
     for c in range(k_true):
         members = true == c

@@ -36,12 +36,18 @@ def encode_tiers(
 
     ``ranking`` lists tiers best first, each a collection of indices in [0, n_items). Items of the
     slate that appear in no tier are UNRANKED (the augmented bottom set); slots from ``n_items`` to
-    ``n_slots`` are PAD. Validation of the ranking itself lives in ``moplex_core.schema``.
+    ``n_slots`` are PAD. An index outside [0, n_items) or in two tiers is refused (a negative one
+    indexed from the end before, and a repeated one kept its last tier, silently); the rankings
+    schema's other rules live in ``moplex_core.schema``.
     """
     n_slots = n_items if n_slots is None else n_slots
     tiers = [UNRANKED] * n_items + [PAD] * (n_slots - n_items)
     for t, tier in enumerate(ranking):
         for j in tier:
+            if not 0 <= j < n_items:
+                raise ValueError(f"index {j} in tier {t} is outside 0..{n_items - 1} (the slate has {n_items} items)")
+            if tiers[j] != UNRANKED:
+                raise ValueError(f"index {j} appears twice (tiers {tiers[j]} and {t})")
             tiers[j] = t
     return tiers
 

@@ -494,3 +494,27 @@ def test_a_manifest_naming_files_outside_its_folder_is_refused_not_read(tmp_path
     with pytest.raises(ArtifactCorruptError, match=r"lists files outside its version folder \('\.\./\.\./secret\.txt'\)"):
         verify(store.path("demo", "v1"))
     assert readable_manifest(store.path("demo", "v1")) is None  # inspect then reports it unreadable
+
+
+def test_a_prefix_a_stage_folder_or_a_version_without_shards_given_to_load_table_is_answered_with_what_to_give(
+        tmp_path):
+    """A notebook's load_table("ROOT/ingest/63fa") or ("ROOT/ingest"): before, "no artifact at" and "has no
+    manifest.json: its stage did not finish. Rerun the stage" (wrong advice for a stage's folder)."""
+    store = ArtifactStore(tmp_path)
+    write_demo(store, "0a1b2c3d4e5f")
+    write_demo(store, "0a1b99999999")
+    with pytest.raises(ArtifactNotFoundError, match=r"no artifact at .*demo/0a1b \(a version folder takes its full "
+                                                    r"name: 0a1b2c3d4e5f, 0a1b99999999; ArtifactStore\(ROOT\)\.locate"
+                                                    r"\('demo/0a1b'\) finds one by prefix\)"):
+        load_table(tmp_path / "demo" / "0a1b")
+    with pytest.raises(ArtifactNotFoundError, match=r"demo is a stage's folder, not a version folder: give one of "
+                                                    r"its versions \(0a1b2c3d4e5f, 0a1b99999999\)"):
+        load_table(tmp_path / "demo")
+    assert load_table(store.locate("demo/0a1b2").path).num_rows == 30
+    with pytest.raises(ArtifactNotFoundError, match=r"no artifact at \S+/demo/ffff$"):  # no version of that prefix
+        load_table(tmp_path / "demo" / "ffff")
+    with store.writer("train", "v1", config={}, code_version="t-1") as w:
+        w.write_table("posteriors.parquet", table(0))
+    with pytest.raises(ArtifactError, match=r"holds no part-\*\.parquet shards; its stage writes other files only "
+                                            r"\(read posteriors\.parquet with pd\.read_parquet\)"):
+        load_table(store.path("train", "v1"))

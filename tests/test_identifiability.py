@@ -61,3 +61,24 @@ def test_a_study_whose_smallest_training_set_cannot_fit_its_largest_k_is_refused
     assert code == 1
     assert "n_train = 3 training rankings cannot fit k = 4 clusters" in capsys.readouterr().err
     assert not any(tmp_path.iterdir())
+
+
+def test_the_study_plot_leaves_the_callers_matplotlib_backend_and_pyplot_alone(tmp_path):
+    """A notebook calling plot_study keeps its backend (it set Agg for the whole process before)."""
+    import subprocess
+    import sys
+
+    script = f"""
+import matplotlib, sys
+import pandas as pd
+matplotlib.use("svg")
+from moplex_core.experiments.identifiability import plot_study
+rows = [dict(k=k, method=method, m=m, m_prime=m, augment=augment, seed=s, accuracy=0.5 + 0.1 * s)
+        for k in (2, 3) for method in ("em", "oracle") for m in (2, 4) for augment in ("none", "below")
+        for s in (0, 1)]
+plot_study(pd.DataFrame(rows), {str(tmp_path / "plot.png")!r})
+print(matplotlib.get_backend(), "matplotlib.pyplot" in sys.modules)
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+    assert done.stdout.split() == ["svg", "False"]
+    assert (tmp_path / "plot.png").read_bytes()[:4] == b"\x89PNG"

@@ -92,3 +92,25 @@ def test_nmi_of_a_merged_cluster_matches_the_hand_computed_value():
     # ARI by hand: index = sum_ij C(n_ij, 2) = C(2, 2) = 1; true pairs a = 2 C(2, 2) = 2, predicted pairs
     # b = C(3, 2) = 3; expected index = a b / C(4, 2) = 1; max = (a + b) / 2 = 2.5; ARI = (1 - 1) / (2.5 - 1)
     assert adjusted_rand_index(np.array([0, 0, 0, 1]), np.array([0, 0, 1, 1])) == pytest.approx(0.0)
+
+
+def test_string_labels_are_refused_not_counted_all_wrong_and_a_series_or_list_of_ids_is_taken():
+    """An artifact's `cluster` column holds strings (c0, c1); compared with the matching's integer ids
+    they made every ranking wrong: clustering_accuracy said 0.0 without a word."""
+    import pandas as pd
+
+    true = pd.Series(["c0", "c0", "c1", "c1"])
+    predicted = pd.Series([1, 1, 0, 0], dtype="int32")
+    matching = fit_matching(predicted, pd.factorize(true, sort=True)[0], 2, 2)
+    assert clustering_accuracy(predicted, [0, 0, 1, 1], matching) == 1.0
+    assert clustering_accuracy(predicted.astype(float), np.array([0.0, 0, 1, 1]), matching) == 1.0  # a merge's floats
+    for metric in (clustering_accuracy, many_to_one_accuracy):
+        with pytest.raises(TypeError, match=r"true must be integer cluster ids 0, 1, ...; got object values such as "
+                                             r"\['c0', 'c0', 'c1'\] \(pd.factorize"):
+            metric(predicted, true, matching)
+    with pytest.raises(TypeError, match="true must be integer cluster ids"):
+        per_cluster_accuracy(predicted, true, matching, 2)
+    with pytest.raises(TypeError, match="true must be integer cluster ids"):
+        fit_matching(predicted, true, 2, 2)
+    with pytest.raises(TypeError, match=r"predicted must be integer cluster ids.*float64 values such as \[1.0, nan"):
+        clustering_accuracy(np.array([1.0, np.nan]), [0, 1], matching)  # NaN: a ranking without a posterior

@@ -269,3 +269,18 @@ def test_the_gradient_matches_the_term_by_term_formula_also_on_the_underflow_fal
     assert ours.item() == pytest.approx(reference.item(), rel=1e-12, abs=1e-9)
     torch.testing.assert_close(grad, reference_grad, rtol=1e-10, atol=1e-10)
     assert torch.isfinite(grad).all()
+
+
+def test_encode_tiers_refuses_an_index_outside_the_slate_or_in_two_tiers():
+    """Before: -1 wrote the last slot (Python's index from the end) and a repeated index kept its last
+    tier, both silently; 5 of 3 items failed as 'list assignment index out of range'."""
+    from moplex_core.pl import encode_tiers, encode_tiers_batch
+
+    assert encode_tiers([[2], [0, 1]], 3, 4) == [1, 1, 0, PAD]
+    for ranking, message in (([[0], [-1]], r"index -1 in tier 1 is outside 0..2 \(the slate has 3 items\)"),
+                             ([[0], [5]], r"index 5 in tier 1 is outside 0..2"),
+                             ([[0], [0, 1]], r"index 0 appears twice \(tiers 0 and 1\)")):
+        with pytest.raises(ValueError, match=message):
+            encode_tiers(ranking, 3)
+        with pytest.raises(ValueError, match=message):
+            encode_tiers_batch([[[1], [0]], ranking], [2, 3])

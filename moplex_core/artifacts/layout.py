@@ -99,7 +99,11 @@ def read_manifest(version_dir: str | Path, stages: tuple[str, ...] = ()) -> dict
     ``stages`` names some, written by another stage."""
     version_dir = Path(version_dir)
     if not version_dir.is_dir():
-        raise ArtifactNotFoundError(f"no artifact at {version_dir}")
+        raise ArtifactNotFoundError(f"no artifact at {version_dir}{_prefix_hint(version_dir)}")
+    if not is_complete(version_dir) and is_stage_folder(version_dir):  # not an unfinished version: say so
+        versions = sorted(p.name for p in version_dir.iterdir() if p.is_dir() and is_version_folder(p))
+        raise ArtifactNotFoundError(f"{version_dir} is a stage's folder, not a version folder: give one of its "
+                                    f"versions ({', '.join(versions[:8])}{', ...' if len(versions) > 8 else ''})")
     if not is_complete(version_dir):
         raise ArtifactIncompleteError(
             f"{version_dir} has no {MANIFEST}: its stage did not finish. Rerun the stage with the same "
@@ -121,6 +125,16 @@ def read_manifest(version_dir: str | Path, stages: tuple[str, ...] = ()) -> dict
         wanted = " or ".join(f"{stage}/<version>" for stage in stages)
         raise ArtifactStageError(f"{version_dir} was written by the {manifest.get('stage')!r} stage; give {wanted}")
     return manifest
+
+
+def _prefix_hint(path: Path) -> str:
+    """For a missing ``ROOT/STAGE/PREFIX``: the versions whose names start with PREFIX (a Python caller
+    of `load_table` or `read_manifest` gives the full name; `ArtifactStore.locate` takes a prefix)."""
+    if not path.name or not is_stage_folder(path.parent):
+        return ""
+    matches = sorted(p.name for p in path.parent.iterdir() if p.name.startswith(path.name) and is_version_folder(p))
+    return (f" (a version folder takes its full name: {', '.join(matches[:8])}; ArtifactStore(ROOT).locate("
+            f"'{path.parent.name}/{path.name}') finds one by prefix)" if matches else "")
 
 
 def own_file_name(name: str) -> str:
@@ -197,7 +211,9 @@ def finished_shards(version_dir: str | Path) -> list[Path]:
     manifest = read_manifest(version_dir)
     names = sorted(name for name in manifest["files"] if SHARD_RE.match(name))
     if not names:
-        raise ArtifactError(f"{version_dir} holds no part-*.parquet shards; its stage writes other files only")
+        tables = sorted(name for name in manifest["files"] if "/" not in name and name.endswith(".parquet"))
+        raise ArtifactError(f"{version_dir} holds no part-*.parquet shards; its stage writes other files only"
+                            + (f" (read {', '.join(tables)} with pd.read_parquet)" if tables else ""))
     check_files(version_dir, manifest, names)
     return [version_dir / name for name in names]
 

@@ -30,12 +30,14 @@ log = logging.getLogger(__name__)
 def posteriors(
     scorer: Scorer, inputs: Any, rankings: Rankings, alpha: torch.Tensor, iteration: int = 0, **score_options: Any
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """E-step: (gamma float64 [n, k], per-ranking mixture log-likelihood float64 [n]); ``score_options``
+    """E-step: (gamma float64 [n, k], per-ranking mixture log-likelihood float64 [n]) of the n rankings
+    ``inputs`` holds, under mixing weights alpha [k] (e.g. ``EMResult.best.alpha``); ``score_options``
     go to ``scorer.score`` (an estimating scorer's ``check``).
 
     Scores of any finite size are fine (the likelihood is a logsumexp in float64); a non-finite
     score of a response in a slate raises `FloatingPointError` instead of spreading NaN."""
     scores = scorer.score(inputs, iteration, **score_options)  # [n, k, M]
+    alpha = _checked_alpha(scores, rankings, alpha)
     check_finite(scores, rankings, f"EM iteration {iteration}",
                  "Lower the learning rate (train.lr) or beta, or check the inputs; the last finished iteration's "
                  "checkpoint is kept.")
@@ -59,12 +61,26 @@ def check_finite(scores: torch.Tensor, rankings: Rankings, where: str, advice: s
 def mixture_posteriors(
     scores: torch.Tensor, rankings: Rankings, alpha: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """gamma_ic = softmax_c(log alpha_c + log P_c(sigma_i)) from scores [n, k, M]; also the
+    """gamma_ic = softmax_c(log alpha_c + log P_c(sigma_i)) from scores [n, k, M] (slot j of ranking i
+    is ``rankings.tiers[i, j]``'s response) and alpha [k] (a tensor, numpy array or list); also the
     per-ranking mixture log-likelihood logsumexp_c(...) [n]. Empty clusters (alpha = 0) get gamma 0
     exactly, however well they score (log 0 = -inf; a clamped alpha would lose to a 1e3-nat margin)."""
+    alpha = _checked_alpha(scores, rankings, alpha)
     joint = torch.log(alpha).unsqueeze(0) + rankings.log_likelihood(scores)  # [n, k]
     ll = torch.logsumexp(joint, dim=1)
     return torch.exp(joint - ll.unsqueeze(1)), ll
+
+
+def _checked_alpha(scores: torch.Tensor, rankings: Rankings, alpha: Any) -> torch.Tensor:
+    """alpha as a tensor (float64 from numpy or a list), once scores [n, k, M], the rankings' tiers
+    [n, M] and alpha [k] are seen to agree (else a torch broadcast error would name none of them)."""
+    if not isinstance(alpha, torch.Tensor):
+        alpha = torch.as_tensor(alpha, dtype=torch.float64, device=scores.device)
+    n, width = rankings.tiers.shape
+    if scores.ndim != 3 or scores.shape[0] != n or scores.shape[2] != width or alpha.shape != scores.shape[1:2]:
+        raise ValueError(f"scores must be [n, k, M] = [{n}, k, {width}] for {n} rankings of {width} slots, with alpha "
+                         f"[k]; got scores {tuple(scores.shape)} and alpha {tuple(alpha.shape)}")
+    return alpha
 
 
 def _one_hot(gamma: torch.Tensor) -> torch.Tensor:
@@ -97,6 +113,7 @@ def fit_mixture(
     if config.k > len(rankings):
         raise ValueError(f"EM with k = {config.k} clusters needs at least {config.k} rankings, got {len(rankings)}")
     if warm_start is not None:
+        warm_start = torch.as_tensor(warm_start)  # numpy's too (its rows are checked, then used in float64)
         _check_warm_start(warm_start, len(rankings), config.k)
     _warn_on_tied_rankings(rankings)
     if checkpoint_dir is not None:
@@ -106,6 +123,8 @@ def fit_mixture(
     best: EMState | None = None
     for restart in range(config.restarts):
         scorer = make_scorer()  # the only scorer alive: on a GPU each holds a model
+        if getattr(scorer, "k", config.k) != config.k:
+            raise ValueError(f"make_scorer made a scorer of k = {scorer.k} clusters for EMConfig(k={config.k})")
         state = _run_restart(scorer, inputs, rankings, config, restart, checkpoint_dir, on_iteration, warm_start,
                              checkpoint_files, starts)
         if config.restarts > 1 and getattr(scorer, "estimates", False):

@@ -17,7 +17,13 @@ from moplex_core.pl import LIKELIHOODS, PAD, UNRANKED, RankingIndex, prepare_ran
 class Rankings:
     """n rankings as tier codes (moplex_core.pl) with an optional top-l prefix and ids, and the
     observation model that scores them: `pl` (Plackett-Luce, DESIGN.md 5.2) or `bt_pairs`
-    (Bradley-Terry over all pairs, the pairwise baselines)."""
+    (Bradley-Terry over all pairs, the pairwise baselines).
+
+    ``tiers[i, j]`` is the tier of slot j's response in ranking i (0 = best; equal codes are ties,
+    only their order counts), UNRANKED for the unordered bottom set, PAD (-1) for a slot ranking i
+    lacks; not the ranking's order of items (``np.argsort`` of a best-first permutation gives the
+    tiers). Integer numpy arrays, lists and tensors are taken (as int64 tensors); ``ranked_prefix``
+    may be one int for every ranking."""
 
     tiers: torch.Tensor  # int64 [n, M]
     ranked_prefix: torch.Tensor | None = None  # int64 [n]
@@ -27,6 +33,26 @@ class Rankings:
     def __post_init__(self) -> None:
         if self.model not in LIKELIHOODS:
             raise ValueError(f"unknown ranking model {self.model!r}; choose one of {sorted(LIKELIHOODS)}")
+        tiers = _integers(self.tiers, "tiers")
+        if tiers.ndim != 2:
+            raise ValueError(f"tiers must be [n, M], one row of tier codes per ranking; got shape {tuple(tiers.shape)}")
+        if (tiers < PAD).any():
+            raise ValueError(f"tiers hold codes below PAD = {PAD} (rankings "
+                             f"{(tiers < PAD).any(1).nonzero().flatten()[:5].tolist()}); a tier is >= 0 (0 = best), "
+                             "PAD or UNRANKED")
+        object.__setattr__(self, "tiers", tiers)
+        if self.ranked_prefix is not None:
+            prefix = _integers(self.ranked_prefix, "ranked_prefix").to(tiers.device)
+            if prefix.ndim == 0:
+                prefix = prefix.expand(len(tiers)).clone()
+            if tuple(prefix.shape) != (len(tiers),):
+                raise ValueError(f"ranked_prefix must be one int or [n] = [{len(tiers)}], got shape {tuple(prefix.shape)}")
+            object.__setattr__(self, "ranked_prefix", prefix)
+        if self.example_ids is not None:
+            ids = tuple(self.example_ids)
+            if len(ids) != len(tiers):
+                raise ValueError(f"{len(ids)} example_ids for {len(tiers)} rankings")
+            object.__setattr__(self, "example_ids", ids)
 
     def __len__(self) -> int:
         return self.tiers.shape[0]
@@ -67,6 +93,19 @@ class Rankings:
             None if self.example_ids is None else tuple(self.example_ids[i] for i in idx.tolist()),
             self.model,
         )
+
+
+def _integers(values: Any, name: str) -> torch.Tensor:
+    """``values`` (a tensor, numpy array or nested list of integers) as an int64 tensor; a float with a
+    fraction is refused (a tier of 0.5 has no meaning, and truncating it would tie it silently)."""
+    tensor = torch.as_tensor(values)
+    if tensor.dtype == torch.int64:
+        return tensor
+    if tensor.is_floating_point() and not bool((torch.isfinite(tensor) & (tensor == tensor.round())).all()):
+        raise TypeError(f"{name} must be integers, got {tensor.dtype} values with a fraction, inf or NaN")
+    if tensor.is_complex() or tensor.dtype == torch.bool:
+        raise TypeError(f"{name} must be integers, got {tensor.dtype}")
+    return tensor.to(torch.int64)
 
 
 class Scorer(Protocol):

@@ -243,13 +243,15 @@ def summary_table(results: pd.DataFrame) -> str:
 
 
 def plot_study(results: pd.DataFrame, path: Path) -> None:
-    import matplotlib
+    """accuracy_vs_m.png, drawn with matplotlib's object API as report.py's plots are: no pyplot and no
+    global backend, so a notebook that calls this keeps its own (``matplotlib.use("Agg")`` here
+    switched an inline backend off for the rest of the session)."""
+    from matplotlib import colormaps
+    from matplotlib.figure import Figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax, ax_aug) = plt.subplots(1, 2, figsize=(11, 4.2), gridspec_kw={"width_ratios": [2, 1]})
-    colors = dict(zip(sorted(results.k.unique()), plt.cm.tab10.colors))
+    fig = Figure(figsize=(11, 4.2))
+    ax, ax_aug = fig.subplots(1, 2, gridspec_kw={"width_ratios": [2, 1]})
+    colors = dict(zip(sorted(results.k.unique()), colormaps["tab10"].colors))
     plain = results[results.augment == "none"]
     for (k, method), frame in plain.groupby(["k", "method"]):
         stats = frame.groupby("m").accuracy.agg(["mean", "std"]).reset_index()
@@ -283,4 +285,3 @@ def plot_study(results: pd.DataFrame, path: Path) -> None:
     ax_aug.legend(fontsize=6, ncol=2)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
-    plt.close(fig)
