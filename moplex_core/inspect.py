@@ -119,6 +119,8 @@ def _version_report(version_dir: Path, rows: int) -> str:
                          f"{version_dir / CHECKPOINTS}` lists them; a Parquet file there opens on its own)")
         libs = manifest.get("library_versions", {})
         lines.append("libraries: " + ", ".join(f"{k} {v}" for k, v in sorted(libs.items())))
+        if manifest.get("runtime"):  # torch's thread count (manifests since 2026-11-26)
+            lines.append("runtime:  " + ", ".join(f"{k} {v}" for k, v in sorted(manifest["runtime"].items())))
     elif (version_dir / MANIFEST).is_file():
         lines.append(f"status:   INCOMPLETE ({MANIFEST} cannot be read): damaged after it was written; delete the "
                      "version folder and rerun the stage")

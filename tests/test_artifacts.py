@@ -292,6 +292,35 @@ def test_the_manifest_of_a_resumed_version_records_every_run_with_its_config_and
     assert runs[0] == {"started": "2026-11-24T00:00:00+00:00"} and runs[1]["config"] == {"threads": 1}
 
 
+
+def test_a_run_records_torchs_thread_count_and_a_resume_on_another_says_so(tmp_path, caplog):
+    # The thread count is outside every version (a machine's setting, like a batch size), yet MKL sums
+    # a matrix product's long reductions per thread: the demo's train stage on 2 threads wrote other
+    # bytes than on 1 under the same version (README, "Killed runs"). Its manifest says which.
+    import torch
+
+    threads = torch.get_num_threads()
+    store = ArtifactStore(tmp_path)
+    try:
+        torch.set_num_threads(1)
+        with pytest.raises(RuntimeError, match="boom"):
+            with store.writer("demo", "v1", config={}) as w:
+                w.write_shard(0, table(0))
+                raise RuntimeError("boom")
+        torch.set_num_threads(2)
+        with caplog.at_level(logging.WARNING, logger="moplex_core.artifacts"):
+            with store.writer("demo", "v1", config={}) as w:
+                w.write_shard(1, table(1))
+    finally:
+        torch.set_num_threads(threads)
+    manifest = store.manifest("demo", "v1")
+    assert [run["runtime"] for run in manifest["runs"]] == [{"torch_threads": 1}, {"torch_threads": 2}]
+    assert manifest["runtime"] == {"torch_threads": 2}
+    assert "demo/v1 resumes from files that earlier runs wrote with torch_threads 1 (last: 2)" in caplog.text
+    report = inspect_path(tmp_path / "demo" / "v1")
+    assert "runtime:  torch_threads 2" in report and "torch_threads 1 (last: 2)" in report
+
+
 def test_an_unreadable_shard_is_rewritten_not_trusted(tmp_path):
     store = ArtifactStore(tmp_path)
     path = tmp_path / "demo" / "v1"

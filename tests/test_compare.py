@@ -167,6 +167,27 @@ def test_the_em_start_table_shows_start_end_and_their_agreement_per_method():
                                                                  "2 of 3 seeds, at E-step 0, 3 |")
 
 
+
+@pytest.mark.filterwarnings("ignore:Tight layout not applied")  # one toy row: a narrow plot
+def test_the_report_names_each_evaluation_under_the_root_so_two_roots_write_the_same_bytes(tmp_path):
+    # It named each evaluate folder by its absolute path: the same comparison in two roots wrote two
+    # report.md (found by running `moplex experiment compare` twice, 2026-11-25).
+    from moplex_core.artifacts import ArtifactStore
+    from moplex_core.evaluate import METRICS_FILE
+    from moplex_core.experiments.compare import write_comparison
+
+    reports = []
+    for root in (tmp_path / "a", tmp_path / "elsewhere" / "b"):
+        store = ArtifactStore(root)
+        with store.writer("evaluate", "0123456789ab", config={}) as w:
+            w.write_table(METRICS_FILE, _metrics([("dpo", "test", metric, cluster, 0.5, 0) for cluster in ("a", "b", "all")
+                                                  for metric in ("ranking_accuracy_posterior", "clustering_accuracy")]))
+        folder = write_comparison(store, "toy", [("dpo", 0, store.path("evaluate", "0123456789ab"))])
+        reports.append((folder / "report.md").read_bytes())
+    assert reports[0] == reports[1]
+    assert b"| dpo | 0 | `evaluate/0123456789ab` |" in reports[0] and str(tmp_path).encode() not in reports[0]
+
+
 @pytest.mark.slow
 def test_compare_flow_runs_methods_and_seeds_sharing_stages_and_reuses_them(prefect_env, tmp_path):
     from flows.compare import compare_flow

@@ -135,7 +135,8 @@ class ArtifactWriter:
                 log.info("%s resumes an interrupted run; reusing %d finished file(s)", self.ref, len(self.reused))
             elif not marker.exists():
                 self._say_what_it_supersedes()
-            run = {"started": _now(), "config": self._config, "library_versions": _library_versions()}
+            run = {"started": _now(), "config": self._config, "library_versions": _library_versions(),
+                   "runtime": _runtime()}
             # Where a model lies is left out: its files are the version's input, so they are the same.
             changes = sorted({change for earlier in _runs(marker) for change in run_changes(earlier, run, ("model",))})
             if self.reused and changes:
@@ -291,6 +292,7 @@ class ArtifactWriter:
             "resumed": bool(self.reused),
             "runs": runs,
             "library_versions": _library_versions(),
+            "runtime": _runtime(),
         }
         with atomic_path(self.path / MANIFEST) as tmp:
             tmp.write_text(json.dumps(manifest, indent=2, sort_keys=True, default=str) + "\n")
@@ -351,9 +353,11 @@ def _fsync_dir(directory: Path) -> None:
 
 def run_changes(earlier: dict[str, Any], later: dict[str, Any], ignore: Collection[str] = ()) -> list[str]:
     """What run record ``earlier`` (a manifest's ``runs`` entry) ran with that ``later`` did not: one
-    ``key value (last: value)`` per config value (but those in ``ignore``) or library version."""
+    ``key value (last: value)`` per config value (but those in ``ignore``), library version or runtime
+    setting (`_runtime`: torch's thread count)."""
     return [f"{key} {json.dumps(value, default=str)} (last: {json.dumps((later.get(field) or {}).get(key), default=str)})"
-            for field in ("config", "library_versions") for key, value in sorted((earlier.get(field) or {}).items())
+            for field in ("config", "library_versions", "runtime")
+            for key, value in sorted((earlier.get(field) or {}).items())
             if value != (later.get(field) or {}).get(key) and not (field == "config" and key in ignore)]
 
 
@@ -374,6 +378,15 @@ def _runs(started: Path) -> list[dict[str, Any]]:
 
 def _now() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+def _runtime() -> dict[str, int]:
+    """Process settings outside every version that still change a stage's floats: torch's CPU thread
+    count (`moplex run --threads`; torch's default is the machine's cores). MKL splits a matrix
+    product's long sums among the threads, so another count rounds them otherwise, and EM can carry
+    that far (README, "Killed runs"). Empty where torch is not loaded (ingest computes no floats with it)."""
+    torch = sys.modules.get("torch")
+    return {"torch_threads": torch.get_num_threads()} if torch is not None else {}
 
 
 def _library_versions() -> dict[str, str]:

@@ -42,9 +42,10 @@ from moplex_core.evaluate import EM_START_SPLIT, METRICS_FILE, RANKING_VARIANTS,
 from moplex_core.report import markdown_cell, markdown_table, png_bytes
 
 STAGE = "compare"
-CODE_VERSION = "compare-7"  # bump when a change here changes what the report holds (5: NaN cells as -;
+CODE_VERSION = "compare-8"  # bump when a change here changes what the report holds (5: NaN cells as -;
 # 6: how much the test sample's rankings alone move a value, `sampling_note`; 7: comparison.parquet's text
-# columns as Arrow string, without pandas metadata)
+# columns as Arrow string, without pandas metadata; 8: the Runs table names each evaluation as
+# evaluate/VERSION, not by its absolute path, so the report's bytes do not depend on where the root is)
 SPLIT = "test"
 
 
@@ -276,13 +277,15 @@ def write_comparison(store: ArtifactStore, dataset: str, evaluations: list[tuple
         if not writer.complete:
             writer.write_table("comparison.parquet", metrics)
             writer.write_file("plots/comparison.png", comparison_plot(metrics, chance))
-            writer.write_file("report.md", _report(metrics, dataset, seeds, evaluations, chance, changed))
+            refs = [(method, seed, inputs[f"{method}/seed{seed}"]) for method, seed, _ in evaluations]
+            writer.write_file("report.md", _report(metrics, dataset, seeds, refs, chance, changed))
             writer.summary.update(identity)
     return store.path(STAGE, ref.version)
 
 
-def _report(metrics: pd.DataFrame, dataset: str, seeds: list[int], evaluations: list[tuple[str, int, str | Path]],
+def _report(metrics: pd.DataFrame, dataset: str, seeds: list[int], evaluations: list[tuple[str, int, str]],
             chance: float | None, overrides: list[str]) -> str:
+    """The report; ``evaluations`` are (method, seed, ``evaluate/VERSION``), named so under the root."""
     methods = list(dict.fromkeys(m for m, _, _ in evaluations))
     chance_note = f"; chance clustering accuracy is {100 * chance:.1f}%. " if chance else ". "
     changed = ("The base config was changed by " + ", ".join(f"`{o}`" for o in overrides)
@@ -332,6 +335,6 @@ def _report(metrics: pd.DataFrame, dataset: str, seeds: list[int], evaluations: 
     ]
     lines += [f"| `{m}` | {METHODS[m].paper} | {', '.join(f'`{o}`' for o in METHODS[m].overrides) or '-'} | "
               f"{METHODS[m].description} |" for m in methods if m in METHODS]
-    lines += ["", "## Runs", "", "| method | seed | evaluation |", "|---|---|---|"]
+    lines += ["", "## Runs", "", "| method | seed | evaluation (under the root) |", "|---|---|---|"]
     lines += [f"| {m} | {s} | `{p}` |" for m, s, p in evaluations]
     return "\n".join(lines) + "\n"
