@@ -384,7 +384,7 @@ def _runtime() -> dict[str, int]:
     """Process settings outside every version that still change a stage's floats: torch's CPU thread
     count (`moplex run --threads`; torch's default is the machine's cores). MKL splits a matrix
     product's long sums among the threads, so another count rounds them otherwise, and EM can carry
-    that far (README, "Killed runs"). Empty where torch is not loaded (ingest computes no floats with it)."""
+    that far (docs/reliability.md, "Killed runs"). Empty where torch is not loaded (ingest computes no floats with it)."""
     torch = sys.modules.get("torch")
     return {"torch_threads": torch.get_num_threads()} if torch is not None else {}
 
