@@ -421,6 +421,26 @@ def test_a_second_writer_of_one_version_waits_then_finds_it_complete(tmp_path):
     assert store.manifest("demo", "v1")["rows"] == 10
 
 
+def test_a_folder_written_again_replaces_the_last_whole_and_one_that_fails_leaves_it_and_no_staging(tmp_path):
+    """A resumed run writes a folder a killed one finished (its adapters, its tiny model): the new one
+    replaces it whole, no file of the old one left in it; an error while filling it keeps the last
+    whole folder and removes the half-filled staging folder."""
+    store = ArtifactStore(tmp_path)
+    with store.writer("train", "v1", config={}) as w:
+        with w.directory("adapters/c0") as staging:
+            (staging / "old.bin").write_bytes(b"old")
+        with w.directory("adapters/c0") as staging:
+            (staging / "new.bin").write_bytes(b"new")
+        assert sorted(p.name for p in (w.path / "adapters" / "c0").iterdir()) == ["new.bin"]
+        with pytest.raises(RuntimeError, match="save_pretrained failed"):
+            with w.directory("adapters/c0") as staging:
+                (staging / "half.bin").write_bytes(b"half")
+                raise RuntimeError("save_pretrained failed")
+        assert sorted(p.name for p in (w.path / "adapters").iterdir()) == ["c0"]  # no hidden staging folder
+        assert sorted(p.name for p in (w.path / "adapters" / "c0").iterdir()) == ["new.bin"]
+    assert sorted(store.manifest("train", "v1")["files"]) == ["adapters/c0/new.bin"]
+
+
 def test_extra_files_folders_and_subartifacts_are_written_atomically_and_hashed(tmp_path):
     store = ArtifactStore(tmp_path)
     with store.writer("train", "v1", config={}) as w:

@@ -250,3 +250,23 @@ def test_a_cache_pass_out_of_device_memory_names_cache_score_batch_size(tiny_mod
                        r"responses; lower it \(--set cache.score_batch_size=4\).*Tried to allocate 9.00 GiB"):
         run_cache(config, rankings, store, progress=False)
     assert not plan_cache(config, rankings, store).complete
+
+
+def test_a_prompt_and_response_longer_than_the_models_context_are_refused_naming_one(tiny_model_dir, tmp_path):  # noqa: F811
+    """The cache stage reads the whole prompt + response: beyond max_position_embeddings a rotary model
+    reads positions it never trained at (a learned one fails deep in torch), so it stops, naming an
+    example and the settings that cut the sequences."""
+    short = tmp_path / "short-context"
+    shutil.copytree(tiny_model_dir, short)
+    config = json.loads((short / "config.json").read_text())
+    (short / "config.json").write_text(json.dumps(config | {"max_position_embeddings": 8}))
+    store = ArtifactStore(tmp_path / "root")
+    rankings = write_synthetic(store, n=4, m=3)
+    with pytest.raises(ValueError, match=r"4 example\(s\) have a prompt \+ response longer than the 8 positions the "
+                                         r"model reads .*e\.g\. example_id '[^']+': \d+ tokens\); set "
+                                         r"cache\.max_prompt_tokens and cache\.max_response_tokens so that their "
+                                         r"sum is at most 8"):
+        run_cache(CacheConfig(model=str(short)), rankings, store, progress=False)
+    with pytest.raises(ValueError, match="the cache at .* has no rows of split 'nope'; ingest with a split that has"):
+        load_policy_inputs(run_cache(CacheConfig(model=str(tiny_model_dir)), rankings, store, progress=False).path,
+                           "nope")

@@ -135,10 +135,35 @@ def test_a_value_holding_an_equals_sign_is_kept_whole(tmp_path):
     assert with_overrides(IngestConfig(dataset="generic", path=str(tmp_path)), [f"path={folder}"]).path == str(folder)
 
 
+@pytest.mark.parametrize(("make", "message"), [
+    (lambda: AugmentConfig(backend="borrow", model="m"), "backend 'borrow' takes other rankings' responses and uses "
+                                                         "no model; unset model"),
+    (lambda: EvaluateConfig(splits=("test", "test")), r"splits must be distinct split names, got \('test', 'test'\)"),
+    (lambda: EvaluateConfig(splits=()), r"splits must be distinct split names, got \(\)"),
+    (lambda: IngestConfig(dataset="persona", persona={"fields": ["age", " "]}),
+     "fields must be distinct, non-empty persona keys"),
+    (lambda: IngestConfig(dataset="helpsteer2", helpsteer2={"attributes": ["helpfulness", "humour"]}),
+     "attributes must be distinct names from"),
+    (lambda: IngestConfig(dataset="helpsteer2", helpsteer2={"attributes": ["verbosity", "verbosity"]}),
+     "attributes must be distinct names from"),
+    (lambda: IngestConfig(dataset="prism", prism={"fields": ["location."]}),
+     "fields must be distinct survey columns or column.key paths"),
+    (lambda: IngestConfig(dataset="generic", path="x.jsonl", split={"from_source": True, "sizes": [1, 1, 1]}),
+     "split.sizes and split.from_source exclude each other"),
+    (lambda: TrainConfig(lora_targets=()), r"lora_targets must name at least one module \(e.g. q_proj\), got \(\)"),
+    (lambda: TrainConfig(lora_targets=("q_proj", "")), "lora_targets must name at least one module"),
+])
+def test_each_setting_that_cannot_work_is_refused_naming_it(make, message):
+    with pytest.raises(ValidationError, match=message):
+        make()
+
+
 def test_hub_source_defaults_and_overrides():
     assert IngestConfig(dataset="persona").hub_source() == ("SynthLabsAI/PERSONA", None)
     assert IngestConfig(dataset="ultrafeedback", revision="main").hub_source() == ("openbmb/UltraFeedback", "main")
     assert IngestConfig(dataset="ultrafeedback", hub_name="me/uf-copy").hub_source() == ("me/uf-copy", None)
+    with pytest.raises(ValueError, match="dataset 'generic' has no hub source"):
+        IngestConfig(dataset="generic", path="x.jsonl").hub_source()
 
 
 def test_overrides_reach_nested_blocks_and_name_bad_keys():

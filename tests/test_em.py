@@ -21,7 +21,7 @@ from moplex_core.em import (EMConfig, EMState, Rankings, fit_mixture, initial_re
 from moplex_core.metrics import clustering_accuracy, fit_matching
 from moplex_core.scorers.item import ItemScorer
 from moplex_core.scorers.linear import LinearScorer
-from moplex_core.pl import UNRANKED
+from moplex_core.pl import UNRANKED, score_gradient_at_zero
 
 
 def synthetic(k=3, m=8, n=900, seed=0, **kw):
@@ -240,6 +240,44 @@ def test_item_scorer_k1_recovers_true_utilities():
     learned = scorer.theta[0].numpy()
     assert np.corrcoef(learned, utilities)[0, 1] > 0.98
     assert abs((learned - learned.mean()) - (utilities - utilities.mean())).max() < 0.2
+
+
+def test_item_scorer_kmeans_features_put_each_slots_fisher_score_on_its_item_and_find_two_groups():
+    """The classical PL mixture's k-means start: a ranking's feature is the Fisher score of each slot
+    added at that slot's item id (padding adds nothing), so two groups that order the same items in
+    opposite directions start in different clusters."""
+    items = torch.tensor([[0, 1, 2], [2, 1, 0], [3, 0, -1]])
+    rankings = Rankings(torch.tensor([[0, 1, 2], [0, 1, 2], [1, 0, -1]]))  # -1: a PAD slot
+    features = ItemScorer(2, 4).ranking_features(items, rankings)
+    slot = score_gradient_at_zero(rankings.index)
+    expected = torch.zeros(3, 4, dtype=torch.float64)
+    for i in range(3):
+        for j in range(3):
+            if items[i, j] >= 0:
+                expected[i, items[i, j]] += slot[i, j]
+    torch.testing.assert_close(features, expected, rtol=0, atol=0)
+    assert features[0, 0] > 0 > features[0, 2] and features[1, 2] > 0 > features[1, 0]
+    assert features[2, 0] > 0 > features[2, 3] and features[2, 1:3].abs().sum() == 0  # items 1, 2 absent; the pad adds nothing
+    rng = np.random.default_rng(0)
+    up = np.stack([rng.permutation(6) for _ in range(40)])  # group 0 ranks low item ids first, group 1 high ones
+    tiers = np.argsort(np.argsort(np.where(np.arange(40)[:, None] < 20, up, -up), 1), 1)
+    start = initial_responsibilities(EMConfig(k=2, init="kmeans"), ItemScorer(2, 6), torch.as_tensor(up),
+                                     Rankings(torch.as_tensor(tiers)), seed=0)
+    labels = start.argmax(1)
+    assert set(start.max(1).values.tolist()) == {0.9}
+    assert len(set(labels[:20].tolist())) == len(set(labels[20:].tolist())) == 1 and labels[0] != labels[20]
+
+
+@pytest.mark.parametrize(("settings", "message"), [
+    ({"k": 0}, "EM needs k >= 1 clusters, got k=0"),
+    ({"max_iter": 0}, "max_iter and restarts must be >= 1"),
+    ({"restarts": 0}, "max_iter and restarts must be >= 1"),
+    ({"gamma_min": 1.0, "hard": True}, r"gamma_min must be in \[0, 1\), got 1.0"),
+    ({"gamma_min": -0.1}, r"gamma_min must be in \[0, 1\), got -0.1"),
+])
+def test_em_settings_that_cannot_run_are_refused(settings, message):
+    with pytest.raises(ValueError, match=message):
+        EMConfig(**{"k": 2, **settings})
 
 
 def test_hard_em_gives_one_hot_posteriors():

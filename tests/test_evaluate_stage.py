@@ -12,15 +12,17 @@ import pytest
 import torch
 
 from moplex_core.artifacts import ArtifactStore, verify
-from moplex_core.cache import load_policy_inputs
-from moplex_core.config import EvaluateConfig, IngestConfig
+from moplex_core.cache import load_policy_inputs, run_cache
+from moplex_core.config import CacheConfig, EvaluateConfig, IngestConfig, TrainConfig
+from moplex_core.data.synthetic import SyntheticConfig, generate_synthetic
 from moplex_core.em import likelihood_falls
 from moplex_core.evaluate import (METRICS_COLUMNS, em_start_metrics, estimation_rows, mixture_table, plan_evaluate,
                                   run_evaluate)
 from moplex_core.ingest import run_ingest
 from moplex_core.inspect import inspect_path
 from moplex_core.report import write_report
-from moplex_core.train import load_posteriors
+from moplex_core.train import load_posteriors, run_train
+from lm_fixtures import tiny_model_dir  # noqa: F401  (fixture)
 from stage_fixtures import tiny_trained_mixture
 
 
@@ -204,3 +206,31 @@ def test_the_estimation_check_becomes_train_em_rows_for_the_comparison():
     assert "exact_fallback_iteration" not in rows.index
     fell_back = estimation_rows(None, {"iteration": 0, "relative_error": 1.1})  # nothing measured before E-step 0
     assert fell_back.metric.tolist() == ["exact_fallback_iteration"] and fell_back.value.tolist() == [0.0]
+
+
+def test_rankings_without_cluster_labels_are_evaluated_without_the_metrics_that_need_them(tiny_model_dir, tmp_path):  # noqa: F811
+    """Data with no ground-truth groups (HelpSteer2's preference pairs, a generic source without a
+    cluster column) still trains and evaluates: likelihood, the posterior and marginal ranking
+    accuracies and the EM start rows, and nothing that needs a label (no matching, no oracle)."""
+    store = ArtifactStore(tmp_path)
+    data = generate_synthetic(SyntheticConfig(n=16, k=2, m=3, seed=0))
+    frame = data.to_frame(np.array(["train"] * 8 + ["validation"] * 4 + ["test"] * 4)).drop(columns=["generated"])
+    frame["cluster"] = None
+    version = store.version("ingest", {"unlabelled": 16})
+    with store.writer("ingest", version, config={}) as writer:
+        writer.write_shard(0, pa.Table.from_pandas(frame, preserve_index=False))
+    cache = run_cache(CacheConfig(model=str(tiny_model_dir)), store.path("ingest", version), store, progress=False).path
+    train = run_train(TrainConfig(k=2, lora_r=4, lora_targets=("q_proj", "v_proj"), anchors=None, em_iterations=1,
+                                  init="dirichlet", dtype="float32", device="cpu"), cache, store, progress=False).path
+    result = run_evaluate(EvaluateConfig(), train, cache, store)
+    metrics = pd.read_parquet(result.path / "metrics.parquet")
+    assert set(metrics.cluster) == {"all"}
+    overall = metrics.set_index(["split", "metric"]).value
+    for split in ("validation", "test"):
+        assert np.isfinite(overall[split, "heldout_log_likelihood"])
+        for metric in ("ranking_accuracy_posterior", "ranking_accuracy_marginal"):
+            assert 0.0 <= overall[split, metric] <= 1.0
+    assert not metrics.metric.str.contains(r"clustering_accuracy|^ari$|^nmi$|oracle|matched").any(), set(metrics.metric)
+    assert set(metrics[metrics.split == "train_em"].metric) == {"start_final_ari"}  # the start against the end
+    assert "The rankings carry no cluster labels: no clustering accuracy and no oracle routing" in \
+        (result.path / "report.md").read_text()

@@ -496,3 +496,53 @@ def test_generic_default_example_ids_differ_by_cluster():
     row = {"prompt": "p", "responses": ["a", "b"], "ranking": [[0], [1]]}
     out = generic.to_rankings([_record(0, row | {"cluster": "x"}), _record(1, row | {"cluster": "y"})], source="g")
     assert out.rows[0]["example_id"] != out.rows[1]["example_id"]
+
+
+def _helpsteer2_rated(prompt, response, **ratings) -> dict:
+    return {"prompt": prompt, "response": response, "helpfulness": 2, "correctness": 2, "coherence": 2,
+            "complexity": 2, "verbosity": 2} | ratings
+
+
+def test_helpsteer2_skips_empty_text_reads_whole_float_ratings_and_leaves_a_missing_rating_unranked():
+    records = [_record(i, data) for i, data in enumerate([
+        _helpsteer2_rated("  ", "Blank prompt."),
+        _helpsteer2_rated("Name a colour.", None),  # a release row with no response
+        _helpsteer2_rated("Name a colour.", "Red.", helpfulness=3.0, correctness=None),  # Parquet floats, a null
+        _helpsteer2_rated("Name a colour.", "Blue, the sky's.", helpfulness=1, correctness=4),
+    ])]
+    out = helpsteer2.to_rankings(records, helpsteer2.HelpSteer2Options(), source="hs")
+    assert out.stats["skipped_empty_prompt"] == 1 and out.stats["skipped_empty_response"] == 1
+    assert [(r["cluster"], r["responses"], r["ranking"]) for r in out.rows] == [
+        ("helpfulness", ["Red.", "Blue, the sky's."], [[0], [1]])]  # correctness: one rating is missing
+    with pytest.raises(RawSchemaError, match=r"line 1, field 'helpfulness': rating 2.5 is not an integer in 0..4"):
+        helpsteer2.to_rankings([_record(0, _helpsteer2_rated("P", "R", helpfulness=2.5))],
+                               helpsteer2.HelpSteer2Options(), source="hs")
+
+
+def test_helpsteer2_preference_skips_pairs_missing_a_text_or_of_one_response_twice():
+    pair = {"prompt": "Say hi.", "response_1": "Hi.", "response_2": "Hello there.", "preference_strength": 2}
+    records = [_record(0, pair | {"response_2": None}), _record(1, pair | {"response_2": " Hi. "}), _record(2, pair)]
+    out = helpsteer2.to_rankings(records, helpsteer2.HelpSteer2Options(data="preference"), source="hs")
+    assert out.stats["skipped_missing_text"] == 1 and out.stats["skipped_identical_responses"] == 1
+    assert [r["responses"] for r in out.rows] == [["Hi.", "Hello there."]]
+
+
+def test_ultrafeedback_skips_an_empty_instruction_and_names_completions_that_are_not_a_list():
+    out = ultrafeedback.to_rankings([_record(0, {"instruction": " \n", "completions": []})],
+                                    UltraFeedbackOptions(), source="uf", seed=0)
+    assert out.rows == [] and out.stats["skipped_empty_prompt"] == 1
+    with pytest.raises(RawSchemaError, match="line 1: 'completions' must be a list, got dict"):
+        ultrafeedback.to_rankings([_record(0, {"instruction": "Q?", "completions": {"response": "A"}})],
+                                  UltraFeedbackOptions(), source="uf", seed=0)
+
+
+def test_persona_skips_missing_text_a_repeated_record_and_an_age_that_is_not_a_number():
+    who = "age: 30\nsex: Female\nrace: White alone"
+    base = {"persona": who, "instruction": "What should I cook tonight?", "original": "Pasta.",
+            "data": "A curry, as you like spice."}
+    records = [_record(0, base | {"original": None}), _record(1, base), _record(2, base),
+               _record(3, base | {"persona": who.replace("30", "thirty")})]
+    out = persona.to_rankings(records, PersonaOptions(top_profiles=None), source="p", seed=0)
+    assert len(out.rows) == 1 and out.rows[0]["cluster"] == "age=18-44|sex=Female|race=White"
+    assert out.stats["skipped_missing_text"] == 1 and out.stats["skipped_duplicate_record"] == 1
+    assert out.stats["skipped_no_profile"] == 1

@@ -33,6 +33,24 @@ def test_a_tokenizer_without_pad_token_pads_with_eos(tiny_model_dir: Path, tmp_p
     assert reloaded.pad_token == reloaded.eos_token == "<|im_end|>"
 
 
+def test_a_tokenizer_with_neither_pad_nor_eos_is_refused_naming_both(tiny_model_dir: Path, tmp_path: Path) -> None:
+    tokenizer = load_tokenizer(tiny_model_dir)
+    tokenizer.pad_token = tokenizer.eos_token = None
+    tokenizer.save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="has neither a pad nor an eos token; set pad_token and eos_token in its "
+                                         "tokenizer_config.json"):
+        load_tokenizer(tmp_path)
+
+
+def test_a_models_weights_file_given_for_its_folder_is_refused_naming_the_folder(tiny_model_dir: Path) -> None:
+    weights = next(tiny_model_dir.glob("*.safetensors"))
+    with pytest.raises(FileNotFoundError, match=r"model.safetensors' is a file; pass the directory that holds "
+                                                "config.json"):
+        load_model(weights)
+    with pytest.raises(FileNotFoundError, match="is a file; pass the directory"):
+        load_tokenizer(tiny_model_dir / "tokenizer_config.json")
+
+
 def test_a_missing_path_is_named_in_the_error(tmp_path: Path) -> None:
     missing = tmp_path / "no-such-model"
     with pytest.raises(FileNotFoundError, match="no-such-model.*does not exist"):

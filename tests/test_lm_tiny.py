@@ -4,14 +4,20 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pyarrow as pa
+import pytest
 import torch
 from lm_fixtures import PRETRAIN_STEPS, tiny_model_dir, tiny_pairs  # noqa: F401 (session fixture)
 from safetensors.torch import load_file
+from stage_fixtures import write_synthetic
 from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3ForCausalLM
 
+from moplex_core.artifacts import ArtifactStore, load_table
+from moplex_core.config import TinyModelConfig
 from moplex_core.lm.logprobs import sequence_logprobs
 from moplex_core.lm.tiny import IM_END, PAD_TOKEN, build_tiny_model
 from moplex_core.lm.tokenize import pad_batch, tokenize_responses
+from moplex_core.tiny_model import STAGE, run_tiny_model
 
 
 def test_directory_loads_with_auto_classes_and_generates_a_chat_turn(tiny_model_dir: Path) -> None:
@@ -75,3 +81,22 @@ def test_pretraining_raises_the_likelihood_of_the_responses(tiny_model_dir: Path
         mean_logp[name] = logp.mean().item()
     # A random init is close to uniform over ~290 tokens (-5.7 nats a token); 40 steps learn digits.
     assert mean_logp["pretrained"] > mean_logp["untrained"] + 2.0 * PRETRAIN_STEPS / 40
+
+
+def test_the_tiny_model_stage_builds_once_and_refuses_rankings_without_a_train_split(tmp_path: Path) -> None:
+    store = ArtifactStore(tmp_path)
+    rankings = write_synthetic(store, n=6, m=3)
+    config = TinyModelConfig(pretrain_steps=2, hidden_size=32)
+    model = run_tiny_model(config, rankings, store)
+    built = (model / "model.safetensors").stat().st_mtime_ns
+    assert run_tiny_model(config, rankings, store) == model  # the finished version, not built again
+    assert (model / "model.safetensors").stat().st_mtime_ns == built
+    table = load_table(rankings)
+    no_train = table.set_column(table.schema.get_field_index("split"), "split", pa.array(["test"] * table.num_rows))
+    version = store.version("ingest", {"no_train": True})
+    with store.writer("ingest", version, config={}) as writer:
+        writer.write_shard(0, no_train)
+    with pytest.raises(ValueError, match="has no 'train' rankings to build the tiny model's tokenizer and "
+                                         "pre-training from; ingest with a non-empty train split"):
+        run_tiny_model(config, store.path("ingest", version), store)
+    assert [info.path for info in store.list(STAGE)] == [model.parent]  # nothing started for the refused one

@@ -244,3 +244,15 @@ def test_rows_may_be_checked_before_they_are_split():
 def test_ranking_from_scores_turns_ties_into_tiers():
     assert ranking_from_scores([3, 5, 3, 1]) == [[1], [0, 2], [3]]
     assert ranking_from_scores([2.0, 2.0]) == [[0, 1]]
+
+
+def test_a_dataframe_or_arrow_table_is_split_as_its_rows_are_and_rejected_records_are_the_rows():
+    """split_rejected takes what check_rankings takes: a DataFrame (numpy arrays in list cells) and an
+    Arrow table name the same issues, and record the same rejected rows as JSON, as the rows as dicts."""
+    rows = good_rows()
+    rows[1] = row(example_id="e1", prompt_id="p1", ranking=[[7], [0, 2]])
+    expected_kept, expected = split_rejected(rows)
+    assert expected.num_rows == 1 and json.loads(expected.column("record")[0].as_py())["ranking"] == [[7], [0, 2]]
+    for data in (pd.DataFrame(rows), pa.Table.from_pylist(rows)):
+        kept, rejected = split_rejected(data)
+        assert kept.equals(expected_kept) and rejected.equals(expected)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 import signal
 import subprocess
 import sys
@@ -18,12 +19,13 @@ from lm_fixtures import tiny_model_dir  # noqa: F401  (fixture)
 from stage_fixtures import write_synthetic
 
 from moplex_core.artifacts import ArtifactStore, read_manifest
-from moplex_core.cache import load_policy_inputs, run_cache
+from moplex_core.cache import cache_model, load_policy_inputs, run_cache
 from moplex_core.config import CacheConfig, EvaluateConfig, TrainConfig
-from moplex_core.em import (EMConfig, initial_responsibilities, likelihood_falls, posteriors_table,
+from moplex_core.em import (EMConfig, Rankings, initial_responsibilities, likelihood_falls, posteriors_table,
                             read_posteriors)
 from moplex_core.evaluate import run_evaluate
 from moplex_core.ingest import check_labels_fit
+from moplex_core.pl import PAD
 from moplex_core.train import (BY_ITERATION, ESTIMATES, REFERENCE_GAP_WARNING, check_reference_gap, load_posteriors,
                                load_trained, make_scorer, plan_train, run_train)
 
@@ -202,6 +204,39 @@ def test_restarts_of_the_default_start_are_different_runs(cache_dir, tmp_path):
     finals = [read_posteriors(result.path / "em" / f"restart-{r:02d}" / "iter-0000" / "posteriors.parquet", ids)
               for r in (0, 1)]
     assert not torch.equal(finals[0], finals[1])  # each restart's scorer has its own seed
+
+
+def test_a_kmeans_start_clusters_the_lm_scorers_ranking_features(cache_dir, tmp_path):
+    """train.init = kmeans: k-means over the LoRA scorer's Fisher-score features of each ranking (its
+    responses' input embeddings weighted by d log P / d r at r = 0), seeded, as soft one-hot starts."""
+    config = CONFIG.model_copy(update={"init": "kmeans", "em_iterations": 1})
+    result = run_train(config, cache_dir, ArtifactStore(tmp_path), progress=False)
+    ids, start, _ = load_posteriors(result.path)
+    assert sorted(set(start.flatten().tolist())) == [0.1, 0.9] and set(start.argmax(1).tolist()) == {0, 1}
+    inputs, _ = load_policy_inputs(cache_dir, "train")
+    rankings = inputs.rankings()
+    scorer = make_scorer(config, cache_model(cache_dir))
+    features = scorer.ranking_features(inputs, rankings)
+    assert features.shape == (len(ids), 256) and features.isfinite().all()
+    assert len({tuple(f) for f in features.tolist()}) == len(ids)  # each ranking its own point
+    # Linear in d log P / d r: a pair ranked one way (+1/2, -1/2 at r = 0) and the other way are opposite points.
+    pair = torch.full_like(rankings.tiers, PAD)
+    pair[:, :2] = torch.tensor([0, 1])
+    one_way = scorer.ranking_features(inputs, Rankings(pair))
+    other_way = scorer.ranking_features(inputs, Rankings(pair[:, [1, 0, *range(2, pair.shape[1])]]))
+    assert one_way.abs().min() > 0
+    torch.testing.assert_close(other_way, -one_way)
+    again = initial_responsibilities(EMConfig(k=2, init="kmeans"), scorer, inputs, rankings, seed=config.seed)
+    torch.testing.assert_close(again, start, rtol=0, atol=0)  # what train wrote is that k-means, seeded alike
+
+
+def test_loading_adapters_from_a_folder_without_one_per_cluster_names_the_missing_one(cache_dir, tmp_path):
+    scorer = make_scorer(CONFIG, cache_model(cache_dir))
+    scorer.save_adapters(tmp_path / "adapters")
+    shutil.rmtree(tmp_path / "adapters" / "c1")
+    with pytest.raises(FileNotFoundError, match=r"adapters/c1 does not exist; expected one PEFT adapter folder per "
+                                                r"cluster c0\.\.c1 as save_adapters writes"):
+        scorer.load_adapters(tmp_path / "adapters")
 
 
 def test_configs_that_would_waste_restarts_or_train_nothing_are_refused():
