@@ -74,9 +74,6 @@ def _experiment_compare(args: argparse.Namespace) -> int:
     from moplex_core.experiments.compare import plan_runs
 
     methods = args.methods or list(METHODS)
-    if args.seeds < 1:
-        print(f"moplex experiment compare: --seeds must be at least 1, got {args.seeds}", file=sys.stderr)
-        return 1
     try:
         base, overrides = _preset_run(args.data, args)
         runs = plan_runs(base, methods, list(range(args.seed, args.seed + args.seeds)))
