@@ -6,6 +6,7 @@ from prefect import flow, get_run_logger
 
 from moplex_core.artifacts import ALREADY_COMPLETE, DEFAULT_ROOT
 from moplex_core.config import EvaluateConfig
+from flows.naming import name_run_after
 from tasks.evaluate import plan_evaluation, write_evaluation
 
 
@@ -16,6 +17,7 @@ def evaluate_flow(config: EvaluateConfig, train_dir: str, cache_dir: str, root: 
     returns its folder (metrics.parquet, report.md, plots/). ``model``: where the cache's base model
     is now, when it moved (default: where the cache recorded it)."""
     plan = plan_evaluation(config, train_dir, cache_dir, root)
+    name_run_after(plan.ref)
     if plan.complete:
         get_run_logger().info(ALREADY_COMPLETE, plan.ref, plan.path)
         return str(plan.path)

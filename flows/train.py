@@ -6,6 +6,7 @@ from prefect import flow, get_run_logger
 
 from moplex_core.artifacts import ALREADY_COMPLETE, DEFAULT_ROOT
 from moplex_core.config import TrainConfig
+from flows.naming import name_run_after
 from tasks.train import fit_mixture_of_adapters, plan_mixture
 
 
@@ -14,6 +15,7 @@ def train_flow(config: TrainConfig, cache_dir: str, root: str = DEFAULT_ROOT, mo
     """Write (or find, or resume) the train artifact of ``config`` on the cache at ``cache_dir``.
     ``model``: where the cache's base model is now, when it moved (default: where the cache recorded it)."""
     plan = plan_mixture(config, cache_dir, root)
+    name_run_after(plan.ref)
     if plan.complete:
         get_run_logger().info(ALREADY_COMPLETE, plan.ref, plan.path)
         return str(plan.path)

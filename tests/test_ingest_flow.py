@@ -161,6 +161,22 @@ def test_ingest_flow_twice_on_the_local_prefect_server(prefect_env, tmp_path, fi
     assert load_table(first).to_pandas()["cluster"].nunique() == 4
 
 
+def test_a_stage_run_is_named_after_the_version_it_writes_or_finds(prefect_env, tmp_path, fixtures_dir):
+    # Prefect names a flow run with two random words; the UI, `prefect flow-run ls` and the pipeline's
+    # subflow list should say which stage and version a run is about.
+    from prefect import get_client
+
+    from flows.ingest import ingest_flow
+
+    config = IngestConfig(dataset="persona", path=str(fixtures_dir / "persona.jsonl"))
+    ref = plan_ingest(config, ArtifactStore(tmp_path)).ref
+    with get_client(sync_client=True) as client:
+        for _ in range(2):  # written, then found complete
+            state = ingest_flow(config, root=str(tmp_path), return_state=True)
+            assert state.is_completed()
+            assert client.read_flow_run(state.state_details.flow_run_id).name == str(ref) == f"ingest/{ref.version}"
+
+
 def test_the_ingest_flow_warns_of_what_drop_mode_left_out_also_when_the_version_exists(prefect_env, tmp_path,
                                                                                     caplog):
     from flows.ingest import ingest_flow
