@@ -7,7 +7,7 @@ from prefect import flow, get_run_logger
 
 from moplex_core.artifacts import ALREADY_COMPLETE
 from moplex_core.assign import default_root
-from flows.naming import name_run_after
+from flows.stage_runs import name_run_after, publish_if_alone
 from tasks.assign import plan_assignment, write_assignment
 
 
@@ -23,5 +23,8 @@ def assign_flow(train: str, rankings: str, root: str | None = None, device: str 
     name_run_after(plan.ref)
     if plan.complete:
         get_run_logger().info(ALREADY_COMPLETE, plan.ref, plan.path)
-        return str(plan.path)
-    return str(write_assignment(train, rankings, root, plan).path)
+        path = plan.path
+    else:
+        path = write_assignment(train, rankings, root, plan).path
+    publish_if_alone(plan.ref.stage, path, plan.complete)
+    return str(path)

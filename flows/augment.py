@@ -6,7 +6,7 @@ from prefect import flow, get_run_logger
 
 from moplex_core.artifacts import ALREADY_COMPLETE, DEFAULT_ROOT
 from moplex_core.config import AugmentConfig
-from flows.naming import name_run_after
+from flows.stage_runs import name_run_after, publish_if_alone
 from tasks.augment import plan_augmented, write_augmented
 
 
@@ -20,4 +20,6 @@ def augment_flow(config: AugmentConfig, rankings: str, root: str = DEFAULT_ROOT)
     logger = get_run_logger()  # after the rename: its lines carry the new name
     if plan.complete:
         logger.info(ALREADY_COMPLETE, plan.ref, plan.path)
-    return str(write_augmented(config, root, plan).path)
+    path = write_augmented(config, root, plan).path
+    publish_if_alone(plan.ref.stage, path, plan.complete)
+    return str(path)

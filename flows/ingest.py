@@ -7,7 +7,7 @@ from prefect import flow, get_run_logger
 from moplex_core.artifacts import ALREADY_COMPLETE, DEFAULT_ROOT
 from moplex_core.config import IngestConfig
 from moplex_core.ingest import rejected_note
-from flows.naming import name_run_after
+from flows.stage_runs import name_run_after, publish_if_alone
 from tasks.ingest import plan_rankings, write_rankings
 
 
@@ -26,4 +26,5 @@ def ingest_flow(config: IngestConfig, root: str = DEFAULT_ROOT) -> str:
     left_out = rejected_note(path)
     if left_out:
         logger.warning(left_out)
+    publish_if_alone(plan.ref.stage, path, plan.complete)
     return str(path)
