@@ -126,7 +126,8 @@ def moplex_pipeline(preset: str = "synthetic-demo", overrides: list[str] | None 
 def stage_outcome(path: str, started: datetime) -> tuple[bool, str]:
     """(reused, a line for the pipeline's log) for the stage artifact at ``path``, whose stage flow
     started at ``started``: reused when its manifest was finished before that (found complete, e.g. by
-    an earlier run or an earlier attempt of this one), written by this run otherwise."""
+    an earlier run or an earlier attempt of this one), written by this run otherwise (also where another
+    run on the same root wrote it while this one waited for its lock: the manifest does not say who wrote it)."""
     manifest = read_manifest(path)
     ref = f"{Path(path).parent.name}/{Path(path).name}"
     # the manifest's time is in whole seconds: one finished in the second this stage started counts as written
