@@ -7,6 +7,7 @@ from prefect import flow, get_run_logger
 
 from moplex_core.artifacts import ALREADY_COMPLETE
 from moplex_core.assign import default_root
+from flows.stage_runs import name_run_after, publish_if_alone
 from tasks.assign import plan_assignment, write_assignment
 
 
@@ -19,7 +20,11 @@ def assign_flow(train: str, rankings: str, root: str | None = None, device: str 
     base model is now, when it moved (default: where the train artifact's cache recorded it)."""
     root = root or default_root(train)
     plan = plan_assignment(train, rankings, root, device, score_batch_size, model)
+    name_run_after(plan.ref)
     if plan.complete:
         get_run_logger().info(ALREADY_COMPLETE, plan.ref, plan.path)
-        return str(plan.path)
-    return str(write_assignment(train, rankings, root, plan).path)
+        path = plan.path
+    else:
+        path = write_assignment(train, rankings, root, plan).path
+    publish_if_alone(plan.ref.stage, path, plan.complete)
+    return str(path)

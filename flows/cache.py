@@ -6,6 +6,7 @@ from prefect import flow, get_run_logger
 
 from moplex_core.artifacts import ALREADY_COMPLETE, DEFAULT_ROOT
 from moplex_core.config import CacheConfig
+from flows.stage_runs import name_run_after, publish_if_alone
 from tasks.cache import plan_reference_cache, write_reference_cache
 
 
@@ -13,7 +14,11 @@ from tasks.cache import plan_reference_cache, write_reference_cache
 def cache_flow(config: CacheConfig, rankings_dir: str, root: str = DEFAULT_ROOT) -> str:
     """Write (or find) the cache of the artifact at ``rankings_dir`` under ``root``; returns its folder."""
     plan = plan_reference_cache(config, rankings_dir, root)
+    name_run_after(plan.ref)
     if plan.complete:
         get_run_logger().info(ALREADY_COMPLETE, plan.ref, plan.path)
-        return str(plan.path)
-    return str(write_reference_cache(config, rankings_dir, root, plan).path)
+        path = plan.path
+    else:
+        path = write_reference_cache(config, rankings_dir, root, plan).path
+    publish_if_alone(plan.ref.stage, path, plan.complete)
+    return str(path)

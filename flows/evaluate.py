@@ -6,6 +6,7 @@ from prefect import flow, get_run_logger
 
 from moplex_core.artifacts import ALREADY_COMPLETE, DEFAULT_ROOT
 from moplex_core.config import EvaluateConfig
+from flows.stage_runs import name_run_after, publish_if_alone
 from tasks.evaluate import plan_evaluation, write_evaluation
 
 
@@ -16,7 +17,11 @@ def evaluate_flow(config: EvaluateConfig, train_dir: str, cache_dir: str, root: 
     returns its folder (metrics.parquet, report.md, plots/). ``model``: where the cache's base model
     is now, when it moved (default: where the cache recorded it)."""
     plan = plan_evaluation(config, train_dir, cache_dir, root)
+    name_run_after(plan.ref)
     if plan.complete:
         get_run_logger().info(ALREADY_COMPLETE, plan.ref, plan.path)
-        return str(plan.path)
-    return str(write_evaluation(config, train_dir, cache_dir, root, plan, model).path)
+        path = plan.path
+    else:
+        path = write_evaluation(config, train_dir, cache_dir, root, plan, model).path
+    publish_if_alone(plan.ref.stage, path, plan.complete)
+    return str(path)

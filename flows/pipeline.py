@@ -20,6 +20,7 @@ import time
 import types
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
+from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
@@ -28,7 +29,7 @@ from prefect.runtime import deployment, flow_run
 from prefect.settings import PREFECT_API_URL, PREFECT_FLOWS_HEARTBEAT_FREQUENCY, PREFECT_UI_URL, temporary_settings
 from prefect.states import State
 
-from moplex_core.artifacts import ArtifactError
+from moplex_core.artifacts import ArtifactError, read_manifest
 from moplex_core.augment import ShortfallError
 from moplex_core.config import PipelineConfig, pipeline_preset, with_overrides
 from moplex_core.data.sources import DatasetUnavailableError
@@ -100,20 +101,41 @@ def moplex_pipeline(preset: str = "synthetic-demo", overrides: list[str] | None 
     logger = get_run_logger()
     logger.info("%s with overrides %s; artifacts under %s", source, overrides or [], Path(root).resolve())
 
+    reused: dict[str, bool] = {}
+
     def stage(name: str, *args, **kwargs) -> str:
         if config.fault.stage == name and run_count <= config.fault.times:
             fail_on_purpose(config.fault, name, run_count, how_to_retry(flow_run.get_id()))
+        started = datetime.now(timezone.utc)
         try:
-            return run_stage(name, lambda: STAGE_FLOWS[name](*args, **kwargs, root=root), config.stage_retries,
+            path = run_stage(name, lambda: STAGE_FLOWS[name](*args, **kwargs, root=root), config.stage_retries,
                              config.retry_delay_seconds, logger)
         except Exception as err:
             logger.error("the %s stage failed: %s: %s", name, type(err).__name__, err)
             raise
+        reused[name], line = stage_outcome(path, started)
+        logger.info("%s stage: %s", name, line)  # the pipeline's own log names every version, not only its subflows'
+        return path
 
     dirs = run_stages(config, stage)
-    publish_run_artifacts(dirs)
+    publish_run_artifacts(dirs, reused)
     logger.info("report: %s/report.md", dirs["evaluate"])
     return {**dirs, "report": f"{dirs['evaluate']}/report.md"}
+
+
+def stage_outcome(path: str, started: datetime) -> tuple[bool, str]:
+    """(reused, a line for the pipeline's log) for the stage artifact at ``path``, whose stage flow
+    started at ``started``: reused when its manifest was finished before that (found complete, e.g. by
+    an earlier run or an earlier attempt of this one), written by this run otherwise (also where another
+    run on the same root wrote it while this one waited for its lock: the manifest does not say who wrote it)."""
+    manifest = read_manifest(path)
+    ref = f"{Path(path).parent.name}/{Path(path).name}"
+    # the manifest's time is in whole seconds: one finished in the second this stage started counts as written
+    reused = datetime.fromisoformat(manifest["finished"]) < started.replace(microsecond=0)
+    if reused:
+        return True, f"{ref} reused (complete since {manifest['finished']}) at {path}"
+    resumed = ", resumed from what an interrupted run had finished" if manifest.get("resumed") else ""
+    return False, f"{ref} written by this run{resumed} at {path}"
 
 
 def retry_command(run_id) -> str:

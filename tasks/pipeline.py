@@ -7,7 +7,7 @@ import re
 from pathlib import Path
 
 import pandas as pd
-from prefect import get_run_logger, task
+from prefect import task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.cache_policies import NO_CACHE
 
@@ -33,25 +33,32 @@ def fail_on_purpose(fault: FaultConfig, stage: str, run_count: int, retry: str) 
 
 
 @task(name="publish-run-artifacts", cache_policy=NO_CACHE)
-def publish_run_artifacts(stage_dirs: dict[str, str]) -> None:
-    """Prefect artifacts of one pipeline run: the stage versions with their row counts, the metrics
-    table, the report (plots embedded as data URIs) and the paths of every stage's Parquet files."""
+def publish_run_artifacts(stage_dirs: dict[str, str], reused: dict[str, bool], pipeline: bool = True) -> None:
+    """Prefect artifacts of one pipeline run: the stage versions with their row counts and whether this
+    run wrote or reused each (``reused``, `flows.pipeline.stage_outcome`), the metrics table, the
+    report (plots embedded as data URIs) and the paths of every stage's Parquet files. Not ``pipeline``:
+    a stage's own run (a stage deployment), whose version table and file list are its run's alone (no
+    key: they do not stand in the UI's Artifacts page for a whole run's); an evaluation's metrics and
+    report keep their keys (the latest evaluation's, from a pipeline or not)."""
     manifests = {stage: read_manifest(path) for stage, path in stage_dirs.items()}
     create_table_artifact(
-        key="moplex-stages",
-        table=[{"stage": stage, "version": m["version"], "rows": m["rows"], "shards": m["shards"],
-                "finished": m["finished"], "resumed": m["resumed"], "path": stage_dirs[stage]}
+        key="moplex-stages" if pipeline else None,
+        table=[{"stage": stage, "version": m["version"], "this run": "reused" if reused.get(stage) else "wrote",
+                "rows": m["rows"], "shards": m["shards"], "finished": m["finished"], "resumed": m["resumed"],
+                "path": stage_dirs[stage]}
                for stage, m in manifests.items()],
-        description="Artifact version and row count of every stage of this run (same version = reused).",
+        description="Artifact version and row count of every stage of this run; 'this run': whether it wrote the "
+                    "version or found it complete (written by an earlier run, or an earlier attempt of this one).",
     )
-    evaluation = Path(stage_dirs["evaluate"])
-    metrics = pd.read_parquet(evaluation / METRICS_FILE)
-    create_table_artifact(key="moplex-metrics", table=metrics.astype({"value": float}).to_dict("records"),
-                          description=f"{evaluation / METRICS_FILE}")
-    create_markdown_artifact(key="moplex-report", markdown=_embed_plots(evaluation), description=f"{evaluation}/report.md")
-    create_markdown_artifact(key="moplex-files", markdown=_files_markdown(stage_dirs, manifests),
+    if "evaluate" in stage_dirs:
+        evaluation = Path(stage_dirs["evaluate"])
+        metrics = pd.read_parquet(evaluation / METRICS_FILE)
+        create_table_artifact(key="moplex-metrics", table=metrics.astype({"value": float}).to_dict("records"),
+                              description=f"{evaluation / METRICS_FILE}")
+        create_markdown_artifact(key="moplex-report", markdown=_embed_plots(evaluation),
+                                 description=f"{evaluation}/report.md")
+    create_markdown_artifact(key="moplex-files" if pipeline else None, markdown=_files_markdown(stage_dirs, manifests),
                              description="Where each stage's Parquet files are, on the machine that ran the stage.")
-    get_run_logger().info("report: %s", evaluation / "report.md")
 
 
 def _files_markdown(stage_dirs: dict[str, str], manifests: dict[str, dict]) -> str:

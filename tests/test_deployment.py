@@ -125,6 +125,24 @@ def test_deployed_pipeline_runs_fails_on_purpose_and_a_retry_reuses_finished_sta
         stages = json.loads(by_key["moplex-stages"]["data"])
         assert [row["stage"] for row in stages] == [*EARLY_STAGES, "train", "evaluate"]
         assert {row["stage"]: row["rows"] for row in stages}["ingest"] == 60
+        # the retry found what the failed attempt finished and wrote the rest
+        assert {row["stage"]: row["this run"] for row in stages} == {
+            **{stage: "reused" for stage in EARLY_STAGES}, "train": "wrote", "evaluate": "wrote"}
+        # each stage's flow run is named after its version; the pipeline's own log names every version
+        refs = {f"{stage}/{_manifest(root, stage)[0].name}" for stage in (*EARLY_STAGES, "train", "evaluate")}
+        names = {r["name"] for r in client.post("/flow_runs/filter", json={"limit": 50}).raise_for_status().json()}
+        assert refs <= names, names
+        train_ref = f"train/{_manifest(root, 'train')[0].name}"
+        deadline = time.monotonic() + 60  # the run's process sends its logs in batches, after its state
+        while True:
+            lines = [log["message"] for log in client.post("/logs/filter", json={
+                "logs": {"flow_run_id": {"any_": [run["id"]]}}, "limit": 200}).raise_for_status().json()]
+            if any(line.startswith(f"train stage: {train_ref} written by this run") for line in lines) \
+                    or time.monotonic() > deadline:
+                break
+            time.sleep(1)
+        assert any(line.startswith(f"train stage: {train_ref} written by this run at ") for line in lines), lines
+        assert any(line.startswith("ingest stage: ingest/") and " reused (complete since " in line for line in lines)
         assert "data:image/png;base64," in by_key["moplex-report"]["data"]
         files = by_key["moplex-files"]["data"]
         assert f"| evaluate | {evaluation.name} | `{evaluation / 'metrics.parquet'}` |" in files

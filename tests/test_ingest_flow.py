@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import shutil
 from pathlib import Path
@@ -159,6 +160,34 @@ def test_ingest_flow_twice_on_the_local_prefect_server(prefect_env, tmp_path, fi
     assert second == first
     assert {p.name: p.stat().st_mtime_ns for p in Path(first).iterdir()} == written  # nothing was written again
     assert load_table(first).to_pandas()["cluster"].nunique() == 4
+
+
+def test_a_stage_run_is_named_after_its_version_and_a_run_of_its_own_publishes_it(prefect_env, tmp_path,
+                                                                                  fixtures_dir):
+    # Prefect names a flow run with two random words; the UI, `prefect flow-run ls` and the pipeline's
+    # subflow list should say which stage and version a run is about. A stage's own run (a stage
+    # deployment) shows its version in the run's Artifacts tab, as a pipeline run does for every stage.
+    from prefect import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
+
+    from flows.ingest import ingest_flow
+
+    config = IngestConfig(dataset="persona", path=str(fixtures_dir / "persona.jsonl"))
+    ref = plan_ingest(config, ArtifactStore(tmp_path)).ref
+    with get_client(sync_client=True) as client:
+        for this_run in ("wrote", "reused"):
+            state = ingest_flow(config, root=str(tmp_path), return_state=True)
+            assert state.is_completed()
+            run_id = state.state_details.flow_run_id
+            assert client.read_flow_run(run_id).name == str(ref) == f"ingest/{ref.version}"
+            artifacts = client.read_artifacts(artifact_filter=ArtifactFilter(
+                flow_run_id=ArtifactFilterFlowRunId(any_=[run_id])))
+            tables = [json.loads(a.data) for a in artifacts if a.type == "table"]
+            assert [[(row["stage"], row["version"], row["this run"], row["rows"]) for row in table] for table in tables] \
+                == [[("ingest", ref.version, this_run, 7)]]
+            files = [a.data for a in artifacts if a.type == "markdown"]
+            assert len(files) == 1 and f"`{tmp_path / 'ingest' / ref.version / 'part-00000.parquet'}`" in files[0]
+            assert all(a.key is None for a in artifacts)  # the Artifacts page's latest moplex-stages stays a pipeline's
 
 
 def test_the_ingest_flow_warns_of_what_drop_mode_left_out_also_when_the_version_exists(prefect_env, tmp_path,

@@ -4,6 +4,7 @@ stage) and the settings of an in-process run (local_run_settings)."""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
@@ -71,6 +72,26 @@ def test_an_error_a_rerun_repeats_is_not_retried(error, caplog):
     assert stage.calls == 1
     assert raised.value.__notes__ == ["moplex pipeline stage: ingest"]
     assert "retry" not in caplog.text
+
+
+def test_the_pipeline_log_says_whether_a_stage_wrote_its_version_or_reused_it(tmp_path, fixtures_dir):
+    # `prefect flow-run logs <pipeline run>` shows the pipeline's own lines, not its subflows': each stage
+    # ends with one there naming its version, its folder and whether this run wrote it.
+    from datetime import datetime, timedelta, timezone
+
+    from flows.pipeline import stage_outcome
+    from moplex_core.artifacts import ArtifactStore
+    from moplex_core.config import IngestConfig
+    from moplex_core.ingest import run_ingest
+
+    before = datetime.now(timezone.utc) - timedelta(seconds=5)
+    result = run_ingest(IngestConfig(dataset="persona", path=str(fixtures_dir / "persona.jsonl")),
+                        ArtifactStore(tmp_path))
+    path = str(result.path)
+    assert stage_outcome(path, before) == (False, f"{result.ref} written by this run at {path}")
+    later = datetime.now(timezone.utc) + timedelta(seconds=5)  # a rerun's stage: found complete
+    finished = json.loads((result.path / "manifest.json").read_text())["finished"]
+    assert stage_outcome(path, later) == (True, f"{result.ref} reused (complete since {finished}) at {path}")
 
 
 @pytest.fixture
