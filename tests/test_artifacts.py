@@ -124,6 +124,36 @@ def test_a_version_that_newer_code_builds_again_says_so(tmp_path, caplog):
     assert "built anew" not in caplog.text
 
 
+def test_an_unfinished_version_that_other_code_started_is_named_when_newer_code_builds_again(tmp_path, caplog):
+    """An upgrade over an interrupted run: the old folder's files are not resumed (another code
+    version is another version), and the run says so rather than training from the start in silence."""
+    store = ArtifactStore(tmp_path)
+    with pytest.raises(RuntimeError), store.writer("demo", "old111", config={"shards": 3},
+                                                   inputs={"rankings": "ingest/abc"}, code_version="demo-1") as w:
+        w.write_shard(0, table(0))
+        raise RuntimeError("killed")
+    run = json.loads((w.path / ".started").read_text())
+    assert (run["code_version"], run["inputs"]) == ("demo-1", {"rankings": "ingest/abc"})
+    with pytest.raises(RuntimeError), store.writer("demo", "other2", config={"shards": 2},  # other settings
+                                                   inputs={"rankings": "ingest/abc"}, code_version="demo-1") as w:
+        w.write_shard(0, table(0))
+        raise RuntimeError("killed")
+    with caplog.at_level(logging.INFO, logger="moplex_core.artifacts.writer"):
+        with store.writer("demo", "new222", config={"shards": 3}, inputs={"rankings": "ingest/abc"},
+                          code_version="demo-2") as w:
+            assert w.reused == []
+            w.write_shard(0, table(0))
+    assert caplog.text.count("demo/old111, unfinished, was started with these settings and inputs by demo-1; this "
+                             "code writes demo-2, so its finished files are not resumed and demo/new222 is built "
+                             "from the start") == 1
+    assert "demo/other2" not in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="moplex_core.artifacts.writer"):  # the same code: nothing to say
+        with store.writer("demo", "same333", config={"shards": 2}, inputs={"rankings": "ingest/abc"},
+                          code_version="demo-1") as w:
+            w.write_shard(0, table(0))
+    assert "unfinished" not in caplog.text
+
 def test_list_locate_and_fingerprint(tmp_path):
     store = ArtifactStore(tmp_path)
     write_demo(store, "aaa111")
