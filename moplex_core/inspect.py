@@ -22,7 +22,8 @@ import pyarrow.parquet as pq
 
 from moplex_core.artifacts import (CHECKPOINTS, MANIFEST, ArtifactStore, is_stage_folder, is_version_folder,
                                    off_the_manifest, readable_manifest, run_changes, shard_paths)
-from moplex_core.artifacts.layout import SHARD_RE
+from moplex_core.artifacts.layout import SHARD_RE, STARTED
+from moplex_core.artifacts.writer import started_runs
 
 StageSection = Callable[[Path, list[Path]], list[str]]
 _SHARDS_LISTED = 8  # a version with more lists its shards in one line
@@ -125,8 +126,13 @@ def _version_report(version_dir: Path, rows: int) -> str:
         lines.append(f"status:   INCOMPLETE ({MANIFEST} cannot be read): damaged after it was written; delete the "
                      "version folder and rerun the stage")
     else:
+        code = _started_by(version_dir)
         lines.append(f"status:   INCOMPLETE (no {MANIFEST}): {_so_far(version_dir)}; rerun the stage with the same "
-                     "config to resume")
+                     f"config to resume, on a moplex whose stage writes {code or 'the same code version'}: one whose "
+                     "stage code changed since (an upgrade) builds another version and never finishes this one, "
+                     "which can then be deleted")
+        if code:
+            lines.append(f"code:     {code} (that of the last run that worked on it)")
     if shards:
         lines += [""] + _table_report("rows (part-*.parquet)", shards, rows)
         section = _STAGE_SECTIONS.get(stage)
@@ -248,6 +254,20 @@ def _cell(value: Any) -> str:
     return text if len(text) <= _CELL else text[: _CELL - 3] + "..."
 
 
+def _started_by(version_dir: Path) -> str | None:
+    """The stage code version of the last run that worked on an unfinished version, as its start
+    marker records it (since 2026-11-26); None where it records none or cannot be read."""
+    marker = version_dir / STARTED
+    if marker.is_symlink() or not marker.is_file():
+        return None
+    try:
+        runs = started_runs(marker)
+    except (OSError, ValueError):
+        return None
+    code = runs[-1].get("code_version") if runs else None
+    return code if isinstance(code, str) and code else None
+
+
 def _earlier_runs(manifest: dict[str, Any]) -> list[str]:
     """For a version written over several runs: each earlier run's start, and what it ran with that
     the finishing run did not (config values, library versions)."""
@@ -344,7 +364,7 @@ def _differing_settings(infos: list[Any], most: int = 6) -> dict[str, str]:
         keys = sorted({key for settings in flat for key in settings
                        if len({json.dumps(s.get(key), sort_keys=True) for s in flat}) > 1})
         for info, settings in zip(versions, flat, strict=True):
-            cells = [f"{key}={_short(settings.get(key))}" for key in keys[:most]]
+            cells = [f"{key}={_short(settings[key]) if key in settings else '-'}" for key in keys[:most]]
             shown[str(info.ref)] = " ".join(cells) + (f" (+{len(keys) - most} more)" if len(keys) > most else "")
     return shown
 

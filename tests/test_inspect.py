@@ -75,7 +75,8 @@ def test_a_listing_says_what_each_version_was_made_from_and_checkpoints_are_summ
         'from cache/abcd  [code="train-2" em.iterations=6 em.tol=0.001 k=2 lr=0.003 path="...raters_2026_a.jsonl" (+1 more)]')
     assert lines["train/t3"].endswith(
         'from cache/abcd  [code="train-2" em.iterations=6 em.tol=0.0001 k=3 lr=0.003 path="...raters_2026_a.jsonl" (+1 more)]')
-    assert lines["train/t1"].endswith('[code="" em.iterations=null em.tol=null k=null lr=null path=null (+1 more)]')
+    # t1 has none of these settings (a version of an older moplex lacks a setting added since): "-", not null
+    assert lines["train/t1"].endswith('[code="" em.iterations=- em.tol=- k=- lr=- path=- (+1 more)]')
     assert lines[str(rankings.ref)].endswith("ultrafeedback.jsonl")  # the only ingest version: nothing to tell apart
     with store.writer("train", "t1b", config=config, inputs={}, code_version="train-2") as w:  # t3's config
         w.write_shard(0, pa.table({"x": [1]}))
@@ -123,6 +124,24 @@ def test_many_shards_are_listed_in_one_line(tmp_path):
     assert files[:3] == ["part-00000.parquet", "..", "part-00008.parquet"] and files[5:7] == ["in", "9"]
     assert int(files[3].replace(",", "")) == sum(p.stat().st_size for p in (tmp_path / "demo" / "many").glob("part-*"))
     assert "rows (part-*.parquet): 18 rows" in many
+
+
+def test_an_unfinished_version_names_the_code_that_can_resume_it(tmp_path):
+    """After an upgrade that changed a stage's code version, rerunning never resumes an unfinished
+    version the older code left (it builds another): the report says which code resumes it."""
+    store = ArtifactStore(tmp_path)
+    with pytest.raises(RuntimeError), store.writer("demo", "old111", config={}, code_version="demo-1") as w:
+        w.write_shard(0, pa.table({"x": [1]}))
+        raise RuntimeError("killed")
+    report = inspect_path(w.path)
+    assert ("INCOMPLETE (no manifest.json): 1 finished shard(s); rerun the stage with the same config to resume, "
+            "on a moplex whose stage writes demo-1: one whose stage code changed since (an upgrade) builds another "
+            "version and never finishes this one") in report
+    assert "code:     demo-1 (that of the last run that worked on it)" in report
+    (w.path / ".started").write_text("2026-11-24T00:00:00+00:00\n")  # an older moplex's marker: no code version
+    report = inspect_path(w.path)
+    assert "on a moplex whose stage writes the same code version: one whose stage code changed" in report
+    assert "code:" not in report
 
 
 def test_odd_folders_are_reported_not_crashed_on(tmp_path):
