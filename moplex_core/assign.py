@@ -129,6 +129,7 @@ def run_assign(train_dir: str | Path, rankings_dir: str | Path, store: ArtifactS
         manifest = store.manifest(STAGE, plan.ref.version)
         check_files(plan.path, manifest)  # a damaged version is not "already complete"
         return AssignResult(plan.ref, plan.path, False, manifest["rows"])
+    _warn_of_other_cache_code(Path(train_dir).resolve())
     with store.writer(STAGE, plan.ref.version, config=plan.recorded, inputs=plan.inputs,
                       code_version=CODE_VERSION) as writer:
         if writer.complete:
@@ -210,6 +211,21 @@ def assignment_summary(posterior: np.ndarray, clusters: list[str | None]) -> dic
             "adjusted_rand_index": round(adjusted_rand_index(assigned, labels), 4),
         }
     return summary
+
+
+def _warn_of_other_cache_code(train_dir: Path) -> None:
+    """A train artifact kept from an older moplex (an upgrade since) may have trained on a cache that
+    other cache code wrote; the rankings to assign are cached by this code, whose text or scores may
+    differ (prompt tokens: cache-5), and nothing else would say so."""
+    from moplex_core.cache import CODE_VERSION as CACHE_CODE
+
+    trained_on = read_manifest(train_dir)["inputs"]["cache"]
+    written_by = read_manifest(root_of(train_dir) / trained_on).get("code_version")
+    if written_by != CACHE_CODE:
+        log.warning("%s trained on %s, which %s wrote; this moplex caches the rankings to assign with %s, so its "
+                    "adapters score them as this code prepares a response, which can differ from what they trained "
+                    "on (see the code version's comment in moplex_core/cache.py; retrain to match)",
+                    f"train/{train_dir.name}", trained_on, written_by, CACHE_CODE)
 
 
 def _cache_config(cache_manifest: dict[str, Any], device: str, model: str) -> CacheConfig:

@@ -235,3 +235,25 @@ def test_rankings_that_order_nothing_are_warned_about(trained, caplog):
         _assigned_rows(part, scorer, alpha, trained_result.likelihood)
     first = part.column("example_id")[0].as_py()
     assert f"1 of {part.num_rows} rankings (the first: example_id {first!r}) put every response in one tier" in caplog.text
+
+
+def test_a_mixture_trained_on_a_cache_of_older_code_says_its_rankings_are_cached_by_this_code(trained, tmp_path,
+                                                                                              caplog):
+    # a train artifact kept over an upgrade of moplex: its cache's code version (here made cache-5, as
+    # moplex before 2026-11-25 wrote it) is not the code that caches the rankings to assign
+    store, train, _, other = trained
+    root = tmp_path / "root"
+    shutil.copytree(store.root, root)
+    cache = root / json.loads((train / "manifest.json").read_text())["inputs"]["cache"]
+    manifest = json.loads((cache / "manifest.json").read_text())
+    ours = manifest["code_version"]
+    copy = ArtifactStore(root)
+    with caplog.at_level("WARNING", logger="moplex_core.assign"):
+        run_assign(root / "train" / train.name, root / "ingest" / other.name, copy, device="cpu", progress=False)
+    assert "caches the rankings to assign" not in caplog.text  # trained on this code's cache: nothing to say
+    shutil.rmtree(root / "assign")
+    (cache / "manifest.json").write_text(json.dumps({**manifest, "code_version": "cache-5"}))
+    with caplog.at_level("WARNING", logger="moplex_core.assign"):
+        run_assign(root / "train" / train.name, root / "ingest" / other.name, copy, device="cpu", progress=False)
+    assert (f"train/{train.name} trained on {cache.parent.name}/{cache.name}, which cache-5 wrote; this moplex caches "
+            f"the rankings to assign with {ours}") in caplog.text
