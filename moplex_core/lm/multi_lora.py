@@ -21,7 +21,8 @@ that each layer keeps until an adapter changes or an M-step pass drops it (`Mult
 themselves, detached), so such a pass casts nothing, and a pass without any gradient (scoring) skips
 the autograd Function. With gradients into the adapters (the M-step) the rows' adapters are gathered
 from the stacked parameters themselves, whose backward sums each adapter's rows in one accumulating
-``index_put``: one autograd leaf per layer and matrix, where k separate parameters would cost a
+``index_put`` (on the CPU ``index_add``, in row order: see `MultiLoRALinear.forward`): one autograd
+leaf per layer and matrix, where k separate parameters would cost a
 stack forward and, backward, a select, a detach and a gradient accumulation per adapter (host work
 the GPU waits on). The layer has its own backward (`_LoRALinear`), which accumulates the LoRA part
 of dL/dx into the base part in the matmul that computes it, where autograd would write it and add it
