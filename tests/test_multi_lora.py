@@ -459,3 +459,32 @@ def test_passes_without_adapter_gradients_read_a_stack_that_follows_every_change
     model.to(torch.float64)
     assert layer.frozen(torch.float64)[0].dtype == torch.float64
     both()
+
+
+def test_mixed_batch_adapter_gradients_are_the_same_bits_run_to_run_on_two_threads(tiny_model_dir):  # noqa: F811
+    """An M-step pass of a mixed batch sums each adapter's rows into its gradient. On the CPU that sum
+    must not depend on how threads interleave: indexing's backward there (an accumulating index_put)
+    adds rows from both threads with atomic adds, in an order that changed the demo's adapters by up to
+    4e-5 between two runs on two threads; index_select's (index_add) adds them in order."""
+    model = load_model(tiny_model_dir, dtype=torch.float32)
+    lora = MultiLoRA(model, K, LoRASettings(r=8, alpha=32.0), seed=0)
+    with torch.no_grad():
+        for p in lora.named_parameters().values():
+            p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(0)) * 0.1)
+    ids, mask = batch(rows=32, length=8)  # 32 rows: [32, 192, 8] gradients, above the size torch splits over threads
+    route = torch.randint(0, K, (32,), generator=torch.Generator().manual_seed(2))
+    weights = torch.randn(32, 8, model.config.vocab_size, generator=torch.Generator().manual_seed(3))
+    params = list(lora.named_parameters().values())
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        runs = []
+        for _ in range(4):
+            with lora.route(route):
+                loss = (model(ids, attention_mask=mask).logits * weights).sum()
+            runs.append(torch.autograd.grad(loss, params))
+    finally:
+        torch.set_num_threads(threads)
+    for run in runs[1:]:
+        differ = [p for p, a, b in zip(lora.named_parameters(), runs[0], run) if not torch.equal(a, b)]
+        assert not differ, f"{len(differ)} of {len(params)} adapter gradients differ between two runs, e.g. {differ[0]}"

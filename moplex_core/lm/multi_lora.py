@@ -21,7 +21,8 @@ that each layer keeps until an adapter changes or an M-step pass drops it (`Mult
 themselves, detached), so such a pass casts nothing, and a pass without any gradient (scoring) skips
 the autograd Function. With gradients into the adapters (the M-step) the rows' adapters are gathered
 from the stacked parameters themselves, whose backward sums each adapter's rows in one accumulating
-``index_put``: one autograd leaf per layer and matrix, where k separate parameters would cost a
+``index_put`` (on the CPU ``index_add``, in row order: see `MultiLoRALinear.forward`): one autograd
+leaf per layer and matrix, where k separate parameters would cost a
 stack forward and, backward, a select, a detach and a gradient accumulation per adapter (host work
 the GPU waits on). The layer has its own backward (`_LoRALinear`), which accumulates the LoRA part
 of dL/dx into the base part in the matmul that computes it, where autograd would write it and add it
@@ -159,12 +160,19 @@ class MultiLoRALinear(nn.Module):
                 a = self.lora_A[present[0]].to(x.dtype)  # [d_in, r]
                 b = self.lora_B[present[0]].to(x.dtype)  # [r, d_out]
             else:
-                # Gathered per row, so that each adapter's gradient is one accumulating index_put over its
-                # rows (deterministic on CUDA, unlike index_select's index_add), not one addition per row.
-                # Gathered before the cast, so that the sum runs in the masters' float32, as a one-adapter
-                # batch's GEMM sums it.
-                a = self.lora_A[self.route.adapters].to(x.dtype)  # [B, d_in, r]
-                b = self.lora_B[self.route.adapters].to(x.dtype)  # [B, r, d_out]
+                # Gathered per row, so that each adapter's gradient sums its rows in one op, not one addition
+                # per row: on a GPU by indexing, whose backward is an accumulating index_put (deterministic
+                # on CUDA, unlike index_select's index_add); on the CPU by index_select, whose backward,
+                # index_add, adds the rows one after another, where the CPU's accumulating index_put adds
+                # them from all threads with atomic adds, in an order that changes run to run (adapters 4e-5
+                # apart after one demo M-step on two threads). Gathered before the cast, so that the sum runs
+                # in the masters' float32, as a one-adapter batch's GEMM sums it.
+                adapters = self.route.adapters
+                if adapters.device.type == "cpu":
+                    a, b = self.lora_A.index_select(0, adapters), self.lora_B.index_select(0, adapters)
+                else:
+                    a, b = self.lora_A[adapters], self.lora_B[adapters]
+                a, b = a.to(x.dtype), b.to(x.dtype)  # [B, d_in, r], [B, r, d_out]
         if a.dim() == 2:  # one adapter for every row: the rows' positions as one matrix, plain GEMMs
             rows = x.reshape(-1, x.shape[-1])  # [N, d_in]
         else:  # [B, L, d_in] (a decoder's already is)
