@@ -326,7 +326,7 @@ def test_the_manifest_of_a_resumed_version_records_every_run_with_its_config_and
 def test_a_run_records_torchs_thread_count_and_a_resume_on_another_says_so(tmp_path, caplog):
     # The thread count is outside every version (a machine's setting, like a batch size), yet MKL sums
     # a matrix product's long reductions per thread: the demo's train stage on 2 threads wrote other
-    # bytes than on 1 under the same version (README, "Killed runs"). Its manifest says which.
+    # bytes than on 1 under the same version (docs/reliability.md, "Killed runs"). Its manifest says which.
     import torch
 
     threads = torch.get_num_threads()
