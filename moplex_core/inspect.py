@@ -120,7 +120,7 @@ def _version_report(version_dir: Path, rows: int) -> str:
                          f"{version_dir / CHECKPOINTS}` lists them; a Parquet file there opens on its own)")
         libs = manifest.get("library_versions", {})
         lines.append("libraries: " + ", ".join(f"{k} {v}" for k, v in sorted(libs.items())))
-        if manifest.get("runtime"):  # torch's thread count (manifests since 2026-11-25)
+        if manifest.get("runtime"):  # torch's thread count (manifests since commit 88a0104)
             lines.append("runtime:  " + ", ".join(f"{k} {v}" for k, v in sorted(manifest["runtime"].items())))
     elif (version_dir / MANIFEST).is_file():
         lines.append(f"status:   INCOMPLETE ({MANIFEST} cannot be read): damaged after it was written; delete the "
@@ -256,7 +256,7 @@ def _cell(value: Any) -> str:
 
 def _started_by(version_dir: Path) -> str | None:
     """The stage code version of the last run that worked on an unfinished version, as its start
-    marker records it (since 2026-11-25); None where it records none or cannot be read."""
+    marker records it (since commit 53ff48d); None where it records none or cannot be read."""
     marker = version_dir / STARTED
     if marker.is_symlink() or not marker.is_file():
         return None

@@ -170,7 +170,7 @@ class ArtifactWriter:
                 return
             # An unfinished one that other stage code started: its files are not resumed (the code version is
             # part of the version), which the run would otherwise not say. A marker of a moplex before
-            # 2026-11-25 records neither code version nor inputs: nothing is said of it.
+            # commit 53ff48d records neither code version nor inputs: nothing is said of it.
             last = _last_run(sibling) if sibling != self.path and not manifest else None
             if last and {"code_version", "inputs"} <= last.keys() and last["code_version"] != self._code_version \
                     and settings(last.get("config") or {}, last["inputs"] or {}) == ours:
@@ -376,7 +376,7 @@ def run_changes(earlier: dict[str, Any], later: dict[str, Any], ignore: Collecti
 
 def started_runs(started: Path) -> list[dict[str, Any]]:
     """The runs that wrote a version, first first, from its start marker: each run's start time,
-    config, library versions, runtime, and (since 2026-11-25) the stage's code version and inputs (a
+    config, library versions, runtime, and (since commit 53ff48d) the stage's code version and inputs (a
     marker of an older moplex holds fewer: a bare start time at first)."""
     if not started.exists():
         return []
