@@ -154,6 +154,22 @@ def test_an_unfinished_version_that_other_code_started_is_named_when_newer_code_
             w.write_shard(0, table(0))
     assert "unfinished" not in caplog.text
 
+def test_a_sibling_whose_start_marker_or_manifest_holds_a_config_that_is_no_mapping_is_passed_over(tmp_path):
+    """A hand-edited start marker or manifest beside a new version: the run names nothing of it and starts
+    (an AttributeError from the sibling's config.items() stopped every run of the stage before)."""
+    store = ArtifactStore(tmp_path)
+    unfinished, finished = tmp_path / "demo" / "old111", tmp_path / "demo" / "old222"
+    unfinished.mkdir(parents=True)
+    (unfinished / ".started").write_text(json.dumps({"started": "2026-01-01T00:00:00+00:00", "code_version": "demo-0",
+                                                     "inputs": {}, "config": ["shards", 3]}) + "\n")
+    finished.mkdir()
+    (finished / "manifest.json").write_text(json.dumps({"stage": "demo", "version": "old222", "code_version": "demo-0",
+                                                        "files": {}, "inputs": {}, "config": "shards=3"}))
+    with store.writer("demo", "new333", config={"shards": 3}, code_version="demo-1") as w:
+        w.write_shard(0, table(0))
+    assert store.manifest("demo", "new333")["rows"] == 10
+
+
 def test_list_locate_and_fingerprint(tmp_path):
     store = ArtifactStore(tmp_path)
     write_demo(store, "aaa111")

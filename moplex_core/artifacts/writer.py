@@ -156,6 +156,8 @@ class ArtifactWriter:
         of training perhaps. A sibling that also differs in a setting outside the version (a batch
         size) is not named: the writer has the recorded config, not the version's identity."""
         def settings(config: dict[str, Any], inputs: dict[str, Any]) -> Any:  # where a model lies is left out, as
+            if not isinstance(config, dict):  # a hand-edited marker or manifest: matches nothing, raises nothing
+                return None
             return json.loads(json.dumps([{k: v for k, v in config.items() if k != "model"}, inputs],  # in a resume
                                          sort_keys=True, default=str))
 
