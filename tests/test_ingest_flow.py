@@ -190,6 +190,30 @@ def test_a_stage_run_is_named_after_its_version_and_a_run_of_its_own_publishes_i
             assert all(a.key is None for a in artifacts)  # the Artifacts page's latest moplex-stages stays a pipeline's
 
 
+def test_a_stage_run_inside_another_flow_is_named_after_its_version_but_leaves_publishing_to_its_parent(
+        prefect_env, tmp_path, fixtures_dir):
+    # A pipeline's stage subflows: Prefect gives each a parent task run; their artifacts are the pipeline's to
+    # publish (once, for every stage), so the subflow publishes none, but its run still names its version.
+    from prefect import flow, get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
+
+    from flows.ingest import ingest_flow
+
+    config = IngestConfig(dataset="persona", path=str(fixtures_dir / "persona.jsonl"))
+    ref = plan_ingest(config, ArtifactStore(tmp_path)).ref
+
+    @flow(name="parent-of-ingest")
+    def parent() -> str:
+        return ingest_flow(config, root=str(tmp_path), return_state=True).state_details.flow_run_id
+
+    run_id = parent()
+    with get_client(sync_client=True) as client:
+        run = client.read_flow_run(run_id)
+        assert run.parent_task_run_id is not None and run.name == str(ref)
+        assert client.read_artifacts(artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(
+            any_=[run_id]))) == []
+
+
 def test_the_ingest_flow_warns_of_what_drop_mode_left_out_also_when_the_version_exists(prefect_env, tmp_path,
                                                                                     caplog):
     from flows.ingest import ingest_flow
