@@ -25,7 +25,7 @@ def name_run_after(ref: ArtifactRef) -> None:
 
 def publish_if_alone(stage: str, path: str | Path, reused: bool) -> None:
     """Where this stage's flow run is a run of its own (a stage deployment, ``prefect deployment run
-    evaluate/evaluate``), not a pipeline's subflow: Prefect artifacts of its version, as the pipeline
+    evaluate/evaluate``, or the flow called from a script), not another flow's subflow: Prefect artifacts of its version, as the pipeline
     publishes for every stage (the version table, its Parquet files, and for evaluate the metrics
     table and the report). ``reused``: the version was found complete, not written by this run."""
     context = FlowRunContext.get()
