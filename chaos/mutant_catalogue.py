@@ -50,10 +50,10 @@ TESTS: dict[str, tuple[str, ...]] = {  # source file -> test modules under tests
         'test_ingest_build', 'test_schema', 'test_ingest_adapters', 'test_pipeline_config',
     ),
     'moplex_core/data/synthetic.py': (
-        'test_ingest_build', 'test_em', 'test_approximation', 'test_evaluate', 'test_identifiability',
+        'test_ingest_build', 'test_em', 'test_em_inputs', 'test_approximation', 'test_evaluate', 'test_identifiability',
     ),
     'moplex_core/data/ultrafeedback.py': ('test_ingest_adapters', 'test_ingest_build', 'test_bad_inputs'),
-    'moplex_core/em/fit.py': ('test_em', 'test_numerics', 'test_assign', 'test_train_stage', 'test_lora_policy'),
+    'moplex_core/em/fit.py': ('test_em', 'test_em_inputs', 'test_numerics', 'test_assign', 'test_train_stage', 'test_lora_policy'),
     'moplex_core/em/start.py': ('test_em', 'test_numerics', 'test_assign', 'test_train_stage', 'test_lora_policy'),
     'moplex_core/estimate.py': ('test_estimate', 'test_approximation', 'test_lora_policy', 'test_em'),
     'moplex_core/evaluate.py': ('test_evaluate', 'test_metrics', 'test_evaluate_stage'),
@@ -82,7 +82,7 @@ TESTS: dict[str, tuple[str, ...]] = {  # source file -> test modules under tests
     'moplex_core/metrics.py': ('test_evaluate', 'test_metrics', 'test_evaluate_stage'),
     'moplex_core/pipeline.py': ('test_pipeline_config',),
     'moplex_core/pl.py': (
-        'test_pl', 'test_em', 'test_numerics', 'test_metrics', 'test_bad_inputs', 'test_evaluate',
+        'test_pl', 'test_em', 'test_em_inputs', 'test_numerics', 'test_metrics', 'test_bad_inputs', 'test_evaluate',
         'test_lora_policy',
     ),
     'moplex_core/report.py': ('test_evaluate', 'test_evaluate_stage'),
