@@ -22,8 +22,8 @@ import pyarrow.parquet as pq
 
 from moplex_core.artifacts import (CHECKPOINTS, MANIFEST, ArtifactStore, is_stage_folder, is_version_folder,
                                    off_the_manifest, readable_manifest, run_changes, shard_paths)
-from moplex_core.artifacts.layout import SHARD_RE, STARTED
-from moplex_core.artifacts.writer import started_runs
+from moplex_core.artifacts.layout import SHARD_RE
+from moplex_core.artifacts.writer import last_started_run
 
 StageSection = Callable[[Path, list[Path]], list[str]]
 _SHARDS_LISTED = 8  # a version with more lists its shards in one line
@@ -257,14 +257,7 @@ def _cell(value: Any) -> str:
 def _started_by(version_dir: Path) -> str | None:
     """The stage code version of the last run that worked on an unfinished version, as its start
     marker records it (since commit 53ff48d); None where it records none or cannot be read."""
-    marker = version_dir / STARTED
-    if marker.is_symlink() or not marker.is_file():
-        return None
-    try:
-        runs = started_runs(marker)
-    except (OSError, ValueError):
-        return None
-    code = runs[-1].get("code_version") if runs else None
+    code = (last_started_run(version_dir) or {}).get("code_version")
     return code if isinstance(code, str) and code else None
 
 

@@ -138,7 +138,7 @@ class ArtifactWriter:
             run = {"started": _now(), "config": self._config, "library_versions": _library_versions(),
                    "runtime": _runtime(), "code_version": self._code_version, "inputs": self._inputs}
             # Where a model lies is left out: its files are the version's input, so they are the same.
-            changes = sorted({change for earlier in started_runs(marker)
+            changes = sorted({change for earlier in _started_runs(marker)
                               for change in run_changes(earlier, run, ("model",))})
             if self.reused and changes:
                 log.warning("%s resumes from files that earlier runs wrote with %s: settings outside the version "
@@ -173,7 +173,7 @@ class ArtifactWriter:
             # An unfinished one that other stage code started: its files are not resumed (the code version is
             # part of the version), which the run would otherwise not say. A marker of a moplex before
             # commit 53ff48d records neither code version nor inputs: nothing is said of it.
-            last = _last_run(sibling) if sibling != self.path and not manifest else None
+            last = last_started_run(sibling) if sibling != self.path and not manifest else None
             if last and {"code_version", "inputs"} <= last.keys() and last["code_version"] != self._code_version \
                     and settings(last.get("config") or {}, last["inputs"] or {}) == ours:
                 log.warning("%s/%s, unfinished, was started with these settings and inputs by %s; this code writes "
@@ -291,7 +291,7 @@ class ArtifactWriter:
         }
         _sync_tree(self.path, files)  # what other code wrote into the block (PEFT, EM) reaches the disk first
         started = self.path / STARTED
-        runs = started_runs(started) or [{"started": _now()}]
+        runs = _started_runs(started) or [{"started": _now()}]
         manifest = {
             "stage": self.ref.stage,
             "version": self.ref.version,
@@ -376,7 +376,7 @@ def run_changes(earlier: dict[str, Any], later: dict[str, Any], ignore: Collecti
             if value != (later.get(field) or {}).get(key) and not (field == "config" and key in ignore)]
 
 
-def started_runs(started: Path) -> list[dict[str, Any]]:
+def _started_runs(started: Path) -> list[dict[str, Any]]:
     """The runs that wrote a version, first first, from its start marker: each run's start time,
     config, library versions, runtime, and (since commit 53ff48d) the stage's code version and inputs (a
     marker of an older moplex holds fewer: a bare start time at first)."""
@@ -392,14 +392,14 @@ def started_runs(started: Path) -> list[dict[str, Any]]:
     return [run for run in runs if run["started"]]
 
 
-def _last_run(version_dir: Path) -> dict[str, Any] | None:
+def last_started_run(version_dir: Path) -> dict[str, Any] | None:
     """The last run record of an unfinished version's start marker; None where there is none, or it
     cannot be read (a link is not followed out of a version folder)."""
     marker = version_dir / STARTED
     if not version_dir.is_dir() or marker.is_symlink() or not marker.is_file():
         return None
     try:
-        runs = started_runs(marker)
+        runs = _started_runs(marker)
     except (OSError, ValueError):  # unreadable, or not text
         return None
     return runs[-1] if runs else None
