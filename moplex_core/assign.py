@@ -161,22 +161,33 @@ def _assigned_rows(part: pa.Table, scorer: LoRAPolicyScorer, alpha: torch.Tensor
     """ASSIGN_SCHEMA rows of some CACHE_SCHEMA rows: each response scored exactly under every adapter,
     and each ranking's posterior over the clusters."""
     from moplex_core.cache import policy_inputs
-    from moplex_core.em import check_finite, mixture_posteriors
+    from moplex_core.em import check_finite
 
     inputs, clusters = policy_inputs(part)
     scores = scorer.exact_scores(inputs)  # float64 [n, k, M]
     rankings = inputs.rankings(likelihood)
     check_finite(scores, rankings, "moplex assign", "The trained adapters' scores of these rankings are not usable.")
-    posterior, log_likelihood = mixture_posteriors(scores, rankings, alpha)  # [n, k], [n]
     tied = rankings.all_tied
     if tied.any():
         log.warning("%d of %d rankings (the first: example_id %r) put every response in one tier: they order "
                     "nothing, so their posteriors say little about their cluster (near the mixing weights, "
                     "pulled toward the adapter that scores their responses most alike)", int(tied.sum()),
                     len(tied), inputs.example_ids[int(tied.nonzero()[0])])
+    return assignment_table(inputs, part.column("split").to_pylist(), clusters, scores, rankings, alpha)
+
+
+def assignment_table(inputs: Any, splits: list[str], clusters: list[str | None], scores: torch.Tensor,
+                     rankings: Any, alpha: torch.Tensor) -> pa.Table:
+    """ASSIGN_SCHEMA rows of the n rankings of ``inputs`` (PolicyInputs; ``rankings`` their Rankings
+    under the mixture's likelihood), each in split ``splits[i]`` with true label ``clusters[i]`` (or
+    None), from the exact scores float64 [n, k, M] of every response under every adapter and the
+    mixing weights ``alpha`` [k]: the posterior over the clusters and the mixture log-likelihood."""
+    from moplex_core.em import mixture_posteriors
+
+    posterior, log_likelihood = mixture_posteriors(scores, rankings, alpha)  # [n, k], [n]
     return pa.Table.from_pydict({
         "example_id": list(inputs.example_ids),
-        "split": part.column("split").to_pylist(),
+        "split": list(splits),
         "cluster": list(clusters),
         "assigned": posterior.argmax(dim=1).to(torch.int32).tolist(),
         "posterior": posterior.tolist(),

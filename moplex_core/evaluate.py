@@ -34,6 +34,10 @@ its final adapters score the cache's held-out splits exactly, once per split (th
 generated-response diagnostics share those scores), and it writes the `evaluation` artifact::
 
     evaluate/<version>/metrics.parquet      method, split, metric, cluster, value, seed
+                       assignments.parquet  one row per held-out ranking, in `assign`'s schema
+                                            (`assign.ASSIGN_SCHEMA`): its split, true label, posterior
+                                            over the clusters, assigned adapter, mixture
+                                            log-likelihood and every response's exact score [k][m']
                        diagnostics.parquet  moplex_core.diagnostics per split and EM cluster (when
                                             the cache has generated responses)
                        report.md, plots/    moplex_core.report
@@ -48,9 +52,11 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
+import pyarrow as pa
 import torch
 
 from moplex_core.artifacts import ArtifactRef, ArtifactStore, load_table, read_manifest
+from moplex_core.assign import assignment_table
 from moplex_core.config import EvaluateConfig
 from moplex_core.diagnostics import generated_score_diagnostics
 from moplex_core.em import Rankings, Scorer, check_finite, mixture_posteriors
@@ -240,13 +246,15 @@ def _name(c: int, label_names: list[str] | None) -> str:
 # the evaluate stage: a train artifact and its cache in, `evaluation` out (DESIGN 3, 7)
 
 STAGE = "evaluate"
-CODE_VERSION = "evaluate-13"  # bump when a change to this stage changes what it writes (8: plots, "|" in labels;
+CODE_VERSION = "evaluate-14"  # bump when a change to this stage changes what it writes (8: plots, "|" in labels;
 # 9: ranking accuracy leave_pair_out, marginal = the mixture's pairwise probability, non-finite scores refused;
 # 10: clustering_accuracy_many_to_one when k exceeds the labels, no clustering rows when k = 1; 11: the report
 # says that EM's iterations are numbered from 0, and under which observation model heldout_log_likelihood is;
 # metrics.parquet counts each split's rankings, per true cluster too; 12: the report's mixture table; 13: text
-# columns as Arrow string, not pandas 3's large_string, and no pandas metadata: `artifacts.writer.arrow_table`)
+# columns as Arrow string, not pandas 3's large_string, and no pandas metadata: `artifacts.writer.arrow_table`;
+# 14: assignments.parquet, the held-out rankings' posteriors and scores)
 METRICS_FILE = "metrics.parquet"
+ASSIGNMENTS_FILE = "assignments.parquet"
 RANKINGS = "rankings"  # the metric that counts a split's rankings (per true cluster too): what each value rests on
 METRICS_COLUMNS = ("method", "split", "metric", "cluster", "value", "seed")
 
@@ -276,7 +284,8 @@ class _SplitOutputs:
     """Exact scores of one split, computed once and shared by the metrics and the diagnostics."""
 
     inputs: Any  # PolicyInputs
-    labels: np.ndarray | None
+    clusters: list[str | None]  # each ranking's true label, as the cache holds it
+    labels: np.ndarray | None  # int [n]: the labels' indices in the cache's sorted label names
     scores: torch.Tensor  # float64 [n, k, M]
     n_original: np.ndarray  # int [n]
 
@@ -313,8 +322,8 @@ def plan_evaluate(config: EvaluateConfig, train_dir: str | Path, cache_dir: str 
 def run_evaluate(config: EvaluateConfig, train_dir: str | Path, cache_dir: str | Path, store: ArtifactStore,
                  plan: EvaluatePlan | None = None, *, model: str | None = None) -> EvaluateResult:
     """Score the held-out splits exactly with the trained adapters and write metrics.parquet,
-    diagnostics.parquet, report.md and plots/*.png (unless this version exists), on the cache's base
-    model, found at ``model`` when given (`cache_model`)."""
+    assignments.parquet, diagnostics.parquet, report.md and plots/*.png (unless this version exists),
+    on the cache's base model, found at ``model`` when given (`cache_model`)."""
     from moplex_core.cache import cache_model, load_policy_inputs
     from moplex_core.lm.loading import resolve_device
     from moplex_core.report import write_report
@@ -333,7 +342,7 @@ def run_evaluate(config: EvaluateConfig, train_dir: str | Path, cache_dir: str |
         inputs, clusters = load_policy_inputs(cache_dir, split)
         labels = None if label_names is None or any(c is None for c in clusters) else \
             np.array([label_names.index(c) for c in clusters])
-        outputs[split] = _SplitOutputs(inputs, labels, scorer.exact_scores(inputs),
+        outputs[split] = _SplitOutputs(inputs, list(clusters), labels, scorer.exact_scores(inputs),
                                        _n_original(cache_dir, inputs.example_ids))
     splits = {name: EvalSplit(out.inputs, out.inputs.rankings(trained.likelihood), out.labels)
               for name, out in outputs.items()}
@@ -357,6 +366,9 @@ def run_evaluate(config: EvaluateConfig, train_dir: str | Path, cache_dir: str |
         if writer.complete:
             return EvaluateResult(plan.ref, plan.path, False, pd.read_parquet(plan.path / METRICS_FILE))
         writer.write_table(METRICS_FILE, metrics)
+        writer.write_table(ASSIGNMENTS_FILE, pa.concat_tables(
+            assignment_table(out.inputs, [name] * len(out.clusters), out.clusters, out.scores, splits[name].rankings,
+                             alpha) for name, out in outputs.items()))
         if not diagnostics.empty:
             writer.write_table("diagnostics.parquet", diagnostics)
         write_report(writer, metrics, diagnostics, em_result, confusion, plan.inputs, trained.likelihood,

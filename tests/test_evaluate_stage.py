@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from moplex_core.artifacts import ArtifactStore, verify
+from moplex_core.assign import ASSIGN_SCHEMA
 from moplex_core.cache import load_policy_inputs, run_cache
 from moplex_core.config import CacheConfig, EvaluateConfig, IngestConfig, TrainConfig
 from moplex_core.data.synthetic import SyntheticConfig, generate_synthetic
@@ -104,16 +105,29 @@ def test_the_stage_metrics_are_the_trained_mixtures_own(trained):
     from moplex_core.train import load_trained
 
     store, train, cache = trained
-    metrics = pd.read_parquet(run_evaluate(EvaluateConfig(), train, cache, store).path / "metrics.parquet")
+    evaluation = run_evaluate(EvaluateConfig(), train, cache, store).path
+    metrics = pd.read_parquet(evaluation / "metrics.parquet")
     value = metrics[metrics.cluster == "all"].set_index(["split", "metric"]).value
+    held_out = pd.read_parquet(evaluation / "assignments.parquet")  # one row per held-out ranking
+    assert pq.read_schema(evaluation / "assignments.parquet") == ASSIGN_SCHEMA
     scorer, alpha, trained_result = load_trained(train)
     assigned, truth = {}, {}
     for split in ("validation", "test"):
         inputs, clusters = load_policy_inputs(cache, split)
-        gamma, ll = mixture_posteriors(scorer.exact_scores(inputs), inputs.rankings(trained_result.likelihood), alpha)
+        scores = scorer.exact_scores(inputs)  # [n, k, M]
+        gamma, ll = mixture_posteriors(scores, inputs.rankings(trained_result.likelihood), alpha)
         assigned[split], truth[split] = gamma.argmax(1).numpy(), np.array([int(c.removeprefix("c")) for c in clusters])
         assert value[split, "heldout_log_likelihood"] == pytest.approx(float(ll.mean()), abs=1e-9)
         assert value[split, "ari"] == pytest.approx(adjusted_rand_score(truth[split], assigned[split]), abs=1e-12)
+        rows = held_out[held_out.split == split]
+        assert rows.example_id.tolist() == list(inputs.example_ids) and rows.cluster.tolist() == list(clusters)
+        assert rows.assigned.tolist() == assigned[split].tolist()
+        np.testing.assert_allclose(np.stack(rows.posterior.to_numpy()), gamma.numpy(), rtol=0, atol=1e-12)
+        np.testing.assert_allclose(rows.log_likelihood.to_numpy(), ll.numpy(), rtol=0, atol=1e-9)
+        for row_scores, row_scores_here, sequences in zip(rows.scores, scores, inputs.sequences):
+            assert np.stack(row_scores).shape == (scorer.k, len(sequences))
+            np.testing.assert_allclose(np.stack(row_scores), row_scores_here[:, :len(sequences)].numpy(), atol=1e-9)
+    assert held_out.split.tolist() == ["validation"] * len(truth["validation"]) + ["test"] * len(truth["test"])
     counts = np.zeros((scorer.k, 3), dtype=np.int64)  # [cluster, label] on validation
     np.add.at(counts, (assigned["validation"], truth["validation"]), 1)
     rows, cols = linear_sum_assignment(-counts)
