@@ -148,15 +148,16 @@ def plan_augment(config: AugmentConfig, rankings: str | Path, store: ArtifactSto
                        store.is_complete(STAGE, version))
 
 
-def make_generator(config: AugmentConfig, rankings: pa.Table) -> Generator:
-    """The configured backend. ``rankings`` (canonical) gives borrow its pools."""
+def make_generator(config: AugmentConfig, rankings: pa.Table, progress: bool = True) -> Generator:
+    """The configured backend. ``rankings`` (canonical) gives borrow its pools; ``progress=False``
+    silences the hf backend's model loading bar."""
     if config.backend == "hf":
         from moplex_core.generate.hf import HFGenerator
 
         return HFGenerator(config.model, temperature=config.temperature, top_p=config.top_p,
                            max_new_tokens=config.max_new_tokens, batch_size=config.batch_size,
                            dtype=config.dtype, device=config.device, use_chat_template=config.use_chat_template,
-                           max_prompt_tokens=config.max_prompt_tokens)
+                           max_prompt_tokens=config.max_prompt_tokens, progress=progress)
     if config.backend == "vllm":
         from moplex_core.generate.vllm_backend import VLLMGenerator
 
@@ -330,7 +331,7 @@ def run_augment(
         if len(todo) < len(shards):
             log.info("%s: reusing %d finished shard(s), generating %d", plan.ref, len(shards) - len(todo), len(todo))
         prompts_cut = check_prompts(config, table.take([r for s in todo for r in shards[s]])) if todo else 0
-        generator = make_generator(config, table) if todo else None
+        generator = make_generator(config, table, progress) if todo else None
         bar = _progress_bar(config, sum(_n_groups(table.take(shards[s]), config.backend) for s in todo),
                             progress and bool(todo))
         shortfalls = []

@@ -109,7 +109,7 @@ def run_cache(config: CacheConfig, rankings_dir: str | Path, store: ArtifactStor
         todo = [s for s, _ in enumerate(starts) if not writer.has_shard(s)]
         tokenizer = load_tokenizer(config.model)
         if todo:
-            model = load_model(config.model, dtype=dtype, device=device)
+            model = load_model(config.model, dtype=dtype, device=device, progress=progress)
             warn_of_turn_layout(model.generation_config.eos_token_id, tokenizer, config.use_chat_template, "cache")
             done = (len(starts) - len(todo)) * config.shard_rows
             bar = tqdm(total=table.num_rows, initial=min(done, table.num_rows), desc="cache: pi_ref terms",

@@ -25,6 +25,16 @@ def test_a_local_directory_loads_in_the_requested_dtype_ready_for_scoring(tiny_m
     assert tokenizer.pad_token_id is not None and tokenizer.chat_template
 
 
+def test_the_loading_bar_shows_unless_progress_is_off_and_the_switch_is_left_as_found(tiny_model_dir: Path,
+                                                                                      capfd) -> None:
+    from transformers.utils import logging as hf_logging
+
+    load_model(tiny_model_dir, progress=False)
+    assert "Loading weights" not in capfd.readouterr().err and hf_logging.is_progress_bar_enabled()
+    load_model(tiny_model_dir)
+    assert "Loading weights" in capfd.readouterr().err
+
+
 def test_a_tokenizer_without_pad_token_pads_with_eos(tiny_model_dir: Path, tmp_path: Path) -> None:
     tokenizer = load_tokenizer(tiny_model_dir)
     tokenizer.pad_token = None

@@ -72,6 +72,7 @@ class HFGenerator:
         device: str = "auto",
         use_chat_template: bool = True,
         max_prompt_tokens: int | None = None,
+        progress: bool = True,
     ):
         if temperature <= 0 or not 0 < top_p <= 1 or max_new_tokens < 1 or batch_size < 1:
             raise ValueError(
@@ -86,7 +87,8 @@ class HFGenerator:
         self.max_prompt_tokens = max_prompt_tokens
         self.max_new_tokens = max_new_tokens
         self.device = torch.device(resolve_device(device))
-        self._model = load_model(model, dtype=resolve_dtype(dtype, self.device), device=self.device)
+        self._model = load_model(model, dtype=resolve_dtype(dtype, self.device), device=self.device,
+                                 progress=progress)
         self._tokenizer = load_tokenizer(model)
         self._eos_ids = set(stop_token_ids(self._tokenizer, self._model.generation_config.eos_token_id))
         if not self._eos_ids:

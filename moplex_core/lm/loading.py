@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -80,16 +82,34 @@ def load_model(
     *,
     dtype: torch.dtype | str = torch.float32,
     device: torch.device | str = "cpu",
+    progress: bool = True,
 ) -> PreTrainedModel:
     """The causal LM at ``name_or_path`` with weights in ``dtype`` on ``device``, in eval mode; a
     Qwen2/Qwen3 model with its RMSNorm and MLP modules made lean (moplex_core.lm.lean: the same
     results, fewer bytes kept for a backward).
 
-    ``dtype`` is a torch dtype or its name ("bfloat16", "float32", "float64").
+    ``dtype`` is a torch dtype or its name ("bfloat16", "float32", "float64"). ``progress=False``
+    silences transformers' "Loading weights" bar for this load (the caller's ``--quiet``).
     """
-    model = _from_pretrained(AutoModelForCausalLM, name_or_path, dtype=_as_dtype(dtype))
+    with _loading_bar(progress):
+        model = _from_pretrained(AutoModelForCausalLM, name_or_path, dtype=_as_dtype(dtype))
     make_lean(model)
     return model.to(device).eval()
+
+
+@contextmanager
+def _loading_bar(enabled: bool) -> Iterator[None]:
+    """transformers' own progress bars off inside when not ``enabled`` (its global switch, restored after)."""
+    from transformers.utils import logging as hf_logging
+
+    silence = not enabled and hf_logging.is_progress_bar_enabled()
+    if silence:
+        hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if silence:
+            hf_logging.enable_progress_bar()
 
 
 def load_tokenizer(name_or_path: str | Path) -> PreTrainedTokenizerBase:

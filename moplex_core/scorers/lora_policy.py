@@ -229,7 +229,7 @@ class LoRAPolicyScorer:
         self.exact_fallback, self.fallback_above = exact_fallback, fallback_above
         self.fell_back: dict[str, Any] | None = None  # {"iteration", "relative_error"} once estimates failed
         self.adapter_names = [f"c{c}" for c in range(k)]
-        self.model = load_model(model_path, dtype=dtype, device=device)
+        self.model = load_model(model_path, dtype=dtype, device=device, progress=progress)
         self.pad_token_id = self.model.config.pad_token_id if self.model.config.pad_token_id is not None else 0
         self.lora = MultiLoRA(self.model, k, lora, seed)
         self.model.eval()
