@@ -7,6 +7,7 @@ import torch
 
 from moplex_core.data.synthetic import SyntheticConfig
 from moplex_core.em import EMConfig, Rankings, fit_mixture, posteriors, soft_one_hot
+from moplex_core.scorers.item import ItemScorer
 from moplex_core.scorers.linear import LinearScorer
 
 from em_fixtures import synthetic
@@ -111,3 +112,28 @@ def test_a_warm_start_from_numpy_is_taken_as_the_same_tensor_would_be():
     from_tensor, _ = fit_mixture(lambda: LinearScorer(2, x.shape[-1]), x, rankings, config, warm_start=start)
     from_numpy, _ = fit_mixture(lambda: LinearScorer(2, x.shape[-1]), x, rankings, config, warm_start=start.numpy())
     assert torch.equal(from_numpy.best.gamma, from_tensor.best.gamma)  # 'numpy.ndarray' has no attribute 'to' before
+
+
+def test_the_scorers_take_numpy_and_lists_as_the_tensors_would_be_and_refuse_ids_that_are_no_items():
+    """A notebook's inputs: numpy item ids (int32 too) and float32 features fit as the float64/int64
+    tensors do (before, 'numpy.ndarray' has no attribute 'clamp_min' and a float32/float64 einsum
+    error); an item id with a fraction or outside the pool is refused, naming the rankings."""
+    data, rankings, x = synthetic(k=2, m=4, n=60)
+    config = EMConfig(k=2, max_iter=3)
+    features = x.to(torch.float32).to(torch.float64)  # exactly what float32 numpy features become
+    from_tensor, _ = fit_mixture(lambda: LinearScorer(2, x.shape[-1]), features, rankings, config)
+    from_numpy, _ = fit_mixture(lambda: LinearScorer(2, x.shape[-1]), features.numpy().astype(np.float32), rankings,
+                                config)
+    assert torch.equal(from_numpy.best.gamma, from_tensor.best.gamma)
+    items = torch.arange(4).repeat(60, 1)  # [n, M]: slot j holds item j
+    from_tensor, _ = fit_mixture(lambda: ItemScorer(2, 4), items, rankings, config)
+    for given in (items.numpy().astype(np.int32), items.tolist()):
+        from_numpy, scorer = fit_mixture(lambda: ItemScorer(2, 4), given, rankings, config)
+        assert torch.equal(from_numpy.best.gamma, from_tensor.best.gamma)
+    assert torch.equal(scorer.score(items.numpy()), scorer.score(items))
+    with pytest.raises(TypeError, match=r"ItemScorer's inputs \(item ids\) must be integers"):
+        scorer.score(items.numpy() + 0.5)
+    bad = items.clone()
+    bad[7, 2] = 4
+    with pytest.raises(ValueError, match=r"item ids must be in 0\.\.3 \(-1 at padding\); rankings \[7\] hold \[4\]"):
+        scorer.score(bad)

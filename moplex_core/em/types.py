@@ -33,7 +33,7 @@ class Rankings:
     def __post_init__(self) -> None:
         if self.model not in LIKELIHOODS:
             raise ValueError(f"unknown ranking model {self.model!r}; choose one of {sorted(LIKELIHOODS)}")
-        tiers = _integers(self.tiers, "tiers")
+        tiers = as_integers(self.tiers, "tiers")
         if tiers.ndim != 2:
             raise ValueError(f"tiers must be [n, M], one row of tier codes per ranking; got shape {tuple(tiers.shape)}")
         if (tiers < PAD).any():
@@ -42,7 +42,7 @@ class Rankings:
                              "PAD or UNRANKED")
         object.__setattr__(self, "tiers", tiers)
         if self.ranked_prefix is not None:
-            prefix = _integers(self.ranked_prefix, "ranked_prefix").to(tiers.device)
+            prefix = as_integers(self.ranked_prefix, "ranked_prefix").to(tiers.device)
             if prefix.ndim == 0:
                 prefix = prefix.expand(len(tiers)).clone()
             if tuple(prefix.shape) != (len(tiers),):
@@ -95,7 +95,7 @@ class Rankings:
         )
 
 
-def _integers(values: Any, name: str) -> torch.Tensor:
+def as_integers(values: Any, name: str) -> torch.Tensor:
     """``values`` (a tensor, numpy array or nested list of integers) as an int64 tensor; a float with a
     fraction is refused (a tier of 0.5 has no meaning, and truncating it would tie it silently)."""
     tensor = torch.as_tensor(values)

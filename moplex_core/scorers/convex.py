@@ -22,7 +22,8 @@ from moplex_core.pl import score_gradient_at_zero
 
 
 class ConvexScorer(ABC):
-    """Base class: subclasses set ``self.theta`` ([k, p] float64) and define the two maps below."""
+    """Base class: subclasses set ``self.theta`` ([k, p] float64) and define the two maps below.
+    Inputs may be tensors, numpy arrays or nested lists (`_tensor`)."""
 
     k: int
     theta: torch.Tensor
@@ -42,10 +43,11 @@ class ConvexScorer(ABC):
 
     def score(self, inputs: Any, iteration: int = 0) -> torch.Tensor:
         with torch.no_grad():
-            return self._scores(self.theta, inputs)
+            return self._scores(self.theta, self._tensor(inputs))
 
     def fit(self, inputs: Any, rankings: Rankings, weights: torch.Tensor, iteration: int = 0) -> None:
         n = len(rankings)
+        inputs = self._tensor(inputs)
         theta = self.theta.clone().requires_grad_(True)
         optimizer = torch.optim.LBFGS(
             [theta],
@@ -68,7 +70,11 @@ class ConvexScorer(ABC):
         self.theta = theta.detach()
 
     def ranking_features(self, inputs: Any, rankings: Rankings) -> torch.Tensor:
-        return self._project(score_gradient_at_zero(rankings.index, rankings.model), inputs)
+        return self._project(score_gradient_at_zero(rankings.index, rankings.model), self._tensor(inputs))
+
+    def _tensor(self, inputs: Any) -> torch.Tensor:
+        """The inputs as the tensor the two maps take: float64 here."""
+        return torch.as_tensor(inputs, dtype=torch.float64)
 
     def state_dict(self) -> dict[str, Any]:
         return {"theta": self.theta.clone()}
