@@ -41,8 +41,8 @@ def tiny_trained_mixture(store: ArtifactStore, *, em_iterations: int = 1, train_
                          **cache_settings) -> tuple[Path, Path, Path]:
     """(rankings, cache, train) folders: 36 synthetic rankings (k = 3, m = 3, split 50/25/25), the
     pipeline's tiny model, its cache (CacheConfig defaults unless ``cache_settings``) and exact EM over 3
-    LoRA adapters (r = 4 on q_proj and v_proj unless ``train_settings`` sets other TrainConfig fields), built on
-    one torch thread."""
+    LoRA adapters (r = 4 on q_proj and v_proj; ``train_settings`` sets other TrainConfig fields), built on one
+    torch thread."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -50,9 +50,8 @@ def tiny_trained_mixture(store: ArtifactStore, *, em_iterations: int = 1, train_
                                            split=SplitConfig(fractions=(0.5, 0.25, 0.25))), store).path
         model = run_tiny_model(TinyModelConfig(pretrain_steps=5, hidden_size=32), rankings, store)
         cache = run_cache(CacheConfig(model=str(model), **cache_settings), rankings, store, progress=False).path
-        settings = {"lora_r": 4, "lora_targets": ("q_proj", "v_proj"), **(train_settings or {})}
-        train = run_train(TrainConfig(k=3, em_iterations=em_iterations, anchors=None, **settings), cache, store,
-                          progress=False).path
+        settings = {"lora_r": 4, "lora_targets": ("q_proj", "v_proj"), "anchors": None, **(train_settings or {})}
+        train = run_train(TrainConfig(k=3, em_iterations=em_iterations, **settings), cache, store, progress=False).path
     finally:
         torch.set_num_threads(threads)
     return rankings, cache, train

@@ -27,11 +27,11 @@ TOLERANCE = 1e-4  # nats: float32 sums of a few dozen tokens, here and in moplex
 @pytest.fixture(scope="module")
 def consumer(tmp_path_factory):
     """(the README block's namespace after it ran on a tiny trained mixture, the train folder, the rankings
-    folder): two exact EM iterations with LoRA on all seven projections and a step that moves the
-    adapters apart (beta = 1, as the demo's)."""
+    folder): three restarts of two EM iterations with 2 anchors of m = 3, LoRA on all seven projections and
+    a step that moves the adapters apart (beta = 1, as the demo's)."""
     store = ArtifactStore(tmp_path_factory.mktemp("artifacts"))
     rankings, _, train = tiny_trained_mixture(store, em_iterations=2, train_settings={
-        "lora_targets": TARGETS, "lr": 3e-3, "beta": 1.0, "first_epochs": 4})
+        "lora_targets": TARGETS, "lr": 3e-3, "beta": 1.0, "first_epochs": 4, "restarts": 3, "anchors": 2})
     text = README.read_text()
     block = re.search(r"```python\n(.*?)```", text[text.index("The k policies with nothing from"):], re.S).group(1)
     assert block.count(PLACEHOLDER) == 1
@@ -41,10 +41,17 @@ def consumer(tmp_path_factory):
 
 
 def test_the_readmes_block_computes_every_score_em_recorded_again(consumer):
-    ns, _, _ = consumer
+    ns, train, _ = consumer
     scores = ns["scores"]
-    assert len(ns["exact"]) == len(scores) == 18 * 3 * 3  # 18 training rankings, m = 3, k = 3, all exact
+    assert len(scores) == 18 * 3 * 3 and len(ns["exact"]) == 18 * 2 * 3  # 18 training rankings, m = 3, a = 2, k = 3
     assert ns["gap"] < TOLERANCE
+    # adapters/ is the best restart's last iteration, which is not the last restart here
+    restart = ns["restart"]
+    last = sorted(train.glob(f"em/restart-{restart:02d}/iter-*"))[-1]
+    assert restart < 2, "the fixture needs a best restart before the last to tell them apart"
+    for folder in sorted((train / "adapters").iterdir()):
+        saved = folder / "adapter_model.safetensors"
+        assert saved.read_bytes() == (last / "adapters" / folder.name / saved.name).read_bytes()
     # the adapters are far apart, so a cluster scored under another's adapter would be off by far more
     spread = scores.groupby(["example_id", "response_idx"]).score.agg(lambda s: s.max() - s.min())
     assert spread.max() > 1000 * TOLERANCE
