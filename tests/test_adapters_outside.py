@@ -66,7 +66,8 @@ def test_an_adapter_alone_scores_as_it_does_among_the_others(consumer):
     for c in (2, 0, 1):  # set_adapter back and forth
         policy.set_adapter(f"c{c}")
         together = [logp(policy, ids, start) for ids, start in sequences]
-        alone = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(ns["base"]), train / "adapters" / f"c{c}")
+        alone = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(ns["base"]),
+                                          train / "adapters" / f"c{c}")
         assert [logp(alone, ids, start) for ids, start in sequences] == pytest.approx(together, abs=TOLERANCE)
 
 
