@@ -37,10 +37,12 @@ def write_synthetic(store: ArtifactStore, *, n: int = 12, k: int = 3, m: int = 4
     return store.path(stage, version)
 
 
-def tiny_trained_mixture(store: ArtifactStore, *, em_iterations: int = 1, **cache_settings) -> tuple[Path, Path, Path]:
+def tiny_trained_mixture(store: ArtifactStore, *, em_iterations: int = 1, train_settings: dict | None = None,
+                         **cache_settings) -> tuple[Path, Path, Path]:
     """(rankings, cache, train) folders: 36 synthetic rankings (k = 3, m = 3, split 50/25/25), the
     pipeline's tiny model, its cache (CacheConfig defaults unless ``cache_settings``) and exact EM over 3
-    LoRA adapters (r = 4 on q_proj and v_proj), built on one torch thread."""
+    LoRA adapters (r = 4 on q_proj and v_proj; ``train_settings`` sets other TrainConfig fields), built on one
+    torch thread."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -48,8 +50,8 @@ def tiny_trained_mixture(store: ArtifactStore, *, em_iterations: int = 1, **cach
                                            split=SplitConfig(fractions=(0.5, 0.25, 0.25))), store).path
         model = run_tiny_model(TinyModelConfig(pretrain_steps=5, hidden_size=32), rankings, store)
         cache = run_cache(CacheConfig(model=str(model), **cache_settings), rankings, store, progress=False).path
-        train = run_train(TrainConfig(k=3, lora_r=4, em_iterations=em_iterations, anchors=None,
-                                      lora_targets=("q_proj", "v_proj")), cache, store, progress=False).path
+        settings = {"lora_r": 4, "lora_targets": ("q_proj", "v_proj"), "anchors": None, **(train_settings or {})}
+        train = run_train(TrainConfig(k=3, em_iterations=em_iterations, **settings), cache, store, progress=False).path
     finally:
         torch.set_num_threads(threads)
     return rankings, cache, train
