@@ -1,5 +1,5 @@
-"""A train artifact's adapters outside moplex: read with transformers and PEFT alone, as README "Using the
-trained mixture" shows (its block runs here as written), and checked against what vLLM's LoRA loader reads
+"""A train artifact's adapters outside moplex: read with transformers and PEFT alone, as docs/adapters.md
+shows (its block runs here as written), and checked against what vLLM's LoRA loader reads
 (vllm/lora/peft_helper.py, lora_model.py, utils.py; no vLLM here to load them)."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from moplex_core.artifacts import ArtifactStore, load_table
 from stage_fixtures import tiny_trained_mixture
 
-README = Path(__file__).parents[1] / "README.md"
+PAGE = Path(__file__).parents[1] / "docs" / "adapters.md"
 PLACEHOLDER = "data/artifacts/train/<version>"
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # vLLM's Qwen3 LoRA layers
 TOLERANCE = 1e-4  # nats: float32 sums of a few dozen tokens, here and in moplex's passes
@@ -26,17 +26,17 @@ TOLERANCE = 1e-4  # nats: float32 sums of a few dozen tokens, here and in moplex
 
 @pytest.fixture(scope="module")
 def consumer(tmp_path_factory):
-    """(the README block's namespace after it ran on a tiny trained mixture, the train folder, the rankings
+    """(the page's block's namespace after it ran on a tiny trained mixture, the train folder, the rankings
     folder): three restarts of two EM iterations with 2 anchors of m = 3, LoRA on all seven projections and
     a step that moves the adapters apart (beta = 1, as the demo's)."""
     store = ArtifactStore(tmp_path_factory.mktemp("artifacts"))
     rankings, _, train = tiny_trained_mixture(store, em_iterations=2, train_settings={
         "lora_targets": TARGETS, "lr": 3e-3, "beta": 1.0, "first_epochs": 4, "restarts": 3, "anchors": 2})
-    text = README.read_text()
+    text = PAGE.read_text()
     block = re.search(r"```python\n(.*?)```", text[text.index("The k policies with nothing from"):], re.S).group(1)
     assert block.count(PLACEHOLDER) == 1
     namespace: dict = {}
-    exec(compile(block.replace(PLACEHOLDER, str(train)), "README.md adapters block", "exec"), namespace)
+    exec(compile(block.replace(PLACEHOLDER, str(train)), "docs/adapters.md block", "exec"), namespace)
     return namespace, train, rankings
 
 
