@@ -177,7 +177,8 @@ def _em_start_section(rows: pd.DataFrame) -> list[str]:
 
 
 # A label's own backslash is escaped too: it would otherwise undo the escape of the character after it.
-_AS_TEXT = str.maketrans({"\\": "\\\\", "|": "\\|", "[": "\\[", "]": "\\]", "<": "\\<", ">": "\\>", "\n": " ", "\r": " "})
+_AS_TEXT = str.maketrans({"\\": "\\\\", "|": "\\|", "[": "\\[", "]": "\\]", "<": "\\<", ">": "\\>",
+                          "\n": " ", "\r": " "})
 
 
 def markdown_cell(value: object) -> str:

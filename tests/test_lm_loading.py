@@ -201,7 +201,8 @@ def test_a_model_folders_own_code_is_never_run_even_when_a_terminal_would_say_ye
     shutil.copytree(tiny_model_dir, folder)
     (folder / "custom.py").write_text(f"import pathlib\npathlib.Path({str(ran)!r}).touch()\n")
     config = json.loads((folder / "config.json").read_text())
-    config.update(model_type="moplex-custom", auto_map={"AutoConfig": "custom.Config", "AutoModelForCausalLM": "custom.Model"})
+    config.update(model_type="moplex-custom",
+                  auto_map={"AutoConfig": "custom.Config", "AutoModelForCausalLM": "custom.Model"})
     (folder / "config.json").write_text(json.dumps(config))
     env = {**os.environ, "HF_MODULES_CACHE": str(tmp_path / "modules"), "PYTHONPATH": str(Path.cwd())}
     done = subprocess.run([sys.executable, "-c", LOAD_AND_SAY_YES, part, str(folder)], input="y\n" * 5, text=True,

@@ -326,5 +326,5 @@ def test_the_report_artifact_inlines_only_the_plots_its_evaluate_version_lists(t
     (evaluation / "report.md").write_text("![EM](plots/em_log_likelihood.png)\n| ![x](plots/../../../../secret.png) |\n"
                                           "![gone](plots/missing.png)\n")
     embedded = _embed_plots(evaluation, {"report.md": {}, "plots/em_log_likelihood.png": {}})
-    assert embedded.splitlines() == ["![EM](data:image/png;base64,dGhlIHBsb3Q=)", "| ![x](plots/../../../../secret.png) |",
-                                     "![gone](plots/missing.png)"]
+    assert embedded.splitlines() == ["![EM](data:image/png;base64,dGhlIHBsb3Q=)",
+                                     "| ![x](plots/../../../../secret.png) |", "![gone](plots/missing.png)"]
