@@ -176,10 +176,17 @@ def _em_start_section(rows: pd.DataFrame) -> list[str]:
     return lines + [""]
 
 
+# A label's own backslash is escaped too: it would otherwise undo the escape of the character after it.
+_AS_TEXT = str.maketrans({"\\": "\\\\", "|": "\\|", "[": "\\[", "]": "\\]", "<": "\\<", ">": "\\>",
+                          "\n": " ", "\r": " "})
+
+
 def markdown_cell(value: object) -> str:
-    """Text for a cell of a markdown table: a label's own "|" (PERSONA's ``age=18-44|sex=Female``)
-    escaped, so it does not split the row."""
-    return str(value).replace("|", "\\|")
+    """Text for a cell of a markdown table, shown as the text it is: a label's own "|" (PERSONA's
+    ``age=18-44|sex=Female``) would split the row, and a line break end it; a label is whatever a
+    dataset holds, and its links, images and HTML must not reach the report's readers as such (the
+    Prefect UI renders report.md, javascript: links included)."""
+    return str(value).translate(_AS_TEXT)
 
 
 def markdown_table(frame: pd.DataFrame) -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import re
+from collections.abc import Collection
 from pathlib import Path
 
 import pandas as pd
@@ -55,7 +56,7 @@ def publish_run_artifacts(stage_dirs: dict[str, str], reused: dict[str, bool], p
         metrics = pd.read_parquet(evaluation / METRICS_FILE)
         create_table_artifact(key="moplex-metrics", table=metrics.astype({"value": float}).to_dict("records"),
                               description=f"{evaluation / METRICS_FILE}")
-        create_markdown_artifact(key="moplex-report", markdown=_embed_plots(evaluation),
+        create_markdown_artifact(key="moplex-report", markdown=_embed_plots(evaluation, manifests["evaluate"]["files"]),
                                  description=f"{evaluation}/report.md")
     create_markdown_artifact(key="moplex-files" if pipeline else None, markdown=_files_markdown(stage_dirs, manifests),
                              description="Where each stage's Parquet files are, on the machine that ran the stage.")
@@ -73,9 +74,13 @@ def _files_markdown(stage_dirs: dict[str, str], manifests: dict[str, dict]) -> s
     return "\n".join([*lines, "", "Each version's report (rows, columns, summary, EM iterations):", "", commands])
 
 
-def _embed_plots(evaluation: Path) -> str:
-    """report.md with every ![...](plots/x.png) inlined, so the Prefect UI shows the plots."""
+def _embed_plots(evaluation: Path, files: Collection[str]) -> str:
+    """report.md with every ![...](plots/x.png) of the version's own ``files`` (its manifest's, which
+    `read_manifest` has checked: no '..', nothing outside the folder) inlined, so the Prefect UI shows the
+    plots; any other image reference stays as it is, never read (a report.md from elsewhere may name any file)."""
     def inline(match: re.Match) -> str:
+        if match.group(2) not in files:
+            return match.group(0)
         png = (evaluation / match.group(2)).read_bytes()
         return f"![{match.group(1)}](data:image/png;base64,{base64.b64encode(png).decode()})"
 

@@ -193,6 +193,31 @@ def test_the_last_checkpoint_is_found_by_iteration_number_past_9999(tmp_path):
     assert [p.parent.name for p in tmp_path.glob("iter-*/state.pt")] == ["iter-10000"]  # only the last is kept
 
 
+class _OpensAFileWhenUnpickled:
+    """A pickle gadget: unpickling it calls open(path, "w"), so the file appears if it ran."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return open, (str(self.path), "w")
+
+
+def test_a_checkpoint_state_that_runs_code_when_unpickled_is_refused_unrun(tmp_path):
+    # An artifact root copied from someone else: its state.pt may be any pickle.
+    _, rankings, x = synthetic(k=2, m=3, n=50)
+    fit_mixture(lambda: LinearScorer(2, 2), x, rankings, EMConfig(k=2, max_iter=2, tol=0), checkpoint_dir=tmp_path)
+    state_file = tmp_path / "restart-00" / "iter-0001" / "state.pt"
+    planted = torch.load(state_file, weights_only=True)
+    ran = tmp_path / "the-pickle-ran"
+    planted["scorer"]["gadget"] = _OpensAFileWhenUnpickled(ran)
+    torch.save(planted, state_file)
+    with pytest.raises(ValueError, match=r"state\.pt.*not only tensors.*delete") as refused:
+        load_last_checkpoint(tmp_path / "restart-00")
+    assert str(state_file) in str(refused.value)
+    assert not ran.exists()
+
+
 def test_a_resume_deletes_a_state_a_kill_left_before_it_was_pruned(tmp_path):
     _, rankings, x = synthetic(k=2, m=3, n=50)
     config = EMConfig(k=2, max_iter=2, tol=0)

@@ -5,6 +5,7 @@ import warnings
 import numpy as np
 import pandas as pd
 import pytest
+from markdown_it import MarkdownIt
 import torch
 
 from moplex_core.data.synthetic import SyntheticConfig, generate_synthetic
@@ -169,6 +170,19 @@ def test_the_reports_tables_keep_a_metric_or_label_that_is_nan_as_a_dash():
                            columns=["split", "metric", "cluster", "value"])
     assert markdown_table(per_cluster_table(metrics, "test")).splitlines()[2:] == ["| a | 0.5000 |", "| b | - |"]
     assert "| heldout_log_likelihood | - |" in markdown_table(headline_table(metrics))
+
+
+def test_a_label_from_a_dataset_shows_in_the_reports_tables_as_its_text_not_as_markdown_or_html():
+    # The Prefect UI renders report.md (the moplex-report artifact), and a label is any text a dataset holds.
+    labels = ["[click](javascript:alert(1))", "<img src=x onerror=alert(1)>", "![t](https://example.com/t.png)",
+              "a\n# b", "age=18-44|sex=Female", "a \\[b](c)"]
+    table = markdown_table(pd.DataFrame({"value": [0.5] * len(labels)}, index=pd.Index(labels, name="true label")))
+    parser = MarkdownIt("commonmark").enable("table")
+    parser.validateLink = lambda url: True  # as the UI's parser (marked), which keeps javascript: links
+    cells = [token.children for token in parser.parse(table) if token.type == "inline"]
+    assert {child.type for children in cells for child in children} == {"text"}
+    shown = ["".join(child.content for child in children) for children in cells]
+    assert shown == ["true label", "value", *(text for label in labels for text in (label.replace("\n", " "), "0.5000"))]
 
 
 def test_the_report_tables_leave_out_counts_and_diagnostics_rows():

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import json
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import httpx
@@ -181,3 +185,41 @@ def test_a_device_torch_cannot_use_here_is_refused_naming_it(monkeypatch) -> Non
     assert resolve_device("auto") == "cuda" and resolve_device("cuda:1") == "cuda:1"
     with pytest.raises(ValueError, match=r"device 'cuda:2': this machine has 2 CUDA device\(s\), cuda:0 to cuda:1"):
         resolve_device("cuda:2")
+
+
+LOAD_AND_SAY_YES = """
+import sys
+from moplex_core.generate.vllm_backend import VLLMGenerator
+from moplex_core.lm.loading import load_model, load_tokenizer
+load = {"model": load_model, "tokenizer": load_tokenizer,
+        "vllm": lambda path: VLLMGenerator(path, python=sys.executable)}[sys.argv[1]]
+try:
+    print("loaded", type(load(sys.argv[2])).__name__)
+except ValueError as refused:
+    print("refused:", refused)
+"""
+
+
+@pytest.mark.parametrize("part", ["model", "tokenizer", "vllm"])
+def test_a_model_folders_own_code_is_never_run_even_when_a_terminal_would_say_yes(
+        tiny_model_dir: Path, tmp_path: Path, part: str) -> None:
+    # A model folder from elsewhere (an artifact root's model/, a download) whose config names its own
+    # code (auto_map): unless told no, transformers asks "run the custom code? [y/N]" on stdin, the
+    # tokenizer's loading too (it reads the config). The model is refused (and so is the vllm backend, which
+    # reads the config in this process); the tokenizer loads from its own files (tokenizer.json), no code.
+    folder, ran = tmp_path / "model", tmp_path / "custom-code-ran"
+    shutil.copytree(tiny_model_dir, folder)
+    (folder / "custom.py").write_text(f"import pathlib\npathlib.Path({str(ran)!r}).touch()\n")
+    config = json.loads((folder / "config.json").read_text())
+    config.update(model_type="moplex-custom",
+                  auto_map={"AutoConfig": "custom.Config", "AutoModelForCausalLM": "custom.Model"})
+    (folder / "config.json").write_text(json.dumps(config))
+    env = {**os.environ, "HF_MODULES_CACHE": str(tmp_path / "modules"), "PYTHONPATH": str(Path.cwd())}
+    done = subprocess.run([sys.executable, "-c", LOAD_AND_SAY_YES, part, str(folder)], input="y\n" * 5, text=True,
+                          capture_output=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert not ran.exists(), f"the folder's custom.py ran: {done.stdout}"
+    if part != "tokenizer":
+        assert "refused:" in done.stdout and "comes with code of its own" in done.stdout and str(folder) in done.stdout
+    else:
+        assert done.stdout.startswith("loaded")

@@ -348,7 +348,7 @@ def test_a_resumed_scorer_repeats_the_m_step_exactly(tiny_model_dir, inputs, mon
     first.fit(inputs, inputs.rankings(), weights, 0)
     first.score(inputs, 0)
     resumed = scorer(tiny_model_dir, anchors=2)
-    resumed.load_state_dict(torch.load(io.BytesIO(_saved(first.state_dict())), weights_only=False))  # a checkpoint
+    resumed.load_state_dict(torch.load(io.BytesIO(_saved(first.state_dict())), weights_only=True))  # as state.pt loads
     first.fit(inputs, inputs.rankings(), weights, 1)
     calls = record_passes(monkeypatch, inputs)
     resumed.fit(inputs, inputs.rankings(), weights, 1)

@@ -19,6 +19,7 @@ import torch
 from prefect.settings import PREFECT_API_URL, PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
 
 from flows.pipeline import local_run_settings, run_stage
+from tasks.pipeline import _embed_plots
 from moplex_core.data.sources import HubUnreachableError
 from moplex_core.lm.loading import ModelUnavailableError
 from moplex_core.schema import RowIssue, SchemaError
@@ -313,3 +314,17 @@ def test_the_moplex_command_stops_on_sigterm_as_on_ctrl_c_and_leaves_an_ignored_
         assert "moplex experiment identifiability: interrupted. Nothing was written" in study.stderr.read()
     finally:
         study.kill()
+
+
+def test_the_report_artifact_inlines_only_the_plots_its_evaluate_version_lists(tmp_path):
+    # report.md of an evaluate version from elsewhere (or a label in it) may name any "plots/....png": the
+    # Prefect artifact must not carry a file from outside the version, nor fail on one that is not there.
+    evaluation = tmp_path / "root" / "evaluate" / "0123456789ab"
+    (evaluation / "plots").mkdir(parents=True)
+    (evaluation / "plots" / "em_log_likelihood.png").write_bytes(b"the plot")
+    (tmp_path / "secret.png").write_bytes(b"a file of the machine's")
+    (evaluation / "report.md").write_text("![EM](plots/em_log_likelihood.png)\n| ![x](plots/../../../../secret.png) |\n"
+                                          "![gone](plots/missing.png)\n")
+    embedded = _embed_plots(evaluation, {"report.md": {}, "plots/em_log_likelihood.png": {}})
+    assert embedded.splitlines() == ["![EM](data:image/png;base64,dGhlIHBsb3Q=)",
+                                     "| ![x](plots/../../../../secret.png) |", "![gone](plots/missing.png)"]

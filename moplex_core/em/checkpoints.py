@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+import pickle
 from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -130,7 +132,7 @@ def load_last_checkpoint(restart_dir: Path) -> EMState | None:
     if not done:
         return None
     summary = json.loads((done[-1] / "state.json").read_text())
-    payload = torch.load(done[-1] / "state.pt", weights_only=False)
+    payload = _load_state(done[-1] / "state.pt", restart_dir)
     return EMState(
         restart=summary["restart"],
         iteration=summary["iteration"],
@@ -141,3 +143,18 @@ def load_last_checkpoint(restart_dir: Path) -> EMState | None:
         scorer_state=payload["scorer"],
         halvings=summary["step_halvings"],
     )
+
+
+def _load_state(path: Path, restart_dir: Path) -> dict[str, Any]:
+    """A state.pt as `save_checkpoint` wrote it: tensors, numbers, strings, None, lists, tuples and dicts
+    (every scorer's ``state_dict`` and RoutedAdam's hold nothing else), unpickled with ``weights_only=True``
+    so that a file of any other content, in an artifact root from elsewhere, is refused before it runs code."""
+    try:
+        return torch.load(path, weights_only=True)
+    except pickle.UnpicklingError as error:
+        raise ValueError(
+            f"{path} holds not only tensors, numbers, strings, lists and dicts, which is all an EM checkpoint "
+            "holds; moplex does not unpickle anything else, since unpickling runs whatever code the file names. "
+            f"Do not resume from an artifact root you do not trust; delete {restart_dir} and rerun to redo this "
+            "restart from its start."
+        ) from error

@@ -34,11 +34,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import IO, Any
 
-from transformers import AutoConfig, GenerationConfig, PreTrainedTokenizerBase
+from transformers import GenerationConfig, PreTrainedTokenizerBase
 
 from moplex_core.generate import vllm_worker
 from moplex_core.generate.base import Sample, SampleRequest, request_prompt_ids, stop_token_ids
-from moplex_core.lm.loading import hub_snapshot, load_tokenizer
+from moplex_core.lm.loading import hub_snapshot, load_config, load_tokenizer
 from moplex_core.processes import popen_ending_with_this_thread
 
 WORKER = Path(vllm_worker.__file__)
@@ -101,7 +101,7 @@ def _stop_token_ids(model: str, tokenizer: PreTrainedTokenizerBase) -> list[int]
     try:
         generation = GenerationConfig.from_pretrained(model)
     except OSError:  # the model has no generation_config.json
-        generation = GenerationConfig.from_model_config(AutoConfig.from_pretrained(model))
+        generation = GenerationConfig.from_model_config(load_config(model))
     return stop_token_ids(tokenizer, generation.eos_token_id)
 
 
@@ -139,7 +139,7 @@ class VLLMGenerator:
                 "to the python of an environment with vllm and pyarrow installed"
             )
         self._tokenizer = load_tokenizer(model)
-        text_config = AutoConfig.from_pretrained(model).get_text_config()
+        text_config = load_config(model).get_text_config()
         self.context: int | None = getattr(text_config, "max_position_embeddings", None)
         self.exchange = Path(tempfile.mkdtemp(prefix="moplex-vllm-"))
         snapshot = hub_snapshot(model)  # a cached hub model: the commit its fingerprint names

@@ -146,7 +146,7 @@ def check_model(model: str, *, lora_targets: Sequence[str], max_prompt_tokens: i
     else:
         target_layers(skeleton, lora_targets)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(folder))
+        tokenizer = AutoTokenizer.from_pretrained(str(folder), trust_remote_code=False)
     except (ValueError, OSError) as err:
         log.info("the tokenizer of %s is read by the stages that load it (%s: %s)", model, type(err).__name__, err)
         return

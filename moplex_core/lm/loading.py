@@ -20,7 +20,8 @@ import torch
 from huggingface_hub import constants as hf_constants
 from huggingface_hub import try_to_load_from_cache
 from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError, RevisionNotFoundError
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel,
+                          PreTrainedTokenizerBase)
 
 from moplex_core.lm.lean import make_lean
 
@@ -129,14 +130,36 @@ def load_tokenizer(name_or_path: str | Path) -> PreTrainedTokenizerBase:
     return tokenizer
 
 
+def load_config(name_or_path: str | Path) -> PretrainedConfig:
+    """The config of the model at ``name_or_path`` (found as `load_model` finds the model)."""
+    return _from_pretrained(AutoConfig, name_or_path)
+
+
 class ModelUnavailableError(FileNotFoundError):
     """The model is not here: no such directory, a directory or file that holds no model, or a hub
     name that is not cached while the hub is offline (a rerun fails the same way)."""
 
 
 def _from_pretrained(auto_class: type, name_or_path: str | Path, **kwargs: Any) -> Any:
+    """``auto_class.from_pretrained`` of what ``name_or_path`` names, never running the model's own code:
+    a folder whose config.json names Python files of its own (``auto_map``) is refused, where
+    transformers, left to decide, would ask on a terminal whether to run them."""
+    try:
+        return _from_located(auto_class, name_or_path, trust_remote_code=False, **kwargs)
+    except ValueError as error:
+        if "trust_remote_code" not in str(error):  # transformers' refusal of custom code names the flag
+            raise
+        raise ValueError(
+            f"the model at {str(name_or_path)!r} comes with code of its own (the auto_map of its config.json names "
+            "Python files of the folder), and moplex runs no code from a model folder, which may come from an "
+            "artifact root or a download you did not write: use a model of an architecture transformers "
+            "implements itself (its config.json's model_type, without auto_map)"
+        ) from error
+
+
+def _from_located(auto_class: type, name_or_path: str | Path, **kwargs: Any) -> Any:
     path = Path(name_or_path).expanduser()
-    marker = "config.json" if auto_class is AutoModelForCausalLM else "tokenizer_config.json"
+    marker = "tokenizer_config.json" if auto_class is AutoTokenizer else "config.json"
     if path.is_dir():
         if not (path / marker).is_file():
             raise ModelUnavailableError(
