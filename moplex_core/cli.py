@@ -229,7 +229,7 @@ def _assign(args: argparse.Namespace) -> int:
     # In this process, without Prefect, like `moplex ingest`.
     from moplex_core.artifacts import ArtifactError, ArtifactStore
     from moplex_core.assign import default_root, run_assign
-    from moplex_core.report import markdown_cell
+    from moplex_core.display import markdown_cell
 
     root = args.root or default_root(args.train)
     store = ArtifactStore(root)

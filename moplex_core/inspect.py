@@ -10,7 +10,6 @@ registering a function with `stage_section`.
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -24,6 +23,7 @@ from moplex_core.artifacts import (CHECKPOINTS, MANIFEST, ArtifactStore, is_stag
                                    off_the_manifest, readable_manifest, run_changes, shard_paths)
 from moplex_core.artifacts.layout import SHARD_RE
 from moplex_core.artifacts.writer import last_started_run
+from moplex_core.display import printable
 
 StageSection = Callable[[Path, list[Path]], list[str]]
 _SHARDS_LISTED = 8  # a version with more lists its shards in one line
@@ -45,15 +45,7 @@ def stage_section(stage: str) -> Callable[[StageSection], StageSection]:
 def inspect_path(path: str | Path, rows: int = 3) -> str:
     """The report of ``path`` (see `moplex inspect --help`), every character of the data that a
     terminal would act on (escape sequences, carriage returns, bidi overrides) written as an escape."""
-    return _printable(_report(Path(path), rows))
-
-
-_UNPRINTABLE = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f\u200e\u200f\u202a-\u202e\u2066-\u2069]")
-
-
-def _printable(text: str) -> str:
-    """``text`` with control and bidi characters as ``\\xNN`` / ``\\uNNNN`` (newlines and tabs kept)."""
-    return _UNPRINTABLE.sub(lambda m: m.group().encode("unicode_escape").decode("ascii"), text)
+    return printable(_report(Path(path), rows))
 
 
 def _report(path: Path, rows: int) -> str:

@@ -20,6 +20,7 @@ import pandas as pd
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
+from moplex_core.display import markdown_cell
 from moplex_core.em import estimates_off_by, likelihood_falls
 from moplex_core.evaluate import EM_START_SPLIT, MATCHED_ADAPTER, RANKING_VARIANTS, RANKINGS
 
@@ -174,19 +175,6 @@ def _em_start_section(rows: pd.DataFrame) -> list[str]:
         lines += ["Against the true labels (each partition under its own matching, fitted on the training "
                   "rankings):", "", markdown_table(table)]
     return lines + [""]
-
-
-# A label's own backslash is escaped too: it would otherwise undo the escape of the character after it.
-_AS_TEXT = str.maketrans({"\\": "\\\\", "|": "\\|", "[": "\\[", "]": "\\]", "<": "\\<", ">": "\\>",
-                          "\n": " ", "\r": " "})
-
-
-def markdown_cell(value: object) -> str:
-    """Text for a cell of a markdown table, shown as the text it is: a label's own "|" (PERSONA's
-    ``age=18-44|sex=Female``) would split the row, and a line break end it; a label is whatever a
-    dataset holds, and its links, images and HTML must not reach the report's readers as such (the
-    Prefect UI renders report.md, javascript: links included)."""
-    return str(value).translate(_AS_TEXT)
 
 
 def markdown_table(frame: pd.DataFrame) -> str:

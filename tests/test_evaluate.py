@@ -11,6 +11,7 @@ import torch
 from moplex_core.data.synthetic import SyntheticConfig, generate_synthetic
 from moplex_core.em import Rankings
 from moplex_core.evaluate import EvalSplit, em_start_metrics, evaluate_mixture
+from moplex_core.display import markdown_cell
 from moplex_core.report import headline_table, markdown_table, per_cluster_table
 from moplex_core.scorers.linear import LinearScorer
 
@@ -183,6 +184,12 @@ def test_a_label_from_a_dataset_shows_in_the_reports_tables_as_its_text_not_as_m
     assert {child.type for children in cells for child in children} == {"text"}
     shown = ["".join(child.content for child in children) for children in cells]
     assert shown == ["true label", "value", *(text for label in labels for text in (label.replace("\n", " "), "0.5000"))]
+
+
+def test_a_labels_terminal_escapes_and_bidi_controls_show_as_escapes_in_a_table_cell():
+    # `make demo` and `moplex assign` print report tables to a terminal: ESC [2J would clear it, U+202E reverse text
+    assert markdown_cell("c\x1b[2J\u202e1") == "c\\x1b\\[2J\\u202e1"
+    assert markdown_cell("tab\there") == "tab\there"
 
 
 def test_the_report_tables_leave_out_counts_and_diagnostics_rows():

@@ -39,7 +39,8 @@ from moplex_core.artifacts import ArtifactRef, ArtifactStore, read_manifest
 from moplex_core.config import PipelineConfig
 from moplex_core.methods import METHODS, method_config
 from moplex_core.evaluate import EM_START_SPLIT, METRICS_FILE, RANKING_VARIANTS, RANKINGS
-from moplex_core.report import markdown_cell, markdown_table, png_bytes
+from moplex_core.display import markdown_cell
+from moplex_core.report import markdown_table, png_bytes
 
 STAGE = "compare"
 CODE_VERSION = "compare-8"  # bump when a change here changes what the report holds (5: NaN cells as -;
