@@ -61,7 +61,7 @@ TESTS: dict[str, tuple[str, ...]] = {  # source file -> test modules under tests
     'moplex_core/methods.py': ('test_compare',),
     'moplex_core/generate/hf.py': ('test_generate', 'test_augment_stage'),
     'moplex_core/hashing.py': ('test_artifacts', 'test_lm_loading', 'test_cache_stage'),
-    'moplex_core/inspect.py': ('test_inspect', 'test_evaluate_stage', 'test_ingest_flow'),
+    'moplex_core/inspect.py': ('test_inspect', 'test_evaluate_stage', 'test_ingest_flow', 'test_long_lived_root'),
     'moplex_core/ingest.py': (
         'test_ingest_build', 'test_bad_inputs', 'test_ingest_adapters', 'test_ingest_flow', 'test_config',
     ),
@@ -714,6 +714,8 @@ MUTANTS: list[Mutant] = [
            "a train version whose em/ checkpoints were deleted to free space is refused as damaged",
            'if not name.startswith(f"{CHECKPOINTS}/")',
            'if name'),
+    Mutant('inspect_gone_input_unmarked', 'moplex_core/inspect.py', 'the listing names a deleted input as if it were there',
+           '" (gone)" if ref not in kept', '"" if ref not in kept'),
     Mutant('em_tol_purely_relative', 'moplex_core/em/fit.py', 'a relative tolerance only: EM near LL 0 never stops',
            'config.tol * max(abs(history[-2]), 1.0)',
            'config.tol * abs(history[-2])'),
