@@ -35,7 +35,7 @@ import pyarrow.parquet as pq
 import torch
 from tqdm.auto import tqdm
 
-from moplex_core.artifacts import (DEFAULT_ROOT, ArtifactRef, ArtifactStore, check_files, finished_shards,
+from moplex_core.artifacts import (DEFAULT_ROOT, ArtifactError, ArtifactRef, ArtifactStore, finished_shards,
                                    is_version_folder, read_manifest, root_of, shard_name)
 
 if TYPE_CHECKING:
@@ -93,8 +93,18 @@ def plan_assign(train_dir: str | Path, rankings_dir: str | Path, store: Artifact
     read_manifest(rankings_dir, RANKING_STAGES)  # refuses an unfinished artifact or one of another stage
     resolved = resolve_device(device)
     trained_cache_dir = root_of(train_dir) / train["inputs"]["cache"]
+    try:
+        trained_cache = read_manifest(trained_cache_dir, ("cache",))
+    except ArtifactError as err:  # deleted, half deleted, or left behind when the train artifact was copied
+        raise type(err)(
+            f"train/{train['version']} was trained on {train['inputs']['cache']}, whose manifest.json holds the "
+            f"settings and the base model that new rankings are cached with: {str(err).rstrip('.')}. Put that "
+            f"version's folder back at {trained_cache_dir} (a train artifact copied to another root or machine "
+            "needs its cache beside it), or rebuild it by rerunning the pipeline that trained the adapters (`moplex "
+            "run` with the same preset and settings writes the same cache version and reuses the train "
+            "artifact)") from None
     model = cache_model(trained_cache_dir, model)
-    cache_config = _cache_config(read_manifest(trained_cache_dir), device, model)
+    cache_config = _cache_config(trained_cache, device, model)
     cache = plan_cache(cache_config, rankings_dir, store)
     inputs = {"train": f"train/{train['version']}", "cache": str(cache.ref)}
     scored_in = identity_on_this_machine({"dtype": train["config"]["dtype"]}, device)
@@ -125,10 +135,8 @@ def run_assign(train_dir: str | Path, rankings_dir: str | Path, store: ArtifactS
 
     plan = plan or plan_assign(train_dir, rankings_dir, store, model=model, device=device,
                                score_batch_size=score_batch_size)
-    if plan.complete:
-        manifest = store.manifest(STAGE, plan.ref.version)
-        check_files(plan.path, manifest)  # a damaged version is not "already complete"
-        return AssignResult(plan.ref, plan.path, False, manifest["rows"])
+    if plan.complete:  # whole: a damaged version is refused by its plan (`ArtifactStore.is_complete`)
+        return AssignResult(plan.ref, plan.path, False, store.manifest(STAGE, plan.ref.version)["rows"])
     _warn_of_other_cache_code(Path(train_dir).resolve())
     with store.writer(STAGE, plan.ref.version, config=plan.recorded, inputs=plan.inputs,
                       code_version=CODE_VERSION) as writer:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from pathlib import Path
+from pathlib import Path, PurePath
 from typing import Any
 
 import pandas as pd
@@ -20,8 +20,8 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from moplex_core.artifacts import (CHECKPOINTS, MANIFEST, ArtifactStore, is_stage_folder, is_version_folder,
-                                   off_the_manifest, readable_manifest, run_changes, shard_paths)
-from moplex_core.artifacts.layout import SHARD_RE
+                                   off_the_manifest, output_files, readable_manifest, run_changes, shard_paths)
+from moplex_core.artifacts.layout import SHARD_RE, STAGE_ORDER
 from moplex_core.artifacts.writer import last_started_run
 from moplex_core.display import printable
 
@@ -76,12 +76,12 @@ def _version_report(version_dir: Path, rows: int) -> str:
     title = f"artifact {stage}/{manifest.get('version', version_dir.name)}"
     lines = [title, "=" * len(title), f"path:     {version_dir}"]
     shards = shard_paths(version_dir)
-    damaged = off_the_manifest(version_dir, manifest) if complete else []
+    off = off_the_manifest(version_dir, manifest) if complete else []
+    damaged = sorted(set(off) & set(output_files(manifest))) if complete else []
     if damaged:
         lines.append(f"status:   DAMAGED: {', '.join(damaged)} missing or not the size {MANIFEST} records (an "
-                     "interrupted copy, an edit?): delete the version folder and rerun its stage (the stages "
-                     "check the sizes of only the files they read: row shards, a train artifact's adapters and "
-                     "result.json)")
+                     "interrupted copy, an edit, a deletion by hand?): a stage that finds this version refuses it "
+                     "by these names; delete the version folder and rerun its stage")
     if complete:
         lines += [
             *([] if damaged else
@@ -107,9 +107,12 @@ def _version_report(version_dir: Path, rows: int) -> str:
                          f"{sum(manifest['files'][name]['bytes'] for name in folded):>12,} B  in {len(folded)} shards "
                          "(each with its sha256 in manifest.json)")
         if checkpoints:
+            gone = len(off) - len(damaged)  # nothing reads them once the version is finished: free to delete
             lines.append(f"  {CHECKPOINTS + '/':<40} {sum(e['bytes'] for e in checkpoints.values()):>12,} B  in "
                          f"{len(checkpoints)} files: every EM iteration's checkpoint (`moplex inspect "
-                         f"{version_dir / CHECKPOINTS}` lists them; a Parquet file there opens on its own)")
+                         f"{version_dir / CHECKPOINTS}` lists them; a Parquet file there opens on its own)"
+                         + (f"; {gone} of them deleted or changed since, which no stage minds: none reads them once "
+                            "the version is finished" if gone else ""))
         libs = manifest.get("library_versions", {})
         lines.append("libraries: " + ", ".join(f"{k} {v}" for k, v in sorted(libs.items())))
         if manifest.get("runtime"):  # torch's thread count (manifests since commit 88a0104)
@@ -291,16 +294,50 @@ def _size(manifest: dict[str, Any], short: bool = False) -> str:
     return f"{files} files" if short else f"no part-*.parquet shards: the stage writes the {files} named files below"
 
 
-def _made_from(manifest: dict[str, Any]) -> str:
+def _made_from(stage: str, record: dict[str, Any], kept: dict[str, bool | None]) -> str:
     """What a version was made from, in a few words: an ingest's dataset (and file or folder name),
-    another stage's input artifacts by short version."""
-    if manifest.get("stage") == "ingest":
-        config = manifest.get("config") or {}
+    another stage's upstream versions by short version, each that is not a finished version of the root
+    now marked ``(gone)``, ``(unfinished)`` or ``(partial)`` (``kept``: each version of the root, whether
+    finished; None for a folder of one left in part, `_partial_versions`)."""
+    if stage == "ingest":
+        config = record.get("config") or {}
         return str(config.get("dataset", "")) + (f" {Path(str(config['path'])).name}" if config.get("path") else "")
-    inputs = manifest.get("inputs")
+    refs = [_short_ref(ref) + ("" if kept.get(ref) else " (gone)" if ref not in kept else
+                                " (partial)" if kept[ref] is None else " (unfinished)") for ref in _upstream(record)]
+    return ("from " + ", ".join(refs)) if refs else ""
+
+
+# The tiny model's stage and folder, ROOT/model/VERSION/model: moplex_core.tiny_model's STAGE and MODEL_DIR, not
+# imported here, as that module loads transformers (ten seconds before a listing).
+_TINY_MODEL = "model"
+
+
+def _upstream(record: dict[str, Any]) -> list[str]:
+    """The versions a version (its manifest, or an unfinished one's last run record) was made from, as
+    ``stage/version``: its input artifacts, and the pipeline's tiny model where its config's ``model``
+    is one (the cache, augment and train stages load it; a moved root's is found in the root that holds
+    them, as `moplex_core.cache.cache_model` does)."""
+    inputs, config = record.get("inputs"), record.get("config")
     refs = [str(value) for value in (inputs.values() if isinstance(inputs, dict) else ())
             if "/" in str(value) and not str(value).startswith(("sha256:", "hub:"))]
-    return ("from " + ", ".join(ref.split("/")[0] + "/" + ref.split("/")[1][:4] for ref in refs)) if refs else ""
+    model = PurePath(config["model"]) if isinstance(config, dict) and isinstance(config.get("model"), str) else None
+    if model is not None and len(model.parts) >= 3 and model.name == model.parent.parent.name == _TINY_MODEL:
+        refs.append(f"{_TINY_MODEL}/{model.parent.name}")
+    return sorted(set(refs))
+
+
+def _short_ref(ref: str) -> str:
+    stage, _, version = ref.partition("/")
+    return f"{stage}/{version[:4]}"
+
+
+def _bytes(size: float) -> str:
+    """A size on disk in a few characters, in powers of 1000 as `ls -h --si` and `df -H` write them."""
+    for unit in ("B", "kB", "MB", "GB"):
+        if size < 999.95:
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1000
+    return f"{size:.1f} TB"
 
 
 def _folder_in_version(folder: Path, version_dir: Path) -> str:
@@ -314,43 +351,85 @@ def _folder_in_version(folder: Path, version_dir: Path) -> str:
 
 
 def _listing(directory: Path) -> str:
-    """A stage folder or an artifact root: one line per version."""
+    """A stage folder or an artifact root: one line per version, with what a user deciding what to keep
+    needs: whether it finished, its size on disk, when it finished (an unfinished one: when its last run
+    started), what it was made from, which versions of the root were made from it (``used by``: their
+    manifests name it), and where a stage has several versions, the settings they differ in."""
     is_stage_dir = is_stage_folder(directory)
     store = ArtifactStore(directory.parent if is_stage_dir else directory)
-    infos = store.list(directory.name if is_stage_dir else None)
-    if not infos:
+    everything = store.list()  # the whole root, for what a stage folder's versions are made from and used by
+    infos = [info for info in everything if not is_stage_dir or info.ref.stage == directory.name]
+    partial = _partial_versions(store.root, directory.name if is_stage_dir else None)
+    if not infos and not partial:
         return f"{directory}: no artifacts"
-    lines = [f"artifacts under {directory}:"]
-    differing = _differing_settings([info for info in infos if info.complete])
+    records = {str(info.ref): info.manifest or last_started_run(info.path) or {} for info in everything}
+    kept: dict[str, bool | None] = {str(info.ref): info.complete for info in everything}
+    kept.update((f"{p.parent.name}/{p.name}", None) for p in {*partial, *_partial_versions(store.root, None)})
+    used_by: dict[str, list[str]] = {}
+    for ref, record in records.items():
+        for upstream in _upstream(record):
+            used_by.setdefault(upstream, []).append(_short_ref(ref))
+    differing = _differing_settings({ref: record for ref, record in records.items()
+                                     if isinstance(record.get("config"), dict)})
+    lines, total = [], 0
     for info in infos:
+        ref = str(info.ref)
         if info.complete:
-            status = "DAMAGED " if off_the_manifest(info.path, info.manifest) else "complete"
-            settings = differing.get(str(info.ref), "")
-            lines.append(f"  {str(info.ref):<32} {status}    {_size(info.manifest, short=True):>16}  "
-                         f"{info.manifest['finished']}  {_made_from(info.manifest)}{f'  [{settings}]' if settings else ''}")
+            off = off_the_manifest(info.path, info.manifest)
+            size = sum(entry["bytes"] for name, entry in info.manifest["files"].items() if name not in off)
+            status = "DAMAGED " if set(off) & set(output_files(info.manifest)) else "complete"
+            what = f"{_size(info.manifest, short=True):>16}  {info.manifest['finished']}"
         else:
-            lines.append(f"  {str(info.ref):<32} INCOMPLETE  {_so_far(info.path)} so far")
-    return "\n".join(lines)
+            size = _folder_bytes(info.path)
+            started = records[ref].get("started")
+            status, what = "INCOMPLETE", f"{_so_far(info.path)} so far" + (f", started {started}" if started else "")
+        total += size
+        users = used_by.get(ref)
+        fields = [f"{ref:<32} {status}  {_bytes(size):>8}  {what}", _made_from(info.ref.stage, records[ref], kept),
+                  f"used by {', '.join(users)}" if users else "", f"[{differing[ref]}]" if differing.get(ref) else ""]
+        lines.append("  " + "  ".join(field for field in fields if field))
+    for folder in partial:
+        size = _folder_bytes(folder)
+        total += size
+        lines.append(f"  {folder.parent.name + '/' + folder.name:<32} PARTIAL     {_bytes(size):>8}  neither "
+                     f"{MANIFEST} nor a run's start marker: a version deleted or copied in part; delete it before its "
+                     "stage runs again")
+    return "\n".join([f"artifacts under {directory} ({len(infos)} version(s), {_bytes(total)} on disk):", *lines])
 
 
-def _differing_settings(infos: list[Any], most: int = 6) -> dict[str, str]:
-    """For each stage with several finished versions, each version's settings (config keys, dotted,
-    and ``code``, its stage's code version) whose values differ among them, as ``key=value`` (up to
-    ``most`` keys, long values cut), so that a listing tells the versions apart; by ``stage/version``."""
-    by_stage: dict[str, list[Any]] = {}
-    for info in infos:
-        by_stage.setdefault(info.ref.stage, []).append(info)
+def _partial_versions(root: Path, stage: str | None) -> list[Path]:
+    """The folders of the pipeline's stage folders under ``root`` (or of ``stage``'s) that are not
+    versions (`is_version_folder`): what a deletion or a copy by hand that stopped half way leaves
+    (a stage's folder holds only versions; other folders of the root, an experiment's, are not looked at)."""
+    stages = [stage] if stage else [name for name in STAGE_ORDER if (root / name).is_dir()]
+    return [folder for name in stages for folder in sorted((root / name).iterdir())
+            if folder.is_dir() and not folder.name.startswith(".") and not is_version_folder(folder)]
+
+
+def _folder_bytes(folder: Path) -> int:
+    """The bytes of the files below ``folder``, hidden ones too (a killed writer's temporaries); a link
+    is not followed."""
+    return sum(p.lstat().st_size for p in folder.rglob("*") if p.is_file() and not p.is_symlink())
+
+
+def _differing_settings(records: dict[str, dict[str, Any]], most: int = 6) -> dict[str, str]:
+    """For each stage with several versions, each version's settings (config keys, dotted, and
+    ``code``, its stage's code version) whose values differ among them, as ``key=value`` (up to
+    ``most`` keys, long values cut), so that a listing tells the versions apart; ``records``: each
+    version's manifest, or an unfinished one's last run record, by ``stage/version``."""
+    by_stage: dict[str, list[str]] = {}
+    for ref in records:
+        by_stage.setdefault(ref.partition("/")[0], []).append(ref)
     shown: dict[str, str] = {}
     for versions in by_stage.values():
         if len(versions) < 2:
             continue
-        flat = [{**_flatten(info.manifest.get("config") or {}), "code": info.manifest.get("code_version")}
-                for info in versions]
+        flat = [{**_flatten(records[ref]["config"]), "code": records[ref].get("code_version")} for ref in versions]
         keys = sorted({key for settings in flat for key in settings
                        if len({json.dumps(s.get(key), sort_keys=True) for s in flat}) > 1})
-        for info, settings in zip(versions, flat, strict=True):
+        for ref, settings in zip(versions, flat, strict=True):
             cells = [f"{key}={_short(settings[key]) if key in settings else '-'}" for key in keys[:most]]
-            shown[str(info.ref)] = " ".join(cells) + (f" (+{len(keys) - most} more)" if len(keys) > most else "")
+            shown[ref] = " ".join(cells) + (f" (+{len(keys) - most} more)" if len(keys) > most else "")
     return shown
 
 

@@ -246,6 +246,25 @@ def test_unfinished_or_tampered_artifacts_are_refused_with_a_way_out(tmp_path):
         load_table(store.path("demo", "v2"))
 
 
+def test_a_finished_version_missing_a_file_is_refused_by_name_when_found_its_checkpoints_aside(tmp_path):
+    # What every stage's plan asks: a version half deleted by hand is not handed on as complete.
+    store = ArtifactStore(tmp_path)
+    with store.writer("train", "t1", config={}) as w:
+        for i in range(10):
+            w.write_shard(i, table(i))
+        w.write_file("em/restart-00/iter-0000/state.json", "{}")
+    assert store.is_complete("train", "t1") and not store.is_complete("train", "t2")
+    shutil.rmtree(w.path / "em")  # EM's checkpoints: nothing reads them once the version is finished
+    assert store.is_complete("train", "t1")
+    (w.path / "part-00003.parquet").unlink()
+    with pytest.raises(ArtifactCorruptError, match=f"{w.path}: part-00003.parquet missing .*deleted by hand"):
+        store.is_complete("train", "t1")
+    for shard in w.path.glob("part-*.parquet"):
+        shard.unlink()
+    with pytest.raises(ArtifactCorruptError, match=r": part-00000.parquet, .*, part-00007.parquet and 2 more missing"):
+        store.is_complete("train", "t1")
+
+
 def test_everything_written_in_the_block_is_on_disk_before_the_manifest(tmp_path, monkeypatch):
     synced, real_fsync = [], os.fsync
 

@@ -59,7 +59,7 @@ def test_a_listing_says_what_each_version_was_made_from_and_checkpoints_are_summ
             pq.write_table(pa.table({"gamma": [0.5]}), w.path / "em" / "restart-00" / f"iter-{t:04d}" / "p.parquet")
     lines = {line.split()[0]: line for line in inspect_path(tmp_path).splitlines()[1:]}
     assert lines[str(rankings.ref)].endswith("ultrafeedback ultrafeedback.jsonl")
-    assert lines["train/t1"].endswith("from cache/abcd")
+    assert lines["train/t1"].endswith("from cache/abcd (gone)")  # no such cache under the root
     report = inspect_path(w.path)
     assert "em/restart-00/iter-0000/p.parquet" not in report and "-- em/" not in report
     assert f"in 3 files: every EM iteration's checkpoint (`moplex inspect {w.path / 'em'}` lists them" in report
@@ -72,9 +72,11 @@ def test_a_listing_says_what_each_version_was_made_from_and_checkpoints_are_summ
             w.write_shard(0, pa.table({"x": [1]}))
     lines = {line.split()[0]: line for line in inspect_path(tmp_path).splitlines()[1:]}
     assert lines["train/t2"].endswith(
-        'from cache/abcd  [code="train-2" em.iterations=6 em.tol=0.001 k=2 lr=0.003 path="...raters_2026_a.jsonl" (+1 more)]')
+        'from cache/abcd (gone)  '
+        '[code="train-2" em.iterations=6 em.tol=0.001 k=2 lr=0.003 path="...raters_2026_a.jsonl" (+1 more)]')
     assert lines["train/t3"].endswith(
-        'from cache/abcd  [code="train-2" em.iterations=6 em.tol=0.0001 k=3 lr=0.003 path="...raters_2026_a.jsonl" (+1 more)]')
+        'from cache/abcd (gone)  '
+        '[code="train-2" em.iterations=6 em.tol=0.0001 k=3 lr=0.003 path="...raters_2026_a.jsonl" (+1 more)]')
     # t1 has none of these settings (a version of an older moplex lacks a setting added since): "-", not null
     assert lines["train/t1"].endswith('[code="" em.iterations=- em.tol=- k=- lr=- path=- (+1 more)]')
     assert lines[str(rankings.ref)].endswith("ultrafeedback.jsonl")  # the only ingest version: nothing to tell apart
@@ -165,7 +167,7 @@ def test_odd_folders_are_reported_not_crashed_on(tmp_path):
         (iteration / "state.json").write_text("{}")
     (running / "em" / "restart-00" / "iter-0002").mkdir()  # the third, under way: no state.json yet
     so_far = "2 finished EM iteration(s), the last em/restart-00/iter-0001"
-    assert f"INCOMPLETE  {so_far} so far" in inspect_path(tmp_path / "train")
+    assert f"{so_far} so far, started 2026-11-24T00:00:00+00:00" in inspect_path(tmp_path / "train")
     report = inspect_path(running)
     assert f"INCOMPLETE (no manifest.json): {so_far}; rerun" in report
     assert "-- em/restart-00/iter-0001/posteriors.parquet: 2 rows --" in report and "iter-0000/" not in report

@@ -46,6 +46,7 @@ from moplex_core.artifacts.layout import (
     is_version_folder,
     load_table,
     off_the_manifest,
+    output_files,
     read_manifest,
     readable_manifest,
     root_of,
@@ -61,5 +62,6 @@ __all__ = [
     "ArtifactError", "ArtifactIncompleteError", "ArtifactInfo", "ArtifactNotFoundError", "ArtifactRef",
     "ArtifactStageError", "ArtifactStorageError", "ArtifactStore", "ArtifactWriter", "artifact_version", "check_files",
     "finished_shards", "is_complete", "is_stage_folder", "is_version_folder", "load_table", "off_the_manifest",
-    "read_manifest", "readable_manifest", "root_of", "run_changes", "shard_name", "shard_paths", "verify", "atomic_path",
+    "output_files", "read_manifest", "readable_manifest", "root_of", "run_changes", "shard_name", "shard_paths",
+    "verify", "atomic_path",
 ]

@@ -223,8 +223,22 @@ def check_files(version_dir: str | Path, manifest: dict[str, Any], names: list[s
     not the size it records (`off_the_manifest`)."""
     changed = off_the_manifest(version_dir, manifest, names)
     if changed:
-        raise ArtifactCorruptError(f"{version_dir}: {', '.join(changed)} missing or not the size its manifest "
-                                   "records (an interrupted copy?). Delete the version directory and rerun its stage.")
+        named = ", ".join(changed[:_FILES_NAMED]) + (f" and {len(changed) - _FILES_NAMED} more"
+                                                    if len(changed) > _FILES_NAMED else "")
+        raise ArtifactCorruptError(f"{version_dir}: {named} missing or not the size its manifest records (an "
+                                   "interrupted copy, or deleted by hand?). Delete the version directory and rerun "
+                                   "its stage.")
+
+
+_FILES_NAMED = 8  # a model folder or a version of hundreds of shards deleted: the first few, and a count
+
+
+def output_files(manifest: dict[str, Any]) -> list[str]:
+    """The files of a finished version that its stage finding it complete, or a later stage, reads:
+    every file its manifest lists but those under `CHECKPOINTS` (a train version's EM iterations, most
+    of its size), a record of how it was made that nothing reads once it is finished, which may be
+    deleted to free space."""
+    return sorted(name for name in manifest["files"] if not name.startswith(f"{CHECKPOINTS}/"))
 
 
 def off_the_manifest(version_dir: str | Path, manifest: dict[str, Any], names: list[str] | None = None) -> list[str]:

@@ -12,9 +12,11 @@ from moplex_core.artifacts.layout import (
     ArtifactInfo,
     ArtifactRef,
     artifact_version,
+    check_files,
     is_complete,
     is_stage_folder,
     is_version_folder,
+    output_files,
     read_manifest,
     readable_manifest,
     root_of,
@@ -43,7 +45,16 @@ class ArtifactStore:
         return self.root / stage / version
 
     def is_complete(self, stage: str, version: str) -> bool:
-        return is_complete(self.path(stage, version))
+        """Whether the version is finished, as a stage's plan asks before it writes: False without a
+        manifest (never begun, or to resume); `ArtifactCorruptError` where the manifest is there but a
+        file it lists (`output_files`) is missing or not its size (a folder half deleted or copied by
+        hand), so that a damaged version is refused by name, not handed on as finished."""
+        path = self.path(stage, version)
+        if not is_complete(path):
+            return False
+        manifest = read_manifest(path)
+        check_files(path, manifest, output_files(manifest))
+        return True
 
     def manifest(self, stage: str, version: str) -> dict[str, Any]:
         return read_manifest(self.path(stage, version))
