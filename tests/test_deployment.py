@@ -3,11 +3,14 @@ from prefect.yaml, a worker, a deployment run, a failure on purpose and a retry 
 
 Everything runs in subprocesses against a private PREFECT_HOME, so the server and the worker are
 Prefect's own; the test talks to the server's REST API and stops every process it started (by its
-PID, with its process group: the worker's flow-run subprocesses go with it), also on failure.
+PID, with its process group), also on failure. A flow-run process has a session of its own (Prefect
+3.8.8's process worker starts it so): a stopping worker ends it, and a test that kills the worker
+kills that process by the run's infrastructure_pid.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -16,11 +19,13 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from datetime import datetime
 from pathlib import Path
 
 import httpx
 import pandas as pd
 import pytest
+import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 PREFECT = [sys.executable, "-m", "prefect"]
@@ -174,6 +179,77 @@ def test_deployed_pipeline_runs_fails_on_purpose_and_a_retry_reuses_finished_sta
         assert wrote, [(log["name"], log["message"][:60]) for log in logs]
 
 
+def test_runs_killed_without_a_word_are_marked_crashed_by_the_heartbeat_automation(prefect_server, tmp_path):
+    """Three pipeline runs die in their model stage (a subflow, in the run's process): a deployed one as
+    the OOM killer kills, its flow-run process alone; a deployed one as a lost machine does, the
+    process and the worker; and a `moplex run` against the server. The worker reports the first
+    pipeline run Crashed itself (its process ended with -9); the stage in it, and all of the other two,
+    nothing reports: prefect-automations.yaml marks them Crashed when their heartbeats stop, which
+    prefect.yaml's job variables and `moplex run` send every 30 s."""
+    api, env, started = prefect_server
+    automation_file = REPO / "prefect-automations.yaml"
+    automation = yaml.safe_load(automation_file.read_text())
+    window = automation["trigger"]["within"]
+    heartbeat = int(yaml.safe_load((REPO / "prefect.yaml").read_text())["definitions"]["env"][
+        "PREFECT_FLOWS_HEARTBEAT_FREQUENCY"])
+    assert window >= 3 * heartbeat  # Prefect's advice: a late heartbeat is not taken for a death
+    _cli(["automation", "create", "--from-file", str(automation_file)], env)
+    _cli(["work-pool", "create", "cpu", "--type", "process"], env)
+    _cli(["--no-prompt", "deploy", "--name", "synthetic-demo"], env)
+    worker = _start([*PREFECT, "worker", "start", "--pool", "cpu", "--type", "process"], env, tmp_path / "worker.log")
+    started.append(worker)
+    # a model stage that would pretrain for hours
+    overrides = ["ingest.synthetic.n=60", "tiny_model.pretrain_steps=1000000"]
+    moplex_run = _start([sys.executable, "-m", "moplex_core.cli", "run", "synthetic-demo", "--root",
+                         str(tmp_path / "moplex-run"), *(f"--set={o}" for o in overrides)], env,
+                        tmp_path / "moplex-run.log")
+    started.append(moplex_run)
+
+    runs: dict[str, str] = {}
+    with httpx.Client(base_url=api, timeout=30, transport=_RetryingTransport()) as client:
+        try:
+            deployment = client.get("/deployments/name/moplex-pipeline/synthetic-demo").raise_for_status().json()
+            for case in ("oom", "lost"):
+                runs[case] = client.post(f"/deployments/{deployment['id']}/create_flow_run", json={
+                    "parameters": {"preset": "synthetic-demo", "overrides": [f"root={tmp_path / case}", *overrides]},
+                    "idempotency_key": case}).raise_for_status().json()["id"]
+            runs["moplex run"] = _run_without_deployment(client, tmp_path)
+            stages = {case: _stage_sending_heartbeats(client, run, "model/", tmp_path) for case, run in runs.items()}
+            for case in ("lost", "moplex run"):  # a live run is not taken for a dead one
+                beats = _wait_for_heartbeats(client, runs[case], 2, tmp_path)
+                assert (beats[1] - beats[0]).total_seconds() < window, (case, beats)
+            pids = {case: int(client.get(f"/flow_runs/{runs[case]}").raise_for_status().json()["infrastructure_pid"])
+                    for case in ("oom", "lost")}
+
+            os.kill(pids["oom"], signal.SIGKILL)
+            oom = _wait_for_end(client, runs["oom"], tmp_path, timeout=120)
+            assert oom["state"]["type"] == "CRASHED" and "status code: -9" in oom["state"]["message"], oom["state"]
+            os.kill(worker.pid, signal.SIGKILL)  # the flow-run process has a session of its own: killed apart
+            os.kill(pids["lost"], signal.SIGKILL)
+            os.kill(moplex_run.pid, signal.SIGKILL)
+            for run in (stages["oom"], runs["lost"], stages["lost"], runs["moplex run"], stages["moplex run"]):
+                dead = _wait_for_end(client, run, tmp_path, timeout=window + 120)
+                assert dead["state"]["type"] == "CRASHED", dead["state"]
+                assert dead["state"]["message"] == automation["actions"][0]["message"]
+        finally:  # flow-run processes are in sessions of their own: the fixture's group signals miss them
+            for case in ("oom", "lost"):
+                with contextlib.suppress(KeyError, httpx.HTTPError, TypeError, ProcessLookupError):
+                    os.kill(int(client.get(f"/flow_runs/{runs[case]}").json()["infrastructure_pid"]), signal.SIGKILL)
+
+
+def _run_without_deployment(client: httpx.Client, tmp_path: Path) -> str:
+    """The id of the one top-level flow run without a deployment (`moplex run`'s), once it exists."""
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        runs = client.post("/flow_runs/filter", json={"flow_runs": {
+            "deployment_id": {"is_null_": True}, "parent_task_run_id": {"is_null_": True}}}).raise_for_status().json()
+        if runs:
+            assert len(runs) == 1, [run["name"] for run in runs]
+            return runs[0]["id"]
+        time.sleep(2)
+    pytest.fail(f"`moplex run` started no flow run in 300 s:\n{_log_tails(tmp_path)}")
+
+
 class _RetryingTransport(httpx.HTTPTransport):
     """Sends a request again when the server answers 429, 502 or 503, as Prefect's own client does: the
     server answers 503 to errors a client may retry on, such as its SQLite database being locked by a
@@ -218,6 +294,44 @@ def _wait_for_end(client: httpx.Client, run_id: str, tmp_path: Path, timeout: fl
         time.sleep(2)
     pytest.fail(f"flow run {run_id} did not finish in {timeout} s; worker log:\n"
                 f"{(tmp_path / 'worker.log').read_text()[-4000:]}")
+
+
+def _stage_sending_heartbeats(client: httpx.Client, run_id: str, prefix: str, tmp_path: Path) -> str:
+    """The id of the subflow run of ``run_id`` whose name starts with ``prefix``, once it is running
+    and the server has its first heartbeat."""
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        subflows = client.post("/flow_runs/filter", json={"flow_runs": {"parent_flow_run_id": {"any_": [run_id]}}}
+                               ).raise_for_status().json()
+        for run in subflows:
+            if run["name"].startswith(prefix) and run["state"]["type"] == "RUNNING" and _heartbeats(client, run["id"]):
+                return run["id"]
+        time.sleep(2)
+    pytest.fail(f"no {prefix} subflow of {run_id} sent a heartbeat in 300 s:\n{_log_tails(tmp_path)}")
+
+
+def _heartbeats(client: httpx.Client, run_id: str) -> list[datetime]:
+    """When the flow run ``run_id`` sent the heartbeats the server has, in order."""
+    events = client.post("/events/filter", json={"filter": {
+        "event": {"name": ["prefect.flow-run.heartbeat"]}, "resource": {"id": [f"prefect.flow-run.{run_id}"]},
+        "occurred": {"since": "2000-01-01T00:00:00Z"}}, "limit": 50}).raise_for_status().json()["events"]
+    return sorted(datetime.fromisoformat(event["occurred"]) for event in events)
+
+
+def _wait_for_heartbeats(client: httpx.Client, run_id: str, count: int, tmp_path: Path) -> list[datetime]:
+    """`_heartbeats` of ``run_id`` once the server has ``count`` of them (up to 120 s)."""
+    deadline = time.monotonic() + 120
+    while len(beats := _heartbeats(client, run_id)) < count:
+        if time.monotonic() > deadline:
+            pytest.fail(f"flow run {run_id} sent {len(beats)} heartbeats in 120 s, not {count}:\n{_log_tails(tmp_path)}")
+        time.sleep(2)
+    return beats
+
+
+def _log_tails(tmp_path: Path) -> str:
+    """The ends of the worker's and `moplex run`'s logs, those there are."""
+    return "\n".join(f"{log.name}:\n{log.read_text()[-3000:]}" for log in (tmp_path / "worker.log",
+                                                                          tmp_path / "moplex-run.log") if log.exists())
 
 
 def _task_failed(client: httpx.Client, run_id: str, name: str) -> bool:
