@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -569,12 +570,14 @@ def main(argv: list[str] | None = None) -> int:
         hint = (f" (each setting takes its own --set: {' '.join(f'--set {e}' for e in settings)})"
                 if settings and hasattr(args, "set") else "")
         parser.error(f"unrecognized arguments: {' '.join(extra)}{hint}")
-    if getattr(args, "quiet", False):  # transformers' own bars too (a model's weights loading)
-        from transformers.utils import logging as transformers_logging
+    bars: contextlib.AbstractContextManager = contextlib.nullcontext()
+    if getattr(args, "quiet", False):  # transformers' own bars too (a hub download), for this command only
+        from moplex_core.lm.loading import transformers_bars
 
-        transformers_logging.disable_progress_bar()
+        bars = transformers_bars(False)
     try:
-        status = args.func(args)
+        with bars:
+            status = args.func(args)
         sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's exit
         return status
     except KeyboardInterrupt as stop:  # Ctrl-C, SIGTERM or SIGHUP (moplex_core.processes.StopSignal)

@@ -39,6 +39,17 @@ def test_the_loading_bar_shows_unless_progress_is_off_and_the_switch_is_left_as_
     assert "Loading weights" in capfd.readouterr().err
 
 
+def test_a_quiet_command_leaves_transformers_bars_on_for_what_the_process_does_next(tmp_path: Path) -> None:
+    # Tests and notebooks call `main` in their process: its --quiet was transformers' global switch turned
+    # off for good, and a later load_model(progress=True) showed no bar.
+    from transformers.utils import logging as hf_logging
+
+    from moplex_core.cli import main
+
+    assert main(["cache", "--rankings", str(tmp_path / "none"), "--model", "x", "--quiet"]) == 1
+    assert hf_logging.is_progress_bar_enabled()
+
+
 def test_a_tokenizer_without_pad_token_pads_with_eos(tiny_model_dir: Path, tmp_path: Path) -> None:
     tokenizer = load_tokenizer(tiny_model_dir)
     tokenizer.pad_token = None

@@ -92,15 +92,16 @@ def load_model(
     ``dtype`` is a torch dtype or its name ("bfloat16", "float32", "float64"). ``progress=False``
     silences transformers' "Loading weights" bar for this load (the caller's ``--quiet``).
     """
-    with _loading_bar(progress):
+    with transformers_bars(progress):
         model = _from_pretrained(AutoModelForCausalLM, name_or_path, dtype=_as_dtype(dtype))
     make_lean(model)
     return model.to(device).eval()
 
 
 @contextmanager
-def _loading_bar(enabled: bool) -> Iterator[None]:
-    """transformers' own progress bars off inside when not ``enabled`` (its global switch, restored after)."""
+def transformers_bars(enabled: bool) -> Iterator[None]:
+    """transformers' own progress bars (a model's weights loading, a hub download) off inside when not
+    ``enabled``: its process-wide switch, restored after, so that a quiet call leaves later ones as they were."""
     from transformers.utils import logging as hf_logging
 
     silence = not enabled and hf_logging.is_progress_bar_enabled()
