@@ -43,11 +43,12 @@ def headline_table(metrics: pd.DataFrame) -> pd.DataFrame:
 
 def ranking_counts(metrics: pd.DataFrame, split: str | None = None) -> str:
     """How many rankings the values rest on: per split ("validation 60, test 60"), or per true cluster
-    of ``split`` ("c0 15, c1 25"); "" where evaluate did not count them (before evaluate-11)."""
+    of ``split`` ("c0 15, c1 25"); "" where evaluate did not count them (before evaluate-11). A line of
+    report.md: a true label in it is shown as its text (`markdown_cell`), as in the tables."""
     rows = metrics[metrics.metric == RANKINGS]
     rows = rows[rows.cluster == "all"] if split is None else rows[(rows.split == split) & (rows.cluster != "all")]
     names = rows.split if split is None else rows.cluster
-    return ", ".join(f"{name} {int(n)}" for name, n in zip(names, rows.value, strict=True))
+    return ", ".join(f"{markdown_cell(name)} {int(n)}" for name, n in zip(names, rows.value, strict=True))
 
 
 def per_cluster_table(metrics: pd.DataFrame, split: str) -> pd.DataFrame:

@@ -248,3 +248,27 @@ def test_rankings_without_cluster_labels_are_evaluated_without_the_metrics_that_
     assert set(metrics[metrics.split == "train_em"].metric) == {"start_final_ari"}  # the start against the end
     assert "The rankings carry no cluster labels: no clustering accuracy and no oracle routing" in \
         (result.path / "report.md").read_text()
+
+
+@pytest.mark.filterwarnings("ignore:Glyph:UserWarning")  # the plots draw the labels' control characters as boxes
+def test_a_label_from_a_dataset_shows_in_the_whole_report_as_its_text(trained, tmp_path):
+    # The Prefect UI renders report.md and `make demo` prints it: a true label is any text a dataset holds, and
+    # it reaches the report's tables and its "Rankings per true cluster" line (which once took it raw).
+    from markdown_it import MarkdownIt
+
+    store, train, cache = trained
+    metrics = pd.read_parquet(run_evaluate(EvaluateConfig(), train, cache, store).path / "metrics.parquet")
+    labels = {"c0": "[click](javascript:alert(1))", "c1": "<img src=x onerror=alert(1)>", "c2": "\x1b]8;;x\x07a\nb"}
+    metrics["cluster"] = metrics.cluster.replace(labels)
+    with ArtifactStore(tmp_path).writer("evaluate", "0123456789ab", config={}) as writer:
+        write_report(writer, metrics, pd.DataFrame(), {"history": [-1.2, -1.1]}, {}, {"train": "train/x"}, "pl",
+                     _mixture(train))
+    report = (writer.path / "report.md").read_text()
+    assert "Rankings per true cluster: \\[click\\](javascript:alert(1)) " in report and "\x1b" not in report
+    parser = MarkdownIt("commonmark").enable("table")
+    parser.validateLink = lambda url: True  # as the UI's parser (marked), which keeps javascript: links
+    tokens = [child for token in parser.parse(report) if token.type == "inline" for child in token.children]
+    assert not [token for token in tokens if token.type in ("link_open", "html_inline")]
+    assert {token.attrGet("src") for token in tokens if token.type == "image"} == {
+        "plots/em_log_likelihood.png", "plots/cluster_accuracy.png"}
+    assert not [token for token in parser.parse(report) if token.type == "html_block"]
