@@ -29,8 +29,9 @@ class ItemScorer(ConvexScorer):
         outside = (ids >= self.n_items) | (ids < -1)
         if outside.any():
             rows = outside.any(1).nonzero().flatten().tolist() if ids.ndim == 2 else []
+            held = sorted(set(ids[outside].tolist()))[:5]
             raise ValueError(f"ItemScorer's item ids must be in 0..{self.n_items - 1} (-1 at padding); rankings "
-                             f"{rows[:5]}{' ...' if len(rows) > 5 else ''} hold {sorted(set(ids[outside].tolist()))[:5]}")
+                             f"{rows[:5]}{' ...' if len(rows) > 5 else ''} hold {held}")
         return ids
 
     def _project(self, slot_weights: torch.Tensor, inputs: torch.Tensor) -> torch.Tensor:
