@@ -40,7 +40,7 @@ def consumer(tmp_path_factory):
     return namespace, train, rankings
 
 
-def test_the_readmes_block_computes_every_score_em_recorded_again(consumer):
+def test_the_pages_block_computes_every_score_em_recorded_again(consumer):
     ns, train, _ = consumer
     scores = ns["scores"]
     assert len(scores) == 18 * 3 * 3 and len(ns["exact"]) == 18 * 2 * 3  # 18 training rankings, m = 3, a = 2, k = 3
@@ -88,7 +88,7 @@ def test_a_merged_adapter_scores_and_generates_as_the_adapter(consumer):
     assert torch.equal(merged.generate(input_ids=prompt, max_new_tokens=12, do_sample=False), sampled)
 
 
-def test_the_cache_tokens_come_from_the_texts_by_the_readmes_recipe(consumer):
+def test_the_cache_tokens_come_from_the_texts_by_the_pages_recipe(consumer):
     ns, _, rankings = consumer
     tokenizer = AutoTokenizer.from_pretrained(ns["base"])
     texts = {row["example_id"]: row for row in load_table(rankings).to_pylist()}
