@@ -15,7 +15,7 @@ import torch
 from lm_fixtures import HUB_NAME, as_cached_hub_model, tiny_model_dir  # noqa: F401  (fixture)
 from stage_fixtures import write_synthetic
 
-from moplex_core.artifacts import ArtifactStore, load_table, read_manifest
+from moplex_core.artifacts import ArtifactCorruptError, ArtifactStore, load_table, read_manifest
 from moplex_core.cache import cache_model, load_policy_inputs, plan_cache, policy_inputs, run_cache
 from moplex_core.config import CacheConfig, TrainConfig, pipeline_preset, with_overrides
 from moplex_core.estimate import reference_terms_batch
@@ -113,8 +113,12 @@ def test_a_pipeline_with_exact_training_says_how_to_leave_the_contractions_out(t
     assert says(exact, cache)
     assert not says(exact, cache.model_copy(update={"contractions": False}))  # left out already
     assert not says(with_overrides(exact, ["train.anchors=2"]), cache)  # read by the anchors
-    run_cache(cache, rankings, store, progress=False)
+    built = run_cache(cache, rankings, store, progress=False).path
     assert not says(exact, cache)  # built: too late to matter
+    (built / "part-00000.parquet").unlink()  # deleted by hand: the hint, before the stage, neither says nor raises
+    assert not says(exact, cache)
+    with pytest.raises(ArtifactCorruptError, match="part-00000.parquet missing"):  # the stage refuses it by name
+        run_cache(cache, rankings, store, progress=False)
 
 
 def test_train_refuses_a_base_model_changed_since_the_cache_was_built(tiny_model_dir, tmp_path):  # noqa: F811
