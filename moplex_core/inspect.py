@@ -10,6 +10,7 @@ registering a function with `stage_section`.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable
 from pathlib import Path, PurePath
 from typing import Any
@@ -21,7 +22,7 @@ import pyarrow.parquet as pq
 
 from moplex_core.artifacts import (CHECKPOINTS, MANIFEST, ArtifactStore, is_stage_folder, is_version_folder,
                                    off_the_manifest, output_files, readable_manifest, run_changes, shard_paths)
-from moplex_core.artifacts.layout import SHARD_RE, STAGE_ORDER
+from moplex_core.artifacts.layout import SHARD_RE, STAGE_ORDER, VERSION_LENGTH
 from moplex_core.artifacts.writer import last_started_run
 from moplex_core.display import printable
 
@@ -398,12 +399,16 @@ def _listing(directory: Path) -> str:
 
 
 def _partial_versions(root: Path, stage: str | None) -> list[Path]:
-    """The folders of the pipeline's stage folders under ``root`` (or of ``stage``'s) that are not
-    versions (`is_version_folder`): what a deletion or a copy by hand that stopped half way leaves
-    (a stage's folder holds only versions; other folders of the root, an experiment's, are not looked at)."""
+    """The folders of the pipeline's stage folders under ``root`` (or of ``stage``'s) named as a stage
+    names its versions that are not versions (`is_version_folder`): what a deletion or a copy by hand
+    that stopped half way leaves. A folder of another name is the user's (a model kept in ROOT/model/),
+    which no stage writes to; other folders of the root, an experiment's, are not looked at."""
     stages = [stage] if stage else [name for name in STAGE_ORDER if (root / name).is_dir()]
     return [folder for name in stages for folder in sorted((root / name).iterdir())
-            if folder.is_dir() and not folder.name.startswith(".") and not is_version_folder(folder)]
+            if folder.is_dir() and _VERSION_NAME.fullmatch(folder.name) and not is_version_folder(folder)]
+
+
+_VERSION_NAME = re.compile(f"[0-9a-f]{{{VERSION_LENGTH}}}")  # `artifacts.artifact_version`'s names
 
 
 def _folder_bytes(folder: Path) -> int:

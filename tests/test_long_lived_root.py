@@ -107,6 +107,9 @@ def test_the_listing_says_each_versions_size_what_uses_it_and_which_inputs_are_g
         f"from {short['cache']} (gone), {short['model']} (partial)  used by {short['evaluate']}")
     assert lines[str(versions["model"].ref)].split()[1] == "PARTIAL"  # listed, not left out: it takes space
     assert "a version deleted or copied in part" in lines[str(versions["model"].ref)]
+    (root / "model" / "my-base-model").mkdir()  # the user's own, which no stage writes to: not theirs to delete
+    (root / "model" / "my-base-model" / "config.json").write_text("{}")
+    assert "my-base-model" not in inspect_path(root) and "my-base-model" not in inspect_path(root / "model")
     (versions["train"].path / MANIFEST).rename(versions["train"].path / ".started")  # as if a run were under way
     lines = {line.split()[0]: line for line in inspect_path(root).splitlines()[1:]}
     assert lines[str(versions["evaluate"].ref)].endswith(f"from {short['cache']} (gone), {short['train']} (unfinished)")
