@@ -46,7 +46,8 @@ import pyarrow.parquet as pq
 import torch
 from tqdm.auto import tqdm
 
-from moplex_core.artifacts import CHECKPOINTS, ArtifactRef, ArtifactStore, atomic_path, check_files, read_manifest
+from moplex_core.artifacts import (CHECKPOINTS, ArtifactRef, ArtifactStore, atomic_path, check_files, output_files,
+                                   read_manifest)
 from moplex_core.cache import cache_model, contractions_out_of_date, load_policy_inputs
 from moplex_core.config import TrainConfig, no_contractions_message
 from moplex_core.em import (START_FILE, EMConfig, EMState, estimates_off_by, fit_mixture, posteriors_table,
@@ -329,8 +330,9 @@ def load_trained(train_dir: str | Path, model: str | None = None, *, device: str
     base model at ``model``: where its cache's model is now (`cache_model`), or by default where the
     model was when it trained."""
     manifest = read_manifest(train_dir)
-    check_files(train_dir, manifest, sorted(name for name in manifest["files"]  # a truncated adapter, say
-                                            if name.startswith("adapters/") or name == "result.json"))
+    # What evaluate and assign read of it, as its stage checks it (a truncated adapter, say; a deleted
+    # start_posteriors.parquet would pass for an artifact from before train-5, which kept none).
+    check_files(train_dir, manifest, output_files(manifest))
     recorded = dict(manifest["config"])
     trained_on = recorded.pop("model")  # where the model was when it trained
     model = trained_on if model is None else model

@@ -68,6 +68,15 @@ def test_a_finished_version_with_a_file_deleted_is_refused_by_name_not_found_com
         line for line in inspect_path(root).splitlines() if version.name in line.split()[0])) and "DAMAGED" in line
 
 
+def test_a_train_version_read_by_evaluate_or_assign_is_checked_as_its_stage_checks_it(root):
+    # load_trained, which evaluate and assign call on a train folder they are given: a deleted
+    # start_posteriors.parquet once passed for an artifact from before train-5 (the report without EM's start).
+    train = _version(root, "train")
+    (train / "start_posteriors.parquet").unlink()
+    with pytest.raises(ArtifactCorruptError, match=rf"{train}: start_posteriors.parquet missing"):
+        load_trained(train, read_manifest(train)["config"]["model"])
+
+
 def test_a_train_versions_checkpoints_can_be_deleted_to_free_space(root):
     train = _version(root, "train")
     before = {line.split()[0]: line for line in inspect_path(root).splitlines()[1:]}
