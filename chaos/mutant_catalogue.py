@@ -791,4 +791,10 @@ MUTANTS: list[Mutant] = [
            "a label's terminal escape sequences reach the terminal through a printed report table",
            'return printable(str(value).translate(_AS_TEXT))',
            'return str(value).translate(_AS_TEXT)'),
+    Mutant('report_counts_keep_markdown', 'moplex_core/report.py',
+           "a label's links and HTML reach report.md through its 'Rankings per true cluster' line",
+           'f"{markdown_cell(name)} {int(n)}"', 'f"{name} {int(n)}"'),
+    Mutant('inspect_user_folder_partial', 'moplex_core/inspect.py',
+           "a user's own folder in a stage folder is listed PARTIAL, to be deleted",
+           '_VERSION_NAME.fullmatch(folder.name) and not', 'not'),
 ]
