@@ -15,6 +15,7 @@ from __future__ import annotations
 import io
 from typing import Any
 
+import matplotlib
 import numpy as np
 import pandas as pd
 from matplotlib.figure import Figure
@@ -76,11 +77,14 @@ def write_report(writer, metrics: pd.DataFrame, diagnostics: pd.DataFrame, em_re
     outside = [name for name in splits if name != fit]  # the per-cluster view: a split that did not fit the matching
     last = outside[-1] if outside else splits[-1]
     method = metrics["method"].iloc[0]
-    plots = {"em_log_likelihood.png": _log_likelihood_plot(history)}
     clusters = per_cluster_table(metrics, last)
-    if not clusters.empty:
-        plots["cluster_accuracy.png"] = _cluster_accuracy_plot(clusters, last)
-    plots.update({f"confusion_{name}.png": _confusion_plot(frame, name) for name, frame in confusion.items()})
+    # The plots' labels are a dataset's text: "$\frac$" or "$5_$" there is not TeX for matplotlib to parse
+    # (a ValueError that failed the stage).
+    with matplotlib.rc_context({"text.parse_math": False}):
+        plots = {"em_log_likelihood.png": _log_likelihood_plot(history)}
+        if not clusters.empty:
+            plots["cluster_accuracy.png"] = _cluster_accuracy_plot(clusters, last)
+        plots.update({f"confusion_{name}.png": _confusion_plot(frame, name) for name, frame in confusion.items()})
     for name, png in plots.items():
         writer.write_file(f"plots/{name}", png)
 

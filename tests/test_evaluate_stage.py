@@ -253,16 +253,19 @@ def test_rankings_without_cluster_labels_are_evaluated_without_the_metrics_that_
 @pytest.mark.filterwarnings("ignore:Glyph:UserWarning")  # the plots draw the labels' control characters as boxes
 def test_a_label_from_a_dataset_shows_in_the_whole_report_as_its_text(trained, tmp_path):
     # The Prefect UI renders report.md and `make demo` prints it: a true label is any text a dataset holds, and
-    # it reaches the report's tables and its "Rankings per true cluster" line (which once took it raw).
+    # it reaches the report's tables and its "Rankings per true cluster" line (which once took it raw), and the
+    # plots, where "$\frac$" was TeX that matplotlib failed to parse.
     from markdown_it import MarkdownIt
 
     store, train, cache = trained
     metrics = pd.read_parquet(run_evaluate(EvaluateConfig(), train, cache, store).path / "metrics.parquet")
-    labels = {"c0": "[click](javascript:alert(1))", "c1": "<img src=x onerror=alert(1)>", "c2": "\x1b]8;;x\x07a\nb"}
+    labels = {"c0": "[click](javascript:alert(1))", "c1": "<img src=x onerror=alert(1)>",
+              "c2": "\x1b]8;;x\x07a\nb $\\frac$"}
     metrics["cluster"] = metrics.cluster.replace(labels)
     with ArtifactStore(tmp_path).writer("evaluate", "0123456789ab", config={}) as writer:
-        write_report(writer, metrics, pd.DataFrame(), {"history": [-1.2, -1.1]}, {}, {"train": "train/x"}, "pl",
-                     _mixture(train))
+        confusion = pd.DataFrame([[0.7, 0.3]] * 3, index=list(labels.values()), columns=["c0", "c1"])
+        write_report(writer, metrics, pd.DataFrame(), {"history": [-1.2, -1.1]}, {"test": confusion},
+                     {"train": "train/x"}, "pl", _mixture(train))
     report = (writer.path / "report.md").read_text()
     assert "Rankings per true cluster: \\[click\\](javascript:alert(1)) " in report and "\x1b" not in report
     parser = MarkdownIt("commonmark").enable("table")
@@ -270,5 +273,5 @@ def test_a_label_from_a_dataset_shows_in_the_whole_report_as_its_text(trained, t
     tokens = [child for token in parser.parse(report) if token.type == "inline" for child in token.children]
     assert not [token for token in tokens if token.type in ("link_open", "html_inline")]
     assert {token.attrGet("src") for token in tokens if token.type == "image"} == {
-        "plots/em_log_likelihood.png", "plots/cluster_accuracy.png"}
+        "plots/em_log_likelihood.png", "plots/cluster_accuracy.png", "plots/confusion_test.png"}
     assert not [token for token in parser.parse(report) if token.type == "html_block"]
