@@ -185,7 +185,9 @@ def test_runs_killed_without_a_word_are_marked_crashed_by_the_heartbeat_automati
     process and the worker; and a `moplex run` against the server. The worker reports the first
     pipeline run Crashed itself (its process ended with -9); the stage in it, and all of the other two,
     nothing reports: prefect-automations.yaml marks them Crashed when their heartbeats stop, which
-    prefect.yaml's job variables and `moplex run` send every 30 s."""
+    prefect.yaml's job variables and `moplex run` send every 30 s. Another project's flow run on the same
+    server, alive with Prefect's default 180 s heartbeats, is left alone: the automation watches moplex's
+    flows only."""
     api, env, started = prefect_server
     automation_file = REPO / "prefect-automations.yaml"
     automation = yaml.safe_load(automation_file.read_text())
@@ -204,6 +206,9 @@ def test_runs_killed_without_a_word_are_marked_crashed_by_the_heartbeat_automati
                          str(tmp_path / "moplex-run"), *(f"--set={o}" for o in overrides)], env,
                         tmp_path / "moplex-run.log")
     started.append(moplex_run)
+    other_project = _start([sys.executable, "-c", OTHER_PROJECT], {**env, "PREFECT_FLOWS_HEARTBEAT_FREQUENCY": "180"},
+                           tmp_path / "other-project.log")
+    started.append(other_project)
 
     runs: dict[str, str] = {}
     with httpx.Client(base_url=api, timeout=30, transport=_RetryingTransport()) as client:
@@ -214,6 +219,8 @@ def test_runs_killed_without_a_word_are_marked_crashed_by_the_heartbeat_automati
                     "parameters": {"preset": "synthetic-demo", "overrides": [f"root={tmp_path / case}", *overrides]},
                     "idempotency_key": case}).raise_for_status().json()["id"]
             runs["moplex run"] = _run_without_deployment(client, tmp_path)
+            other = _wait_for_running(client, "other-project", tmp_path)
+            other_started = time.monotonic()
             stages = {case: _stage_sending_heartbeats(client, run, "model/", tmp_path) for case, run in runs.items()}
             for case in ("lost", "moplex run"):  # a live run is not taken for a dead one
                 beats = _wait_for_heartbeats(client, runs[case], 2, tmp_path)
@@ -231,17 +238,45 @@ def test_runs_killed_without_a_word_are_marked_crashed_by_the_heartbeat_automati
                 dead = _wait_for_end(client, run, tmp_path, timeout=window + 120)
                 assert dead["state"]["type"] == "CRASHED", dead["state"]
                 assert dead["state"]["message"] == automation["actions"][0]["message"]
+            time.sleep(max(0.0, other_started + window + 15 - time.monotonic()))  # past its first heartbeat's window
+            alive = client.get(f"/flow_runs/{other}").raise_for_status().json()["state"]
+            assert alive["type"] == "RUNNING", alive
         finally:  # flow-run processes are in sessions of their own: the fixture's group signals miss them
             for case in ("oom", "lost"):
                 with contextlib.suppress(KeyError, httpx.HTTPError, TypeError, ProcessLookupError):
                     os.kill(int(client.get(f"/flow_runs/{runs[case]}").json()["infrastructure_pid"]), signal.SIGKILL)
 
 
+# A flow of another project on the same server: alive for 15 minutes, a heartbeat every 180 s (Prefect's default).
+OTHER_PROJECT = """
+import time
+from prefect import flow
+
+@flow(name="other-project")
+def other_project():
+    time.sleep(900)
+
+other_project()
+"""
+
+
+def _wait_for_running(client: httpx.Client, flow_name: str, tmp_path: Path) -> str:
+    """The id of the flow run of the flow named ``flow_name``, once it is Running."""
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        runs = client.post("/flow_runs/filter", json={"flows": {"name": {"any_": [flow_name]}}})
+        runs = runs.raise_for_status().json()
+        if runs and runs[0]["state"]["type"] == "RUNNING":
+            return runs[0]["id"]
+        time.sleep(1)
+    pytest.fail(f"no Running flow run of {flow_name} in 120 s:\n{(tmp_path / f'{flow_name}.log').read_text()[-2000:]}")
+
+
 def _run_without_deployment(client: httpx.Client, tmp_path: Path) -> str:
-    """The id of the one top-level flow run without a deployment (`moplex run`'s), once it exists."""
+    """The id of the one top-level pipeline run without a deployment (`moplex run`'s), once it exists."""
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
-        runs = client.post("/flow_runs/filter", json={"flow_runs": {
+        runs = client.post("/flow_runs/filter", json={"flows": {"name": {"any_": ["moplex-pipeline"]}}, "flow_runs": {
             "deployment_id": {"is_null_": True}, "parent_task_run_id": {"is_null_": True}}}).raise_for_status().json()
         if runs:
             assert len(runs) == 1, [run["name"] for run in runs]
