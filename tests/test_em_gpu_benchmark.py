@@ -166,49 +166,49 @@ def test_imports_pull_in_no_package_the_gpu_machine_lacks() -> None:
     assert not {"moplex_core.config", "moplex_core.train", "moplex_core.cache"} & set(loaded)
 
 
-def test_a_split_run_resumes_where_the_first_part_stopped(tmp_path: Path) -> None:
+def _em_section(out: Path, *extra: str) -> tuple[subprocess.CompletedProcess, dict]:
+    """The script's EM section alone (--tiny) into ``out``: the process and its em_gpu.json."""
+    runner = _runner(["--tiny", "--out", str(out), "--sections", "em", *extra])
+    proc = subprocess.run([sys.executable, "-c", runner], cwd=ROOT, env=_env(), capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    return proc, json.loads((out / "em_gpu.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def first_m_prime_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.CompletedProcess, dict]:
+    """The EM section at the first tiny m' with the default minibatch and pass sizes (read, never changed)."""
+    return _em_section(tmp_path_factory.mktemp("em_first_m_prime"), "--m-primes", str(TINY_M_PRIMES[0]))
+
+
+def test_a_split_run_resumes_where_the_first_part_stopped(tmp_path: Path, first_m_prime_run) -> None:
     """--m-primes runs part of the EM section; --resume keeps an earlier run's rows and runs only the
     configurations it lacks, so one measurement can span several device time limits."""
-    def run(out: Path, *extra: str) -> subprocess.CompletedProcess:
-        runner = _runner(["--tiny", "--out", str(out), "--sections", "em", *extra])
-        proc = subprocess.run([sys.executable, "-c", runner], cwd=ROOT, env=_env(), capture_output=True, text=True,
-                              timeout=600)
-        assert proc.returncode == 0, proc.stderr[-5000:]
-        return proc
-
-    stopped = run(tmp_path / "stopped", "--deadline", "0")  # nothing starts after 0 s, and it says so
-    assert json.loads((tmp_path / "stopped" / "em_gpu.json").read_text())["em"] == []
+    stopped, results = _em_section(tmp_path / "stopped", "--deadline", "0")  # nothing starts after 0 s, and it says so
+    assert results["em"] == []
     assert "--deadline 0 s reached" in stopped.stderr and "em m'=" not in stopped.stderr
-    run(tmp_path / "first", "--m-primes", str(TINY_M_PRIMES[0]))
-    first = json.loads((tmp_path / "first" / "em_gpu.json").read_text())
+    _, first = first_m_prime_run
     older = {**first, "sizes": {k: v for k, v in first["sizes"].items() if k != "pairs_per_step"}}
-    (tmp_path / "first" / "em_gpu.json").write_text(json.dumps(older))  # as written before that setting existed
+    (tmp_path / "first.json").write_text(json.dumps(older))  # as written before that setting existed
     assert [row["m_prime"] for row in first["em"]] == [TINY_M_PRIMES[0]] * len(TINY_METHODS)
-    second = run(tmp_path / "second", "--resume", str(tmp_path / "first" / "em_gpu.json"))
+    second, results = _em_section(tmp_path / "second", "--resume", str(tmp_path / "first.json"))
     measured = re.findall(r"^em m'=(\d+) ", second.stderr, flags=re.MULTILINE)
     assert measured == [str(TINY_M_PRIMES[1])] * len(TINY_METHODS)  # the first part's m' is not run again
-    results = json.loads((tmp_path / "second" / "em_gpu.json").read_text())
     assert [(row["m_prime"], row["method"], row["prompts"]) for row in results["em"]] == \
         [(m, *method) for m in TINY_M_PRIMES for method in TINY_METHODS]
     assert results["em"][:len(TINY_METHODS)] == first["em"] and results["resumed_from"] == first["date"]
     assert [row["speedup_vs_full"] for row in results["em"] if row["method"] == "full"] == [1.0] * 4
 
 
-def test_the_m_step_minibatch_and_the_e_step_pass_are_settable(tmp_path: Path) -> None:
+def test_the_m_step_minibatch_and_the_e_step_pass_are_settable(tmp_path: Path, first_m_prime_run) -> None:
     """--pairs-per-step P fits P (example, cluster) pairs per optimizer step, as the pipeline's
     train.batch_size does, and --score-batch-size sets the rows per pass; both are recorded, and the
     timed M-step's optimizer steps say which ran (n = 2 examples x k = 3 clusters = 6 pairs)."""
-    def run(out: Path, *extra: str) -> dict:
-        runner = _runner(["--tiny", "--out", str(out), "--sections", "em", "--m-primes", str(TINY_M_PRIMES[0]), *extra])
-        proc = subprocess.run([sys.executable, "-c", runner], cwd=ROOT, env=_env(), capture_output=True, text=True,
-                              timeout=600)
-        assert proc.returncode == 0, proc.stderr[-5000:]
-        assert "M-step minibatch: " + json.loads((out / "em_gpu.json").read_text())["protocol"]["m_step_minibatch"] \
-            in proc.stdout
-        return json.loads((out / "em_gpu.json").read_text())
-
-    one = run(tmp_path / "one")
-    three = run(tmp_path / "three", "--pairs-per-step", "3", "--score-batch-size", "8")
+    runs = [first_m_prime_run, _em_section(tmp_path / "three", "--m-primes", str(TINY_M_PRIMES[0]),
+                                           "--pairs-per-step", "3", "--score-batch-size", "8")]
+    for proc, results in runs:
+        assert "M-step minibatch: " + results["protocol"]["m_step_minibatch"] in proc.stdout
+    (_, one), (_, three) = runs
     assert [row["m_step_optimizer_steps"] for row in one["em"]] == [6] * len(TINY_METHODS)
     assert [row["m_step_optimizer_steps"] for row in three["em"]] == [2] * len(TINY_METHODS)
     assert (one["sizes"]["pairs_per_step"], three["sizes"]["pairs_per_step"]) == (1, 3)

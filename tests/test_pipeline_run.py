@@ -25,6 +25,8 @@ from moplex_core.lm.loading import ModelUnavailableError
 from moplex_core.schema import RowIssue, SchemaError
 
 LOGGER = logging.getLogger("test-stage-retries")
+# synthetic-demo's stages before train at a fifth of their rankings and pretraining steps: a run reaches train sooner
+SMALLER_DEMO = ("ingest.synthetic.n=60", "tiny_model.pretrain_steps=20")
 
 
 class Flaky:
@@ -185,7 +187,7 @@ def _as_from_a_terminal(command: list[str], ignoring: tuple[signal.Signals, ...]
 
 def _signal_moplex_run_in_train(tmp_path: Path, signum: int, wait_for_server: float = 0.0
                                 ) -> tuple[int, str, list[int]]:
-    """Start `moplex run synthetic-demo` in a process group of its own, send ``signum`` to the group
+    """Start `moplex run synthetic-demo` (SMALLER_DEMO) in a process group of its own, send ``signum`` to the group
     once the train stage has begun, and return the run's status, its stderr and the pids of its
     PREFECT_HOME's temporary servers still running when it has ended, or up to ``wait_for_server``
     seconds later (killed then, so none is left behind)."""
@@ -197,8 +199,9 @@ def _signal_moplex_run_in_train(tmp_path: Path, signum: int, wait_for_server: fl
                TOKENIZERS_PARALLELISM="false")
     log = tmp_path / "stderr.log"
     with log.open("w") as err:
+        sets = [part for setting in SMALLER_DEMO for part in ("--set", setting)]
         run = subprocess.Popen(_as_from_a_terminal([sys.executable, "-m", "moplex_core.cli", "run", "synthetic-demo",
-                                                    "--threads", "1", "--root", str(tmp_path / "artifacts")]),
+                                                    *sets, "--threads", "1", "--root", str(tmp_path / "artifacts")]),
                                stdout=subprocess.DEVNULL, stderr=err, env=env, start_new_session=True)
         try:
             deadline = time.monotonic() + 600
@@ -221,7 +224,7 @@ def _signal_moplex_run_in_train(tmp_path: Path, signum: int, wait_for_server: fl
     return status, log.read_text(), left
 
 
-@pytest.mark.slow  # a pipeline run up to its train stage: ~40 s on 2 cores
+@pytest.mark.slow  # a pipeline run up to its train stage: ~20 s on 2 cores
 @pytest.mark.parametrize("stop", ["SIGTERM", "SIGINT"])
 def test_a_signal_to_the_process_group_stops_moplex_run_at_once_and_its_server_with_it(tmp_path, stop):
     """`timeout`, systemd and a terminal's Ctrl-C signal the whole process group. Prefect's temporary
@@ -229,7 +232,8 @@ def test_a_signal_to_the_process_group_stops_moplex_run_at_once_and_its_server_w
     with one line and the signal's status, and the server is stopped, not left behind."""
     status, text, left = _signal_moplex_run_in_train(tmp_path, getattr(signal, stop))
     assert status == 128 + getattr(signal, stop), text[-3000:]
-    assert f"preset synthetic-demo with overrides ['root={tmp_path / 'artifacts'}']" in text  # the run's parameters
+    overrides = [*SMALLER_DEMO, f"root={tmp_path / 'artifacts'}"]
+    assert f"preset synthetic-demo with overrides {overrides}" in text  # the run's parameters
     assert "moplex run: interrupted. Finished stages" in text
     assert "Traceback" not in text and "Error logging to API" not in text and "Connection refused" not in text
     assert "Finished in state Crashed" in text  # Prefect recorded the crash on its live server

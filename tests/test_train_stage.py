@@ -307,8 +307,7 @@ def test_resume_after_sigkill_between_iterations_reproduces_the_uninterrupted_ru
         return subprocess.run([sys.executable, "-c", RUN_TRAIN, str(root), str(cache_dir),
                                config.model_dump_json(), str(kill_after)], capture_output=True, text=True)
 
-    whole = run(tmp_path / "whole", -1)
-    assert whole.returncode == 0, whole.stderr[-2000:]
+    run_train(config, cache_dir, ArtifactStore(tmp_path / "whole"), progress=False)  # here: one process start fewer
     killed = run(tmp_path / "killed", 1)
     assert killed.returncode == -signal.SIGKILL
     (version_dir,) = versions(tmp_path / "killed")
