@@ -39,6 +39,7 @@ from em_gpu_rig import (
     random_batches,
     sync,
     synthetic_inputs,
+    weight_grad_pass,
 )
 from moplex_core.estimate import anchor_pass
 from moplex_core.lm import logprobs
@@ -56,6 +57,8 @@ PLAIN_STOCK = ("plain base model, transformers' RMSNorm and MLP (not moplex's le
 MULTI_E = "multi-LoRA, k adapters mixed, fwd + grad w.r.t. inputs_embeds (E-step)"
 MULTI_M = "multi-LoRA, k adapters mixed, fwd + backward into LoRA weights (M-step)"
 MULTI_E_PROMPT_PASS = "multi-LoRA, k adapters mixed, E-step through the prompt pass (each row its own prompt)"
+MULTI_M_PROMPT_PASS = ("multi-LoRA, M-step through the prompt pass (two pairs: half the rows share one prompt "
+                       "and adapter, half another)")
 PEFT_ONE = "PEFT, 1 active adapter of k, fwd + grad w.r.t. inputs_embeds"
 PEFT_ONE_MODEL_DTYPE = "PEFT, 1 active adapter of k, adapters in the model's dtype (autocast_adapter_dtype=False)"
 PEFT_MIXED = "PEFT mixed adapter_names, k adapters, fwd + grad w.r.t. inputs_embeds"
@@ -356,7 +359,8 @@ def _peft_rows(model_dir: Path, sizes: Sizes, batches: dict[int, list[TokenizedR
 
 def anchor_pass_profile(model_dir: Path, sizes: Sizes, out: Path) -> dict[str, Any]:
     """The plain pass, the mixed multi-LoRA E-step pass, the same through the prompt pass
-    (``multi_lora_prompt_pass``) and the mixed M-step pass (``multi_lora_m``) over B =
+    (``multi_lora_prompt_pass``), the mixed M-step pass (``multi_lora_m``) and an M-step pass of two
+    pairs through the prompt pass, as the scorer runs one with shared prompts (``multi_lora_m_prompt_pass``) over B =
     min(batch_rows) rows, each timed as in the throughput section and then run once under torch.profiler: per aten
     op, its self time on the device (the kernels it launched; on the CPU, its CPU time) and its
     calls; the kernels launched and the device's busy time. Wall time well above busy time is time the
@@ -376,11 +380,27 @@ def anchor_pass_profile(model_dir: Path, sizes: Sizes, out: Path) -> dict[str, A
                                out / "profile_multi_lora_prompt_pass.json.gz")
     params = list(lora.named_parameters().values())
     m_step = _profile(lambda: mixed_pass(model, lora, batch, sizes, params), sizes, out / "profile_multi_lora_m.json.gz")
+    pairs, pair_of = _two_pairs(batch)
+    m_prompt_pass = _profile(
+        lambda: weight_grad_pass(model, pairs, params, groups=pair_of, route=lambda rows: lora.route(
+            [pair_of[r] for r in rows])), sizes, out / "profile_multi_lora_m_prompt_pass.json.gz")
     extra_gb = _lora_extra_bytes(lora, b * sizes.row_tokens, sizes.dtype.itemsize) / 1e9
     del model, lora
     free(sizes)
     return {"batch": b, "plain": plain, "multi_lora": multi, "multi_lora_prompt_pass": prompt_pass,
-            "multi_lora_m": m_step, "lora_extra_gb": extra_gb}
+            "multi_lora_m": m_step, "multi_lora_m_prompt_pass": m_prompt_pass, "lora_extra_gb": extra_gb}
+
+
+def _two_pairs(batch: list[TokenizedResponse]) -> tuple[list[TokenizedResponse], list[int]]:
+    """``batch``'s rows as two (example, cluster) pairs of an M-step pass: the first half continues the
+    first row's prompt, the second half the middle row's, each half one run of rows; and each row's
+    pair (0 or 1: its group and its adapter)."""
+    half = len(batch) // 2
+    pair_of = [0 if b < half else 1 for b in range(len(batch))]
+    heads = [batch[0], batch[half]]
+    rows = [TokenizedResponse(heads[g].input_ids[: heads[g].response_start] + row.input_ids[row.response_start :],
+                              response_start=heads[g].response_start) for row, g in zip(batch, pair_of, strict=True)]
+    return rows, pair_of
 
 
 def _lora_extra_bytes(lora: MultiLoRA, tokens: int, element_size: int) -> int:

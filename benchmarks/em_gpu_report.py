@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from em_gpu_passes import MULTI_E, MULTI_E_PROMPT_PASS, MULTI_M, PLAIN
+from em_gpu_passes import MULTI_E, MULTI_E_PROMPT_PASS, MULTI_M, MULTI_M_PROMPT_PASS, PLAIN
 from em_gpu_rig import LORA
 
 PROFILE_TOP = 14  # aten ops the profile table lists by time; the rest are one row
@@ -124,9 +124,9 @@ def _print_profile(profile: dict[str, Any], copy_tbs: float | None) -> None:
     print("| pass | wall ms | busy ms | busy / wall | kernels |")
     print("|---|---|---|---|---|")
     passes = ((PLAIN, plain), (MULTI_E, multi), (MULTI_E_PROMPT_PASS, profile.get("multi_lora_prompt_pass")),
-              (MULTI_M, profile.get("multi_lora_m")))
+              (MULTI_M, profile.get("multi_lora_m")), (MULTI_M_PROMPT_PASS, profile.get("multi_lora_m_prompt_pass")))
     for label, row in passes:
-        if row is not None:  # a run from before these two rows existed (--resume) has only the first two
+        if row is not None:  # a run from before the later rows existed (--resume, a report) has fewer
             print(f"| {label} | {row['wall_ms']:.1f} | {row['busy_ms']:.1f} | {row['busy_ms'] / row['wall_ms']:.2f} | "
                   f"{_fmt(row['kernels'], 'd', False)} |")
     print()

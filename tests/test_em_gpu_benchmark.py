@@ -78,7 +78,7 @@ def test_table_has_every_configuration_and_pass(tiny_run: tuple[Path, str]) -> N
     for row, name in zip(passes, THROUGHPUT_PASSES, strict=True):
         assert row[0].startswith(name) and row[1] == "6"  # B = 2 k: every batch mixes all k adapters
     profiled = _table(stdout, "| pass | wall ms |")
-    assert [row[0].split(",")[0] for row in profiled] == ["plain base model"] + ["multi-LoRA"] * 3
+    assert [row[0].split(",")[0] for row in profiled] == ["plain base model"] + ["multi-LoRA"] * 4
     ops = _table(stdout, "| aten op |")
     assert len(ops) == 15 and ops[-1][0].endswith("other ops")  # the 14 slowest, then the rest
     assert "OOM" not in stdout
@@ -123,7 +123,7 @@ def test_json_numbers_are_positive_and_finite(tiny_run: tuple[Path, str]) -> Non
     for key in ("matmul_tflops", "copy_tbs"):
         assert math.isfinite(results["ceilings"][key]) and results["ceilings"][key] > 0
     profile = results["profile"]
-    for name in ("plain", "multi_lora", "multi_lora_prompt_pass", "multi_lora_m"):
+    for name in ("plain", "multi_lora", "multi_lora_prompt_pass", "multi_lora_m", "multi_lora_m_prompt_pass"):
         row = profile[name]
         assert row["wall_ms"] > 0 and 0 < row["busy_ms"] and row["kernels"] is None  # no kernels on the CPU
         assert sum(op["ms"] for op in row["ops"].values()) == pytest.approx(row["busy_ms"])

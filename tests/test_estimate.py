@@ -193,12 +193,14 @@ def test_reference_terms_match_the_reference_log_probs(model64):
     assert s_ref.shape == (4, 4) and s_ref.dtype == torch.float32
 
 
+@pytest.mark.parametrize("order", ["groups interleaved", "groups in runs", "one group"])
 @pytest.mark.parametrize("prompts", ["of different lengths", "of one length"])
 def test_a_shared_prompt_pass_gives_the_whole_rows_log_probs_and_gradients(tiny_model_dir, float64_rmsnorm,  # noqa: F811
-                                                                          monkeypatch, prompts):
+                                                                          monkeypatch, prompts, order):
     # Responses of different lengths, three adapters mixed in one batch, rows of one (prompt, adapter)
-    # group not adjacent: the prompt pass once per group must give what running every row whole
-    # gives, for log pi, the input gradients and the LoRA gradients. Prompts of different lengths pad
+    # group not adjacent (indexed to their rows), each group's rows in one run (broadcast to them, as
+    # moplex's passes run), or a single group: the prompt pass once per group must give what running
+    # every row whole gives, for log pi, the input gradients and the LoRA gradients. Prompts of different lengths pad
     # the shorter prefix, and the continuation takes a 2D mask; prompts of one length leave no pad
     # before the continuation, which then runs under a bottom-right causal bias (the flash kernel on a GPU).
     from moplex_core.lm import logprobs
@@ -216,7 +218,13 @@ def test_a_shared_prompt_pass_gives_the_whole_rows_log_probs_and_gradients(tiny_
     assert short[0].input_ids[: short[0].response_start] != long[0].input_ids[: long[0].response_start]
     rows = [short[0], long[1], short[2], long[0], short[0], long[2], short[3]]
     adapters = [0, 1, 0, 1, 2, 1, 0]
+    if order == "groups in runs":
+        rows, adapters = [short[0], short[2], short[3], long[1], long[0], long[2], short[0]], [0, 0, 0, 1, 1, 1, 2]
+    elif order == "one group":
+        rows, adapters = [short[0], short[2], short[1], short[3]], [1] * 4
     groups = [(seq is short[0] or seq in short, c) for seq, c in zip(rows, adapters)]
+    runs = sum(1 for r in range(len(groups)) if r == 0 or groups[r] != groups[r - 1])
+    assert runs == {"groups interleaved": 7, "groups in runs": 3, "one group": 1}[order]
     params = list(lora.named_parameters().values())
     masks = []
     continuation_mask = logprobs._continuation_mask
@@ -232,7 +240,7 @@ def test_a_shared_prompt_pass_gives_the_whole_rows_log_probs_and_gradients(tiny_
 
     whole, whole_grads = run(grouped=False)
     shared, shared_grads = run(grouped=True)
-    assert len(masks) == 1 and isinstance(masks[0], dict) == (prompts == "of one length")
+    assert len(masks) == 1 and isinstance(masks[0], dict) == (prompts == "of one length" or order == "one group")
     torch.testing.assert_close(shared.logp, whole.logp, rtol=0, atol=1e-10)
     torch.testing.assert_close(shared.input_grads, whole.input_grads, rtol=0, atol=1e-9)
     assert torch.equal(shared.lengths, whole.lengths)

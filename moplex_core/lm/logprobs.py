@@ -156,9 +156,30 @@ def prompt_prefix(
     out = decoder(input_ids=to_device(ids, device), attention_mask=_whole_rows_mask(model, mask, on_device),
                   use_cache=True)
     cache = getattr(out, _cache_name(decoder))
+    _rows_of_groups(cache, rows)
     mask, rows = on_device, to_device(rows, device)
-    cache.batch_select_indices(rows)  # [G, ...] -> [B, ...], differentiable indexing
     return PromptPrefix(cache, mask[rows], mask.sum(1)[rows], min(len(p) for p in prefixes) < width)
+
+
+def _rows_of_groups(cache: DynamicCache, rows: torch.Tensor) -> None:
+    """The prefix keys and values of each of the G groups handed to their rows, in place: [G, ...] ->
+    [B, ...] in every layer, row b taking group rows[b] (int64 [B] on the host).
+
+    Where the rows of each group are one run and the groups come in order (moplex's passes: a
+    pair's rows are consecutive), each group's tensors are broadcast to its run (``expand``, joined
+    by the cache's own ``cat`` with the continuation when G = 1), so the backward sums each run with
+    a reduction. Otherwise differentiable indexing, whose backward accumulates duplicate indices with
+    ``index_put_``, which on a GPU is slow for repeated indices of large slices (pytorch issue 41162)."""
+    groups, counts = torch.unique_consecutive(rows, return_counts=True)
+    if not torch.equal(groups, torch.arange(len(groups))):
+        cache.batch_select_indices(rows)
+        return
+    counts = counts.tolist()
+    for layer in cache.layers:
+        layer.keys, layer.values = (
+            t.expand(counts[0], *t.shape[1:]) if len(counts) == 1
+            else torch.cat([t[g : g + 1].expand(count, *t.shape[1:]) for g, count in enumerate(counts)])
+            for t in (layer.keys, layer.values))
 
 
 def sequence_logprobs(
