@@ -3,8 +3,9 @@
     PYTHONPATH=. python3 benchmarks/host_ops.py [--layers 28] [--k 12] [--rows 12] [--repeats 7]
 
 A pass whose kernels are small keeps its GPU waiting on the host, which dispatches one op after
-another (the H200 profile in docs/em_gpu_h200.json: the mixed E-step pass of 12 rows kept the card
-busy 225 of its 317 ms). The host's share does not depend on the card, so it is measured here, on
+another (the H200 profiles in docs/em_gpu_h200*.json: the mixed E-step pass of 12 rows kept the card
+busy 225 of its 317 ms on 2026-11-24; on 2026-11-26 an M-step pass of two pairs through the prompt
+pass 200 of its 388 ms). The host's share does not depend on the card, so it is measured here, on
 the CPU, on a Qwen3 with Qwen3-0.6B's depth and LoRA layout (``--layers`` decoder layers, k LoRA
 adapters of rank 16 on all 7 projections) but a width of 16 (2 heads, one key/value head) and rows
 of 4 prompt + 4 response tokens, float32 (``--dtype``), one thread, where the kernels' arithmetic
