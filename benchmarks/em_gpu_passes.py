@@ -18,7 +18,6 @@ from typing import Any
 import torch
 from peft import LoraConfig, get_peft_model
 from torch import nn
-from torch.nn import functional as F
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity
 
@@ -45,7 +44,6 @@ from em_gpu_rig import (
 from moplex_core.estimate import anchor_pass
 from moplex_core.lm import logprobs
 from moplex_core.lm.device import to_device
-from moplex_core.lm.lean import LeanRMSNorm
 from moplex_core.lm.loading import dtype_name, load_model
 from moplex_core.lm.multi_lora import MultiLoRA
 from moplex_core.lm.tokenize import TokenizedResponse
@@ -56,8 +54,6 @@ PLAIN_PADDED = "plain base model, right-padded rows (responses half to full leng
 PLAIN_PADDED_MASKED = "plain base model, the same padded rows under a padding mask (moplex until 2026-11-24)"
 PLAIN_STOCK = ("plain base model, transformers' RMSNorm and MLP (not moplex's lean ones), fwd + grad w.r.t. "
                "inputs_embeds")
-PLAIN_TORCH_NORM = ("plain base model, torch's rms_norm in place of moplex's lean RMSNorm (rounds once where "
-                    "transformers' rounds twice; fused kernels on CUDA), fwd + grad w.r.t. inputs_embeds")
 MULTI_E = "multi-LoRA, k adapters mixed, fwd + grad w.r.t. inputs_embeds (E-step)"
 MULTI_M = "multi-LoRA, k adapters mixed, fwd + backward into LoRA weights (M-step)"
 MULTI_E_PROMPT_PASS = "multi-LoRA, k adapters mixed, E-step through the prompt pass (each row its own prompt)"
@@ -298,7 +294,7 @@ def waits(run: Callable[[], Any], where: tuple[str, ...] = ("moplex_core", "tran
 
 
 def anchor_pass_throughput(model_dir: Path, sizes: Sizes) -> dict[str, Any]:
-    """A row per pass (PLAIN, PLAIN_PADDED, PLAIN_PADDED_MASKED, PLAIN_STOCK, PLAIN_TORCH_NORM, MULTI_E, MULTI_M, PEFT_ONE,
+    """A row per pass (PLAIN, PLAIN_PADDED, PLAIN_PADDED_MASKED, PLAIN_STOCK, MULTI_E, MULTI_M, PEFT_ONE,
     PEFT_MIXED, and PEFT_ONE_MODEL_DTYPE in bf16) and B, one model on the device at a time, and the attention
     implementation the model loaded with."""
     batches = random_batches(model_dir, sizes)
@@ -318,8 +314,8 @@ def anchor_pass_throughput(model_dir: Path, sizes: Sizes) -> dict[str, Any]:
 def _plain_rows(model_dir: Path, sizes: Sizes, batches: dict[int, list[TokenizedResponse]]) -> tuple[str, list[dict[str, Any]]]:
     """(the attention implementation the model loaded with, its rows): PLAIN; PLAIN_PADDED against
     PLAIN_PADDED_MASKED, where the pipeline's padded passes differ (tokens/s counts the padded width);
-    PLAIN_STOCK, what the lean RMSNorm and MLP cost or gain in time; PLAIN_TORCH_NORM, what torch's
-    fused RMSNorm would gain (a measurement only: moplex keeps transformers' rounding)."""
+    PLAIN_STOCK, what the lean RMSNorm and MLP cost or gain in time (on a GPU the lean norm is torch's
+    fused rms_norm: its gain; on the CPU transformers' ops)."""
     model = load_frozen_model(model_dir, sizes)
     rows = measure(PLAIN, lambda batch: input_grad_pass(model, batch), batches, sizes)
     padded = _padded_batches(batches, sizes)
@@ -330,27 +326,7 @@ def _plain_rows(model_dir: Path, sizes: Sizes, batches: dict[int, list[Tokenized
     free(sizes)
     stock = load_stock_model(model_dir, sizes)
     rows += measure(PLAIN_STOCK, lambda batch: input_grad_pass(stock, batch), batches, sizes)
-    attention = stock.config._attn_implementation
-    del stock
-    free(sizes)
-    fused = load_frozen_model(model_dir, sizes)
-    for name, module in list(fused.named_modules()):
-        if isinstance(module, LeanRMSNorm):
-            fused.set_submodule(name, _TorchRMSNorm(module.weight, module.variance_epsilon))
-    rows += measure(PLAIN_TORCH_NORM, lambda batch: input_grad_pass(fused, batch), batches, sizes)
-    return attention, rows
-
-
-class _TorchRMSNorm(nn.Module):
-    """torch.nn.functional.rms_norm with a Qwen3 RMSNorm's weight and epsilon: x / rms(x) * weight in
-    float32, cast once (on CUDA one fused kernel forward and one backward)."""
-
-    def __init__(self, weight: nn.Parameter, eps: float) -> None:
-        super().__init__()
-        self.weight, self.eps = weight, eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+    return stock.config._attn_implementation, rows
 
 
 def _multi_lora_rows(model_dir: Path, sizes: Sizes, batches: dict[int, list[TokenizedResponse]]) -> list[dict[str, Any]]:

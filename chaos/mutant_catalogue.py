@@ -69,6 +69,7 @@ TESTS: dict[str, tuple[str, ...]] = {  # source file -> test modules under tests
     ),
     'moplex_core/lm/checks.py': ('test_model_checks', 'test_generate'),
     'moplex_core/lm/device.py': ('test_device', 'test_lora_policy', 'test_lm_logprobs', 'test_estimate', 'test_em'),
+    'moplex_core/lm/lean.py': ('test_lean', 'test_estimate', 'test_lm_logprobs'),
     'moplex_core/lm/loading.py': ('test_lm_loading', 'test_generate', 'test_pipeline_config'),
     'moplex_core/lm/logprobs.py': (
         'test_lm_logprobs', 'test_estimate', 'test_lm_tiny', 'test_approximation', 'test_lora_policy',
@@ -235,6 +236,9 @@ MUTANTS: list[Mutant] = [
     Mutant('L06', 'moplex_core/lm/tokenize.py', 'EOS not appended to a response that ended',
            'ids = _text_ids(tokenizer, response) + [eos] * ended',
            'ids = _text_ids(tokenizer, response)'),
+    Mutant('N01', 'moplex_core/lm/lean.py', "off the CPU transformers' two roundings, not torch's fused norm",
+           'if x.device.type != "cpu":',
+           'if x.device.type == "gpu":'),
     Mutant('M01', 'moplex_core/lm/multi_lora.py', 'LoRA scaling alpha / sqrt(r)',
            'return self.alpha / self.r',
            'return self.alpha / self.r ** 0.5'),

@@ -25,7 +25,6 @@ TINY_METHODS = (("full", "shared"), ("a=2", "shared"), ("full", "per row"), ("a=
 THROUGHPUT_PASSES = ("plain base model, fwd", "plain base model, right-padded rows",
                      "plain base model, the same padded rows under a padding mask",
                      "plain base model, transformers' RMSNorm and MLP",
-                     "plain base model, torch's rms_norm",
                      "multi-LoRA, k adapters mixed, fwd + grad",
                      "multi-LoRA, k adapters mixed, fwd + backward into LoRA weights", "PEFT, 1 active adapter",
                      "PEFT mixed adapter_names")

@@ -98,3 +98,28 @@ def test_lean_modules_keep_fewer_bytes_for_the_backward(dtype, monkeypatch) -> N
     # elements), and the final norm too (32), at 2 bytes less each; in float32 both run autograd
     expected = 2 * 48 * 2 + (2 * (32 + 32 + 32 + 16) + 32) * 2 if dtype != torch.float32 else 0
     assert saved_bytes(stock, embeds, True) - saved_bytes(lean, embeds, True) == B * L * expected
+
+
+def test_off_the_cpu_the_norm_is_torchs_rms_norm_which_rounds_once(monkeypatch) -> None:
+    # On a GPU LeanRMSNorm runs torch's fused rms_norm (the meta device stands in: no values, the
+    # same dispatch off the CPU); on the CPU transformers' ops, above. torch's op applies the weight
+    # in float32 and rounds once, so in bf16 it is nearer to float64 than transformers' two roundings,
+    # and within bf16's rounding of it everywhere.
+    calls = []
+    rms_norm = torch.nn.functional.rms_norm
+    monkeypatch.setattr(torch.nn.functional, "rms_norm", lambda *args, **kw: calls.append(1) or rms_norm(*args, **kw))
+    generator = torch.Generator().manual_seed(3)
+    weight = torch.nn.Parameter((1 + 0.3 * torch.randn(64, generator=generator)).to(torch.bfloat16))
+    norm = LeanRMSNorm(weight, 1e-6)
+    x = (4 * torch.randn(256, 64, generator=generator)).to(torch.bfloat16)
+    transformers_rounding = norm(x)
+    assert not calls
+    with torch.no_grad():
+        on_meta = LeanRMSNorm(torch.nn.Parameter(weight.to("meta")), 1e-6)(x.to("meta"))
+    assert calls and on_meta.shape == x.shape and on_meta.dtype == torch.bfloat16
+    x64, w64 = x.double(), weight.detach().double()
+    exact = w64 * x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + 1e-6)
+    fused_error = (rms_norm(x, (64,), weight, 1e-6).double() - exact).abs()
+    transformers_error = (transformers_rounding.double() - exact).abs()
+    assert (fused_error <= exact.abs() * 2.0**-8).all()  # one rounding: at most half a bf16 ulp
+    assert fused_error.mean() < transformers_error.mean()
