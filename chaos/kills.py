@@ -44,7 +44,7 @@ from chaos.stage import StageJob, run_stage
 from moplex_core.artifacts import (
     ArtifactError,
     ArtifactStore,
-    is_complete,
+    has_manifest,
     read_manifest,
     shard_name,
     shard_paths,
@@ -269,7 +269,7 @@ def _kill_rerun_compare(point: KillPoint, job: StageJob, root: Path, reference: 
     result.landed = _landed(point, version_dir, child.stderr())
     if point.phase in ("M-step", "E-step") and not result.landed.startswith(f"{point.phase} {point.index},"):
         result.problems.append(f"aimed at {point.phase} {point.index} but landed in {result.landed}")
-    if is_complete(version_dir):
+    if has_manifest(version_dir):
         result.problems.append("the version was complete when the kill landed: the stage finished first, or "
                                "marked itself complete before it had finished")
     finished = finished_work(version_dir, job.stage)
@@ -277,7 +277,7 @@ def _kill_rerun_compare(point: KillPoint, job: StageJob, root: Path, reference: 
 
     rerun = Child(job, root)
     code = rerun.wait()
-    result.completed = code == 0 and is_complete(version_dir)
+    result.completed = code == 0 and has_manifest(version_dir)
     if not result.completed:
         result.problems.append(f"the rerun did not complete (exit status {code}); its stderr ends:\n{rerun.tail()}")
         return

@@ -345,7 +345,7 @@ MUTANTS: list[Mutant] = [
            'if exc_type is None and not self.complete:',
            'if not self.complete:'),
     Mutant('A7', 'moplex_core/artifacts/writer.py', '_enter: completeness not checked (a finished version reopened for writing)',
-           '        self.complete = is_complete(self.path)\n',
+           '        self.complete = has_manifest(self.path)\n',
            '        self.complete = False\n'),
     Mutant('A8', 'moplex_core/artifacts/writer.py', 'manifest rows: first shard not counted',
            '"rows": sum(pq.read_metadata(p).num_rows for p in shards),',

@@ -90,7 +90,9 @@ def shard_name(index: int) -> str:
     return f"part-{index:05d}.parquet"
 
 
-def is_complete(version_dir: str | Path) -> bool:
+def has_manifest(version_dir: str | Path) -> bool:
+    """Whether the version folder holds its manifest, which a writer writes last (the files it lists
+    are not checked here: `ArtifactStore.is_complete` checks them)."""
     return (Path(version_dir) / MANIFEST).is_file()
 
 
@@ -100,11 +102,11 @@ def read_manifest(version_dir: str | Path, stages: tuple[str, ...] = ()) -> dict
     version_dir = Path(version_dir)
     if not version_dir.is_dir():
         raise ArtifactNotFoundError(f"no artifact at {version_dir}{_prefix_hint(version_dir)}")
-    if not is_complete(version_dir) and is_stage_folder(version_dir):  # not an unfinished version: say so
+    if not has_manifest(version_dir) and is_stage_folder(version_dir):  # not an unfinished version: say so
         versions = sorted(p.name for p in version_dir.iterdir() if p.is_dir() and is_version_folder(p))
         raise ArtifactNotFoundError(f"{version_dir} is a stage's folder, not a version folder: give one of its "
                                     f"versions ({', '.join(versions[:8])}{', ...' if len(versions) > 8 else ''})")
-    if not is_complete(version_dir):
+    if not has_manifest(version_dir):
         raise ArtifactIncompleteError(
             f"{version_dir} has no {MANIFEST}: its stage did not finish. Rerun the stage with the same "
             "config; it resumes from the shards already written."

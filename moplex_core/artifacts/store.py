@@ -13,7 +13,7 @@ from moplex_core.artifacts.layout import (
     ArtifactRef,
     artifact_version,
     check_files,
-    is_complete,
+    has_manifest,
     is_stage_folder,
     is_version_folder,
     output_files,
@@ -50,7 +50,7 @@ class ArtifactStore:
         file it lists (`output_files`) is missing or not its size (a folder half deleted or copied by
         hand), so that a damaged version is refused by name, not handed on as finished."""
         path = self.path(stage, version)
-        if not is_complete(path):
+        if not has_manifest(path):
             return False
         manifest = read_manifest(path)
         check_files(path, manifest, output_files(manifest))

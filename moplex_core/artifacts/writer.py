@@ -35,7 +35,7 @@ from moplex_core.artifacts.layout import (
     SHARD_RE,
     STARTED,
     ArtifactRef,
-    is_complete,
+    has_manifest,
     own_file_name,
     readable_manifest,
     shard_name,
@@ -119,7 +119,7 @@ class ArtifactWriter:
                     f"gave up after {self._lock_timeout} s waiting for another writer of {self.ref} "
                     f"(lock {self._lock.lock_file}). If no such run is alive, the lock is stale: delete it."
                 ) from None
-        self.complete = is_complete(self.path)
+        self.complete = has_manifest(self.path)
         if self.complete:
             log.info("%s %s; nothing to do", self.ref,
                      "was completed by another run while this one waited" if waited else "is already complete")
