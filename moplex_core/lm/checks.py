@@ -15,10 +15,9 @@ from pathlib import Path
 
 import torch
 from jinja2 import TemplateError
-from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PretrainedConfig,
-                          PreTrainedTokenizerBase)
+from transformers import AutoModelForCausalLM, GenerationConfig, PretrainedConfig, PreTrainedTokenizerBase
 
-from moplex_core.lm.loading import hub_snapshot
+from moplex_core.lm.loading import hub_snapshot, load_config, load_tokenizer
 from moplex_core.lm.logprobs import refuse_rescaled_logits
 from moplex_core.lm.multi_lora import target_layers
 
@@ -126,8 +125,8 @@ def check_model(model: str, *, lora_targets: Sequence[str], max_prompt_tokens: i
         log.info("%s is not on this machine as a model folder (or a hub name in its cache): its settings are "
                  "checked by the stages that load it", model)
         return
-    try:  # trust_remote_code stays off, as when the stages load it: no question on a terminal
-        config = AutoConfig.from_pretrained(str(folder), trust_remote_code=False)
+    try:  # as the stages load it: no model code run, no question on a terminal
+        config = load_config(folder)
     except (ValueError, OSError) as err:
         log.info("the config of %s is read by the stages that load it (%s: %s)", model, type(err).__name__, err)
         return
@@ -146,7 +145,7 @@ def check_model(model: str, *, lora_targets: Sequence[str], max_prompt_tokens: i
     else:
         target_layers(skeleton, lora_targets)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(folder), trust_remote_code=False)
+        tokenizer = load_tokenizer(folder)
     except (ValueError, OSError) as err:
         log.info("the tokenizer of %s is read by the stages that load it (%s: %s)", model, type(err).__name__, err)
         return
