@@ -25,6 +25,15 @@ PREFECT = [sys.executable, "-m", "prefect"]
 RETRY_STATUSES = (429, 502, 503)
 
 
+def prefect_environment(home: Path, **settings: str) -> dict[str, str]:
+    """This process's environment for a Prefect subprocess of a test's own: without the tests' PREFECT_*
+    settings, ``home`` as PREFECT_HOME, no analytics, the hub offline, then ``settings``."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
+    env.update(PREFECT_HOME=str(home), PREFECT_SERVER_ANALYTICS_ENABLED="false", HF_HUB_OFFLINE="1",
+               TOKENIZERS_PARALLELISM="false", **settings)
+    return env
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -34,15 +43,7 @@ def free_port() -> int:
 @pytest.fixture
 def prefect_server(tmp_path: Path) -> Iterator[tuple[str, dict[str, str], list[subprocess.Popen]]]:
     """(api url, environment for Prefect subprocesses, list to register started processes in)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
-    env.update({
-        "PREFECT_HOME": str(tmp_path / "prefect-home"),
-        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-        "PREFECT_WORKER_QUERY_SECONDS": "2",
-        "HF_HUB_OFFLINE": "1",
-        "TOKENIZERS_PARALLELISM": "false",
-        "OMP_NUM_THREADS": "1",
-    })
+    env = prefect_environment(tmp_path / "prefect-home", PREFECT_WORKER_QUERY_SECONDS="2", OMP_NUM_THREADS="1")
     started: list[subprocess.Popen] = []
     try:
         # Another process may take the free port before the server binds it; the server then exits (and

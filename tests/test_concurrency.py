@@ -25,6 +25,8 @@ from moplex_core.cli import main
 from moplex_core.config import IngestConfig
 from moplex_core.ingest import plan_ingest, run_ingest
 
+from prefect_server_fixtures import prefect_environment
+
 REPO = Path(__file__).resolve().parents[1]
 INGEST = ["ingest", "--dataset", "synthetic", "--set", "synthetic.n=300", "--set", "shard_rows=100"]
 CONFIG = IngestConfig(dataset="synthetic", synthetic={"n": 300}, shard_rows=100)
@@ -93,10 +95,8 @@ def test_two_moplex_runs_of_one_config_on_one_root(tmp_path):
     race on Prefect's own first migration ("duplicate column name"; Prefect then restarts the
     server), which is Prefect's start-up, not the artifact store this test is about."""
     root = tmp_path / "artifacts"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
-    env.update({"PREFECT_HOME": str(tmp_path / "prefect-home"), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-                "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "300", "HF_HUB_OFFLINE": "1",
-                "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"})
+    env = prefect_environment(tmp_path / "prefect-home", PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS="300",
+                              OMP_NUM_THREADS="1")
     command = [sys.executable, "-m", "moplex_core.cli", "run", "synthetic-demo", "--threads", "1", "--root", str(root),
                "--set", "ingest.synthetic.n=60", "--set", "tiny_model.pretrain_steps=20",
                "--set", "train.em_iterations=2", "--set", "train.first_epochs=1", "--set", "stage_retries=0"]

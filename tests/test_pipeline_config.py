@@ -18,6 +18,8 @@ from moplex_core.config import (
 )
 from moplex_core.methods import method_config
 
+from prefect_server_fixtures import prefect_environment
+
 
 def test_every_shipped_preset_loads_and_describes_itself():
     assert set(preset_names()) >= {"synthetic-demo", "ultrafeedback-paper", "persona-paper", "helpsteer2", "prism"}
@@ -190,13 +192,10 @@ def test_a_broken_pipe_elsewhere_is_not_mistaken_for_the_reader_leaving():
 
 def test_a_temporary_server_that_does_not_start_in_time_ends_in_one_line(tmp_path):
     # Prefect's own RuntimeError out of the flow call (not a failure inside the run): no traceback.
-    import os
     import subprocess
     import sys
 
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}  # not the tests' own Prefect settings
-    env.update(PREFECT_HOME=str(tmp_path / "home"), PREFECT_SERVER_ANALYTICS_ENABLED="false",
-               PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS="1")
+    env = prefect_environment(tmp_path / "home", PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS="1")
     done = subprocess.run([sys.executable, "-m", "moplex_core.cli", "run", "synthetic-demo", "--root",
                            str(tmp_path / "artifacts"), "--set", "ingest.synthetic.n=60"],
                           capture_output=True, text=True, timeout=300, env=env)

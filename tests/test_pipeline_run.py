@@ -24,6 +24,8 @@ from moplex_core.data.sources import HubUnreachableError
 from moplex_core.lm.loading import ModelUnavailableError
 from moplex_core.schema import RowIssue, SchemaError
 
+from prefect_server_fixtures import prefect_environment
+
 LOGGER = logging.getLogger("test-stage-retries")
 # synthetic-demo's stages before train at a fifth of their rankings and pretraining steps: a run reaches train sooner
 SMALLER_DEMO = ("ingest.synthetic.n=60", "tiny_model.pretrain_steps=20")
@@ -194,9 +196,7 @@ def _signal_moplex_run_in_train(tmp_path: Path, signum: int, wait_for_server: fl
     import subprocess
 
     home = tmp_path / "prefect-home"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}  # not the tests' own Prefect settings
-    env.update(PREFECT_HOME=str(home), PREFECT_SERVER_ANALYTICS_ENABLED="false", HF_HUB_OFFLINE="1",
-               TOKENIZERS_PARALLELISM="false")
+    env = prefect_environment(home)
     log = tmp_path / "stderr.log"
     with log.open("w") as err:
         sets = [part for setting in SMALLER_DEMO for part in ("--set", setting)]
@@ -274,9 +274,7 @@ def test_a_prefect_server_that_does_not_answer_is_one_line_saying_what_to_do(tmp
     with socket.socket() as probe:  # a port nothing listens on: bound, not listening, so no server takes it meanwhile
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-        env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
-        env.update(PREFECT_HOME=str(tmp_path / "prefect-home"), PREFECT_SERVER_ANALYTICS_ENABLED="false",
-                   PREFECT_API_URL=f"http://127.0.0.1:{port}/api", HF_HUB_OFFLINE="1")
+        env = prefect_environment(tmp_path / "prefect-home", PREFECT_API_URL=f"http://127.0.0.1:{port}/api")
         run = subprocess.run([sys.executable, "-m", "moplex_core.cli", "run", "synthetic-demo", "--root",
                               str(tmp_path / "artifacts")], capture_output=True, text=True, env=env, timeout=300)
     assert run.returncode == 1 and "Traceback" not in run.stderr, run.stderr[-3000:]
