@@ -50,14 +50,20 @@ TESTS: dict[str, tuple[str, ...]] = {  # source file -> test modules under tests
         'test_ingest_build', 'test_schema', 'test_ingest_adapters', 'test_pipeline_config',
     ),
     'moplex_core/data/synthetic.py': (
-        'test_ingest_build', 'test_em', 'test_em_inputs', 'test_approximation', 'test_evaluate', 'test_identifiability',
+        'test_ingest_build', 'test_em', 'test_em_falls', 'test_em_inputs', 'test_approximation', 'test_evaluate',
+        'test_identifiability',
     ),
     'moplex_core/data/ultrafeedback.py': ('test_ingest_adapters', 'test_ingest_build', 'test_bad_inputs'),
-    'moplex_core/em/fit.py': ('test_em', 'test_em_inputs', 'test_numerics', 'test_assign', 'test_train_stage', 'test_lora_policy'),
+    'moplex_core/em/fit.py': (
+        'test_em', 'test_em_falls', 'test_em_inputs', 'test_numerics', 'test_assign', 'test_train_stage',
+        'test_lora_policy',
+    ),
     'moplex_core/display.py': ('test_evaluate', 'test_inspect', 'test_evaluate_stage', 'test_compare'),
-    'moplex_core/em/checkpoints.py': ('test_em', 'test_lora_policy', 'test_train_stage'),
-    'moplex_core/em/start.py': ('test_em', 'test_numerics', 'test_assign', 'test_train_stage', 'test_lora_policy'),
-    'moplex_core/estimate.py': ('test_estimate', 'test_approximation', 'test_lora_policy', 'test_em'),
+    'moplex_core/em/checkpoints.py': ('test_em', 'test_em_falls', 'test_lora_policy', 'test_train_stage'),
+    'moplex_core/em/start.py': (
+        'test_em', 'test_em_falls', 'test_numerics', 'test_assign', 'test_train_stage', 'test_lora_policy',
+    ),
+    'moplex_core/estimate.py': ('test_estimate', 'test_approximation', 'test_lora_policy', 'test_em', 'test_em_falls'),
     'moplex_core/evaluate.py': ('test_evaluate', 'test_metrics', 'test_evaluate_stage'),
     'moplex_core/experiments/compare.py': ('test_compare',),
     'moplex_core/methods.py': ('test_compare',),
@@ -68,7 +74,9 @@ TESTS: dict[str, tuple[str, ...]] = {  # source file -> test modules under tests
         'test_ingest_build', 'test_bad_inputs', 'test_ingest_adapters', 'test_ingest_flow', 'test_config',
     ),
     'moplex_core/lm/checks.py': ('test_model_checks', 'test_generate'),
-    'moplex_core/lm/device.py': ('test_device', 'test_lora_policy', 'test_lm_logprobs', 'test_estimate', 'test_em'),
+    'moplex_core/lm/device.py': (
+        'test_device', 'test_lora_policy', 'test_lm_logprobs', 'test_estimate', 'test_em', 'test_em_falls',
+    ),
     'moplex_core/lm/lean.py': ('test_lean', 'test_estimate', 'test_lm_logprobs'),
     'moplex_core/lm/loading.py': ('test_lm_loading', 'test_generate', 'test_pipeline_config'),
     'moplex_core/lm/logprobs.py': (
@@ -85,13 +93,13 @@ TESTS: dict[str, tuple[str, ...]] = {  # source file -> test modules under tests
     'moplex_core/metrics.py': ('test_evaluate', 'test_metrics', 'test_evaluate_stage'),
     'moplex_core/pipeline.py': ('test_pipeline_config',),
     'moplex_core/pl.py': (
-        'test_pl', 'test_em', 'test_em_inputs', 'test_numerics', 'test_metrics', 'test_bad_inputs', 'test_evaluate',
-        'test_lora_policy',
+        'test_pl', 'test_em', 'test_em_falls', 'test_em_inputs', 'test_numerics', 'test_metrics', 'test_bad_inputs',
+        'test_evaluate', 'test_lora_policy',
     ),
     'moplex_core/report.py': ('test_evaluate', 'test_evaluate_stage'),
     'moplex_core/schema.py': ('test_schema', 'test_ingest_build', 'test_bad_inputs', 'test_ingest_adapters'),
-    'moplex_core/scorers/item.py': ('test_em_inputs', 'test_em', 'test_numerics'),
-    'moplex_core/scorers/lora_policy.py': ('test_lora_policy', 'test_em', 'test_train_stage'),
+    'moplex_core/scorers/item.py': ('test_em_inputs', 'test_em', 'test_em_falls', 'test_numerics'),
+    'moplex_core/scorers/lora_policy.py': ('test_lora_policy', 'test_em', 'test_em_falls', 'test_train_stage'),
     'moplex_core/train.py': ('test_train_stage', 'test_evaluate_stage', 'test_pipeline_config'),
 }
 
