@@ -102,24 +102,32 @@ def test_lean_modules_keep_fewer_bytes_for_the_backward(dtype, monkeypatch) -> N
 
 def test_off_the_cpu_the_norm_is_torchs_rms_norm_which_rounds_once(monkeypatch) -> None:
     # On a GPU LeanRMSNorm runs torch's fused rms_norm (the meta device stands in: no values, the
-    # same dispatch off the CPU); on the CPU transformers' ops, above. torch's op applies the weight
-    # in float32 and rounds once, so in bf16 it is nearer to float64 than transformers' two roundings,
-    # and within bf16's rounding of it everywhere.
+    # same dispatch off the CPU); on the CPU transformers' ops, above. The call it makes on meta is
+    # run again on the CPU's tensors, for its values: torch's op applies the weight in float32 and
+    # rounds once, so in bf16 it is nearer to float64 than transformers' two roundings, and within
+    # bf16's rounding of it everywhere. Rows of eps's scale (their mean square 1e-6) see the eps.
     calls = []
     rms_norm = torch.nn.functional.rms_norm
-    monkeypatch.setattr(torch.nn.functional, "rms_norm", lambda *args, **kw: calls.append(1) or rms_norm(*args, **kw))
+    monkeypatch.setattr(torch.nn.functional, "rms_norm",
+                        lambda *args, **kw: calls.append((args, kw)) or rms_norm(*args, **kw))
     generator = torch.Generator().manual_seed(3)
     weight = torch.nn.Parameter((1 + 0.3 * torch.randn(64, generator=generator)).to(torch.bfloat16))
+    scale = torch.tensor([4.0, 1e-3]).repeat_interleave(128)[:, None]  # [256, 1]
+    x = (scale * torch.randn(256, 64, generator=generator)).to(torch.bfloat16)
     norm = LeanRMSNorm(weight, 1e-6)
-    x = (4 * torch.randn(256, 64, generator=generator)).to(torch.bfloat16)
     transformers_rounding = norm(x)
     assert not calls
+    meta_x, meta_weight = x.to("meta"), torch.nn.Parameter(weight.to("meta"))
     with torch.no_grad():
-        on_meta = LeanRMSNorm(torch.nn.Parameter(weight.to("meta")), 1e-6)(x.to("meta"))
-    assert calls and on_meta.shape == x.shape and on_meta.dtype == torch.bfloat16
+        on_meta = LeanRMSNorm(meta_weight, 1e-6)(meta_x)
+    assert len(calls) == 1 and on_meta.shape == x.shape and on_meta.dtype == torch.bfloat16
+    on_cpu = {id(meta_x): x, id(meta_weight): weight}
+    args, kw = calls[0]
+    with torch.no_grad():
+        fused = rms_norm(*(on_cpu.get(id(a), a) for a in args), **{k: on_cpu.get(id(v), v) for k, v in kw.items()})
     x64, w64 = x.double(), weight.detach().double()
     exact = w64 * x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + 1e-6)
-    fused_error = (rms_norm(x, (64,), weight, 1e-6).double() - exact).abs()
+    fused_error = (fused.double() - exact).abs()
     transformers_error = (transformers_rounding.double() - exact).abs()
     assert (fused_error <= exact.abs() * 2.0**-8).all()  # one rounding: at most half a bf16 ulp
     assert fused_error.mean() < transformers_error.mean()

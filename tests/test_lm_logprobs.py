@@ -12,7 +12,7 @@ from peft import LoraConfig, get_peft_model
 from transformers import PreTrainedModel
 
 from moplex_core.lm.loading import load_model, load_tokenizer
-from moplex_core.lm.logprobs import causal_lm_parts, embed, output_score_features, sequence_logprobs
+from moplex_core.lm.logprobs import causal_lm_parts, embed, output_score_features, prompt_prefix, sequence_logprobs
 from moplex_core.lm.tokenize import PaddedBatch, pad_batch, tokenize_responses
 
 PROMPTS = {
@@ -110,6 +110,34 @@ def test_padding_and_batch_neighbours_do_not_change_a_sequences_logprob(model64,
                 response_mask=batch.response_mask[row : row + 1, :n],
             )
             torch.testing.assert_close(in_batch[row : row + 1], score(model, alone), rtol=0, atol=tolerance)
+
+
+@pytest.mark.parametrize("rows", [[0, 0, 1, 1, 1], [0, 0], [0, 0, 0], [0, 1, 0], [1, 0], [1, 1]])
+@torch.no_grad()
+def test_a_prompt_prefix_gives_each_row_its_own_groups_keys_and_values(tiny_model_dir, model64, rows) -> None:
+    # Row b continues prefix rows[b], whatever the order: runs of groups in order are broadcast, and
+    # any other order is indexed (transformers' batch_select_indices). [0, 0] and [0, 0, 0] leave the
+    # second prefix to no row, which is dropped, not handed to row 1 nor a reason to fail.
+    from transformers import DynamicCache
+
+    tokenizer = load_tokenizer(tiny_model_dir)
+    prefixes = [tokenizer(p)["input_ids"] for p in PROMPTS]
+    assert len(prefixes[0]) != len(prefixes[1])  # the shorter one is padded in the shared pass
+    alone = [prompt_prefix(model64, [p], torch.tensor([0]), tokenizer.pad_token_id).cache for p in prefixes]
+    indexed = []
+    select = DynamicCache.batch_select_indices
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(DynamicCache, "batch_select_indices", lambda cache, i: indexed.append(i) or select(cache, i))
+        shared = prompt_prefix(model64, prefixes, torch.tensor(rows), tokenizer.pad_token_id)
+    in_runs = rows == sorted(rows) and rows[0] == 0
+    assert bool(indexed) != in_runs
+    assert shared.lengths.tolist() == [len(prefixes[g]) for g in rows]
+    for layer, (whole, part) in enumerate(zip(shared.cache.layers, zip(*(c.layers for c in alone)), strict=True)):
+        for b, g in enumerate(rows):
+            n = len(prefixes[g])
+            assert whole.keys.shape[0] == len(rows) and shared.attention_mask[b].sum() == n
+            torch.testing.assert_close(whole.keys[b, :, :n], part[g].keys[0], rtol=0, atol=1e-12, msg=f"layer {layer}")
+            torch.testing.assert_close(whole.values[b, :, :n], part[g].values[0], rtol=0, atol=1e-12)
 
 
 def test_gradient_wrt_input_embeddings_matches_the_reference_and_finite_differences(model64, batch) -> None:

@@ -163,7 +163,8 @@ def prompt_prefix(
 
 def _rows_of_groups(cache: DynamicCache, rows: torch.Tensor) -> None:
     """The prefix keys and values of each of the G groups handed to their rows, in place: [G, ...] ->
-    [B, ...] in every layer, row b taking group rows[b] (int64 [B] on the host).
+    [B, ...] in every layer, row b taking group rows[b] (int64 [B] on the host; a group no row takes
+    is dropped).
 
     Where the rows of each group are one run and the groups come in order (moplex's passes: a
     pair's rows are consecutive), each group's tensors are broadcast to its run (``expand``, joined
@@ -177,7 +178,7 @@ def _rows_of_groups(cache: DynamicCache, rows: torch.Tensor) -> None:
     counts = counts.tolist()
     for layer in cache.layers:
         layer.keys, layer.values = (
-            t.expand(counts[0], *t.shape[1:]) if len(counts) == 1
+            t[:1].expand(counts[0], *t.shape[1:]) if len(counts) == 1
             else torch.cat([t[g : g + 1].expand(count, *t.shape[1:]) for g, count in enumerate(counts)])
             for t in (layer.keys, layer.values))
 
