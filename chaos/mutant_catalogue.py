@@ -735,7 +735,7 @@ MUTANTS: list[Mutant] = [
            'return (0, folder.name)'),
     Mutant('store_found_complete_unchecked', 'moplex_core/artifacts/store.py',
            'a finished version with a file deleted by hand is found complete and handed on',
-           '        check_files(path, manifest, output_files(manifest))\n',
+           '        read_checked_manifest(path)\n',
            ''),
     Mutant('layout_checkpoints_read', 'moplex_core/artifacts/layout.py',
            "a train version whose em/ checkpoints were deleted to free space is refused as damaged",

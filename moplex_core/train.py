@@ -46,7 +46,7 @@ import pyarrow.parquet as pq
 import torch
 from tqdm.auto import tqdm
 
-from moplex_core.artifacts import (CHECKPOINTS, ArtifactRef, ArtifactStore, atomic_path, check_files, output_files,
+from moplex_core.artifacts import (CHECKPOINTS, ArtifactRef, ArtifactStore, atomic_path, read_checked_manifest,
                                    read_manifest)
 from moplex_core.cache import cache_model, contractions_out_of_date, load_policy_inputs
 from moplex_core.config import TrainConfig, no_contractions_message
@@ -330,10 +330,9 @@ def load_trained(train_dir: str | Path, model: str | None = None, *, device: str
     the config it was trained with (its ``likelihood`` is how its posteriors are computed), on the
     base model at ``model``: where its cache's model is now (`cache_model`), or by default where the
     model was when it trained."""
-    manifest = read_manifest(train_dir)
     # What evaluate and assign read of it, as its stage checks it (a truncated adapter, say; a deleted
     # start_posteriors.parquet would pass for an artifact from before train-5, which kept none).
-    check_files(train_dir, manifest, output_files(manifest))
+    manifest = read_checked_manifest(train_dir)
     recorded = dict(manifest["config"])
     trained_on = recorded.pop("model")  # where the model was when it trained
     model = trained_on if model is None else model

@@ -47,6 +47,7 @@ from moplex_core.artifacts.layout import (
     load_table,
     off_the_manifest,
     output_files,
+    read_checked_manifest,
     read_manifest,
     readable_manifest,
     root_of,
@@ -62,6 +63,6 @@ __all__ = [
     "ArtifactError", "ArtifactIncompleteError", "ArtifactInfo", "ArtifactNotFoundError", "ArtifactRef",
     "ArtifactStageError", "ArtifactStorageError", "ArtifactStore", "ArtifactWriter", "artifact_version", "check_files",
     "finished_shards", "has_manifest", "is_stage_folder", "is_version_folder", "load_table", "off_the_manifest",
-    "output_files", "read_manifest", "readable_manifest", "root_of", "run_changes", "shard_name", "shard_paths",
-    "verify", "atomic_path",
+    "output_files", "read_checked_manifest", "read_manifest", "readable_manifest", "root_of", "run_changes",
+    "shard_name", "shard_paths", "verify", "atomic_path",
 ]

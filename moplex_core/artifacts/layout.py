@@ -243,6 +243,14 @@ def output_files(manifest: dict[str, Any]) -> list[str]:
     return sorted(name for name in manifest["files"] if not name.startswith(f"{CHECKPOINTS}/"))
 
 
+def read_checked_manifest(version_dir: str | Path) -> dict[str, Any]:
+    """The manifest of a finished version whose `output_files` are all there at the sizes it records
+    (else `ArtifactCorruptError` naming them): what a stage that finds it complete, or reads it, relies on."""
+    manifest = read_manifest(version_dir)
+    check_files(version_dir, manifest, output_files(manifest))
+    return manifest
+
+
 def off_the_manifest(version_dir: str | Path, manifest: dict[str, Any], names: list[str] | None = None) -> list[str]:
     """The files the manifest lists (or those of ``names``) that are missing or not the size it
     records: a check without reading them (`verify` hashes every file)."""

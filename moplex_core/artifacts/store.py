@@ -12,11 +12,10 @@ from moplex_core.artifacts.layout import (
     ArtifactInfo,
     ArtifactRef,
     artifact_version,
-    check_files,
     has_manifest,
     is_stage_folder,
     is_version_folder,
-    output_files,
+    read_checked_manifest,
     read_manifest,
     readable_manifest,
     root_of,
@@ -52,8 +51,7 @@ class ArtifactStore:
         path = self.path(stage, version)
         if not has_manifest(path):
             return False
-        manifest = read_manifest(path)
-        check_files(path, manifest, output_files(manifest))
+        read_checked_manifest(path)
         return True
 
     def manifest(self, stage: str, version: str) -> dict[str, Any]:
