@@ -360,12 +360,13 @@ def _listing(directory: Path) -> str:
     store = ArtifactStore(directory.parent if is_stage_dir else directory)
     everything = store.list()  # the whole root, for what a stage folder's versions are made from and used by
     infos = [info for info in everything if not is_stage_dir or info.ref.stage == directory.name]
-    partial = _partial_versions(store.root, directory.name if is_stage_dir else None)
+    everywhere = _partial_versions(store.root, None)  # the pipeline's stages' folders
+    partial = _partial_versions(store.root, directory.name) if is_stage_dir else everywhere
     if not infos and not partial:
         return f"{directory}: no artifacts"
     records = {str(info.ref): info.manifest or last_started_run(info.path) or {} for info in everything}
     kept: dict[str, bool | None] = {str(info.ref): info.complete for info in everything}
-    kept.update((f"{p.parent.name}/{p.name}", None) for p in {*partial, *_partial_versions(store.root, None)})
+    kept.update((f"{p.parent.name}/{p.name}", None) for p in {*partial, *everywhere})
     used_by: dict[str, list[str]] = {}
     for ref, record in records.items():
         for upstream in _upstream(record):
