@@ -295,6 +295,36 @@ def test_fused_lora_linear_backward_passes_gradcheck(per_row, dropout):
         grad.square().sum().backward()
 
 
+@pytest.mark.parametrize("per_row", [False, True], ids=["one adapter", "one per row"])
+def test_the_m_steps_backward_into_the_stacked_adapters_passes_gradcheck(per_row):
+    """Given the k stacked masters and the route, the layer picks the rows' adapters itself and sums
+    their gradients into the stacks (`_into_stack`): against finite differences, float64, with an
+    adapter two rows share and one no row uses (its gradient exactly zero)."""
+    generator = torch.Generator().manual_seed(1)
+
+    def draw(*shape: int, grad: bool = True) -> torch.Tensor:
+        return torch.randn(*shape, generator=generator, dtype=torch.float64).requires_grad_(grad)
+
+    k, length, d_in, d_out, r, scaling = 4, 3, 5, 6, 2, 0.7
+    routed = [2, 0, 2] if per_row else [1, 1, 1]
+    route = _Route(rows=tuple(routed), present=tuple(sorted(set(routed))))
+    pick = torch.tensor(routed) if per_row else routed[0]
+    x = draw(len(routed), length, d_in) if per_row else draw(len(routed) * length, d_in)
+    weight, bias = draw(d_out, d_in, grad=False), draw(d_out, grad=False)
+    stacked_a, stacked_b = draw(k, d_in, r), draw(k, r, d_out)
+    to_adapters = route.to_adapters(k, scaling, torch.float64, torch.device("cpu"))
+
+    def layer(x, stacked_a, stacked_b):
+        return _LoRALinear.apply(x, None, weight, bias, stacked_a, stacked_b, scaling, pick, to_adapters)
+
+    assert torch.autograd.gradcheck(layer, (x, stacked_a, stacked_b))
+    a, b = (stacked_a[pick], stacked_b[pick])
+    torch.testing.assert_close(layer(x, stacked_a, stacked_b), x @ weight.T + bias + scaling * (x @ a) @ b)
+    grads = torch.autograd.grad(layer(x, stacked_a, stacked_b).square().sum(), [stacked_a, stacked_b])
+    unused = [c for c in range(k) if c not in routed]
+    assert not grads[0][unused].any() and not grads[1][unused].any()
+
+
 def test_bad_routes_and_targets_are_refused(tiny_model_dir):  # noqa: F811
     model = load_model(tiny_model_dir)
     lora = MultiLoRA(model, K, SETTINGS)

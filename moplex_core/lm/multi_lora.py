@@ -19,12 +19,11 @@ pass, scoring) the rows' adapters are gathered from the stacks in the activation
 that each layer keeps until an adapter changes or an M-step pass drops it (`MultiLoRALinear.frozen`;
 240 MB in bf16 for Qwen3-0.6B at k = 12, r = 16; in the masters' own dtype the parameters
 themselves, detached), so such a pass casts nothing, and a pass without any gradient (scoring) skips
-the autograd Function. With gradients into the adapters (the M-step) the rows' adapters are gathered
-from the stacked parameters themselves, whose backward sums each adapter's rows in one accumulating
-``index_put`` (on the CPU ``index_add``, in row order: see `MultiLoRALinear.forward`): one autograd
-leaf per layer and matrix, where k separate parameters would cost a
-stack forward and, backward, a select, a detach and a gradient accumulation per adapter (host work
-the GPU waits on). The layer has its own backward (`_LoRALinear`), which accumulates the LoRA part
+the autograd Function. With gradients into the adapters (the M-step) the rows' adapters are taken
+from the stacked parameters themselves inside the layer's autograd Function, whose backward sums each
+adapter's rows into the stacks' gradients by one GEMM (`_LoRALinear`): one autograd leaf per layer and
+matrix, where k separate parameters would cost a stack forward and, backward, a select, a detach and
+a gradient accumulation per adapter (host work the GPU waits on). The layer has its own backward (`_LoRALinear`), which accumulates the LoRA part
 of dL/dx into the base part in the matmul that computes it, where autograd would write it and add it
 in a separate pass. The gradient is zero at the adapters a pass did not route, and
 `moplex_core.lm.routed_adam.RoutedAdam` steps only the adapters a minibatch routed, so the others
@@ -84,6 +83,18 @@ class _Route:
     rows: tuple[int, ...] = ()  # row b of the batch -> adapter rows[b]
     present: tuple[int, ...] = ()  # the adapters the batch uses, ascending
     adapters: torch.Tensor | None = None  # int64 [B] on the model's device: rows, when more than one is present
+    summing: torch.Tensor | None = None  # `to_adapters`'s matrix, made by the first layer that asks for it
+
+    def to_adapters(self, k: int, scaling: float, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """S [k, B] (one adapter: [k, 1]), ``scaling`` where row b (the rows) uses adapter c, else 0:
+        S @ the rows' gradients, flattened, is the gradient of the k stacked adapters, summed per
+        adapter in ``dtype`` (the masters') and scaled, in one GEMM. Made once per route, on ``device``."""
+        if self.summing is None:
+            columns = self.rows if len(self.present) > 1 else self.present
+            summing = torch.zeros(k, len(columns), dtype=dtype)
+            summing[list(columns), list(range(len(columns)))] = scaling
+            self.summing = to_device(summing, device)
+        return self.summing
 
 
 class MultiLoRALinear(nn.Module):
@@ -145,43 +156,24 @@ class MultiLoRALinear(nn.Module):
             raise RuntimeError("the multi-LoRA layer runs in the model's own dtype, not under torch.autocast: load "
                                "the model in bfloat16 instead (its adapters keep float32 masters)")
         dropped = self.dropout(x) if self.dropout_p > 0 else x  # no module call for no dropout
-        into_adapters = torch.is_grad_enabled() and self.lora_A.requires_grad
-        if not into_adapters:
-            stacked_a, stacked_b = self.frozen(x.dtype)  # [k, d_in, r], [k, r, d_out]
-            if len(present) == 1:
-                a, b = stacked_a[present[0]], stacked_b[present[0]]  # [d_in, r], [r, d_out]: views
-            else:
-                # index_select, not indexing: the same gather, for less host work (nothing differentiates it)
-                adapters = self.route.adapters
-                a, b = stacked_a.index_select(0, adapters), stacked_b.index_select(0, adapters)  # [B, d_in, r], [B, r, d_out]
-        else:
-            self._frozen = None  # this pass's step will change the adapters: the copy would be stale
-            if len(present) == 1:
-                a = self.lora_A[present[0]].to(x.dtype)  # [d_in, r]
-                b = self.lora_B[present[0]].to(x.dtype)  # [r, d_out]
-            else:
-                # Gathered per row, so that each adapter's gradient sums its rows in one op, not one addition
-                # per row: on a GPU by indexing, whose backward is an accumulating index_put (deterministic
-                # on CUDA, unlike index_select's index_add); on the CPU by index_select, whose backward,
-                # index_add, adds the rows one after another, where the CPU's accumulating index_put adds
-                # them from all threads with atomic adds, in an order that changes run to run (adapters 4e-5
-                # apart after one demo M-step on two threads). Gathered before the cast, so that the sum runs
-                # in the masters' float32, as a one-adapter batch's GEMM sums it.
-                adapters = self.route.adapters
-                if adapters.device.type == "cpu":
-                    a, b = self.lora_A.index_select(0, adapters), self.lora_B.index_select(0, adapters)
-                else:
-                    a, b = self.lora_A[adapters], self.lora_B[adapters]
-                a, b = a.to(x.dtype), b.to(x.dtype)  # [B, d_in, r], [B, r, d_out]
-        if a.dim() == 2:  # one adapter for every row: the rows' positions as one matrix, plain GEMMs
+        pick = present[0] if len(present) == 1 else self.route.adapters  # the adapter, or each row's [B]
+        if len(present) == 1:  # one adapter for every row: the rows' positions as one matrix, plain GEMMs
             rows = x.reshape(-1, x.shape[-1])  # [N, d_in]
         else:  # [B, L, d_in] (a decoder's already is)
             rows = x if x.dim() == 3 else x.reshape(len(routed), -1, x.shape[-1])
         lora_input = None if dropped is x else dropped.reshape(rows.shape)
-        if torch.is_grad_enabled():
-            out = _LoRALinear.apply(rows, lora_input, self.base_weight, self.base.bias, a, b, self.scaling)
-        else:  # no graph to record: the same ops without the autograd Function's cost per call
-            out = _lora_linear(rows, lora_input, self.base_weight, self.base.bias, a, b, self.scaling)[0]
+        if torch.is_grad_enabled() and self.lora_A.requires_grad:  # into the adapters (an M-step)
+            self._frozen = None  # this pass's step will change the adapters: the copy would be stale
+            to_adapters = self.route.to_adapters(self.lora_A.shape[0], self.scaling, self.lora_A.dtype,
+                                                 self.lora_A.device)
+            out = _LoRALinear.apply(rows, lora_input, self.base_weight, self.base.bias, self.lora_A, self.lora_B,
+                                    self.scaling, pick, to_adapters)
+        else:
+            a, b = (_pick(stacked, pick, x.dtype) for stacked in self.frozen(x.dtype))  # nothing to cast: a copy
+            if torch.is_grad_enabled():
+                out = _LoRALinear.apply(rows, lora_input, self.base_weight, self.base.bias, a, b, self.scaling)
+            else:  # no graph to record: the same ops without the autograd Function's cost per call
+                out = _lora_linear(rows, lora_input, self.base_weight, self.base.bias, a, b, self.scaling)[0]
         return out if rows is x else out.view(*x.shape[:-1], out.shape[-1])  # [N or B, (L,) d_out] -> x's shape
 
 
@@ -191,25 +183,36 @@ class _LoRALinear(torch.autograd.Function):
     or over rows x [B, L, d_in] with one adapter per row (A [B, d_in, r], B [B, r, d_out]); W and bias
     are frozen.
 
+    Given ``pick`` (the adapter, or each row's: int64 [B]) and ``to_adapters`` (`_Route.to_adapters`),
+    ``a`` and ``b`` are the k stacked masters ([k, d_in, r], [k, r, d_out]) and the rows' adapters are
+    taken from them here, cast to x's dtype, outside autograd; the backward sums each adapter's rows'
+    gradients straight into the stacks' gradients, in the masters' dtype, by one GEMM per matrix
+    (`_into_stack`). Autograd would record a select or a gather and a cast per matrix, and backward a
+    cast back and a scatter into zeros (on CUDA an accumulating ``index_put``, which sorts the rows
+    first): host work and launches a GPU waits on in an M-step's small passes. Zero gradient at the
+    adapters the rows do not use, and the same sum on every run: a GEMM over the rows, not atomic adds.
+
     Autograd of the same ops would write the LoRA part of dL/dx, then add it to the base part: per
     projection, three x-sized tensors more read or written than the two here, where (when x' is x)
     the LoRA part is accumulated into the base part by the matmul that computes it. x and x A are
     kept for the backward only when A or B need gradients."""
 
     @staticmethod
-    def forward(ctx, x, lora_input, weight, bias, a, b, scaling):
+    def forward(ctx, x, lora_input, weight, bias, a, b, scaling, pick=None, to_adapters=None):
+        if pick is not None:
+            a, b = _pick(a, pick, x.dtype), _pick(b, pick, x.dtype)  # [(B,) d_in, r], [(B,) r, d_out]
         source = x if lora_input is None else lora_input  # like x
         out, xa = _lora_linear(x, lora_input, weight, bias, a, b, scaling)  # [..., d_out], [..., r]
         need_a, need_b = ctx.needs_input_grad[4:6]
         ctx.scaling, ctx.separate = scaling, lora_input is not None
-        ctx.save_for_backward(source if need_a else None, weight, a, b, xa if need_b else None)
+        ctx.save_for_backward(source if need_a else None, weight, a, b, xa if need_b else None, to_adapters)
         return out
 
     @staticmethod
     @first_order_only  # x A is kept without its graph: a second derivative would be wrong, so none
     def backward(ctx, grad_out):  # like out
-        source, weight, a, b, xa = ctx.saved_tensors
-        need_x, need_lora_input, need_weight, need_bias, need_a, need_b, _ = ctx.needs_input_grad
+        source, weight, a, b, xa, to_adapters = ctx.saved_tensors
+        need_x, need_lora_input, need_weight, need_bias, need_a, need_b = ctx.needs_input_grad[:6]
         if need_weight or need_bias:
             raise RuntimeError("MultiLoRA freezes the base model's weights; they get no gradient (requires_grad_"
                                "(False) on them, or train them outside MultiLoRA)")
@@ -222,11 +225,28 @@ class _LoRALinear(torch.autograd.Function):
                 grad_x = _add_product(grad_x, grad_xa, a.mT, scaling)
         if need_lora_input:
             grad_lora_input = _product(grad_xa, a.mT).mul_(scaling)  # like x
-        if need_a:
-            grad_a = _product(source.mT, grad_xa).mul_(scaling)  # like a: summed over the positions (of each row)
+        if need_a:  # summed over the positions (of each row)
+            grad_a = _product(source.mT, grad_xa)  # like a
+            grad_a = grad_a.mul_(scaling) if to_adapters is None else _into_stack(grad_a, to_adapters)
         if need_b:
-            grad_b = _product(xa.mT, grad_out).mul_(scaling)  # like b
-        return grad_x, grad_lora_input, None, None, grad_a, grad_b, None
+            grad_b = _product(xa.mT, grad_out)  # like b
+            grad_b = grad_b.mul_(scaling) if to_adapters is None else _into_stack(grad_b, to_adapters)
+        return grad_x, grad_lora_input, None, None, grad_a, grad_b, None, None, None
+
+
+def _pick(stacked: torch.Tensor, pick: int | torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The adapter ``pick`` of ``stacked`` [k, i, j] as [i, j] (a view where no cast is needed), or each
+    row's, int64 [B], as [B, i, j]; in ``dtype``."""
+    picked = stacked[pick] if isinstance(pick, int) else stacked.index_select(0, pick)
+    return picked.to(dtype)
+
+
+def _into_stack(rows: torch.Tensor, to_adapters: torch.Tensor) -> torch.Tensor:
+    """The gradient of k stacked adapters [k, i, j] from that of the one adapter the rows use, [i, j],
+    or of each row's, [B, i, j]: ``to_adapters`` [k, 1 or B] (scaling where a row uses an adapter) @ the
+    rows flattened, in ``to_adapters``' dtype, the masters' (a bf16 pass's rows summed in float32)."""
+    flat = rows.reshape(to_adapters.shape[1], -1).to(to_adapters.dtype)  # [1 or B, i * j]
+    return torch.mm(to_adapters, flat).view(to_adapters.shape[0], *rows.shape[-2:])
 
 
 def _lora_linear(x: torch.Tensor, lora_input: torch.Tensor | None, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -343,13 +363,15 @@ class MultiLoRA:
             shown = ids.unique().tolist()[:10] if ids.numel() else "none"
             raise ValueError(f"route needs one adapter index in 0..{self.k - 1} per row, got {shown}")
         present = torch.unique(ids)  # [p] ascending
-        previous = (self._route.rows, self._route.present, self._route.adapters)
-        self._route.rows, self._route.present = tuple(ids.tolist()), tuple(present.tolist())
-        self._route.adapters = to_device(ids, self._device) if len(present) > 1 else None
+        route = self._route
+        previous = (route.rows, route.present, route.adapters, route.summing)
+        route.rows, route.present = tuple(ids.tolist()), tuple(present.tolist())
+        route.adapters = to_device(ids, self._device) if len(present) > 1 else None
+        route.summing = None
         try:
             yield
         finally:
-            self._route.rows, self._route.present, self._route.adapters = previous
+            route.rows, route.present, route.adapters, route.summing = previous
 
     @contextmanager
     def requires_grad(self, flag: bool) -> Iterator[None]:
