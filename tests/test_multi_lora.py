@@ -270,59 +270,64 @@ def test_dropout_falls_on_the_adapters_input_as_in_peft(tiny_model_dir, tmp_path
 @pytest.mark.parametrize("per_row", [False, True], ids=["one adapter", "one per row"])
 @pytest.mark.parametrize("dropout", [False, True], ids=["LoRA input is x", "LoRA input after dropout"])
 def test_fused_lora_linear_backward_passes_gradcheck(per_row, dropout):
-    """The layer's own backward (the LoRA part of dL/dx accumulated into the base part) against
-    finite differences, float64, for every input that takes a gradient."""
+    """The layer's own backward (the LoRA part of dL/dx accumulated into the base part; the rows'
+    adapters picked from the k stacked masters, their gradients summed back into the stacks) against
+    finite differences, float64, for every input that takes a gradient, with an adapter two rows
+    share and one that no row uses (its gradient exactly +0)."""
     generator = torch.Generator().manual_seed(0)
 
     def draw(*shape: int, grad: bool = True) -> torch.Tensor:
         return torch.randn(*shape, generator=generator, dtype=torch.float64).requires_grad_(grad)
 
-    rows, length, d_in, d_out, r = 3, 4, 5, 6, 2
-    shape = (rows, length, d_in) if per_row else (rows * length, d_in)  # one adapter: all positions as one matrix
+    k, length, d_in, d_out, r, scaling = 4, 4, 5, 6, 2, 0.7
+    routed = (2, 0, 2) if per_row else (1, 1, 1)
+    route = _Route(rows=routed, present=tuple(sorted(set(routed))))
+    pick = torch.tensor(routed) if per_row else routed[0]
+    summing = route.to_adapters(scaling, torch.float64, torch.device("cpu")) if per_row else None
+    shape = (len(routed), length, d_in) if per_row else (len(routed) * length, d_in)  # one adapter: one matrix
     x, weight, bias = draw(*shape), draw(d_out, d_in, grad=False), draw(d_out, grad=False)
     lora_input = draw(*shape) if dropout else None
-    a, b = (draw(rows, d_in, r), draw(rows, r, d_out)) if per_row else (draw(d_in, r), draw(r, d_out))
-    assert torch.autograd.gradcheck(lambda x, lora_input, a, b: _LoRALinear.apply(x, lora_input, weight, bias, a, b, 0.7),
-                                    (x, lora_input, a, b))
+    stacked_a, stacked_b = draw(k, d_in, r), draw(k, r, d_out)
+
+    def layer(x, lora_input, stacked_a, stacked_b, weight=weight):
+        return _LoRALinear.apply(x, lora_input, weight, bias, stacked_a, stacked_b, scaling, pick, summing)
+
+    assert torch.autograd.gradcheck(layer, (x, lora_input, stacked_a, stacked_b))
     source = x if lora_input is None else lora_input
-    expected = x @ weight.T + bias + 0.7 * torch.matmul(torch.matmul(source, a), b)
-    torch.testing.assert_close(_LoRALinear.apply(x, lora_input, weight, bias, a, b, 0.7), expected)
+    a, b = stacked_a[pick], stacked_b[pick]  # [(B,) d_in, r], [(B,) r, d_out]
+    expected = x @ weight.T + bias + scaling * torch.matmul(torch.matmul(source, a), b)
+    torch.testing.assert_close(layer(x, lora_input, stacked_a, stacked_b), expected)
+    grads = torch.autograd.grad(layer(x, lora_input, stacked_a, stacked_b).square().sum(), [stacked_a, stacked_b])
+    unused = [c for c in range(k) if c not in routed]
+    for grad in grads:
+        assert (grad[unused] == 0).all() and not grad[unused].signbit().any()  # +0, as the optimizer's zeros
     with pytest.raises(RuntimeError, match="freezes the base model's weights"):
-        _LoRALinear.apply(x, lora_input, weight.detach().requires_grad_(True), bias, a, b, 0.7).sum().backward()
+        layer(x, lora_input, stacked_a, stacked_b, weight.detach().requires_grad_(True)).sum().backward()
+    with pytest.raises(RuntimeError, match="go to the stacked masters"):  # no gradient into a picked copy
+        _LoRALinear.apply(x, lora_input, weight, bias, a, b, scaling)
     with pytest.raises(RuntimeError, match="first derivatives only"):  # no silently wrong second derivative
-        (grad,) = torch.autograd.grad(_LoRALinear.apply(x, lora_input, weight, bias, a, b, 0.7).square().sum(), b,
+        (grad,) = torch.autograd.grad(layer(x, lora_input, stacked_a, stacked_b).square().sum(), stacked_b,
                                       create_graph=True)
         grad.square().sum().backward()
 
 
-@pytest.mark.parametrize("per_row", [False, True], ids=["one adapter", "one per row"])
-def test_the_m_steps_backward_into_the_stacked_adapters_passes_gradcheck(per_row):
-    """Given the k stacked masters and the route, the layer picks the rows' adapters itself and sums
-    their gradients into the stacks (`_into_stack`): against finite differences, float64, with an
-    adapter two rows share and one no row uses (its gradient exactly zero)."""
-    generator = torch.Generator().manual_seed(1)
-
-    def draw(*shape: int, grad: bool = True) -> torch.Tensor:
-        return torch.randn(*shape, generator=generator, dtype=torch.float64).requires_grad_(grad)
-
-    k, length, d_in, d_out, r, scaling = 4, 3, 5, 6, 2, 0.7
-    routed = [2, 0, 2] if per_row else [1, 1, 1]
-    route = _Route(rows=tuple(routed), present=tuple(sorted(set(routed))))
-    pick = torch.tensor(routed) if per_row else routed[0]
-    x = draw(len(routed), length, d_in) if per_row else draw(len(routed) * length, d_in)
-    weight, bias = draw(d_out, d_in, grad=False), draw(d_out, grad=False)
-    stacked_a, stacked_b = draw(k, d_in, r), draw(k, r, d_out)
-    to_adapters = route.to_adapters(k, scaling, torch.float64, torch.device("cpu"))
-
-    def layer(x, stacked_a, stacked_b):
-        return _LoRALinear.apply(x, None, weight, bias, stacked_a, stacked_b, scaling, pick, to_adapters)
-
-    assert torch.autograd.gradcheck(layer, (x, stacked_a, stacked_b))
-    a, b = (stacked_a[pick], stacked_b[pick])
-    torch.testing.assert_close(layer(x, stacked_a, stacked_b), x @ weight.T + bias + scaling * (x @ a) @ b)
-    grads = torch.autograd.grad(layer(x, stacked_a, stacked_b).square().sum(), [stacked_a, stacked_b])
-    unused = [c for c in range(k) if c not in routed]
-    assert not grads[0][unused].any() and not grads[1][unused].any()
+@pytest.mark.parametrize("routed", [(1, 1), (0, 1, 1)], ids=["one adapter", "mixed"])
+def test_an_m_step_pass_leaves_unrouted_adapters_at_plus_zero_even_past_a_bad_row(routed):
+    """Adapters no row uses get +0.0 gradients, as a scatter into zeros gave (not 0 * g from a GEMM
+    over every row: -0.0, or NaN), also when a row's gradient is not finite."""
+    torch.manual_seed(0)
+    route = _Route(rows=routed, present=tuple(sorted(set(routed))),
+                   adapters=torch.tensor(routed) if len(set(routed)) > 1 else None)
+    layer = MultiLoRALinear(nn.Linear(6, 5).requires_grad_(False), 4, LoRASettings(r=2, alpha=4.0), route,
+                            torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        layer.lora_B.normal_()
+    weight = -torch.ones(len(routed), 4, 5)
+    weight[-1, 0, 0] = float("inf")  # the last row (adapter 1) alone goes non-finite
+    (layer(torch.randn(len(routed), 4, 6)) * weight).sum().backward()
+    unrouted = [c for c in range(4) if c not in routed]
+    for grad in (layer.lora_A.grad, layer.lora_B.grad):
+        assert (grad[unrouted] == 0).all() and not grad[unrouted].signbit().any()
 
 
 def test_bad_routes_and_targets_are_refused(tiny_model_dir):  # noqa: F811
@@ -392,8 +397,9 @@ def test_bf16_model_keeps_float32_adapters_and_matches_float64_closely(tiny_mode
 
 
 def test_bf16_adapter_gradients_of_a_mixed_batch_are_summed_in_float32():
-    """An M-step pass mixes adapters: each adapter's per-row gradients are gathered back and summed. In
-    bf16 that sum must run in the float32 masters' precision, as a one-adapter batch's GEMM sums it."""
+    """An M-step pass mixes adapters: each adapter's per-row gradients are summed into its stack (a GEMM
+    with the route's matrix, `_into_stack`). In bf16 that sum must run in the float32 masters'
+    precision, as a one-adapter batch's GEMM sums it."""
     def gradient(dtype: torch.dtype, routed: list[int]) -> torch.Tensor:  # adapter 0's A, float64
         base = nn.Linear(64, 64, dtype=torch.float64).requires_grad_(False)
         nn.init.normal_(base.weight, generator=torch.Generator().manual_seed(0))

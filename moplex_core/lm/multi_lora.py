@@ -19,13 +19,13 @@ pass, scoring) the rows' adapters are gathered from the stacks in the activation
 that each layer keeps until an adapter changes or an M-step pass drops it (`MultiLoRALinear.frozen`;
 240 MB in bf16 for Qwen3-0.6B at k = 12, r = 16; in the masters' own dtype the parameters
 themselves, detached), so such a pass casts nothing, and a pass without any gradient (scoring) skips
-the autograd Function. With gradients into the adapters (the M-step) the rows' adapters are taken
-from the stacked parameters themselves inside the layer's autograd Function, whose backward sums each
-adapter's rows into the stacks' gradients by one GEMM (`_LoRALinear`): one autograd leaf per layer and
-matrix, where k separate parameters would cost a stack forward and, backward, a select, a detach and
-a gradient accumulation per adapter (host work the GPU waits on). The layer has its own backward (`_LoRALinear`), which accumulates the LoRA part
-of dL/dx into the base part in the matmul that computes it, where autograd would write it and add it
-in a separate pass. The gradient is zero at the adapters a pass did not route, and
+the autograd Function. With gradients into the adapters (the M-step) the layer's own autograd
+Function (`_LoRALinear`) takes the rows' adapters from the stacked parameters themselves and its
+backward writes their gradients, each adapter's rows summed by one GEMM: one autograd leaf per layer
+and matrix, where k separate parameters would cost a stack forward and, backward, a select, a detach
+and a gradient accumulation per adapter (host work the GPU waits on). That backward also accumulates
+the LoRA part of dL/dx into the base part in the matmul that computes it, where autograd would write
+it and add it in a separate pass. The gradient is zero at the adapters a pass did not route, and
 `moplex_core.lm.routed_adam.RoutedAdam` steps only the adapters a minibatch routed, so the others
 stay exactly where they are, as PEFT's inactive adapters under AdamW. Outside a route every adapter
 is off and the model is exactly the base model, pi_ref (no second copy of the weights). The base
@@ -83,18 +83,21 @@ class _Route:
     rows: tuple[int, ...] = ()  # row b of the batch -> adapter rows[b]
     present: tuple[int, ...] = ()  # the adapters the batch uses, ascending
     adapters: torch.Tensor | None = None  # int64 [B] on the model's device: rows, when more than one is present
-    summing: torch.Tensor | None = None  # `to_adapters`'s matrix, made by the first layer that asks for it
+    summing: tuple[Any, tuple[torch.Tensor, torch.Tensor]] | None = None  # `to_adapters`'s, with what it was made for
 
-    def to_adapters(self, k: int, scaling: float, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """S [k, B] (one adapter: [k, 1]), ``scaling`` where row b (the rows) uses adapter c, else 0:
-        S @ the rows' gradients, flattened, is the gradient of the k stacked adapters, summed per
-        adapter in ``dtype`` (the masters') and scaled, in one GEMM. Made once per route, on ``device``."""
-        if self.summing is None:
-            columns = self.rows if len(self.present) > 1 else self.present
-            summing = torch.zeros(k, len(columns), dtype=dtype)
-            summing[list(columns), list(range(len(columns)))] = scaling
-            self.summing = to_device(summing, device)
-        return self.summing
+    def to_adapters(self, scaling: float, dtype: torch.dtype, device: torch.device
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the adapters present, int64 [p], and S [p, B]: ``scaling`` where row b uses the i-th of
+        them, else 0) on ``device``, S in ``dtype`` (the masters'): S @ the rows' gradients, flattened,
+        sums each present adapter's rows and scales them in one GEMM (`_into_stack`). Made by the first
+        layer of a pass that asks, for these rows, scaling, dtype and device."""
+        key = (self.rows, scaling, dtype, device)
+        if self.summing is None or self.summing[0] != key:
+            present = list(self.present)
+            summing = torch.zeros(len(present), len(self.rows), dtype=dtype)  # [p, B]
+            summing[[present.index(c) for c in self.rows], list(range(len(self.rows)))] = scaling
+            self.summing = (key, (to_device(torch.tensor(present), device), to_device(summing, device)))
+        return self.summing[1]
 
 
 class MultiLoRALinear(nn.Module):
@@ -164,10 +167,10 @@ class MultiLoRALinear(nn.Module):
         lora_input = None if dropped is x else dropped.reshape(rows.shape)
         if torch.is_grad_enabled() and self.lora_A.requires_grad:  # into the adapters (an M-step)
             self._frozen = None  # this pass's step will change the adapters: the copy would be stale
-            to_adapters = self.route.to_adapters(self.lora_A.shape[0], self.scaling, self.lora_A.dtype,
-                                                 self.lora_A.device)
+            summing = (None if isinstance(pick, int)
+                       else self.route.to_adapters(self.scaling, self.lora_A.dtype, self.lora_A.device))
             out = _LoRALinear.apply(rows, lora_input, self.base_weight, self.base.bias, self.lora_A, self.lora_B,
-                                    self.scaling, pick, to_adapters)
+                                    self.scaling, pick, summing)
         else:
             a, b = (_pick(stacked, pick, x.dtype) for stacked in self.frozen(x.dtype))  # nothing to cast: a copy
             if torch.is_grad_enabled():
@@ -183,14 +186,14 @@ class _LoRALinear(torch.autograd.Function):
     or over rows x [B, L, d_in] with one adapter per row (A [B, d_in, r], B [B, r, d_out]); W and bias
     are frozen.
 
-    Given ``pick`` (the adapter, or each row's: int64 [B]) and ``to_adapters`` (`_Route.to_adapters`),
-    ``a`` and ``b`` are the k stacked masters ([k, d_in, r], [k, r, d_out]) and the rows' adapters are
-    taken from them here, cast to x's dtype, outside autograd; the backward sums each adapter's rows'
-    gradients straight into the stacks' gradients, in the masters' dtype, by one GEMM per matrix
-    (`_into_stack`). Autograd would record a select or a gather and a cast per matrix, and backward a
-    cast back and a scatter into zeros (on CUDA an accumulating ``index_put``, which sorts the rows
-    first): host work and launches a GPU waits on in an M-step's small passes. Zero gradient at the
-    adapters the rows do not use, and the same sum on every run: a GEMM over the rows, not atomic adds.
+    Without ``pick``, ``a`` and ``b`` are the rows' adapters, constants (a pass without gradients
+    into them). With it, they are the k stacked masters ([k, d_in, r], [k, r, d_out]) and ``pick`` the
+    adapter of every row (an int) or of each row (int64 [B], with ``summing`` = `_Route.to_adapters`):
+    the rows' adapters are taken from the stacks and cast to x's dtype here, outside autograd, and the
+    backward writes the stacks' gradients itself (`_into_stack`). Autograd would record a select or a
+    gather and a cast per matrix, and its backward a cast back and a scatter into zeros (on CUDA an
+    accumulating ``index_put``, which sorts the rows first): host work and launches that a GPU waits
+    on in an M-step's small passes.
 
     Autograd of the same ops would write the LoRA part of dL/dx, then add it to the base part: per
     projection, three x-sized tensors more read or written than the two here, where (when x' is x)
@@ -198,20 +201,23 @@ class _LoRALinear(torch.autograd.Function):
     kept for the backward only when A or B need gradients."""
 
     @staticmethod
-    def forward(ctx, x, lora_input, weight, bias, a, b, scaling, pick=None, to_adapters=None):
+    def forward(ctx, x, lora_input, weight, bias, a, b, scaling, pick=None, summing=None):
+        into_adapters = ctx.needs_input_grad[4:6]
+        if pick is None and any(into_adapters):
+            raise RuntimeError("gradients into the adapters go to the stacked masters: pass them with pick")
+        ctx.stacks = None if pick is None else (a.shape[0], a.dtype, pick, summing)  # (k, masters' dtype, ...)
         if pick is not None:
             a, b = _pick(a, pick, x.dtype), _pick(b, pick, x.dtype)  # [(B,) d_in, r], [(B,) r, d_out]
         source = x if lora_input is None else lora_input  # like x
         out, xa = _lora_linear(x, lora_input, weight, bias, a, b, scaling)  # [..., d_out], [..., r]
-        need_a, need_b = ctx.needs_input_grad[4:6]
         ctx.scaling, ctx.separate = scaling, lora_input is not None
-        ctx.save_for_backward(source if need_a else None, weight, a, b, xa if need_b else None, to_adapters)
+        ctx.save_for_backward(source if into_adapters[0] else None, weight, a, b, xa if into_adapters[1] else None)
         return out
 
     @staticmethod
     @first_order_only  # x A is kept without its graph: a second derivative would be wrong, so none
     def backward(ctx, grad_out):  # like out
-        source, weight, a, b, xa, to_adapters = ctx.saved_tensors
+        source, weight, a, b, xa = ctx.saved_tensors
         need_x, need_lora_input, need_weight, need_bias, need_a, need_b = ctx.needs_input_grad[:6]
         if need_weight or need_bias:
             raise RuntimeError("MultiLoRA freezes the base model's weights; they get no gradient (requires_grad_"
@@ -225,12 +231,10 @@ class _LoRALinear(torch.autograd.Function):
                 grad_x = _add_product(grad_x, grad_xa, a.mT, scaling)
         if need_lora_input:
             grad_lora_input = _product(grad_xa, a.mT).mul_(scaling)  # like x
-        if need_a:  # summed over the positions (of each row)
-            grad_a = _product(source.mT, grad_xa)  # like a
-            grad_a = grad_a.mul_(scaling) if to_adapters is None else _into_stack(grad_a, to_adapters)
+        if need_a:  # like a (summed over the positions of each row), unscaled, into the stack
+            grad_a = _into_stack(_product(source.mT, grad_xa), scaling, *ctx.stacks)
         if need_b:
-            grad_b = _product(xa.mT, grad_out)  # like b
-            grad_b = grad_b.mul_(scaling) if to_adapters is None else _into_stack(grad_b, to_adapters)
+            grad_b = _into_stack(_product(xa.mT, grad_out), scaling, *ctx.stacks)
         return grad_x, grad_lora_input, None, None, grad_a, grad_b, None, None, None
 
 
@@ -241,12 +245,20 @@ def _pick(stacked: torch.Tensor, pick: int | torch.Tensor, dtype: torch.dtype) -
     return picked.to(dtype)
 
 
-def _into_stack(rows: torch.Tensor, to_adapters: torch.Tensor) -> torch.Tensor:
-    """The gradient of k stacked adapters [k, i, j] from that of the one adapter the rows use, [i, j],
-    or of each row's, [B, i, j]: ``to_adapters`` [k, 1 or B] (scaling where a row uses an adapter) @ the
-    rows flattened, in ``to_adapters``' dtype, the masters' (a bf16 pass's rows summed in float32)."""
-    flat = rows.reshape(to_adapters.shape[1], -1).to(to_adapters.dtype)  # [1 or B, i * j]
-    return torch.mm(to_adapters, flat).view(to_adapters.shape[0], *rows.shape[-2:])
+def _into_stack(grad: torch.Tensor, scaling: float, k: int, dtype: torch.dtype, pick: int | torch.Tensor,
+                summing: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+    """The gradient of k stacked adapters [k, i, j] in ``dtype`` (the masters'; a bf16 pass's rows are
+    summed and scaled in float32) from ``grad``, unscaled: that of adapter ``pick``, [i, j], or each
+    row's, [B, i, j], which the present adapters' S [p, B] (``summing``, with their indices) sums per
+    adapter in one GEMM. Exactly +0 at the adapters no row uses. A row whose gradient is not finite
+    makes every present adapter's so (0 * inf in the GEMM): a failed step either way."""
+    out = grad.new_zeros((k, *grad.shape[-2:]), dtype=dtype)  # [k, i, j]
+    if isinstance(pick, int):
+        out[pick].add_(grad, alpha=scaling)  # computed in the masters' dtype
+        return out
+    present, weights = summing  # [p], [p, B]
+    sums = torch.mm(weights, grad.reshape(weights.shape[1], -1).to(dtype))  # [p, i * j]
+    return out.index_copy_(0, present, sums.view(len(present), *grad.shape[-2:]))
 
 
 def _lora_linear(x: torch.Tensor, lora_input: torch.Tensor | None, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -363,15 +375,13 @@ class MultiLoRA:
             shown = ids.unique().tolist()[:10] if ids.numel() else "none"
             raise ValueError(f"route needs one adapter index in 0..{self.k - 1} per row, got {shown}")
         present = torch.unique(ids)  # [p] ascending
-        route = self._route
-        previous = (route.rows, route.present, route.adapters, route.summing)
-        route.rows, route.present = tuple(ids.tolist()), tuple(present.tolist())
-        route.adapters = to_device(ids, self._device) if len(present) > 1 else None
-        route.summing = None
+        previous = (self._route.rows, self._route.present, self._route.adapters)
+        self._route.rows, self._route.present = tuple(ids.tolist()), tuple(present.tolist())
+        self._route.adapters = to_device(ids, self._device) if len(present) > 1 else None
         try:
             yield
         finally:
-            route.rows, route.present, route.adapters, route.summing = previous
+            self._route.rows, self._route.present, self._route.adapters = previous
 
     @contextmanager
     def requires_grad(self, flag: bool) -> Iterator[None]:
