@@ -20,17 +20,17 @@ more than their backward needs:
   the product. On bf16 (or float16) activations `LeanSwiGLUMLP` keeps the gate and up, and
   recomputes SiLU(gate) in the backward.
 
-On the CPU both run autograd on float32 (and float64) activations: there the norm has nothing to save, and the
-MLP's saving (a sixth of a float32 pass's activations) cost the CPU's passes time, where memory is
-not what limits them (in a throwaway A/B of benchmarks/em_gpu.py --cpu, full computation's M-step
-about 10% slower). A GPU runs bf16 (`dtype: auto`).
+On the CPU both run autograd on float32 (and float64) activations: there the norm has nothing to
+save, and the MLP's saving (a sixth of a float32 pass's activations) cost the CPU's passes time,
+where memory is not what limits them (in a throwaway A/B of benchmarks/em_gpu.py --cpu, full
+computation's M-step about 10% slower). A GPU runs bf16 (`dtype: auto`).
 
 `benchmarks/activation_memory.py` counts what each pass keeps. On the CPU the forward runs
 transformers' ops in transformers' order, and the backward runs the ops autograd runs for them (the
 same kernels, operands and order: derivatives.yaml's formulas for mul, rsqrt, mean, pow, silu and
 the casts), so outputs and gradients are equal to the bit (tests/test_lean.py). `make_lean` swaps
-the modules of a loaded model in place; their parameters and names stay, so state dicts and PEFT adapter names do not
-change.
+the modules of a loaded model in place; their parameters and names stay, so state dicts and PEFT
+adapter names do not change.
 """
 
 from __future__ import annotations

@@ -205,8 +205,9 @@ class _LoRALinear(torch.autograd.Function):
         into_adapters = ctx.needs_input_grad[4:6]
         if pick is None and any(into_adapters):
             raise RuntimeError("gradients into the adapters go to the stacked masters: pass them with pick")
-        ctx.stacks = None if pick is None else (a.shape[0], a.dtype, pick, summing)  # (k, masters' dtype, ...)
+        ctx.stacks = None
         if pick is not None:
+            ctx.stacks = (a.shape[0], a.dtype, pick, summing)  # (k, the masters' dtype, ...): `_into_stack`'s
             a, b = _pick(a, pick, x.dtype), _pick(b, pick, x.dtype)  # [(B,) d_in, r], [(B,) r, d_out]
         source = x if lora_input is None else lora_input  # like x
         out, xa = _lora_linear(x, lora_input, weight, bias, a, b, scaling)  # [..., d_out], [..., r]
