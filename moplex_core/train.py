@@ -104,6 +104,7 @@ def plan_train(config: TrainConfig, cache_dir: str | Path, store: ArtifactStore)
     manifest = read_manifest(cache_dir)
     inputs = {"cache": f"{manifest['stage']}/{manifest['version']}"}
     identity = identity_on_this_machine(config.identity(), config.device)
+    identity["share_prompts"] = config.prompts_shared(resolve_device(config.device))  # "auto" as it resolves here
     if config.lora_dropout:  # dropout masks come from the device's generator (see TrainConfig.identity)
         identity["device_type"] = torch.device(resolve_device(config.device)).type
     version = store.version(STAGE, identity, inputs, CODE_VERSION)
@@ -120,7 +121,7 @@ def make_scorer(config: TrainConfig, model: str, *, progress: bool = False, rest
         lora=LoRASettings(config.lora_r, config.lora_alpha, config.lora_dropout, config.lora_targets),
         lr=config.lr, epochs=config.epochs, first_epochs=config.first_epochs, batch_size=config.batch_size,
         score_batch_size=config.score_batch_size,
-        chunk_size=config.chunk_size, share_prompts=config.share_prompts, seed=config.seed + 1000 * restart,
+        chunk_size=config.chunk_size, share_prompts=config.prompts_shared(device), seed=config.seed + 1000 * restart,
         exact_fallback=0 if config.exact_fallback is None else config.estimation_check,
         fallback_above=config.exact_fallback or 0.0,
         dtype=resolve_dtype(config.dtype, device), device=device,

@@ -211,6 +211,7 @@ def test_a_boolean_given_to_a_number_is_refused_not_read_as_one():
         "  train.lr: expected a number, not a boolean (got false)",
         "  train.anchors: expected an integer or null, not a boolean (got true)"]
     assert with_overrides(pipeline_preset("synthetic-demo"), ["train.share_prompts=false"]).train.share_prompts is False
+    assert with_overrides(pipeline_preset("synthetic-demo"), ["train.share_prompts=auto"]).train.share_prompts == "auto"
     with pytest.raises(ValueError, match=r"ingest.split.fractions: Input should be a valid tuple \(got True\)"):
         with_overrides(pipeline_preset("synthetic-demo"), ["ingest.split.fractions=true"])  # a list, not a number
 

@@ -257,6 +257,21 @@ def test_score_batch_size_and_the_device_enter_the_version_only_with_lora_dropou
     assert version(anchor_weighting="nearest", anchors=None) == version(anchors=None)  # nothing to weigh
 
 
+
+def test_shared_prompts_auto_means_on_the_cpu_only_and_is_versioned_as_it_resolves(cache_dir, tmp_path):
+    """``auto`` shares prompts on the CPU (faster there) and runs the prompt per row on a GPU (faster
+    on the H200, docs/gpu-efficiency.md); its version is that of the setting it resolves to."""
+    auto = TrainConfig()
+    assert auto.share_prompts == "auto"
+    assert [auto.prompts_shared(device) for device in ("cpu", "cuda", "cuda:1", "mps")] == [True, False, False, False]
+    assert TrainConfig(share_prompts=False).prompts_shared("cpu") is False
+    assert TrainConfig(share_prompts=True).prompts_shared("cuda:0") is True
+    assert make_scorer(CONFIG.model_copy(update={"share_prompts": "auto"}), cache_model(cache_dir)).share_prompts
+    store = ArtifactStore(tmp_path)
+    version = lambda setting: plan_train(CONFIG.model_copy(update={"share_prompts": setting, "device": "cpu"}),  # noqa: E731
+                                         cache_dir, store).ref.version
+    assert version("auto") == version(True) != version(False)
+
 def test_em_can_start_from_the_rankings_own_labels(cache_dir, tmp_path):
     _, labels = load_policy_inputs(cache_dir, "train")
     names = sorted(set(labels))

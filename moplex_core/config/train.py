@@ -27,9 +27,12 @@ class TrainConfig(StageConfig):
     is the rows (one response under one adapter, clusters mixed) per E-step or exact-scoring pass.
     ``share_prompts`` runs each (example, cluster)'s prompt once per pass for all its rows there
     (the same scores and gradients up to float rounding, for fewer tokens; with ``lora_dropout``
-    the rows share the prompt's dropout mask): faster on the CPU, slower on an H200 (1.5-2.2x at
-    m' = 26 in 8-row passes, a second decoder call per pass; about 5% for full computation at 32-row passes;
-    docs/gpu-efficiency.md). Trains on the cache's ``train`` split.
+    the rows share the prompt's dropout mask): faster on the CPU (1.4-1.6x), slower on an H200, where
+    the prompt pass is a second decoder call whose launches the host cannot issue fast enough (per
+    EM iteration at m' = 26, a = 6: 3.57 s per example with the prompt per row, 6.36 shared; full
+    computation 8.25 and 9.73; shared slower in every configuration where both ran,
+    docs/gpu-efficiency.md). ``auto`` (the default) shares them on the CPU and not elsewhere
+    (`prompts_shared`), and is versioned as what it resolves to. Trains on the cache's ``train`` split.
 
     ``likelihood`` is the observation model of a ranking: ``pl`` (Plackett-Luce, eq. 2 and 5) or
     ``bt_pairs`` (Bradley-Terry over every ordered pair of the ranking, as DPO and the mixture-of-BT
@@ -100,7 +103,14 @@ class TrainConfig(StageConfig):
     device: Device = "auto"
     score_batch_size: int = Field(32, ge=1)
     chunk_size: int = Field(1024, ge=1)
-    share_prompts: bool = True
+    share_prompts: bool | Literal["auto"] = "auto"
+
+    def prompts_shared(self, device: str) -> bool:
+        """Whether passes on ``device`` (a resolved torch device: cpu, cuda:0, ...) share prompts:
+        ``share_prompts``, or for ``auto`` whether the device is the CPU."""
+        if isinstance(self.share_prompts, bool):
+            return self.share_prompts
+        return device.split(":")[0] == "cpu"
 
     @field_validator("lora_targets")
     @classmethod
