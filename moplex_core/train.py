@@ -103,10 +103,11 @@ class TrainResult:
 def plan_train(config: TrainConfig, cache_dir: str | Path, store: ArtifactStore) -> TrainPlan:
     manifest = read_manifest(cache_dir)
     inputs = {"cache": f"{manifest['stage']}/{manifest['version']}"}
+    device = resolve_device(config.device)
     identity = identity_on_this_machine(config.identity(), config.device)
-    identity["share_prompts"] = config.prompts_shared(resolve_device(config.device))  # "auto" as it resolves here
+    identity["share_prompts"] = config.prompts_shared(device)  # "auto" as it resolves here
     if config.lora_dropout:  # dropout masks come from the device's generator (see TrainConfig.identity)
-        identity["device_type"] = torch.device(resolve_device(config.device)).type
+        identity["device_type"] = torch.device(device).type
     version = store.version(STAGE, identity, inputs, CODE_VERSION)
     return TrainPlan(ArtifactRef(STAGE, version), store.path(STAGE, version), inputs, store.is_complete(STAGE, version))
 

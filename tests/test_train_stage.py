@@ -252,10 +252,11 @@ def test_score_batch_size_and_the_device_enter_the_version_only_with_lora_dropou
     version = lambda **update: plan_train(CONFIG.model_copy(update=update), cache_dir, store).ref.version  # noqa: E731
     assert version(score_batch_size=8) == version(score_batch_size=16)
     assert version(lora_dropout=0.1, score_batch_size=8) != version(lora_dropout=0.1, score_batch_size=16)
-    assert version(lora_dropout=0.1, device="cpu") != version(lora_dropout=0.1, device="meta")
+    assert version(lora_dropout=0.1, device="cpu", share_prompts=True) != version(lora_dropout=0.1, device="meta",
+                                                                                 share_prompts=True)
+    assert version(device="cpu", share_prompts=True) == version(device="meta", share_prompts=True)
     assert version(anchor_weighting="nearest") != version()
     assert version(anchor_weighting="nearest", anchors=None) == version(anchors=None)  # nothing to weigh
-
 
 
 def test_shared_prompts_auto_means_on_the_cpu_only_and_is_versioned_as_it_resolves(cache_dir, tmp_path):
@@ -271,6 +272,7 @@ def test_shared_prompts_auto_means_on_the_cpu_only_and_is_versioned_as_it_resolv
     version = lambda setting: plan_train(CONFIG.model_copy(update={"share_prompts": setting, "device": "cpu"}),  # noqa: E731
                                          cache_dir, store).ref.version
     assert version("auto") == version(True) != version(False)
+
 
 def test_em_can_start_from_the_rankings_own_labels(cache_dir, tmp_path):
     _, labels = load_policy_inputs(cache_dir, "train")
