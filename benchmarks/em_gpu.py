@@ -1,6 +1,6 @@
 """Cost of one EM iteration over k LoRA adapters, full computation vs MoPLEx anchors (issue 9).
 
-    PYTHONPATH=. python3 benchmarks/em_gpu.py --out DIR [--examples 2] [--sections check,em,throughput,profile,ceilings]
+    PYTHONPATH=. python3 benchmarks/em_gpu.py --out DIR [--examples 2] [--sections check,em,throughput,profile,cache,ceilings]
                                               [--m-primes 26,32] [--resume EARLIER/em_gpu.json]
                                               [--pairs-per-step 16] [--score-batch-size 32]
     PYTHONPATH=. python3 benchmarks/em_gpu.py --cpu --out DIR       # a small model on the CPU
@@ -10,7 +10,7 @@
 The model is Qwen3-0.6B-shaped with seeded random weights (moplex_core.lm.tiny.build_qwen3_0_6b_shape:
 28 layers, hidden 1024, 16 / 8 heads of 128, vocabulary 151,936) in bf16 with SDPA attention,
 built into a temporary directory. Every row is 1024 random token ids: 512 prompt + 512 response
-tokens, EOS last. A check and four measurements, in one process:
+tokens, EOS last. A check and five measurements, in one process:
 
 0. Agreement (``check``): log pi(y|x) of B rows routed to all k adapters in one multi-LoRA pass
    against PEFT running the same saved adapters one at a time, in bf16, and both against the
@@ -52,12 +52,17 @@ tokens, EOS last. A check and four measurements, in one process:
    each aten op's self time with the difference the LoRA layer makes. Wall and busy time also of the
    mixed M-step pass and of the mixed E-step pass through the prompt pass (each row its own prompt:
    what the shared-prompt path costs where it saves nothing). The traces are written to OUT.
-4. The card's ceilings (``ceilings``): its bf16 matmul rate (an 8192^3 GEMM) and its
+4. The cache stage's passes (``cache``): `moplex_core.estimate.reference_terms_batch` over the n
+   examples at m' = 26 (the largest m' of a CPU size), as the cache stage runs it (one call per
+   example, at most 32 rows a pass), with and without the reference contractions, each example's
+   prompt shared and per row (`cache.share_prompts`): seconds per example, peak memory, the speedup
+   of the prompt per row and the largest log pi_ref gap between the two modes.
+5. The card's ceilings (``ceilings``): its bf16 matmul rate (an 8192^3 GEMM) and its
    device-to-device copy rate (a 2 GiB tensor: 4 GiB read and written), the two rates a pass's time
    is read against; each after a quarter second of warm-up (the clocks rise from idle), timed over
    20 back-to-back operations per sample.
 
-The sections run in the order ceilings, check, throughput, profile, em (the EM section takes most
+The sections run in the order ceilings, check, throughput, profile, cache, em (the EM section takes most
 of the time), and within the EM section the issue's targets first: with shared prompts, m' = 26
 (full, then a = 6, 4, 2) and full at m' = 32, then the same with the prompt per row, then the
 other m' from the smallest. A run too long for one time limit can be
@@ -109,7 +114,7 @@ import peft
 import torch
 import transformers
 
-from em_gpu_passes import anchor_pass_profile, anchor_pass_throughput, host_waits, lora_agreement
+from em_gpu_passes import anchor_pass_profile, anchor_pass_throughput, cache_pass_costs, host_waits, lora_agreement
 from em_gpu_report import minibatch_note, plot_figure5, print_report
 from em_gpu_rig import (
     BETA,
@@ -134,7 +139,7 @@ from em_gpu_rig import (
 from moplex_core.lm.loading import dtype_name
 from moplex_core.scorers.lora_policy import LoRAPolicyScorer, PolicyInputs
 
-SECTIONS = ("check", "em", "throughput", "profile", "ceilings")
+SECTIONS = ("check", "em", "throughput", "profile", "cache", "ceilings")
 TARGET_M_PRIMES = (26, 32)  # the issue's targets: a = 6 against full computation at m' = 26; full fits at 32
 
 # -- 1. EM iteration cost --------------------------------------------------------------------
@@ -424,6 +429,8 @@ def main() -> None:
             finished("throughput", anchor_pass_throughput(model_dir(), sizes))
         if wanted("profile"):
             finished("profile", anchor_pass_profile(model_dir(), sizes, args.out))
+        if wanted("cache"):
+            finished("cache", cache_pass_costs(model_dir(), sizes, args.examples))
         if "em" in sections:
             finished("em", em_iteration_costs(model_dir, sizes, args.examples, m_primes, previous.get("em", []),
                                               lambda rows: save("em", rows), time_left))

@@ -1,7 +1,7 @@
 """The sections of benchmarks/em_gpu.py about one anchor pass (its docstring says what each measures):
 ``check``, the multi-LoRA pass against PEFT and the base model's own gaps at this scale, and where a
 pass makes the host wait for the GPU; ``throughput``, its tokens/s against the plain model and PEFT;
-``profile``, where its time goes."""
+``profile``, where its time goes; ``cache``, the cache stage's passes with shared prompts and per row."""
 
 from __future__ import annotations
 
@@ -35,13 +35,15 @@ from em_gpu_rig import (
     median_seconds,
     mixed_pass,
     model_vocab,
+    out_of_memory,
+    peak_gib,
     perturb_lora_b,
     random_batches,
     sync,
     synthetic_inputs,
     weight_grad_pass,
 )
-from moplex_core.estimate import anchor_pass
+from moplex_core.estimate import anchor_pass, reference_terms_batch
 from moplex_core.lm import logprobs
 from moplex_core.lm.device import to_device
 from moplex_core.lm.loading import dtype_name, load_model
@@ -309,6 +311,50 @@ def anchor_pass_throughput(model_dir: Path, sizes: Sizes) -> dict[str, Any]:
         both = not (row["oom"] or plain["oom"])
         row["ratio_vs_plain"] = row["tokens_per_s"] / plain["tokens_per_s"] if both else None
     return {"attention": attention, "rows": rows}
+
+
+CACHE_ROWS_PER_PASS = 32  # cache.score_batch_size's default
+
+
+def cache_pass_costs(model_dir: Path, sizes: Sizes, examples: int) -> dict[str, Any]:
+    """The cache stage's terms (`reference_terms_batch`, one call per example as `cache_rows` makes
+    them when m' responses fill most of a 32-row pass) of ``examples`` synthetic examples at the
+    size's largest m' up to 26, with the reference contractions (forward + input-gradient passes)
+    and without (forwards only), each with every example's prompt shared (one prompt pass per pass)
+    and per row: seconds per example (median of the size's repeats after its warm-ups), peak memory,
+    and the largest log pi_ref difference between the two prompt modes, nats."""
+    m_prime = max(m for m in sizes.m_primes if m <= 26)
+    vocab_size, eos_id = model_vocab(model_dir)
+    inputs = synthetic_inputs(sizes, m_prime, examples, vocab_size, eos_id).sequences
+    model = load_frozen_model(model_dir, sizes)
+    rows = []
+    for contractions in (True, False):
+        logp = {}
+        for shared in (True, False):
+            def run() -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+                return [term for sequences in inputs
+                        for term in reference_terms_batch(model, [sequences], PAD_ID, rows_per_pass=CACHE_ROWS_PER_PASS,
+                                                          contractions=contractions, share_prompts=shared)]
+            row = {"m_prime": m_prime, "contractions": contractions, "prompts": "shared" if shared else "per row",
+                   "oom": False, "s_per_example": None, "peak_gib": None}
+            try:
+                seconds = median_seconds(run, sizes)
+                row.update(s_per_example=seconds / examples, peak_gib=peak_gib(sizes))
+                logp[shared] = torch.cat([ref_logp for ref_logp, _ in run()])
+            except RuntimeError as error:
+                if not out_of_memory(error):
+                    raise
+                row["oom"] = True
+            free(sizes)
+            rows.append(row)
+        both = len(logp) == 2
+        for row in rows[-2:]:
+            row["logp_gap"] = (logp[True] - logp[False]).abs().max().item() if both else None
+    for row in rows:
+        shared = next(r for r in rows if r["contractions"] == row["contractions"] and r["prompts"] == "shared")
+        both = not (row["oom"] or shared["oom"])
+        row["speedup_vs_shared"] = shared["s_per_example"] / row["s_per_example"] if both else None
+    return {"rows_per_pass": CACHE_ROWS_PER_PASS, "rows": rows}
 
 
 def _plain_rows(model_dir: Path, sizes: Sizes, batches: dict[int, list[TokenizedResponse]]) -> tuple[str, list[dict[str, Any]]]:

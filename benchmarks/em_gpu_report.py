@@ -76,6 +76,20 @@ def print_report(results: dict[str, Any]) -> None:
         print()
     if "profile" in results:
         _print_profile(results["profile"], results.get("ceilings", {}).get("copy_tbs"))
+    if "cache" in results:
+        cache = results["cache"]
+        print(f"### The cache stage's passes: n = {results['examples']} examples, one call per example "
+              f"(`reference_terms_batch`, at most {cache['rows_per_pass']} rows a pass), each example's prompt "
+              "run once per pass (shared) or with every response (per row); median of "
+              f"{sizes['repeats']} after {sizes['warmups']} warm-up(s)\n")
+        print("| m' | contractions | prompts | s/ex | peak GiB | speedup vs shared | log pi_ref gap, nats |")
+        print("|---|---|---|---|---|---|---|")
+        for row in cache["rows"]:
+            oom = row["oom"]
+            print(f"| {row['m_prime']} | {str(row['contractions']).lower()} | {row['prompts']} | "
+                  f"{_fmt(row['s_per_example'], '.3g', oom)} | {_fmt(row['peak_gib'], '.1f', oom)} | "
+                  f"{_fmt(row['speedup_vs_shared'], '.2f', False)} | {_fmt(row['logp_gap'], '.3g', False)} |")
+        print()
     if "check" in results:
         check = results["check"]
         print(f"### Agreement: {check['rows']} rows, all k adapters mixed in one pass, against PEFT (one adapter "

@@ -5,8 +5,9 @@
 # `.whl` for step 2). Everything lands under $OUT, which the device tool returns.
 #
 #   1  the tiny model through every CUDA path (seconds; its tables print, its files stay on the card),
-#      then the card's ceilings, the anchor-pass table, the checks and the profile: the 12-row mixed
-#      pass against 0.9x of the plain model, host waits, kernels
+#      then the card's ceilings, the anchor-pass table, the checks, the profile (the 12-row mixed
+#      pass against 0.9x of the plain model, host waits, kernels) and the cache stage's passes with
+#      shared prompts and per row (cache.share_prompts auto: per row on a GPU, unmeasured there yet)
 #   2  the pipeline's own stages on the card (benchmarks/pipeline_stages.py, about two minutes): first
 #      `make gpu-wheels` here, then carry `.whl`
 #   3  the EM section at m' = 26 at the pipeline's minibatch (16 pairs a step) in 16-row passes
@@ -29,7 +30,7 @@ resume=(${RESUME:+--resume "$RESUME"})
 case "$step" in
   1)
     python3 benchmarks/em_gpu.py --smoke --out "$(mktemp -d)"
-    python3 benchmarks/em_gpu.py --out "$out/passes" --sections ceilings,check,throughput,profile --deadline 380 \
+    python3 benchmarks/em_gpu.py --out "$out/passes" --sections ceilings,check,throughput,profile,cache --deadline 380 \
       "${resume[@]}"
     ;;
   2)

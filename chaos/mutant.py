@@ -23,6 +23,7 @@ TESTS: dict[str, tuple[str, ...]] = {  # source file -> test modules under tests
         'test_evaluate_stage', 'test_chaos', 'test_pipeline_config',
     ),
     'moplex_core/config/augment.py': ('test_config', 'test_augment_stage', 'test_pipeline_config'),
+    'moplex_core/config/base.py': ('test_config', 'test_train_stage', 'test_cache_stage', 'test_pipeline_config'),
     'moplex_core/config/cache.py': ('test_config', 'test_cache_stage', 'test_pipeline_config'),
     'moplex_core/config/evaluate.py': ('test_config', 'test_pipeline_config', 'test_evaluate_stage'),
     'moplex_core/config/ingest.py': (

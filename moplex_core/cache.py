@@ -32,7 +32,7 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from moplex_core.artifacts import ArtifactRef, ArtifactStore, load_table, read_manifest, root_of, shard_name
-from moplex_core.config import CacheConfig, local_model_absolute
+from moplex_core.config import CacheConfig, local_model_absolute, prompts_shared
 from moplex_core.estimate import reference_terms_batch
 from moplex_core.hashing import files_changed, files_fingerprint, model_files, model_fingerprint
 from moplex_core.lm.checks import beyond_the_context, context_length, warn_of_turn_layout
@@ -101,7 +101,8 @@ def run_cache(config: CacheConfig, rankings_dir: str | Path, store: ArtifactStor
     table = load_table(rankings_dir)
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
-    recorded = {**config.model_dump(mode="json"), "resolved_dtype": dtype_name(dtype)}
+    shared = prompts_shared(config.share_prompts, device)
+    recorded = {**config.model_dump(mode="json"), "resolved_dtype": dtype_name(dtype), "resolved_share_prompts": shared}
     with store.writer(STAGE, plan.ref.version, config=recorded, inputs=plan.inputs, code_version=CODE_VERSION) as writer:
         if writer.complete:
             return CacheResult(plan.ref, plan.path, False, store.manifest(STAGE, plan.ref.version)["rows"])
@@ -117,7 +118,7 @@ def run_cache(config: CacheConfig, rankings_dir: str | Path, store: ArtifactStor
             with bar:
                 for shard in todo:
                     part = table.slice(starts[shard], config.shard_rows)
-                    writer.write_shard(shard, cache_rows(part, model, tokenizer, config, bar.update))
+                    writer.write_shard(shard, cache_rows(part, model, tokenizer, config, shared, bar.update))
         shards = [pq.read_table(writer.path / shard_name(s), columns=TRUNCATION_COLUMNS) for s in range(len(starts))]
         ended = _ended(table)
         truncated = 0
@@ -165,9 +166,11 @@ def cache_rows(
     model: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase,
     config: CacheConfig,
+    share_prompts: bool,
     advance: Callable[[int], object] = lambda n: None,
 ) -> pa.Table:
-    """CACHE_SCHEMA rows of a slice of a rankings/augmented table; ``advance(n)`` after n examples."""
+    """CACHE_SCHEMA rows of a slice of a rankings/augmented table, each example's prompt run once per
+    pass (``share_prompts``) or per response; ``advance(n)`` after n examples."""
     rows = part.to_pylist()
     examples = [_tokenize(row, ended, tokenizer, config) for row, ended in zip(rows, _ended(part), strict=True)]
     context = context_length(model.config)
@@ -185,7 +188,8 @@ def cache_rows(
                          f"lower it (--set cache.score_batch_size={half}), or cache.max_response_tokens"):
         for batch in _whole_examples(examples, config.score_batch_size):
             terms += reference_terms_batch(model, batch, tokenizer.pad_token_id, rows_per_pass=config.score_batch_size,
-                                           chunk_size=config.chunk_size, contractions=config.contractions)
+                                           chunk_size=config.chunk_size, contractions=config.contractions,
+                                           share_prompts=share_prompts)
             advance(len(batch))
     return pa.Table.from_pylist([
         {

@@ -343,13 +343,14 @@ def reference_terms_batch(
     rows_per_pass: int = 32,
     chunk_size: int = 1024,
     contractions: bool = True,
+    share_prompts: bool = True,
 ) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
     """What the cache stage stores for each example under pi_ref (the base model; a model with
     `MultiLoRA` adapters outside a route is the same): (ref_logp float64 [M], s_ref float32 [M, M]),
     every response an anchor once, so any later anchor choice finds its row of s_ref. The examples'
     responses go in order through forward + input-gradient passes of at most ``rows_per_pass`` rows
-    (an example's rows in one pass share its prompt pass); forward passes only and s_ref None without
-    ``contractions``.
+    (an example's rows in one pass share its prompt pass, or with ``share_prompts`` False run whole);
+    forward passes only and s_ref None without ``contractions``.
 
     An example whose responses straddle passes gets its rows of s_ref from each pass: row i of s_ref
     needs only response i's input gradients and every response's embeddings.
@@ -362,7 +363,7 @@ def reference_terms_batch(
     for start in range(0, len(rows), rows_per_pass):
         part = rows[start : start + rows_per_pass]
         ref = anchor_pass(model, [examples[e][j] for e, j in part], pad_token_id, input_grads=contractions,
-                          chunk_size=chunk_size, groups=[e for e, _ in part],
+                          chunk_size=chunk_size, groups=[e for e, _ in part] if share_prompts else None,
                           alternatives=[examples[e] for e, _ in part] if contractions else None)
         first = 0
         for e, members in groupby(part, key=lambda row: row[0]):  # an example's rows in a pass are contiguous

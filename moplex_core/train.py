@@ -49,7 +49,7 @@ from tqdm.auto import tqdm
 from moplex_core.artifacts import (CHECKPOINTS, ArtifactRef, ArtifactStore, atomic_path, read_checked_manifest,
                                    read_manifest)
 from moplex_core.cache import cache_model, contractions_out_of_date, load_policy_inputs
-from moplex_core.config import TrainConfig, no_contractions_message
+from moplex_core.config import TrainConfig, no_contractions_message, prompts_shared
 from moplex_core.em import (START_FILE, EMConfig, EMState, estimates_off_by, fit_mixture, posteriors_table,
                             read_posteriors, soft_one_hot)
 from moplex_core.estimate import check_sample, estimation_error
@@ -105,7 +105,7 @@ def plan_train(config: TrainConfig, cache_dir: str | Path, store: ArtifactStore)
     inputs = {"cache": f"{manifest['stage']}/{manifest['version']}"}
     device = resolve_device(config.device)
     identity = identity_on_this_machine(config.identity(), config.device)
-    identity["share_prompts"] = config.prompts_shared(device)  # "auto" as it resolves here
+    identity["share_prompts"] = prompts_shared(config.share_prompts, device)  # "auto" as it resolves here
     if config.lora_dropout:  # dropout masks come from the device's generator (see TrainConfig.identity)
         identity["device_type"] = torch.device(device).type
     version = store.version(STAGE, identity, inputs, CODE_VERSION)
@@ -122,7 +122,7 @@ def make_scorer(config: TrainConfig, model: str, *, progress: bool = False, rest
         lora=LoRASettings(config.lora_r, config.lora_alpha, config.lora_dropout, config.lora_targets),
         lr=config.lr, epochs=config.epochs, first_epochs=config.first_epochs, batch_size=config.batch_size,
         score_batch_size=config.score_batch_size,
-        chunk_size=config.chunk_size, share_prompts=config.prompts_shared(device), seed=config.seed + 1000 * restart,
+        chunk_size=config.chunk_size, share_prompts=prompts_shared(config.share_prompts, device), seed=config.seed + 1000 * restart,
         exact_fallback=0 if config.exact_fallback is None else config.estimation_check,
         fallback_above=config.exact_fallback or 0.0,
         dtype=resolve_dtype(config.dtype, device), device=device,

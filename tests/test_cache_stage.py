@@ -12,7 +12,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-from lm_fixtures import HUB_NAME, as_cached_hub_model, tiny_model_dir  # noqa: F401  (fixture)
+from lm_fixtures import HUB_NAME, as_cached_hub_model, prompt_pass_counts, tiny_model_dir  # noqa: F401  (fixture)
 from stage_fixtures import write_synthetic
 
 from moplex_core.artifacts import ArtifactCorruptError, ArtifactStore, load_table, read_manifest
@@ -237,6 +237,38 @@ def test_auto_dtype_versions_as_the_dtype_it_means_on_this_machine(tiny_model_di
     assert version["auto"] == version["float32"] != version["bfloat16"]
     assert identity_on_this_machine({"dtype": "auto"}, "cpu") == {"dtype": "float32"}
     assert identity_on_this_machine({"dtype": "float64", "k": 3}, "cuda") == {"dtype": "float64", "k": 3}
+
+
+def test_shared_prompts_say_how_the_passes_run_not_what_the_cache_holds(tiny_model_dir, tmp_path,  # noqa: F811
+                                                                          prompt_pass_counts, caplog):  # noqa: F811
+    # auto shares each example's prompt on the CPU; the prompt per response is the same version (pi_ref
+    # has no dropout: the same terms up to rounding), and the manifest records which ran.
+    rankings = write_synthetic(ArtifactStore(tmp_path / "shared"), n=3, m=3, n_generated=2)
+    written = {}
+    for setting in ("auto", False):
+        store = ArtifactStore(tmp_path / str(setting))
+        config = CacheConfig(model=str(tiny_model_dir), share_prompts=setting, device="cpu", shard_rows=2)
+        written[setting] = run_cache(config, rankings, store, progress=False)
+        assert read_manifest(written[setting].path)["config"]["resolved_share_prompts"] is (setting == "auto")
+    assert prompt_pass_counts == [2, 1]  # each shard's examples' prompts in one pass, under auto only
+    assert written["auto"].ref.version == written[False].ref.version
+    shared, whole = (load_table(written[setting].path).to_pylist() for setting in ("auto", False))
+    for a, b in zip(shared, whole, strict=True):
+        assert a["input_ids"] == b["input_ids"]
+        torch.testing.assert_close(torch.tensor(a["ref_logp"]), torch.tensor(b["ref_logp"]), atol=1e-4, rtol=0)
+        torch.testing.assert_close(torch.tensor(a["ref_contraction"]), torch.tensor(b["ref_contraction"]),
+                                   atol=1e-4, rtol=1e-4)
+    # a resume under the other setting says so, as under another batch size (what a kill during shard 1
+    # leaves: the run's start marker, shard 0, no manifest)
+    runs = read_manifest(written[False].path)["runs"]
+    (written[False].path / ".started").write_text("".join(json.dumps(run) + "\n" for run in runs))
+    (written[False].path / "manifest.json").unlink()
+    (written[False].path / "part-00001.parquet").unlink()
+    with caplog.at_level(logging.WARNING, logger="moplex_core.artifacts.writer"):
+        run_cache(CacheConfig(model=str(tiny_model_dir), device="cpu", shard_rows=2), rankings,
+                  ArtifactStore(tmp_path / "False"), progress=False)
+    assert ('resumes from files that earlier runs wrote with resolved_share_prompts false (last: true); '
+            'share_prompts false (last: "auto")') in caplog.text
 
 
 def test_a_cache_pass_out_of_device_memory_names_cache_score_batch_size(tiny_model_dir, tmp_path,  # noqa: F811

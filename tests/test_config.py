@@ -76,8 +76,9 @@ def test_identity_leaves_out_where_a_file_lives_and_other_datasets_options():
 VERSIONED = {
     "cache": (CacheConfig(model="some/hub-model"),
               {"use_chat_template": False, "max_prompt_tokens": 7, "max_response_tokens": 9, "shard_rows": 3,
-               "dtype": "float64", "contractions": False, "score_batch_size": 5, "device": "cpu", "chunk_size": 8},
-              {"score_batch_size", "device", "chunk_size"}),
+               "dtype": "float64", "contractions": False, "score_batch_size": 5, "device": "cpu", "chunk_size": 8,
+               "share_prompts": False},
+              {"score_batch_size", "device", "chunk_size", "share_prompts"}),
     "augment": (AugmentConfig(model="some/hub-model"),
                 {"n_generated": 5, "temperature": 1.0, "top_p": 0.5, "max_new_tokens": 7, "seed": 3, "max_attempts": 2,
                  "shard_prompts": 3, "dtype": "float32", "use_chat_template": False, "max_prompt_tokens": 9,

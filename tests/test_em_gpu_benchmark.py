@@ -147,6 +147,19 @@ def test_json_numbers_are_positive_and_finite(tiny_run: tuple[Path, str]) -> Non
     assert profile["lora_extra_gb"] == pytest.approx(2 * 4096 * 4 * 28 * 6 / 1e9)
 
 
+def test_the_cache_section_times_both_prompt_modes_and_they_agree(tiny_run: tuple[Path, str]) -> None:
+    out, stdout = tiny_run
+    cache = json.loads((out / "em_gpu.json").read_text())["cache"]
+    rows = [(row["m_prime"], row["contractions"], row["prompts"]) for row in cache["rows"]]
+    assert rows == [(max(TINY_M_PRIMES), c, p) for c in (True, False) for p in ("shared", "per row")]
+    for row in cache["rows"]:
+        assert not row["oom"] and row["peak_gib"] is None and row["s_per_example"] > 0
+        assert row["logp_gap"] < 1e-4  # the same log pi_ref both ways (float32)
+    assert [row["speedup_vs_shared"] for row in cache["rows"] if row["prompts"] == "shared"] == [1.0, 1.0]
+    assert [row[:3] for row in _table(stdout, "| m' | contractions |")] == \
+        [[str(max(TINY_M_PRIMES)), c, p] for c in ("true", "false") for p in ("shared", "per row")]
+
+
 def test_figure_is_written(tiny_run: tuple[Path, str]) -> None:
     out, _ = tiny_run
     assert (out / "em_gpu.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -283,11 +283,13 @@ def test_a_pass_never_reads_the_device_back(tiny_model_dir, grouped, padded):  #
         bool(passed.logp.sum() > 0)
 
 
+@pytest.mark.parametrize("share_prompts", [True, False])
 @pytest.mark.parametrize("rows_per_pass", [32, 3])  # 3: passes mix the two examples and split each one
-def test_the_shared_reference_terms_equal_one_example_at_a_time(model64, rows_per_pass):
+def test_the_shared_reference_terms_equal_one_example_at_a_time(model64, rows_per_pass, share_prompts):
     model, tokenizer = model64
     examples = [tokenize_responses(tokenizer, prompt, RESPONSES) for prompt in ("Which list is best?", "Best?")]
-    together = reference_terms_batch(model, examples, tokenizer.pad_token_id, rows_per_pass=rows_per_pass)
+    together = reference_terms_batch(model, examples, tokenizer.pad_token_id, rows_per_pass=rows_per_pass,
+                                     share_prompts=share_prompts)
     for sequences, (ref_logp, s_ref) in zip(examples, together):
         alone = anchor_pass(model, sequences, tokenizer.pad_token_id, input_grads=True,
                             alternatives=[sequences] * len(sequences))
@@ -324,6 +326,8 @@ def test_the_cache_runs_each_examples_prompt_once(model64, prompt_pass_counts): 
     counts = prompt_pass_counts
     examples = [tokenize_responses(tokenizer, prompt, RESPONSES) for prompt in ("Which list is best?", "Best?", "Hm?")]
     reference_terms_batch(model, examples, tokenizer.pad_token_id)
+    assert counts == [3]
+    reference_terms_batch(model, examples, tokenizer.pad_token_id, share_prompts=False)  # every row whole
     assert counts == [3]
 
 

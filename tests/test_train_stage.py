@@ -20,7 +20,7 @@ from stage_fixtures import write_synthetic
 
 from moplex_core.artifacts import ArtifactStore, read_manifest
 from moplex_core.cache import cache_model, load_policy_inputs, run_cache
-from moplex_core.config import CacheConfig, EvaluateConfig, TrainConfig
+from moplex_core.config import CacheConfig, EvaluateConfig, TrainConfig, prompts_shared
 from moplex_core.em import (EMConfig, Rankings, initial_responsibilities, likelihood_falls, posteriors_table,
                             read_posteriors)
 from moplex_core.evaluate import run_evaluate
@@ -264,9 +264,9 @@ def test_shared_prompts_auto_means_on_the_cpu_only_and_is_versioned_as_it_resolv
     on the H200, docs/gpu-efficiency.md); its version is that of the setting it resolves to."""
     auto = TrainConfig()
     assert auto.share_prompts == "auto"
-    assert [auto.prompts_shared(device) for device in ("cpu", "cuda", "cuda:1", "mps")] == [True, False, False, False]
-    assert TrainConfig(share_prompts=False).prompts_shared("cpu") is False
-    assert TrainConfig(share_prompts=True).prompts_shared("cuda:0") is True
+    assert [prompts_shared(auto.share_prompts, device) for device in ("cpu", "cuda", "cuda:1", "mps")] == \
+        [True, False, False, False]
+    assert prompts_shared(False, "cpu") is False and prompts_shared(True, "cuda:0") is True
     assert make_scorer(CONFIG.model_copy(update={"share_prompts": "auto"}), cache_model(cache_dir)).share_prompts
     store = ArtifactStore(tmp_path)
     version = lambda setting: plan_train(CONFIG.model_copy(update={"share_prompts": setting, "device": "cpu"}),  # noqa: E731

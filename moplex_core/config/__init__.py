@@ -8,7 +8,16 @@ run and its presets in `pipeline`, what they share in `base`, and ``key=value`` 
 """
 
 from moplex_core.config.augment import VLLM_MAX_TEMPERATURE, AugmentConfig, GeneratorBackend
-from moplex_core.config.base import TINY_MODEL, Device, Options, StageConfig, absolute_path, local_model_absolute
+from moplex_core.config.base import (
+    TINY_MODEL,
+    Device,
+    Options,
+    SharePrompts,
+    StageConfig,
+    absolute_path,
+    local_model_absolute,
+    prompts_shared,
+)
 from moplex_core.config.cache import CacheConfig, ModelDtype, no_contractions_message
 from moplex_core.config.evaluate import EvaluateConfig
 from moplex_core.config.ingest import (
@@ -44,8 +53,8 @@ __all__ = [
     "HELPSTEER2_ATTRIBUTES", "HUB_SOURCES", "INGEST_PRESETS", "PRESETS_DIR", "PRISM_OPENING_RESPONSES", "TINY_MODEL",
     "ULTRAFEEDBACK_CRITERIA", "VLLM_MAX_TEMPERATURE", "AugmentConfig", "CacheConfig", "DatasetName", "Device",
     "EvaluateConfig", "FaultConfig", "GeneratorBackend", "HelpSteer2Options", "IngestConfig", "ModelDtype", "Options",
-    "PersonaOptions", "PipelineConfig", "PipelineStage", "PrismOptions", "SplitConfig", "StageConfig",
+    "PersonaOptions", "PipelineConfig", "PipelineStage", "PrismOptions", "SharePrompts", "SplitConfig", "StageConfig",
     "SyntheticOptions", "TinyModelConfig", "TrainConfig", "UltraFeedbackOptions", "absolute_path", "as_assignments",
     "describe_validation_error", "ingest_preset", "local_model_absolute", "no_contractions_message",
-    "pipeline_preset", "preset_description", "preset_names", "with_overrides",
+    "pipeline_preset", "preset_description", "preset_names", "prompts_shared", "with_overrides",
 ]

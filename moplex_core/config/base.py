@@ -44,6 +44,19 @@ def _torch_device(value: str) -> str:
 Device = Annotated[str, AfterValidator(_torch_device)]
 """Where a stage runs: refused up front when torch could not parse it (not after the stages before)."""
 
+SharePrompts = bool | Literal["auto"]
+"""Whether the rows of a pass that share a prompt run it once (moplex_core.lm.logprobs.prompt_prefix):
+``auto`` means on the CPU only (`prompts_shared`; why: `TrainConfig`'s docstring)."""
+
+
+def prompts_shared(setting: SharePrompts, device: str) -> bool:
+    """Whether passes on ``device`` (a resolved torch device: cpu, cuda:0, ...) share prompts under
+    ``setting``: the setting itself, or for ``auto`` whether the device is the CPU."""
+    if isinstance(setting, bool):
+        return setting
+    return device.split(":")[0] == "cpu"
+
+
 SplitName = Literal["train", "validation", "test"]
 """The splits ingest writes (`moplex_core.schema.SPLITS`, in this order)."""
 

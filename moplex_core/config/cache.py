@@ -6,7 +6,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator
 
-from moplex_core.config.base import Device, StageConfig, local_model_absolute
+from moplex_core.config.base import Device, SharePrompts, StageConfig, local_model_absolute
 
 # No float16 for the cache and train: their input and LoRA gradients would need loss scaling, which
 # this code does not do ("auto" on a GPU without bfloat16 is float32).
@@ -21,10 +21,10 @@ class CacheConfig(StageConfig):
     contraction s_ref. ``model`` is pi_ref, the base model the train stage puts adapters on.
 
     Left out of the version (`identity`): ``model`` (its directory's content is an input of the
-    version instead), ``score_batch_size``, ``device`` and ``chunk_size`` (how fast, not what: other
-    pass and chunk shapes round differently, moving the floats in their last digits, and a resume under
-    other values says so), and ``contractions`` while it is true (versions built before it existed
-    stay valid).
+    version instead), ``score_batch_size``, ``device``, ``chunk_size`` and ``share_prompts`` (how fast,
+    not what: other pass and chunk shapes round differently, moving the floats in their last digits,
+    and a resume under other values says so), and ``contractions`` while it is true (versions built
+    before it existed stay valid).
     """
 
     model: str
@@ -56,8 +56,15 @@ class CacheConfig(StageConfig):
     scored exactly: `moplex assign`'s, or a train stage with ``train.anchors = null``. Train refuses
     anchors on it."""
 
+    share_prompts: SharePrompts = "auto"
+    """Run an example's prompt once per pass for all its responses there (pi_ref has no dropout: the
+    same terms up to float rounding, for fewer tokens). ``auto`` (the default): on the CPU only, as
+    `TrainConfig.share_prompts` (whose docstring says why: on an H200 the train stage's passes, the
+    forward-only ones of 26 responses of one prompt included, ran faster with the prompt per row).
+    The manifest records what it resolved to (``resolved_share_prompts``)."""
+
     def identity(self) -> dict[str, Any]:
-        exclude = {"model", "score_batch_size", "device", "chunk_size"} | ({"contractions"} if self.contractions else set())
+        exclude = {"model", "score_batch_size", "device", "chunk_size", "share_prompts"} | ({"contractions"} if self.contractions else set())
         return self.model_dump(mode="json", exclude=exclude)
 
 

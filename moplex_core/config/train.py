@@ -6,7 +6,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from moplex_core.config.base import Device, StageConfig
+from moplex_core.config.base import Device, SharePrompts, StageConfig
 from moplex_core.config.cache import ModelDtype
 
 
@@ -32,7 +32,7 @@ class TrainConfig(StageConfig):
     EM iteration at m' = 26, a = 6: 3.57 s per example with the prompt per row, 6.36 shared; full
     computation 8.25 and 9.73; shared slower in every configuration where both ran,
     docs/gpu-efficiency.md). ``auto`` (the default) shares them on the CPU and not elsewhere
-    (`prompts_shared`), and is versioned as what it resolves to. Trains on the cache's ``train`` split.
+    (`moplex_core.config.prompts_shared`), and is versioned as what it resolves to. Trains on the cache's ``train`` split.
 
     ``likelihood`` is the observation model of a ranking: ``pl`` (Plackett-Luce, eq. 2 and 5) or
     ``bt_pairs`` (Bradley-Terry over every ordered pair of the ranking, as DPO and the mixture-of-BT
@@ -103,14 +103,7 @@ class TrainConfig(StageConfig):
     device: Device = "auto"
     score_batch_size: int = Field(32, ge=1)
     chunk_size: int = Field(1024, ge=1)
-    share_prompts: bool | Literal["auto"] = "auto"
-
-    def prompts_shared(self, device: str) -> bool:
-        """Whether passes on ``device`` (a resolved torch device: cpu, cuda:0, ...) share prompts:
-        ``share_prompts``, or for ``auto`` whether the device is the CPU."""
-        if isinstance(self.share_prompts, bool):
-            return self.share_prompts
-        return device.split(":")[0] == "cpu"
+    share_prompts: SharePrompts = "auto"
 
     @field_validator("lora_targets")
     @classmethod
