@@ -253,5 +253,6 @@ def _cache_config(cache_manifest: dict[str, Any], device: str, model: str) -> Ca
     from moplex_core.config import CacheConfig
 
     recorded = dict(cache_manifest["config"])
-    recorded.pop("resolved_dtype", None)  # what "auto" was where it ran (cache-N artifacts record it)
+    for resolved in ("resolved_dtype", "resolved_share_prompts"):  # what "auto" was where it ran (not settings)
+        recorded.pop(resolved, None)
     return CacheConfig.model_validate({**recorded, "model": model, "device": device, "contractions": False})
