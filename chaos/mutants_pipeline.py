@@ -198,6 +198,8 @@ PIPELINE_MUTANTS: list[Mutant] = [
            'exclude = {"model", "score_batch_size", "device", "chunk_size"}'),
     Mutant('X35', 'moplex_core/estimate.py', 'reference_terms_batch: share_prompts=False still shares',
            'groups=[e for e, _ in part] if share_prompts else None,', 'groups=[e for e, _ in part],'),
+    Mutant('X36', 'moplex_core/assign.py', "_cache_config: the cache's recorded resolved_share_prompts read as a setting",
+           'for resolved in ("resolved_dtype", "resolved_share_prompts"):', 'for resolved in ("resolved_dtype",):'),
     Mutant('X7', 'moplex_core/ingest.py', 'code_version: adapter versions left out',
            'return "+".join([CODE_VERSION, *filter(None, [ADAPTERS[dataset].version])])',
            'return CODE_VERSION'),
