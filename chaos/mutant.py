@@ -89,11 +89,13 @@ TESTS: dict[str, tuple[str, ...]] = {  # source file -> test modules under tests
         'test_pl', 'test_em', 'test_em_falls', 'test_em_inputs', 'test_numerics', 'test_metrics', 'test_bad_inputs',
         'test_evaluate', 'test_lora_policy',
     ),
+    'moplex_core/processes.py': ('test_pipeline_run',),
     'moplex_core/report.py': ('test_evaluate', 'test_evaluate_stage'),
     'moplex_core/schema.py': ('test_schema', 'test_ingest_build', 'test_bad_inputs', 'test_ingest_adapters'),
     'moplex_core/scorers/item.py': ('test_em_inputs', 'test_em', 'test_em_falls', 'test_numerics'),
     'moplex_core/scorers/lora_policy.py': ('test_lora_policy', 'test_em', 'test_em_falls', 'test_train_stage'),
     'moplex_core/train.py': ('test_train_stage', 'test_evaluate_stage', 'test_pipeline_config'),
+    'flows/pipeline.py': ('test_pipeline_run',),
 }
 
 

@@ -24,7 +24,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
-from prefect import flow, get_run_logger
+from prefect import flow, get_run_logger, tags
 from prefect.runtime import deployment, flow_run
 from prefect.settings import PREFECT_API_URL, PREFECT_FLOWS_HEARTBEAT_FREQUENCY, PREFECT_UI_URL, temporary_settings
 from prefect.states import State
@@ -36,7 +36,12 @@ from moplex_core.data.sources import DatasetUnavailableError
 from moplex_core.ingest import rejected_note
 from moplex_core.lm.loading import ModelUnavailableError
 from moplex_core.pipeline import run_stages
-from moplex_core.processes import popen_ending_with_this_thread, stop_on_signals_until_exit
+from moplex_core.processes import (
+    popen_ending_with_this_thread,
+    process_identity,
+    process_running,
+    stop_on_signals_until_exit,
+)
 from flows.augment import augment_flow
 from flows.cache import cache_flow
 from flows.evaluate import evaluate_flow
@@ -44,6 +49,8 @@ from flows.ingest import ingest_flow
 from flows.tiny_model import tiny_model_flow
 from flows.train import train_flow
 from tasks.pipeline import fail_on_purpose, publish_run_artifacts
+
+log = logging.getLogger(__name__)
 
 _STAGE_NOTE = "moplex pipeline stage: "
 STAGE_FLOWS = {"ingest": ingest_flow, "model": tiny_model_flow, "augment": augment_flow, "cache": cache_flow,
@@ -205,17 +212,63 @@ def without_heartbeats() -> AbstractContextManager[None]:
     return temporary_settings(updates={PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None})
 
 
+LOCAL_RUN_TAG = "moplex-local-run"
+"""The tag of every flow run a `moplex` command runs on Prefect's temporary server; its other tag,
+``OWNER_TAG`` + `process_identity`, names the process that runs it."""
+OWNER_TAG = "moplex-process:"
+
+
 @contextmanager
 def local_run_settings() -> Iterator[None]:
     """Prefect settings for flows run in this process (``moplex run``, ``moplex experiment compare``).
     Against a real server nothing changes. Without PREFECT_API_URL, Prefect's temporary server lives
     only as long as this process, so nothing can act on heartbeats and they are turned off, and the
-    server is started in a session of its own (`temporary_server_in_its_own_session`)."""
+    server is started in a session of its own (`temporary_server_in_its_own_session`). The flow runs
+    are tagged with this process (`LOCAL_RUN_TAG`, ``OWNER_TAG``), and those that an earlier process
+    on this PREFECT_HOME left Running when it died without a word are marked Crashed
+    (`crash_runs_of_ended_processes`)."""
     if PREFECT_API_URL.value():
         yield
         return
-    with without_heartbeats(), temporary_server_in_its_own_session():
+    with without_heartbeats(), temporary_server_in_its_own_session(), \
+            tags(LOCAL_RUN_TAG, OWNER_TAG + process_identity()):
+        crash_runs_of_ended_processes()
         yield
+
+
+def crash_runs_of_ended_processes() -> list[str]:
+    """Mark Crashed the flow runs of PREFECT_HOME's temporary server (`LOCAL_RUN_TAG`) still Pending or
+    Running whose process has ended: a SIGKILL (the OOM killer, ``kill -9``) leaves no server to notice
+    (it stopped with the process) and no heartbeat to miss, so the run would stay Running. A run of a
+    process that is still running, or of another machine's (a PREFECT_HOME on a shared disk), is left
+    as it is. Returns the ids marked, and says so in a warning."""
+    from prefect import get_client
+    from prefect.client.schemas.filters import (
+        FlowRunFilter,
+        FlowRunFilterState,
+        FlowRunFilterStateType,
+        FlowRunFilterTags,
+    )
+    from prefect.client.schemas.objects import StateType
+    from prefect.states import Crashed
+
+    unfinished = FlowRunFilterState(type=FlowRunFilterStateType(any_=[StateType.PENDING, StateType.RUNNING]))
+    crashed = []
+    with get_client(sync_client=True) as client:
+        runs = client.read_flow_runs(flow_run_filter=FlowRunFilter(tags=FlowRunFilterTags(all_=[LOCAL_RUN_TAG]),
+                                                                   state=unfinished))
+        for run in runs:
+            owner = next((tag.removeprefix(OWNER_TAG) for tag in run.tags if tag.startswith(OWNER_TAG)), "")
+            if process_running(owner) is not False:
+                continue
+            message = (f"its process ({owner}) ended without recording an end (SIGKILL, out of memory); marked by "
+                       f"the next moplex command on this PREFECT_HOME at {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC")
+            client.set_flow_run_state(run.id, Crashed(message=message), force=True)
+            crashed.append(f"{run.name} ({run.id})")
+    if crashed:
+        log.warning("marked Crashed %d flow run(s) that a moplex process on this PREFECT_HOME left %s when it died "
+                    "without a word: %s", len(crashed), "Pending or Running", ", ".join(crashed))
+    return crashed
 
 
 @contextmanager

@@ -1,5 +1,6 @@
 """Child processes that end with the thread that started them (the Prefect server of `moplex run`, the
-vLLM worker), and the signals that stop a `moplex` command the way Ctrl-C does (`StopSignal`).
+vLLM worker), the signals that stop a `moplex` command the way Ctrl-C does (`StopSignal`), and a
+name for a process that outlives it (`process_identity`, `process_running`).
 
 On Linux the child first runs a few lines of Python in its own process: ask the kernel for SIGTERM
 when the parent thread ends (prctl PR_SET_PDEATHSIG, kept across exec), give up if the parent has
@@ -13,9 +14,11 @@ from __future__ import annotations
 import atexit
 import os
 import signal
+import socket
 import subprocess
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 _STOP_WITH_PARENT = f"""
@@ -38,6 +41,43 @@ def popen_ending_with_this_thread(args: Sequence[str], **kwargs: Any) -> subproc
     if sys.platform.startswith("linux"):
         args = [sys.executable, "-c", _STOP_WITH_PARENT, str(os.getpid()), *map(str, args)]
     return subprocess.Popen(list(args), **kwargs)
+
+
+def process_identity(pid: int | None = None) -> str:
+    """``host/pid/start`` of process ``pid`` (default: this one) on this machine: its start in clock
+    ticks after boot (Linux's /proc/PID/stat), which tells it from a later process given the same pid;
+    ``-`` where there is no /proc."""
+    pid = os.getpid() if pid is None else pid
+    return f"{socket.gethostname()}/{pid}/{_start_ticks(pid) or '-'}"
+
+
+def process_running(identity: str) -> bool | None:
+    """Whether the process `process_identity` named is running (None: another machine's, or a name
+    not of that form, about which nothing can be said here)."""
+    host, _, rest = identity.partition("/")
+    pid, _, start = rest.partition("/")
+    if host != socket.gethostname() or not pid.isdigit() or not start:
+        return None
+    now = _start_ticks(int(pid))
+    if start != "-":
+        return now == start
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's: it exists
+        pass
+    return True
+
+
+def _start_ticks(pid: int) -> str | None:
+    """Field 22 of /proc/PID/stat (after the command's name, which may hold spaces and parentheses),
+    or None: no such process, or no /proc."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat.rpartition(")")[2].split()[19]
 
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)

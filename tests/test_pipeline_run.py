@@ -247,6 +247,54 @@ def test_a_sigkill_of_moplex_run_takes_its_server_down_too(tmp_path):
     status, text, left = _signal_moplex_run_in_train(tmp_path, signal.SIGKILL, wait_for_server=30)
     assert status == -signal.SIGKILL, text[-3000:]
     assert left == []
+    # Nothing recorded the end either: the next moplex command on this PREFECT_HOME marks the runs the
+    # killed one left Running (the pipeline's and its train stage's) Crashed, and says so.
+    read_back = ("import json\nfrom prefect import get_client\n"
+                 "from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterTags\n"
+                 "from flows.pipeline import LOCAL_RUN_TAG, local_run_settings\n"
+                 "with local_run_settings(), get_client(sync_client=True) as client:\n"
+                 "    runs = client.read_flow_runs(flow_run_filter=FlowRunFilter(tags=FlowRunFilterTags(all_=[LOCAL_RUN_TAG])))\n"
+                 "print(json.dumps([[run.name, run.state.type.value, run.state.message] for run in runs]))\n")
+    after = subprocess.run([sys.executable, "-c", read_back], capture_output=True, text=True, timeout=300,
+                           env=prefect_environment(tmp_path / "prefect-home"))
+    assert after.returncode == 0, after.stderr[-3000:]
+    runs = json.loads(after.stdout.splitlines()[-1])
+    crashed = [run for run in runs if run[1] != "COMPLETED"]
+    assert [state for _, state, _ in crashed] == ["CRASHED", "CRASHED"] and len(runs) > 2, runs
+    assert all("ended without recording an end (SIGKILL, out of memory)" in message for _, _, message in crashed)
+    assert f"marked Crashed 2 flow run(s) that a moplex process on this PREFECT_HOME left" in after.stderr
+
+
+def test_only_the_runs_of_ended_processes_are_marked_crashed(prefect_env):
+    from prefect import flow, get_client
+    from prefect.states import Completed, Running
+
+    from flows.pipeline import LOCAL_RUN_TAG, OWNER_TAG, crash_runs_of_ended_processes
+    from moplex_core.processes import process_identity, process_running
+
+    ended = subprocess.Popen(["true"])
+    ended.wait()
+
+    @flow(name="moplex-test-left-running")
+    def left_running() -> None:
+        pass
+
+    owners = {"ended": process_identity(ended.pid), "alive": process_identity(), "elsewhere": "another-host/1/1"}
+    with get_client(sync_client=True) as client:
+        runs = {name: client.create_flow_run(left_running, tags=[LOCAL_RUN_TAG, OWNER_TAG + owner], state=Running())
+                for name, owner in owners.items()}
+        runs["not local"] = client.create_flow_run(left_running, tags=[OWNER_TAG + owners["ended"]], state=Running())
+        marked = crash_runs_of_ended_processes()
+        states = {name: client.read_flow_run(run.id).state for name, run in runs.items()}
+        for run in runs.values():  # nothing left Running for the session's other tests
+            client.set_flow_run_state(run.id, Completed(), force=True)
+    assert marked == [f"{runs['ended'].name} ({runs['ended'].id})"]
+    assert {name: state.type.value for name, state in states.items()} == \
+        {"ended": "CRASHED", "alive": "RUNNING", "elsewhere": "RUNNING", "not local": "RUNNING"}
+    assert f"its process ({owners['ended']}) ended without recording an end" in states["ended"].message
+    # a process is its pid and its start: a later process given the same pid is not the one that ran
+    host, pid, start = process_identity().split("/")
+    assert process_running(f"{host}/{pid}/{start}") is True and process_running(f"{host}/{pid}/{int(start) + 1}") is False
 
 
 def test_the_pipeline_stops_right_after_ingest_when_a_split_it_needs_is_empty(prefect_env, tmp_path, fixtures_dir):
