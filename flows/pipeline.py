@@ -241,7 +241,7 @@ def crash_runs_of_ended_processes() -> list[str]:
     Running whose process has ended: a SIGKILL (the OOM killer, ``kill -9``) leaves no server to notice
     (it stopped with the process) and no heartbeat to miss, so the run would stay Running. A run of a
     process that is still running, or of another machine's (a PREFECT_HOME on a shared disk), is left
-    as it is. Returns the ids marked, and says so in a warning."""
+    as it is. Returns the runs marked, ``name (id)`` each, and names them in a warning."""
     from prefect import get_client
     from prefect.client.schemas.filters import (
         FlowRunFilter,
@@ -261,13 +261,14 @@ def crash_runs_of_ended_processes() -> list[str]:
             owner = next((tag.removeprefix(OWNER_TAG) for tag in run.tags if tag.startswith(OWNER_TAG)), "")
             if process_running(owner) is not False:
                 continue
+            now = datetime.now(timezone.utc)
             message = (f"its process ({owner}) ended without recording an end (SIGKILL, out of memory); marked by "
-                       f"the next moplex command on this PREFECT_HOME at {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC")
+                       f"the next moplex command on this PREFECT_HOME at {now:%Y-%m-%d %H:%M} UTC")
             client.set_flow_run_state(run.id, Crashed(message=message), force=True)
             crashed.append(f"{run.name} ({run.id})")
     if crashed:
-        log.warning("marked Crashed %d flow run(s) that a moplex process on this PREFECT_HOME left %s when it died "
-                    "without a word: %s", len(crashed), "Pending or Running", ", ".join(crashed))
+        log.warning("marked Crashed %d flow run(s) that a moplex process on this PREFECT_HOME left Pending or Running "
+                    "when it died without a word: %s", len(crashed), ", ".join(crashed))
     return crashed
 
 

@@ -64,7 +64,9 @@ class CacheConfig(StageConfig):
     The manifest records what it resolved to (``resolved_share_prompts``)."""
 
     def identity(self) -> dict[str, Any]:
-        exclude = {"model", "score_batch_size", "device", "chunk_size", "share_prompts"} | ({"contractions"} if self.contractions else set())
+        exclude = {"model", "score_batch_size", "device", "chunk_size", "share_prompts"}
+        if self.contractions:
+            exclude.add("contractions")
         return self.model_dump(mode="json", exclude=exclude)
 
 

@@ -32,7 +32,8 @@ class TrainConfig(StageConfig):
     EM iteration at m' = 26, a = 6: 3.57 s per example with the prompt per row, 6.36 shared; full
     computation 8.25 and 9.73; shared slower in every configuration where both ran,
     docs/gpu-efficiency.md). ``auto`` (the default) shares them on the CPU and not elsewhere
-    (`moplex_core.config.prompts_shared`), and is versioned as what it resolves to. Trains on the cache's ``train`` split.
+    (`moplex_core.config.prompts_shared`), and is versioned as what it resolves to. Trains on the
+    cache's ``train`` split.
 
     ``likelihood`` is the observation model of a ranking: ``pl`` (Plackett-Luce, eq. 2 and 5) or
     ``bt_pairs`` (Bradley-Terry over every ordered pair of the ranking, as DPO and the mixture-of-BT
