@@ -331,16 +331,19 @@ def cache_pass_costs(model_dir: Path, sizes: Sizes, examples: int) -> dict[str, 
     for contractions in (True, False):
         logp = {}
         for shared in (True, False):
-            def run() -> list[tuple[torch.Tensor, torch.Tensor | None]]:
-                return [term for sequences in inputs
-                        for term in reference_terms_batch(model, [sequences], PAD_ID, rows_per_pass=CACHE_ROWS_PER_PASS,
-                                                          contractions=contractions, share_prompts=shared)]
+            last: list[tuple[torch.Tensor, torch.Tensor | None]] = []  # the terms of the last timed run
+
+            def run() -> None:
+                last[:] = [term for sequences in inputs
+                           for term in reference_terms_batch(model, [sequences], PAD_ID,
+                                                             rows_per_pass=CACHE_ROWS_PER_PASS,
+                                                             contractions=contractions, share_prompts=shared)]
             row = {"m_prime": m_prime, "contractions": contractions, "prompts": "shared" if shared else "per row",
                    "oom": False, "s_per_example": None, "peak_gib": None}
             try:
                 seconds = median_seconds(run, sizes)
                 row.update(s_per_example=seconds / examples, peak_gib=peak_gib(sizes))
-                logp[shared] = torch.cat([ref_logp for ref_logp, _ in run()])
+                logp[shared] = torch.cat([ref_logp for ref_logp, _ in last])
             except RuntimeError as error:
                 if not out_of_memory(error):
                     raise
