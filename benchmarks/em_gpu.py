@@ -56,7 +56,9 @@ tokens, EOS last. A check and five measurements, in one process:
    examples at m' = 26 (the largest m' of a CPU size), as the cache stage runs it (one call per
    example, at most 32 rows a pass), with and without the reference contractions, each example's
    prompt shared and per row (`cache.share_prompts`): seconds per example, peak memory, the speedup
-   of the prompt per row and the largest log pi_ref gap between the two modes.
+   of the prompt per row and the largest log pi_ref gap between the two modes; one example's call
+   of each under torch.profiler (busy time, kernels, and each aten op's time per row against shared:
+   where a shared prompt's pass spends what its half of the tokens should save; no trace kept).
 5. The card's ceilings (``ceilings``): its bf16 matmul rate (an 8192^3 GEMM) and its
    device-to-device copy rate (a 2 GiB tensor: 4 GiB read and written), the two rates a pass's time
    is read against; each after a quarter second of warm-up (the clocks rise from idle), timed over

@@ -322,7 +322,9 @@ def cache_pass_costs(model_dir: Path, sizes: Sizes, examples: int) -> dict[str, 
     size's largest m' up to 26, with the reference contractions (forward + input-gradient passes)
     and without (forwards only), each with every example's prompt shared (one prompt pass per pass)
     and per row: seconds per example (median of the size's repeats after its warm-ups), peak memory,
-    and the largest log pi_ref difference between the two prompt modes, nats."""
+    the largest log pi_ref difference between the two prompt modes, nats, and the first example's
+    call once under torch.profiler (``profile``: the device's busy time, kernels and aten ops, no trace
+    kept), which says where a shared prompt's pass spends what its half of the tokens should save."""
     m_prime = max(m for m in sizes.m_primes if m <= 26)
     vocab_size, eos_id = model_vocab(model_dir)
     inputs = synthetic_inputs(sizes, m_prime, examples, vocab_size, eos_id).sequences
@@ -333,17 +335,19 @@ def cache_pass_costs(model_dir: Path, sizes: Sizes, examples: int) -> dict[str, 
         for shared in (True, False):
             last: list[tuple[torch.Tensor, torch.Tensor | None]] = []  # the terms of the last timed run
 
+            def call(sequences: tuple[TokenizedResponse, ...]) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+                return reference_terms_batch(model, [sequences], PAD_ID, rows_per_pass=CACHE_ROWS_PER_PASS,
+                                             contractions=contractions, share_prompts=shared)
+
             def run() -> None:
-                last[:] = [term for sequences in inputs
-                           for term in reference_terms_batch(model, [sequences], PAD_ID,
-                                                             rows_per_pass=CACHE_ROWS_PER_PASS,
-                                                             contractions=contractions, share_prompts=shared)]
+                last[:] = [term for sequences in inputs for term in call(sequences)]
             row = {"m_prime": m_prime, "contractions": contractions, "prompts": "shared" if shared else "per row",
-                   "oom": False, "s_per_example": None, "peak_gib": None}
+                   "oom": False, "s_per_example": None, "peak_gib": None, "profile": None}
             try:
                 seconds = median_seconds(run, sizes)
                 row.update(s_per_example=seconds / examples, peak_gib=peak_gib(sizes))
                 logp[shared] = torch.cat([ref_logp for ref_logp, _ in last])
+                row["profile"] = _device_profile(lambda: call(inputs[0]), sizes)
             except RuntimeError as error:
                 if not out_of_memory(error):
                     raise
@@ -467,15 +471,23 @@ def _lora_extra_bytes(lora: MultiLoRA, tokens: int, element_size: int) -> int:
 
 
 def _profile(run: Callable[[], Any], sizes: Sizes, trace: Path) -> dict[str, Any]:
-    seconds = median_seconds(run, sizes)
+    """``run`` timed (median of the size's repeats after its warm-ups), then once under the profiler."""
+    return {"wall_ms": 1000 * median_seconds(run, sizes), **_device_profile(run, sizes, trace)}
+
+
+def _device_profile(run: Callable[[], Any], sizes: Sizes, trace: Path | None = None) -> dict[str, Any]:
+    """One ``run`` under torch.profiler: the device's busy time and the kernels launched (on the CPU,
+    the aten ops' CPU time and None), and per aten op its self time and calls, longest first; the
+    trace written to ``trace`` (gzipped; None keeps none)."""
     activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if sizes.cuda else [])]
     with torch.profiler.profile(activities=activities) as profiler:
         run()
         sync(sizes)
-    with tempfile.TemporaryDirectory() as tmp:
-        raw = Path(tmp) / "trace.json"
-        profiler.export_chrome_trace(str(raw))
-        trace.write_bytes(gzip.compress(raw.read_bytes(), mtime=0))
+    if trace is not None:
+        with tempfile.TemporaryDirectory() as tmp:
+            raw = Path(tmp) / "trace.json"
+            profiler.export_chrome_trace(str(raw))
+            trace.write_bytes(gzip.compress(raw.read_bytes(), mtime=0))
     events = profiler.key_averages()
     if sizes.cuda:
         ops = {e.key: (e.self_device_time_total, e.count) for e in events
@@ -489,5 +501,5 @@ def _profile(run: Callable[[], Any], sizes: Sizes, trace: Path) -> dict[str, Any
         ops = {e.key: (e.self_cpu_time_total, e.count) for e in events if e.key.startswith("aten::")}
         busy_us, launched = sum(us for us, _ in ops.values()), None
     ranked = sorted(ops.items(), key=lambda item: (-item[1][0], item[0]))
-    return {"wall_ms": 1000 * seconds, "busy_ms": busy_us / 1000, "kernels": launched,
+    return {"busy_ms": busy_us / 1000, "kernels": launched,
             "ops": {key: {"ms": us / 1000, "calls": calls} for key, (us, calls) in ranked}}

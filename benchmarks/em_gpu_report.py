@@ -82,14 +82,27 @@ def print_report(results: dict[str, Any]) -> None:
               f"(`reference_terms_batch`, at most {cache['rows_per_pass']} rows a pass), each example's prompt "
               "run once per pass (shared) or with every response (per row); median of "
               f"{sizes['repeats']} after {sizes['warmups']} warm-up(s)\n")
-        print("| m' | contractions | prompts | s/ex | peak GiB | speedup vs shared | log pi_ref gap, nats |")
-        print("|---|---|---|---|---|---|---|")
+        print("| m' | contractions | prompts | s/ex | peak GiB | speedup vs shared | log pi_ref gap, nats | "
+              "busy s/ex | busy / wall | kernels/ex |")
+        print("|---|---|---|---|---|---|---|---|---|---|")
         for row in cache["rows"]:
-            oom = row["oom"]
+            oom, profile = row["oom"], row.get("profile") or {}  # no profile: an OOM, or a run before it existed
+            busy_s = profile["busy_ms"] / 1000 if profile else None
             print(f"| {row['m_prime']} | {str(row['contractions']).lower()} | {row['prompts']} | "
                   f"{_fmt(row['s_per_example'], '.3g', oom)} | {_fmt(row['peak_gib'], '.1f', oom)} | "
-                  f"{_fmt(row['speedup_vs_shared'], '.2f', False)} | {_fmt(row['logp_gap'], '.3g', False)} |")
-        print()
+                  f"{_fmt(row['speedup_vs_shared'], '.2f', False)} | {_fmt(row['logp_gap'], '.3g', False)} | "
+                  f"{_fmt(busy_s, '.3g', oom)} | "
+                  f"{_fmt(busy_s / row['s_per_example'] if profile else None, '.2f', oom)} | "
+                  f"{_fmt(profile.get('kernels'), 'd', oom)} |")
+        print("\nbusy: the first example's call once under torch.profiler, the device's kernels (on the CPU, the "
+              "aten ops' CPU time); wall: the timed s/ex.\n")
+        for contractions in (True, False):
+            shared, per_row = (next((row.get("profile") for row in cache["rows"] if row["contractions"] == contractions
+                                     and row["prompts"] == prompts), None) for prompts in ("shared", "per row"))
+            if shared and per_row:
+                print(f"Where the time of one call {'with' if contractions else 'without'} contractions goes, per row "
+                      "against shared prompts:\n")
+                _print_op_table(("shared", shared), ("per row", per_row))
     if "check" in results:
         check = results["check"]
         print(f"### Agreement: {check['rows']} rows, all k adapters mixed in one pass, against PEFT (one adapter "
@@ -144,22 +157,30 @@ def _print_profile(profile: dict[str, Any], copy_tbs: float | None) -> None:
             print(f"| {label} | {row['wall_ms']:.1f} | {row['busy_ms']:.1f} | {row['busy_ms'] / row['wall_ms']:.2f} | "
                   f"{_fmt(row['kernels'], 'd', False)} |")
     print()
-    keys = sorted(plain["ops"].keys() | multi["ops"].keys(),
-                  key=lambda key: -max(plain["ops"].get(key, {"ms": 0})["ms"], multi["ops"].get(key, {"ms": 0})["ms"]))
-    print("| aten op | plain ms | plain calls | multi-LoRA ms | multi-LoRA calls | difference ms |")
-    print("|---|---|---|---|---|---|")
-    for key in keys[:PROFILE_TOP]:
-        mine, theirs = multi["ops"].get(key, {"ms": 0.0, "calls": 0}), plain["ops"].get(key, {"ms": 0.0, "calls": 0})
-        print(f"| {key} | {theirs['ms']:.2f} | {theirs['calls']} | {mine['ms']:.2f} | {mine['calls']} | "
-              f"{mine['ms'] - theirs['ms']:+.2f} |")
-    rest = [sum(row["ops"][key]["ms"] for key in keys[PROFILE_TOP:] if key in row["ops"]) for row in (plain, multi)]
-    if len(keys) > PROFILE_TOP:
-        print(f"| {len(keys) - PROFILE_TOP} other ops | {rest[0]:.2f} | | {rest[1]:.2f} | | {rest[1] - rest[0]:+.2f} |")
-    print()
+    _print_op_table(("plain", plain), ("multi-LoRA", multi))
     at_copy_rate = "" if copy_tbs is None else f", {profile['lora_extra_gb'] / copy_tbs:.3g} ms at the copy rate below"
     print(f"The LoRA path's extra memory traffic, counted (each tensor read or written once per kernel): "
           f"{profile['lora_extra_gb']:.3g} GB per pass{at_copy_rate}; measured wall-time difference "
           f"{multi['wall_ms'] - plain['wall_ms']:.3g} ms.\n")
+
+
+def _print_op_table(base: tuple[str, dict[str, Any]], other: tuple[str, dict[str, Any]]) -> None:
+    """Two profiled passes side by side, per aten op (the PROFILE_TOP longest in either, the rest in
+    one row): self time, calls, and the second's time minus the first's."""
+    (base_name, base_ops), (other_name, other_ops) = ((name, profile["ops"]) for name, profile in (base, other))
+    none = {"ms": 0.0, "calls": 0}
+    keys = sorted(base_ops.keys() | other_ops.keys(),
+                  key=lambda key: (-max(base_ops.get(key, none)["ms"], other_ops.get(key, none)["ms"]), key))
+    print(f"| aten op | {base_name} ms | {base_name} calls | {other_name} ms | {other_name} calls | difference ms |")
+    print("|---|---|---|---|---|---|")
+    for key in keys[:PROFILE_TOP]:
+        theirs, mine = base_ops.get(key, none), other_ops.get(key, none)
+        print(f"| {key} | {theirs['ms']:.2f} | {theirs['calls']} | {mine['ms']:.2f} | {mine['calls']} | "
+              f"{mine['ms'] - theirs['ms']:+.2f} |")
+    rest = [sum(ops[key]["ms"] for key in keys[PROFILE_TOP:] if key in ops) for ops in (base_ops, other_ops)]
+    if len(keys) > PROFILE_TOP:
+        print(f"| {len(keys) - PROFILE_TOP} other ops | {rest[0]:.2f} | | {rest[1]:.2f} | | {rest[1] - rest[0]:+.2f} |")
+    print()
 
 
 def plot_figure5(results: dict[str, Any], path: Path) -> None:

@@ -155,9 +155,22 @@ def test_the_cache_section_times_both_prompt_modes_and_they_agree(tiny_run: tupl
     for row in cache["rows"]:
         assert not row["oom"] and row["peak_gib"] is None and row["s_per_example"] > 0
         assert row["logp_gap"] < 1e-4  # the same log pi_ref both ways (float32)
+        profile = row["profile"]  # one example's call: on the CPU, its aten ops' CPU time; no kernel count
+        assert profile["kernels"] is None and profile["busy_ms"] == pytest.approx(
+            sum(op["ms"] for op in profile["ops"].values()))
+        assert profile["ops"]["aten::mm"]["calls"] > 0 and profile["busy_ms"] > 0
+    by_mode = {(row["contractions"], row["prompts"]): row["profile"]["ops"] for row in cache["rows"]}
+    for contractions in (True, False):
+        # the shared prompt is a second decoder call: every layer's projections run twice as often
+        assert by_mode[contractions, "shared"]["aten::mm"]["calls"] > by_mode[contractions, "per row"]["aten::mm"]["calls"]
     assert [row["speedup_vs_shared"] for row in cache["rows"] if row["prompts"] == "shared"] == [1.0, 1.0]
-    assert [row[:3] for row in _table(stdout, "| m' | contractions |")] == \
+    table = _table(stdout, "| m' | contractions |")
+    assert [row[:3] for row in table] == \
         [[str(max(TINY_M_PRIMES)), c, p] for c in ("true", "false") for p in ("shared", "per row")]
+    assert all(float(row[7]) > 0 and row[9] == "-" for row in table)  # busy s/ex; no kernel count on the CPU
+    for contractions in ("with", "without"):
+        ops = _table(stdout.split(f"one call {contractions} contractions goes")[1], "| aten op | shared ms |")
+        assert ops[0][0].startswith("aten::") and "other ops" in ops[-1][0]
 
 
 def test_figure_is_written(tiny_run: tuple[Path, str]) -> None:
