@@ -493,9 +493,14 @@ def test_prism_reads_an_answer_repeated_with_other_whitespace_once_and_orders_by
 
 
 def test_generic_default_example_ids_differ_by_cluster():
+    """Two groups' rankings of the same responses are two rankings, not one repeated: each keeps the id
+    it has alone (a repeat would take the first free -2 suffix instead)."""
     row = {"prompt": "p", "responses": ["a", "b"], "ranking": [[0], [1]]}
-    out = generic.to_rankings([_record(0, row | {"cluster": "x"}), _record(1, row | {"cluster": "y"})], source="g")
-    assert out.rows[0]["example_id"] != out.rows[1]["example_id"]
+    x, y = _record(0, row | {"cluster": "x"}), _record(1, row | {"cluster": "y"})
+    out = generic.to_rankings([x, y], source="g")
+    alone = [generic.to_rankings([record], source="g").rows[0]["example_id"] for record in (x, y)]
+    assert [r["example_id"] for r in out.rows] == alone and alone[0] != alone[1]
+    assert "repeated_rankings" not in out.stats
 
 
 def _helpsteer2_rated(prompt, response, **ratings) -> dict:
