@@ -54,13 +54,13 @@ compare: $(STAMP)
 	$(BIN)/moplex experiment compare --seeds 3 --threads 1
 
 # SIGKILL every stage at 13 seeded points, rerun, compare with uninterrupted runs; then the bad-input
-# catalogue. Prints both tables and counts; about 10 minutes on 2 cores (tests/test_chaos.py runs the
+# catalogue. Prints both tables and counts; about 4 minutes on 2 cores (tests/test_chaos.py runs the
 # short schedule). `python -m chaos --help` for --seed and --short.
 chaos: $(STAMP)
 	$(BIN)/python -m chaos
 
 # Every bug of chaos/mutant_catalogue.py put into a copy of the checkout, one at a time, against the test
-# modules that must catch it; about an hour on 2 cores (`python -m chaos.mutants --only ID,ID` for some).
+# modules that must catch it; about 70 minutes on 2 cores (`python -m chaos.mutants --only ID,ID` for some).
 mutants: $(STAMP)
 	$(BIN)/python -m chaos.mutants
 
