@@ -161,7 +161,7 @@ def test_the_cache_section_times_both_prompt_modes_and_they_agree(tiny_run: tupl
         assert profile["ops"]["aten::mm"]["calls"] > 0 and profile["busy_ms"] > 0
     by_mode = {(row["contractions"], row["prompts"]): row["profile"]["ops"] for row in cache["rows"]}
     for contractions in (True, False):
-        # the shared prompt is a second decoder call: every layer's projections run twice as often
+        # the shared prompt is a second decoder call: each layer runs its projections once more
         assert by_mode[contractions, "shared"]["aten::mm"]["calls"] > by_mode[contractions, "per row"]["aten::mm"]["calls"]
     assert [row["speedup_vs_shared"] for row in cache["rows"] if row["prompts"] == "shared"] == [1.0, 1.0]
     table = _table(stdout, "| m' | contractions |")
