@@ -96,9 +96,9 @@ def print_report(results: dict[str, Any]) -> None:
                   f"{_fmt(profile.get('kernels'), 'd', oom)} |")
         print("\nbusy: the first example's call once under torch.profiler, the device's kernels (on the CPU, the "
               "aten ops' CPU time); wall: the timed s/ex.\n")
+        profiles = {(row["contractions"], row["prompts"]): row.get("profile") for row in cache["rows"]}
         for contractions in (True, False):
-            shared, per_row = (next((row.get("profile") for row in cache["rows"] if row["contractions"] == contractions
-                                     and row["prompts"] == prompts), None) for prompts in ("shared", "per row"))
+            shared, per_row = profiles[contractions, "shared"], profiles[contractions, "per row"]
             if shared and per_row:
                 print(f"Where the time of one call {'with' if contractions else 'without'} contractions goes, per row "
                       "against shared prompts:\n")
