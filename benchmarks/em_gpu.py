@@ -51,7 +51,10 @@ tokens, EOS last. A check and five measurements, in one process:
    device's busy time and the kernels launched (a pass that waits on its host is launch-bound), and
    each aten op's self time with the difference the LoRA layer makes. Wall and busy time also of the
    mixed M-step pass and of the mixed E-step pass through the prompt pass (each row its own prompt:
-   what the shared-prompt path costs where it saves nothing). The traces are written to OUT.
+   what the shared-prompt path costs where it saves nothing), and of the M-step pass of one pair
+   (one adapter, the prompt per row) as the EM section runs it with one pair a step: a = 6 rows
+   (MoPLEx) and m' = 26 rows (full computation), the same matmuls over 4.3 times the rows. The
+   traces are written to OUT (none for the two one-pair passes).
 4. The cache stage's passes (``cache``): `moplex_core.estimate.reference_terms_batch` over the n
    examples at m' = 26 (the largest m' of a CPU size), as the cache stage runs it (one call per
    example, at most 32 rows a pass), with and without the reference contractions, each example's
@@ -124,6 +127,7 @@ from em_gpu_rig import (
     GPU,
     LORA,
     SMOKE,
+    TARGET_M_PRIMES,
     TINY,
     Sizes,
     build_model,
@@ -142,7 +146,6 @@ from moplex_core.lm.loading import dtype_name
 from moplex_core.scorers.lora_policy import LoRAPolicyScorer, PolicyInputs
 
 SECTIONS = ("check", "em", "throughput", "profile", "cache", "ceilings")
-TARGET_M_PRIMES = (26, 32)  # the issue's targets: a = 6 against full computation at m' = 26; full fits at 32
 
 # -- 1. EM iteration cost --------------------------------------------------------------------
 

@@ -12,6 +12,7 @@ import traceback
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,7 @@ from em_gpu_rig import (
     BETA,
     LORA,
     PAD_ID,
+    TARGET_M_PRIMES,
     Sizes,
     free,
     input_grad_pass,
@@ -419,7 +421,12 @@ def anchor_pass_profile(model_dir: Path, sizes: Sizes, out: Path) -> dict[str, A
     op, its self time on the device (the kernels it launched; on the CPU, its CPU time) and its
     calls; the kernels launched and the device's busy time. Wall time well above busy time is time the
     card waits on the host (kernel launches, Python); busy time is the kernels themselves. Writes each
-    pass's trace to OUT/profile_<name>.json.gz (chrome://tracing, Perfetto)."""
+    pass's trace to OUT/profile_<name>.json.gz (chrome://tracing, Perfetto). Then, without traces
+    (``m_step_pairs``), the M-step pass of one pair as the EM section runs it with one pair a step (one
+    adapter, the prompt per row) at the largest a's rows and at the first target m' (capped by the
+    size's m'): on the card a = 6 and m' = 26 rows, one pass of MoPLEx's M-step and one of full
+    computation's, the same matmuls over other row counts, so that their busy / wall says whether the
+    small one waits on its host."""
     b = min(sizes.batch_rows)
     batch = random_batches(model_dir, sizes)[b]
     model = load_frozen_model(model_dir, sizes)
@@ -438,11 +445,16 @@ def anchor_pass_profile(model_dir: Path, sizes: Sizes, out: Path) -> dict[str, A
     m_prompt_pass = _profile(
         lambda: weight_grad_pass(model, pairs, params, groups=pair_of, route=lambda rows: lora.route(
             [pair_of[r] for r in rows])), sizes, out / "profile_multi_lora_m_prompt_pass.json.gz")
+    pair_rows = (max(sizes.anchors), min(TARGET_M_PRIMES[0], max(sizes.m_primes)))  # a = 6, m' = 26 on the card
+    pairs_of = random_batches(model_dir, replace(sizes, batch_rows=pair_rows))
+    m_step_pairs = [{"rows": rows, **_profile(lambda rows=rows: weight_grad_pass(
+        model, pairs_of[rows], params, route=lambda sub: lora.route([0] * len(sub))), sizes)} for rows in pair_rows]
     extra_gb = _lora_extra_bytes(lora, b * sizes.row_tokens, sizes.dtype.itemsize) / 1e9
     del model, lora
     free(sizes)
     return {"batch": b, "plain": plain, "multi_lora": multi, "multi_lora_prompt_pass": prompt_pass,
-            "multi_lora_m": m_step, "multi_lora_m_prompt_pass": m_prompt_pass, "lora_extra_gb": extra_gb}
+            "multi_lora_m": m_step, "multi_lora_m_prompt_pass": m_prompt_pass, "m_step_pairs": m_step_pairs,
+            "lora_extra_gb": extra_gb}
 
 
 def _two_pairs(batch: list[TokenizedResponse]) -> tuple[list[TokenizedResponse], list[int]]:
@@ -470,8 +482,9 @@ def _lora_extra_bytes(lora: MultiLoRA, tokens: int, element_size: int) -> int:
     return tokens * per_token * element_size
 
 
-def _profile(run: Callable[[], Any], sizes: Sizes, trace: Path) -> dict[str, Any]:
-    """``run`` timed (median of the size's repeats after its warm-ups), then once under the profiler."""
+def _profile(run: Callable[[], Any], sizes: Sizes, trace: Path | None = None) -> dict[str, Any]:
+    """``run`` timed (median of the size's repeats after its warm-ups), then once under the profiler
+    (its trace to ``trace``; None keeps none)."""
     return {"wall_ms": 1000 * median_seconds(run, sizes), **_device_profile(run, sizes, trace)}
 
 
@@ -495,8 +508,9 @@ def _device_profile(run: Callable[[], Any], sizes: Sizes, trace: Path | None = N
         kernels = [e for e in events if e.device_type == DeviceType.CUDA]
         busy_us, launched = sum(e.self_device_time_total for e in kernels), sum(e.count for e in kernels)
         if not launched:
-            print(f"profile of {trace.name}: the profiler recorded no CUDA kernel (CUPTI missing?), so its busy time "
-                  "and kernel count read 0 and say nothing", file=sys.stderr, flush=True)
+            where = f" of {trace.name}" if trace else ""
+            print(f"profile{where}: the profiler recorded no CUDA kernel (CUPTI missing?), so its busy time and kernel "
+                  "count read 0 and say nothing", file=sys.stderr, flush=True)
     else:
         ops = {e.key: (e.self_cpu_time_total, e.count) for e in events if e.key.startswith("aten::")}
         busy_us, launched = sum(us for us, _ in ops.values()), None

@@ -79,6 +79,7 @@ TINY = Sizes(model="tiny", description="tiny Qwen3 (2 layers, hidden 64), random
              matmul_n=256)
 SMOKE = replace(TINY, description="tiny Qwen3 (2 layers, hidden 64), random weights, bf16 (smoke test)", device="cuda",
                 dtype=torch.bfloat16, threads=None)
+TARGET_M_PRIMES = (26, 32)  # the issue's targets: a = 6 against full computation at m' = 26; full fits at 32
 
 
 def sync(sizes: Sizes) -> None:

@@ -6,7 +6,8 @@
 #
 #   1  the tiny model through every CUDA path (seconds; its tables print, its files stay on the card),
 #      then the card's ceilings, the anchor-pass table, the checks, the profile (the 12-row mixed
-#      pass against 0.9x of the plain model, host waits, kernels) and the cache stage's passes with
+#      pass against 0.9x of the plain model, host waits, kernels; the M-step pass of one pair at a = 6
+#      and at m' = 26 rows, whether the small one waits on its host) and the cache stage's passes with
 #      shared prompts and per row, timed and profiled (cache.share_prompts auto: per row on a GPU,
 #      unmeasured there yet)
 #   2  the pipeline's own stages on the card (benchmarks/pipeline_stages.py, about two minutes): first
