@@ -87,9 +87,12 @@ class RetryingTransport(httpx.HTTPTransport):
         return super().handle_request(request)
 
 
-def start(command: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
-    return subprocess.Popen(command, cwd=REPO, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT,
-                            start_new_session=True)
+def start(command: list[str], env: dict[str, str] | None, log: Path) -> subprocess.Popen:
+    """``command`` in the repository, in a session of its own, its output and errors into ``log``
+    (``env`` None: this process's environment)."""
+    with log.open("w") as out:  # the child has its own copy of the descriptor
+        return subprocess.Popen(command, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
 
 
 def cli(args: list[str], env: dict[str, str]) -> str:

@@ -25,7 +25,7 @@ from moplex_core.cli import main
 from moplex_core.config import IngestConfig
 from moplex_core.ingest import plan_ingest, run_ingest
 
-from prefect_server_fixtures import prefect_environment
+from prefect_server_fixtures import prefect_environment, start
 
 REPO = Path(__file__).resolve().parents[1]
 INGEST = ["ingest", "--dataset", "synthetic", "--set", "synthetic.n=300", "--set", "shard_rows=100"]
@@ -55,9 +55,7 @@ def test_two_processes_writing_one_version_the_second_waits_then_reuses(tmp_path
     lock = FileLock(root / "ingest" / f".{plan.ref.version}.lock")
     lock.acquire()
     logs = [tmp_path / f"run-{i}.log" for i in range(2)]
-    processes = [subprocess.Popen([sys.executable, "-c", LOGGED_MAIN, *INGEST, "--root", str(root)], cwd=REPO,
-                                  stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
-                 for log in logs]
+    processes = [start([sys.executable, "-c", LOGGED_MAIN, *INGEST, "--root", str(root)], None, log) for log in logs]
     try:
         _wait_for(lambda: all("waiting for its lock" in log.read_text() for log in logs), 120,
                   "both processes to wait for the lock")
@@ -103,8 +101,7 @@ def test_two_moplex_runs_of_one_config_on_one_root(tmp_path):
     subprocess.run([sys.executable, "-m", "prefect", "server", "database", "upgrade", "-y"], cwd=REPO, env=env,
                    check=True, capture_output=True, timeout=300)
     logs = [tmp_path / f"run-{i}.log" for i in range(2)]
-    processes = [subprocess.Popen(command, cwd=REPO, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT,
-                                  start_new_session=True) for log in logs]
+    processes = [start(command, env, log) for log in logs]
     try:
         for p in processes:
             p.wait(timeout=840)

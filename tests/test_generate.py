@@ -282,18 +282,22 @@ def test_the_real_worker_without_vllm_fails_with_an_actionable_error(tiny_model_
     with pytest.raises(VLLMWorkerError, match="has no vllm: set vllm_python") as err:
         generator.sample(requests(n=1))
     assert "exited with status 1" in str(err.value) and "ModuleNotFoundError" in str(err.value)
+    generator.close(failed=True)
     assert (generator.exchange / "worker.log").is_file()  # kept for reading
 
 
 def test_a_failing_worker_is_reported_with_its_status_and_log(tmp_path, tiny_model_dir):
     failing = tmp_path / "failing_worker.py"
     failing.write_text("import sys\nprint('CUDA out of memory while loading', file=sys.stderr)\nsys.exit(3)\n")
-    with pytest.raises(VLLMWorkerError, match=r"status 3 before it sent 'ready'(.|\n)*CUDA out of memory"):
-        _vllm(tiny_model_dir, worker=failing).sample(requests(n=1))
     silent = tmp_path / "silent_worker.py"
     silent.write_text("import sys, json\nprint(json.dumps({'hello': 1}), flush=True)\nsys.stdin.read()\n")
-    with pytest.raises(VLLMWorkerError, match="unexpected line"):
-        _vllm(tiny_model_dir, worker=silent).sample(requests(n=1))
+    for worker, message in ((failing, r"status 3 before it sent 'ready'(.|\n)*CUDA out of memory"),
+                            (silent, "unexpected line")):
+        generator = _vllm(tiny_model_dir, worker=worker)
+        with pytest.raises(VLLMWorkerError, match=message):
+            generator.sample(requests(n=1))
+        generator.close(failed=True)  # as the augment stage closes it: the log and both pipes
+        assert generator._log.closed and generator._process.stdin.closed and generator._process.stdout.closed
     with pytest.raises(VLLMWorkerError, match="could not start the vLLM worker"):
         _vllm(tiny_model_dir, python=str(tmp_path / "no-such-python"))
 
@@ -402,7 +406,8 @@ def test_a_worker_ends_with_the_process_that_started_it_however_that_ends(tmp_pa
     worker.write_text(BUSY_WORKER)
     parent = subprocess.Popen([sys.executable, "-c", STARTS_A_WORKER, str(tiny_model_dir), str(worker)],
                               stdout=subprocess.PIPE, text=True, env={**os.environ, "TMPDIR": str(tmp_path)})
-    worker_pid = int(parent.stdout.readline())
+    with parent.stdout:
+        worker_pid = int(parent.stdout.readline())
     parent.kill()  # SIGKILL: no finally, no close()
     parent.wait()
     assert _gone(worker_pid)  # Prefect's cancellation signals the flow run's group, which the worker is not in
@@ -532,6 +537,7 @@ def test_the_real_worker_exits_at_once_after_its_last_answer_or_an_error(tmp_pat
         with pytest.raises(VLLMWorkerError, match=r"exited with status 1 before it sent 'responses'(.|\n)*device-side"):
             generator.sample(requests(n=2))
         assert generator._process.returncode == 1
+        generator.close(failed=True)
     else:
         samples = generator.sample(requests(n=2))
         assert [[(s.tokens, s.finished) for s in row] for row in samples] == [[(1, True), (2, False)]] * len(PROMPTS)

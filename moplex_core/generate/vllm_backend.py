@@ -226,17 +226,21 @@ class VLLMGenerator:
         except BaseException:  # Ctrl-C while waiting: what the worker started must not outlive it
             self._signal_group(signal.SIGKILL)
             self._process.wait()
-            self._log.close()
-            self._remove_exchange_unless_failed()
+            self._release()
             raise
         error = None if aborting or status == 0 else self._died(status, "while shutting down")
+        self._release()
+        if error is not None:
+            raise error
+
+    def _release(self) -> None:
+        """Close the log and both pipes (the worker has exited) and remove the exchange folder unless
+        the worker failed."""
         self._log.close()
         for pipe in (self._process.stdin, self._process.stdout):
             with contextlib.suppress(OSError):
                 pipe.close()  # type: ignore[union-attr]
         self._remove_exchange_unless_failed()
-        if error is not None:
-            raise error
 
     def _remove_exchange_unless_failed(self) -> None:
         if not self._failed:  # else a VLLMWorkerError named the log in it
