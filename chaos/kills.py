@@ -218,6 +218,7 @@ class Child:
             self.process.kill()
             code = self.process.wait()
         self._reader.join()
+        self.process.stderr.close()  # drained to its end by the reader
         return code
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pandas as pd
 import pytest
@@ -198,7 +200,7 @@ def test_compare_flow_runs_methods_and_seeds_sharing_stages_and_reuses_them(pref
     verify(folder)
     comparison = pd.read_parquet(f"{folder}/comparison.parquet")
     assert sorted(set(zip(comparison.method, comparison.seed))) == sorted((m, s) for m in methods for s in (0, 1))
-    report = open(f"{folder}/report.md").read()
+    report = Path(folder, "report.md").read_text()
     assert report.startswith(f"# moplex method comparison on `{base.ingest.dataset}`")
     assert "## Paper Table 3 shape" in report and "MaxMin" not in report and "EM-DPO (`mixture_bt`) |" in report
     assert "The test split holds " in report and "The ± here are over seeds on this one sample" in report
@@ -214,6 +216,6 @@ def test_compare_flow_runs_methods_and_seeds_sharing_stages_and_reuses_them(pref
     assert {p: p.stat().st_mtime_ns for p in tmp_path.glob("*/*/manifest.json")} == manifests  # all reused
     # --set values on the base: their own comparison, named in its report (this one changes no stage's version)
     changed = compare_flow(methods, seeds=2, config=base, overrides=[f"root={tmp_path}", "train.score_batch_size=4"])
-    assert changed != folder and "changed by `train.score_batch_size=4`;" in open(f"{changed}/report.md").read()
+    assert changed != folder and "changed by `train.score_batch_size=4`;" in Path(changed, "report.md").read_text()
     assert {p: p.stat().st_mtime_ns for p in tmp_path.glob("*/*/manifest.json") if p.parts[-3] != "compare"} == \
         {p: t for p, t in manifests.items() if p.parts[-3] != "compare"}

@@ -364,6 +364,8 @@ def test_the_moplex_command_stops_on_sigterm_as_on_ctrl_c_and_leaves_an_ignored_
         assert "moplex experiment identifiability: interrupted. Nothing was written" in study.stderr.read()
     finally:
         study.kill()
+        study.wait()
+        study.stderr.close()
 
 
 def test_the_report_artifact_inlines_only_the_plots_its_evaluate_version_lists(tmp_path):
