@@ -53,7 +53,8 @@ tokens, EOS last. A check and five measurements, in one process:
    mixed M-step pass and of the mixed E-step pass through the prompt pass (each row its own prompt:
    what the shared-prompt path costs where it saves nothing), and of the M-step pass of one pair
    (one adapter, the prompt per row) as the EM section runs it with one pair a step: a = 6 rows
-   (MoPLEx) and m' = 26 rows (full computation), the same matmuls over 4.3 times the rows. The
+   (MoPLEx) and m' = 26 rows (full computation), the same decoder matmuls over 4.3 times the rows
+   (the log-probs: one vocabulary chunk per 1024 response positions, 3 against 13). The
    traces are written to OUT (none for the two one-pair passes).
 4. The cache stage's passes (``cache``): `moplex_core.estimate.reference_terms_batch` over the n
    examples at m' = 26 (the largest m' of a CPU size), as the cache stage runs it (one call per

@@ -61,6 +61,7 @@ PLAIN_STOCK = ("plain base model, transformers' RMSNorm and MLP (not moplex's le
 MULTI_E = "multi-LoRA, k adapters mixed, fwd + grad w.r.t. inputs_embeds (E-step)"
 MULTI_M = "multi-LoRA, k adapters mixed, fwd + backward into LoRA weights (M-step)"
 MULTI_E_PROMPT_PASS = "multi-LoRA, k adapters mixed, E-step through the prompt pass (each row its own prompt)"
+MULTI_M_ONE_PAIR = "multi-LoRA, one pair (one adapter, the prompt per row), fwd + backward into LoRA weights (M-step)"
 MULTI_M_PROMPT_PASS = ("multi-LoRA, M-step through the prompt pass (two pairs: half the rows share one prompt "
                        "and adapter, half another)")
 PEFT_ONE = "PEFT, 1 active adapter of k, fwd + grad w.r.t. inputs_embeds"
@@ -425,8 +426,9 @@ def anchor_pass_profile(model_dir: Path, sizes: Sizes, out: Path) -> dict[str, A
     (``m_step_pairs``), the M-step pass of one pair as the EM section runs it with one pair a step (one
     adapter, the prompt per row) at the largest a's rows and at the first target m' (capped by the
     size's m'): on the card a = 6 and m' = 26 rows, one pass of MoPLEx's M-step and one of full
-    computation's, the same matmuls over other row counts, so that their busy / wall says whether the
-    small one waits on its host."""
+    computation's, the same decoder matmuls over other row counts (the log-probs take one vocabulary
+    chunk per ``chunk_size`` response positions), so that their busy / wall says whether the small one
+    waits on its host."""
     b = min(sizes.batch_rows)
     batch = random_batches(model_dir, sizes)[b]
     model = load_frozen_model(model_dir, sizes)
@@ -446,9 +448,9 @@ def anchor_pass_profile(model_dir: Path, sizes: Sizes, out: Path) -> dict[str, A
         lambda: weight_grad_pass(model, pairs, params, groups=pair_of, route=lambda rows: lora.route(
             [pair_of[r] for r in rows])), sizes, out / "profile_multi_lora_m_prompt_pass.json.gz")
     pair_rows = (max(sizes.anchors), min(TARGET_M_PRIMES[0], max(sizes.m_primes)))  # a = 6, m' = 26 on the card
-    pairs_of = random_batches(model_dir, replace(sizes, batch_rows=pair_rows))
+    pair_batches = random_batches(model_dir, replace(sizes, batch_rows=pair_rows))
     m_step_pairs = [{"rows": rows, **_profile(lambda rows=rows: weight_grad_pass(
-        model, pairs_of[rows], params, route=lambda sub: lora.route([0] * len(sub))), sizes)} for rows in pair_rows]
+        model, pair_batches[rows], params, route=lambda sub: lora.route([0] * len(sub))), sizes)} for rows in pair_rows]
     extra_gb = _lora_extra_bytes(lora, b * sizes.row_tokens, sizes.dtype.itemsize) / 1e9
     del model, lora
     free(sizes)
@@ -508,7 +510,7 @@ def _device_profile(run: Callable[[], Any], sizes: Sizes, trace: Path | None = N
         kernels = [e for e in events if e.device_type == DeviceType.CUDA]
         busy_us, launched = sum(e.self_device_time_total for e in kernels), sum(e.count for e in kernels)
         if not launched:
-            where = f" of {trace.name}" if trace else ""
+            where = f" of {trace.name}" if trace is not None else ""
             print(f"profile{where}: the profiler recorded no CUDA kernel (CUPTI missing?), so its busy time and kernel "
                   "count read 0 and say nothing", file=sys.stderr, flush=True)
     else:

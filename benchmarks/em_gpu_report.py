@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from em_gpu_passes import MULTI_E, MULTI_E_PROMPT_PASS, MULTI_M, MULTI_M_PROMPT_PASS, PLAIN
+from em_gpu_passes import MULTI_E, MULTI_E_PROMPT_PASS, MULTI_M, MULTI_M_ONE_PAIR, MULTI_M_PROMPT_PASS, PLAIN
 from em_gpu_rig import LORA
 
 PROFILE_TOP = 14  # aten ops the profile table lists by time; the rest are one row
@@ -146,13 +146,14 @@ def print_report(results: dict[str, Any]) -> None:
 
 def _print_profile(profile: dict[str, Any], copy_tbs: float | None) -> None:
     plain, multi = profile["plain"], profile["multi_lora"]
-    print(f"### Where the anchor pass's time goes: B = {profile['batch']} rows, wall time as above, then one "
-          "profiled pass (torch.profiler; self time of each aten op's kernels, CPU time on the CPU)\n")
+    print(f"### Where the anchor pass's time goes: B = {profile['batch']} rows (the one-pair passes: the rows "
+          "they name), wall time as above, then one profiled pass (torch.profiler; self time of each aten op's "
+          "kernels, CPU time on the CPU)\n")
     print("| pass | wall ms | busy ms | busy / wall | kernels |")
     print("|---|---|---|---|---|")
     passes = ((PLAIN, plain), (MULTI_E, multi), (MULTI_E_PROMPT_PASS, profile.get("multi_lora_prompt_pass")),
               (MULTI_M, profile.get("multi_lora_m")), (MULTI_M_PROMPT_PASS, profile.get("multi_lora_m_prompt_pass")))
-    pairs = [(f"M-step pass of one pair, one adapter, the prompt per row: {row['rows']} rows", row)
+    pairs = [(f"{MULTI_M_ONE_PAIR}: {row['rows']} rows", row)
              for row in profile.get("m_step_pairs", [])]
     for label, row in (*passes, *pairs):
         if row is not None:  # a run from before the later rows existed (--resume, a report) has fewer

@@ -436,6 +436,24 @@ def test_a_clean_close_ends_the_workers_whole_process_group(tmp_path, tiny_model
 
 
 @pytest.mark.timeout(60)
+def test_a_close_interrupted_while_it_waits_still_ends_the_group_and_releases_its_files(tmp_path, tiny_model_dir,
+                                                                                       monkeypatch):
+    generator = _engine_worker(tmp_path, tiny_model_dir, "serves")
+    generator.sample(requests(n=1))
+    engine = _engine_pid(generator)
+
+    def interrupted(*_):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(generator, "_stop", interrupted)  # Ctrl-C while close() waits for the worker to exit
+    with pytest.raises(KeyboardInterrupt):
+        generator.close()
+    assert generator._process.returncode is not None and _gone(engine)  # the group SIGKILLed, the worker reaped
+    assert generator._log.closed and generator._process.stdin.closed and generator._process.stdout.closed
+    assert not generator.exchange.exists()  # no worker failure was reported: nothing to keep
+
+
+@pytest.mark.timeout(60)
 def test_a_stage_failing_elsewhere_ends_a_busy_worker_at_once_and_removes_its_folder(tmp_path, tiny_model_dir):
     generator = _engine_worker(tmp_path, tiny_model_dir, "hangs")
     generator._expect("ready")
