@@ -153,8 +153,7 @@ def _print_profile(profile: dict[str, Any], copy_tbs: float | None) -> None:
     print("|---|---|---|---|---|")
     passes = ((PLAIN, plain), (MULTI_E, multi), (MULTI_E_PROMPT_PASS, profile.get("multi_lora_prompt_pass")),
               (MULTI_M, profile.get("multi_lora_m")), (MULTI_M_PROMPT_PASS, profile.get("multi_lora_m_prompt_pass")))
-    pairs = [(f"{MULTI_M_ONE_PAIR}: {row['rows']} rows", row)
-             for row in profile.get("m_step_pairs", [])]
+    pairs = [(f"{MULTI_M_ONE_PAIR}: {row['rows']} rows", row) for row in profile.get("m_step_pairs", [])]
     for label, row in (*passes, *pairs):
         if row is not None:  # a run from before the later rows existed (--resume, a report) has fewer
             print(f"| {label} | {row['wall_ms']:.1f} | {row['busy_ms']:.1f} | {row['busy_ms'] / row['wall_ms']:.2f} | "

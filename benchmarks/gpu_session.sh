@@ -20,9 +20,9 @@
 # fresh one): make the four calls back to back, in this order, with a timeout_s of at most the time
 # left. The deadlines start nothing new after that many seconds (a configuration already started runs
 # on, up to a minute at m' = 32), so the four fit in the 30 minutes; the device tool returns at most 8
-# files a call (step 1 writes 7: five traces, em_gpu.json, em_gpu.png). A step cut by its deadline writes what it measured; to measure only
-# what is missing, copy the returned em_gpu.json into the checkout (a path git does not ignore, so that
-# it travels) and rerun the step with RESUME=that/path.
+# files a call (step 1 writes 7: five traces, em_gpu.json, em_gpu.png). A step cut by its deadline
+# writes what it measured; to measure only what is missing, copy the returned em_gpu.json into the
+# checkout (a path git does not ignore, so that it travels) and rerun the step with RESUME=that/path.
 set -euo pipefail
 step=${1:?"which step: 1, 2, 3 or 4 (see the top of this file)"}
 out=${OUT:?"set OUT to the folder the results go to (the device tool sets it)"}

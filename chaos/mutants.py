@@ -13,7 +13,8 @@ the code changed) is reported as stale; tests/test_mutant_catalogue.py keeps the
 with the code.
 
 Prints one row per mutant (where, what, the test file that killed it) and the counts; the exit
-status is 1 if any mutant survived or is stale. The whole catalogue (241 mutants) took 71 minutes on 2 cores (2026-11-26).
+status is 1 if any mutant survived or is stale. The whole catalogue (241 mutants) took 71 minutes on
+2 cores (2026-11-26).
 """
 
 from __future__ import annotations

@@ -296,8 +296,8 @@ def test_a_failing_worker_is_reported_with_its_status_and_log(tmp_path, tiny_mod
         generator = _vllm(tiny_model_dir, worker=worker)
         with pytest.raises(VLLMWorkerError, match=message):
             generator.sample(requests(n=1))
-        generator.close(failed=True)  # as the augment stage closes it: the log and both pipes
-        assert generator._log.closed and generator._process.stdin.closed and generator._process.stdout.closed
+        generator.close(failed=True)  # as the augment stage closes it
+        assert _released(generator)
     with pytest.raises(VLLMWorkerError, match="could not start the vLLM worker"):
         _vllm(tiny_model_dir, python=str(tmp_path / "no-such-python"))
 
@@ -361,6 +361,11 @@ def _engine_worker(tmp_path: Path, tiny_model_dir: Path, mode: str) -> VLLMGener
 
 def _engine_pid(generator: VLLMGenerator) -> int:
     return int((generator.exchange / "engine.pid").read_text())
+
+
+def _released(generator: VLLMGenerator) -> bool:
+    """Whether the generator closed its worker's log and both pipes."""
+    return generator._log.closed and generator._process.stdin.closed and generator._process.stdout.closed
 
 
 def _gone(pid: int) -> bool:
@@ -449,7 +454,7 @@ def test_a_close_interrupted_while_it_waits_still_ends_the_group_and_releases_it
     with pytest.raises(KeyboardInterrupt):
         generator.close()
     assert generator._process.returncode is not None and _gone(engine)  # the group SIGKILLed, the worker reaped
-    assert generator._log.closed and generator._process.stdin.closed and generator._process.stdout.closed
+    assert _released(generator)
     assert not generator.exchange.exists()  # no worker failure was reported: nothing to keep
 
 
