@@ -1,5 +1,6 @@
 """Bytes a pass keeps for its backward, per token and decoder layer: transformers' modules against
-moplex's lean RMSNorm and SwiGLU MLP (moplex_core.lm.lean).
+moplex's lean RMSNorm and SwiGLU MLP (moplex_core.lm.lean); and the peak of a whole pass with and
+without gradient checkpointing (moplex_core.lm.checkpointing).
 
     PYTHONPATH=. python3 benchmarks/activation_memory.py [--layers 4] [--rows 4] [--tokens 128]
 
@@ -17,6 +18,12 @@ Passes: the plain model's forward with the gradient w.r.t. the input embeddings 
 the E-step's (adapters mixed per row, gradient w.r.t. the inputs), the M-step's (adapters mixed,
 backward into the adapters). Prints one markdown table, KiB per token and layer (the final norm's
 share spread over the layers).
+
+The second table runs each pass whole (forward, then backward) on the lean modules, once as it is
+and once with every decoder layer checkpointed, and gives the most bytes that the pass's own tensors
+held at once (`PeakBytes`: every storage an op creates, counted until it is freed; the weights and
+the input embeddings are made before and left out) and its time on this CPU (median of 3, one
+thread). Checkpointed, a layer keeps its input and runs its forward again in the backward.
 """
 
 from __future__ import annotations
@@ -24,11 +31,18 @@ from __future__ import annotations
 import argparse
 import contextlib
 import platform
+import statistics
+import time
+import weakref
 from collections.abc import Iterator
+from typing import Any
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 from transformers import AutoModelForCausalLM, PreTrainedModel, Qwen3Config
 
+from moplex_core.lm.checkpointing import checkpoint_layers
 from moplex_core.lm.lean import make_lean
 from moplex_core.lm.multi_lora import LoRASettings, MultiLoRA
 
@@ -50,6 +64,54 @@ def saved_bytes(model: PreTrainedModel, embeds: torch.Tensor, input_grads: bool)
         model.model(inputs_embeds=embeds.detach().requires_grad_(input_grads),
                     attention_mask={"full_attention": None}).last_hidden_state.sum()
     return sum(storages.values())
+
+
+class PeakBytes(TorchDispatchMode):
+    """Inside, the bytes of every storage an op creates (not a view or an in-place result of its
+    inputs) are counted from the op until the storage is freed (a finalizer on it: torch keeps a
+    storage's Python object as long as the storage), and ``peak`` is the most they held at once: a
+    pass's own memory, on the CPU as a GPU's allocator would count it, tensors made before it
+    (weights, inputs) left out."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live = self.peak = 0
+        self._alive: set[int] = set()
+
+    def _freed(self, key: int, nbytes: int) -> None:
+        self._alive.discard(key)
+        self.live -= nbytes
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        given = {id(t.untyped_storage()) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        for tensor in tree_leaves(out):
+            if isinstance(tensor, torch.Tensor):
+                storage = tensor.untyped_storage()
+                if id(storage) not in self._alive and id(storage) not in given:  # new: not a view, not in place
+                    self._alive.add(id(storage))
+                    self.live += storage.nbytes()
+                    self.peak = max(self.peak, self.live)
+                    weakref.finalize(storage, self._freed, id(storage), storage.nbytes())
+        return out
+
+
+def run_pass(model: PreTrainedModel, embeds: torch.Tensor, input_grads: bool) -> None:
+    """One pass: the decoder's forward, then the backward of the sum of its last hidden states into the
+    inputs (``input_grads``) or into whatever requires grad."""
+    inputs = embeds.detach().requires_grad_(input_grads)
+    out = model.model(inputs_embeds=inputs, attention_mask={"full_attention": None}).last_hidden_state.sum()
+    if input_grads:
+        torch.autograd.grad(out, inputs)
+    else:
+        out.backward()
+
+
+def pass_peak(model: PreTrainedModel, embeds: torch.Tensor, input_grads: bool) -> int:
+    """The peak bytes (`PeakBytes`) of one `run_pass`."""
+    with PeakBytes() as counted:
+        run_pass(model, embeds, input_grads)
+    return counted.peak
 
 
 def _model(layers: int, dtype: torch.dtype, lean: bool) -> tuple[PreTrainedModel, MultiLoRA]:
@@ -101,6 +163,31 @@ def main() -> None:
     print("| pass | dtype | transformers' modules | lean RMSNorm and MLP | less |\n|---|---|---|---|---|")
     for label, dtype_name, stock, ours, less in table:
         print(f"| {label} | {dtype_name} | {stock:.1f} | {ours:.1f} | {less:.0%} |")
+    print("\n## Peak of one pass (forward + backward), MiB, lean modules, with and without gradient checkpointing "
+          "(the same model and rows)\n")
+    print("| pass | dtype | as it is MiB | checkpointed MiB | less | as it is s | checkpointed s | more time |")
+    print("|---|---|---|---|---|---|---|---|")
+    for dtype in (torch.bfloat16, torch.float32):
+        embeds = torch.randn(args.rows, args.tokens, 1024, generator=torch.Generator().manual_seed(1)).to(dtype)
+        measured = {}
+        for checkpointed in (False, True):
+            model, lora = _model(args.layers, dtype, lean=True)
+            if checkpointed:
+                checkpoint_layers(model)
+            for kind in passes:
+                with _pass(lora, kind, args.rows) as input_grads:
+                    pass_peak(model, embeds, input_grads)  # warm: the E-step's adapter stacks are made once
+                    peak = pass_peak(model, embeds, input_grads)
+                    seconds = []
+                    for _ in range(3):  # outside PeakBytes, whose Python per op would be timed too
+                        start = time.perf_counter()
+                        run_pass(model, embeds, input_grads)
+                        seconds.append(time.perf_counter() - start)
+                measured[kind, checkpointed] = peak / 2**20, statistics.median(seconds)
+        for kind, label in passes.items():
+            (plain, plain_s), (ours, ours_s) = measured[kind, False], measured[kind, True]
+            print(f"| {label} | {str(dtype).removeprefix('torch.')} | {plain:.1f} | {ours:.1f} | "
+                  f"{1 - ours / plain:.0%} | {plain_s:.3f} | {ours_s:.3f} | {ours_s / plain_s - 1:+.0%} |")
 
 
 if __name__ == "__main__":

@@ -234,8 +234,8 @@ def _em_iteration(model_dir: Path, sizes: Sizes, inputs: PolicyInputs, anchors: 
     try:
         scorer = LoRAPolicyScorer(model_dir, sizes.k, beta=BETA, anchors=anchors, lora=LORA, lr=1e-4,
                                   batch_size=sizes.pairs_per_step, score_batch_size=sizes.score_batch_size,
-                                  share_prompts=share_prompts, seed=0,
-                                  dtype=sizes.dtype, device=sizes.device)
+                                  share_prompts=share_prompts, gradient_checkpointing=sizes.gradient_checkpointing,
+                                  seed=0, dtype=sizes.dtype, device=sizes.device)
         scorer.fit(inputs, rankings, one_pair, 0)
         scorer.score(inputs, 0)
         sync(sizes)
@@ -325,6 +325,8 @@ def main() -> None:
     parser.add_argument("--pairs-per-step", type=int, default=1, metavar="P",
                         help="(example, cluster) pairs per M-step minibatch (default 1, the paper's comparison; "
                              "the pipeline's train.batch_size is 16)")
+    parser.add_argument("--gradient-checkpointing", action="store_true",
+                        help="the EM section with every decoder layer checkpointed (train.gradient_checkpointing)")
     args = parser.parse_args()
     if args.report is not None:
         args.out.mkdir(parents=True, exist_ok=True)
@@ -340,7 +342,8 @@ def main() -> None:
     if args.pairs_per_step < 1 or (args.score_batch_size is not None and args.score_batch_size < 1):
         parser.error("--pairs-per-step and --score-batch-size take whole numbers >= 1")
     sizes = replace(sizes, pairs_per_step=args.pairs_per_step,
-                    score_batch_size=args.score_batch_size or sizes.score_batch_size)
+                    score_batch_size=args.score_batch_size or sizes.score_batch_size,
+                    gradient_checkpointing=args.gradient_checkpointing)
     try:
         m_primes = sizes.m_primes if args.m_primes is None else tuple(int(m) for m in args.m_primes.split(","))
     except ValueError:
@@ -360,7 +363,7 @@ def main() -> None:
     recorded_sizes = {"description": sizes.description, "k": sizes.k, "prompt_tokens": sizes.prompt_tokens,
                       "response_tokens": sizes.response_tokens, "row_tokens": sizes.row_tokens,
                       "originals": sizes.originals, "score_batch_size": sizes.score_batch_size,
-                      "pairs_per_step": sizes.pairs_per_step,
+                      "pairs_per_step": sizes.pairs_per_step, "gradient_checkpointing": sizes.gradient_checkpointing,
                       "lora": {"r": LORA.r, "alpha": LORA.alpha, "target_modules": list(LORA.target_modules)},
                       "warmups": sizes.warmups, "repeats": sizes.repeats}
     results: dict[str, Any] = {
@@ -383,7 +386,8 @@ def main() -> None:
         },
     }
     previous: dict[str, Any] = json.loads(args.resume.read_text()) if args.resume else {}
-    if previous and ({"pairs_per_step": 1, **previous["sizes"]}, previous["examples"], previous["device"]) != \
+    earlier_sizes = {"pairs_per_step": 1, "gradient_checkpointing": False, **previous.get("sizes", {})}  # older files
+    if previous and (earlier_sizes, previous["examples"], previous["device"]) != \
             (results["sizes"], results["examples"], results["device"]):
         parser.error(f"{args.resume} was measured at another size, n or device; it cannot be resumed here")
     results.update({section: previous[section] for section in SECTIONS if section in previous})

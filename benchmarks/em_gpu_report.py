@@ -39,7 +39,9 @@ def print_report(results: dict[str, Any]) -> None:
     if "em" in results:
         print(f"### One EM iteration, k = {sizes['k']} LoRA adapters (r = {LORA.r}, alpha {LORA.alpha:g}, "
               f"{len(LORA.target_modules)} projections), n = {results['examples']} examples\n")
-        print(f"M-step minibatch: {minibatch_note(sizes)}; "
+        checkpointed = "every decoder layer checkpointed (train.gradient_checkpointing); " * bool(
+            sizes.get("gradient_checkpointing"))
+        print(f"M-step minibatch: {minibatch_note(sizes)}; {checkpointed}"
               f"E-step: {sizes['score_batch_size']} rows per forward; prompts `shared`: run once per (example, "
               "cluster) and pass (the default), `per row`: with every response; speedup and memory against "
               "full with the same prompts; every pair weighted 1/k (all above "

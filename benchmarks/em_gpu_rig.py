@@ -55,6 +55,7 @@ class Sizes:
     warmups: int
     repeats: int
     matmul_n: int
+    gradient_checkpointing: bool = False  # the EM section's train.gradient_checkpointing
 
     @property
     def cuda(self) -> bool:

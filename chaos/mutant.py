@@ -66,6 +66,7 @@ TESTS: dict[str, tuple[str, ...]] = {  # source file -> test modules under tests
     'moplex_core/ingest.py': (
         'test_ingest_build', 'test_bad_inputs', 'test_ingest_adapters', 'test_ingest_flow', 'test_config',
     ),
+    'moplex_core/lm/checkpointing.py': ('test_checkpointing', 'test_lora_policy', 'test_cache_stage'),
     'moplex_core/lm/checks.py': ('test_model_checks', 'test_generate'),
     'moplex_core/lm/device.py': (
         'test_device', 'test_lora_policy', 'test_lm_logprobs', 'test_estimate', 'test_em', 'test_em_falls',

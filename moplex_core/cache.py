@@ -35,6 +35,7 @@ from moplex_core.artifacts import ArtifactRef, ArtifactStore, load_table, read_m
 from moplex_core.config import CacheConfig, local_model_absolute, prompts_shared
 from moplex_core.estimate import reference_terms_batch
 from moplex_core.hashing import files_changed, files_fingerprint, model_files, model_fingerprint
+from moplex_core.lm.checkpointing import checkpoint_layers
 from moplex_core.lm.checks import beyond_the_context, context_length, warn_of_turn_layout
 from moplex_core.lm.device import passes_sized_by
 from moplex_core.lm.loading import (dtype_name, identity_on_this_machine, load_model, load_tokenizer, resolve_device,
@@ -111,6 +112,8 @@ def run_cache(config: CacheConfig, rankings_dir: str | Path, store: ArtifactStor
         tokenizer = load_tokenizer(config.model)
         if todo:
             model = load_model(config.model, dtype=dtype, device=device, progress=progress)
+            if config.gradient_checkpointing:
+                checkpoint_layers(model)
             warn_of_turn_layout(model.generation_config.eos_token_id, tokenizer, config.use_chat_template, "cache")
             done = (len(starts) - len(todo)) * config.shard_rows
             bar = tqdm(total=table.num_rows, initial=min(done, table.num_rows), desc="cache: pi_ref terms",
@@ -184,8 +187,10 @@ def cache_rows(
                          f"{context}")
     terms = []
     half = max(1, config.score_batch_size // 2)
+    without_grads = config.gradient_checkpointing or not config.contractions  # nothing to checkpoint, or done
+    also = "" if without_grads else ", or set cache.gradient_checkpointing = true"
     with passes_sized_by(f"a cache pass holds up to cache.score_batch_size = {config.score_batch_size} responses; "
-                         f"lower it (--set cache.score_batch_size={half}), or cache.max_response_tokens"):
+                         f"lower it (--set cache.score_batch_size={half}), or cache.max_response_tokens{also}"):
         for batch in _whole_examples(examples, config.score_batch_size):
             terms += reference_terms_batch(model, batch, tokenizer.pad_token_id, rows_per_pass=config.score_batch_size,
                                            chunk_size=config.chunk_size, contractions=config.contractions,

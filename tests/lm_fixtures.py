@@ -16,6 +16,7 @@ import torch
 from huggingface_hub import constants as hf_constants
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from transformers.models.qwen3 import modeling_qwen3
 
 from moplex_core.lm.lean import LeanRMSNorm
 from moplex_core.lm.tiny import build_tiny_model, build_tiny_tokenizer, tiny_pairs
@@ -111,3 +112,17 @@ class MetaReadsAsZeros(TorchDispatchMode):
                 self.reads += 1
                 return 0
         return func(*args, **kwargs)
+
+
+@pytest.fixture
+def layer_runs(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """How many times a Qwen3 decoder layer's forward ran (a checkpointed layer runs again in the backward)."""
+    runs = [0]
+    forward = modeling_qwen3.Qwen3DecoderLayer.forward
+
+    def counted(self, *args, **kwargs):
+        runs[0] += 1
+        return forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(modeling_qwen3.Qwen3DecoderLayer, "forward", counted)
+    return runs

@@ -12,7 +12,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-from lm_fixtures import HUB_NAME, as_cached_hub_model, prompt_pass_counts, tiny_model_dir  # noqa: F401  (fixture)
+from lm_fixtures import (HUB_NAME, as_cached_hub_model, layer_runs, prompt_pass_counts,  # noqa: F401  (fixtures)
+                         tiny_model_dir)
 from stage_fixtures import write_synthetic
 
 from moplex_core.artifacts import ArtifactCorruptError, ArtifactStore, load_table, read_manifest
@@ -271,6 +272,21 @@ def test_shared_prompts_say_how_the_passes_run_not_what_the_cache_holds(tiny_mod
             'share_prompts false (last: "auto")') in caplog.text
 
 
+def test_checkpointed_layers_write_the_same_cache_under_the_same_version(tiny_model_dir, tmp_path,  # noqa: F811
+                                                                          layer_runs):  # noqa: F811
+    rankings = write_synthetic(ArtifactStore(tmp_path / "in"), n=3, m=3, n_generated=2)
+    written, layers_run = [], []
+    for checkpointed in (False, True):
+        layer_runs[0] = 0
+        written.append(run_cache(CacheConfig(model=str(tiny_model_dir), device="cpu",
+                                             gradient_checkpointing=checkpointed),
+                                 rankings, ArtifactStore(tmp_path / str(checkpointed)), progress=False))
+        layers_run.append(layer_runs[0])
+    assert layers_run[1] > layers_run[0] > 0  # the input-gradient passes' layers ran again
+    assert written[0].ref.version == written[1].ref.version
+    assert load_table(written[1].path).equals(load_table(written[0].path))
+
+
 def test_a_cache_pass_out_of_device_memory_names_cache_score_batch_size(tiny_model_dir, tmp_path,  # noqa: F811
                                                                        monkeypatch):
     import moplex_core.estimate as estimate
@@ -283,7 +299,8 @@ def test_a_cache_pass_out_of_device_memory_names_cache_score_batch_size(tiny_mod
     rankings = write_synthetic(store, n=6, m=3)
     config = CacheConfig(model=str(tiny_model_dir), score_batch_size=8)
     with pytest.raises(torch.OutOfMemoryError, match=r"a cache pass holds up to cache.score_batch_size = 8 "
-                       r"responses; lower it \(--set cache.score_batch_size=4\).*Tried to allocate 9.00 GiB"):
+                       r"responses; lower it \(--set cache.score_batch_size=4\), or cache.max_response_tokens, or set "
+                       r"cache.gradient_checkpointing = true \(.*Tried to allocate 9.00 GiB"):
         run_cache(config, rankings, store, progress=False)
     assert not plan_cache(config, rankings, store).complete
 

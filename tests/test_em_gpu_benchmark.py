@@ -223,8 +223,9 @@ def test_a_split_run_resumes_where_the_first_part_stopped(tmp_path: Path, first_
     assert results["em"] == []
     assert "--deadline 0 s reached" in stopped.stderr and "em m'=" not in stopped.stderr
     _, first = first_m_prime_run
-    older = {**first, "sizes": {k: v for k, v in first["sizes"].items() if k != "pairs_per_step"}}
-    (tmp_path / "first.json").write_text(json.dumps(older))  # as written before that setting existed
+    older = {**first, "sizes": {k: v for k, v in first["sizes"].items()
+                                if k not in ("pairs_per_step", "gradient_checkpointing")}}
+    (tmp_path / "first.json").write_text(json.dumps(older))  # as written before those settings existed
     assert [row["m_prime"] for row in first["em"]] == [TINY_M_PRIMES[0]] * len(TINY_METHODS)
     second, results = _em_section(tmp_path / "second", "--resume", str(tmp_path / "first.json"))
     measured = re.findall(r"^em m'=(\d+) ", second.stderr, flags=re.MULTILINE)
@@ -235,12 +236,15 @@ def test_a_split_run_resumes_where_the_first_part_stopped(tmp_path: Path, first_
     assert [row["speedup_vs_full"] for row in results["em"] if row["method"] == "full"] == [1.0] * 4
 
 
-def test_the_m_step_minibatch_and_the_e_step_pass_are_settable(tmp_path: Path, first_m_prime_run) -> None:
+def test_the_m_step_minibatch_the_e_step_pass_and_checkpointing_are_settable(tmp_path: Path,
+                                                                             first_m_prime_run) -> None:
     """--pairs-per-step P fits P (example, cluster) pairs per optimizer step, as the pipeline's
-    train.batch_size does, and --score-batch-size sets the rows per pass; both are recorded, and the
-    timed M-step's optimizer steps say which ran (n = 2 examples x k = 3 clusters = 6 pairs)."""
+    train.batch_size does, --score-batch-size sets the rows per pass and --gradient-checkpointing
+    checkpoints the decoder layers; all are recorded, and the timed M-step's optimizer steps say which
+    ran (n = 2 examples x k = 3 clusters = 6 pairs)."""
     runs = [first_m_prime_run, _em_section(tmp_path / "three", "--m-primes", str(TINY_M_PRIMES[0]),
-                                           "--pairs-per-step", "3", "--score-batch-size", "8")]
+                                           "--pairs-per-step", "3", "--score-batch-size", "8",
+                                           "--gradient-checkpointing")]
     for proc, results in runs:
         assert "M-step minibatch: " + results["protocol"]["m_step_minibatch"] in proc.stdout
     (_, one), (_, three) = runs
@@ -248,6 +252,8 @@ def test_the_m_step_minibatch_and_the_e_step_pass_are_settable(tmp_path: Path, f
     assert [row["m_step_optimizer_steps"] for row in three["em"]] == [2] * len(TINY_METHODS)
     assert (one["sizes"]["pairs_per_step"], three["sizes"]["pairs_per_step"]) == (1, 3)
     assert (one["sizes"]["score_batch_size"], three["sizes"]["score_batch_size"]) == (16, 8)
+    assert (one["sizes"]["gradient_checkpointing"], three["sizes"]["gradient_checkpointing"]) == (False, True)
+    assert ["every decoder layer checkpointed" in proc.stdout for proc, _ in runs] == [False, True]
     assert three["protocol"]["m_step_minibatch"].startswith("3 (example, cluster) pairs per optimizer step")
 
 
@@ -307,16 +313,20 @@ def test_host_ops_prints_every_pass_with_its_ops_and_host_time() -> None:
 
 
 def test_activation_memory_prints_every_pass_with_less_kept_by_the_lean_modules_in_bf16() -> None:
-    """benchmarks/activation_memory.py stays runnable (1 layer, 2 rows of 8 tokens)."""
-    proc = subprocess.run([sys.executable, "benchmarks/activation_memory.py", "--layers", "1", "--rows", "2",
+    """benchmarks/activation_memory.py stays runnable (3 layers, 2 rows of 8 tokens)."""
+    proc = subprocess.run([sys.executable, "benchmarks/activation_memory.py", "--layers", "3", "--rows", "2",
                            "--tokens", "8"], cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, f"stdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-5000:]}"
-    rows = _table(proc.stdout, "| pass | dtype |")
-    assert [(row[0].split(":")[0].split(",")[0], row[1]) for row in rows] == [
-        (kind, dtype) for dtype in ("bfloat16", "float32") for kind in ("plain model", "E-step", "M-step")]
-    for row in rows:  # less in bf16; in float32 the lean modules run autograd
+    passes = [(kind, dtype) for dtype in ("bfloat16", "float32") for kind in ("plain model", "E-step", "M-step")]
+    kept = _table(proc.stdout, "| pass | dtype | transformers'")
+    peaks = _table(proc.stdout, "| pass | dtype | as it is")
+    for rows in (kept, peaks):
+        assert [(row[0].split(":")[0].split(",")[0], row[1]) for row in rows] == passes
+    for row in kept:  # less in bf16; in float32 the lean modules run autograd
         stock, lean = float(row[2]), float(row[3])
         assert (0 < lean < stock) if row[1] == "bfloat16" else (lean == stock > 0), row
+    for row in peaks:  # checkpointed: each layer's input and one layer's activations at a time
+        assert 0 < float(row[3]) < float(row[2]) and float(row[5]) > 0 and float(row[6]) > 0, row
 
 
 def test_report_redraws_the_cards_figure_from_its_json_without_a_device(tmp_path: Path) -> None:

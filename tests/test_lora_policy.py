@@ -9,7 +9,8 @@ import json
 
 import pytest
 import torch
-from lm_fixtures import MetaReadsAsZeros, float64_rmsnorm, prompt_pass_counts, tiny_model_dir  # noqa: F401  (fixtures)
+from lm_fixtures import (MetaReadsAsZeros, float64_rmsnorm, layer_runs, prompt_pass_counts,  # noqa: F401  (fixtures)
+                         tiny_model_dir)
 from peft import PeftModel
 from stage_fixtures import write_synthetic
 
@@ -101,7 +102,8 @@ def test_a_pass_out_of_device_memory_names_the_setting_that_sizes_it(tiny_model_
     monkeypatch.setattr(lora_policy, "anchor_pass", out_of_memory)
     with pytest.raises(PassOutOfMemoryError, match=r"E-step 0 runs up to score_batch_size = 4 rows a pass \(a "
                        r"response under one adapter, with its input gradients\); lower it \(--set "
-                       r"train.score_batch_size=2.*\(CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has"):
+                       r"train.score_batch_size=2.*; or set train.gradient_checkpointing = true \(CUDA out of memory. "
+                       r"Tried to allocate 2.00 GiB. GPU 0 has"):
         policy.score(inputs, 0)
     weights = torch.full((len(inputs), 2), 0.5, dtype=torch.float64)
     with pytest.raises(torch.OutOfMemoryError, match="never fewer than a pair's 2; lower train.score_batch_size"):
@@ -155,6 +157,25 @@ def test_shared_prompts_change_neither_the_scores_nor_the_training(tiny_model_di
     assert runs[0][1].abs().max() > 1e-2
     for unshared, shared in zip(*runs):
         torch.testing.assert_close(shared, unshared, rtol=0, atol=1e-9)
+
+
+@pytest.mark.parametrize("share", [False, True], ids=["rows whole", "shared prompts"])
+def test_checkpointed_layers_change_neither_the_scores_nor_the_training(tiny_model_dir, inputs, layer_runs,  # noqa: F811
+                                                                        share):
+    weights = torch.tensor([[0.9, 0.1]] * 4 + [[0.2, 0.8]] * 4, dtype=torch.float64)
+    runs, layers_run = [], []
+    for checkpointed in (False, True):
+        policy = scorer(tiny_model_dir, anchors=2, share_prompts=share, gradient_checkpointing=checkpointed)
+        layer_runs[0] = 0
+        policy.fit(inputs, inputs.rankings(), weights, 0)
+        estimated = policy.score(inputs, 0)  # anchors with input gradients, the rest estimated
+        policy.fit(inputs, inputs.rankings(), weights, 1)  # holds that E-step's estimates
+        layers_run.append(layer_runs[0])
+        runs.append([estimated, policy.exact_scores(inputs), *(p.detach().clone() for p in policy._lora.values())])
+    assert runs[0][1].abs().max() > 1e-2
+    assert layers_run[1] > 1.5 * layers_run[0]  # the layers of every pass with gradients ran again
+    for ours, reference in zip(*runs, strict=True):
+        assert torch.equal(ours, reference)
 
 
 def test_each_pass_runs_one_prompt_per_example_and_cluster(tiny_model_dir, inputs, prompt_pass_counts):  # noqa: F811

@@ -251,6 +251,7 @@ def test_score_batch_size_and_the_device_enter_the_version_only_with_lora_dropou
     store = ArtifactStore(tmp_path)
     version = lambda **update: plan_train(CONFIG.model_copy(update=update), cache_dir, store).ref.version  # noqa: E731
     assert version(score_batch_size=8) == version(score_batch_size=16)
+    assert version(gradient_checkpointing=True) == version()  # the same bits (tests/test_checkpointing.py)
     assert version(lora_dropout=0.1, score_batch_size=8) != version(lora_dropout=0.1, score_batch_size=16)
     assert version(lora_dropout=0.1, device="cpu", share_prompts=True) != version(lora_dropout=0.1, device="meta",
                                                                                  share_prompts=True)

@@ -21,7 +21,8 @@ class CacheConfig(StageConfig):
     contraction s_ref. ``model`` is pi_ref, the base model the train stage puts adapters on.
 
     Left out of the version (`identity`): ``model`` (its directory's content is an input of the
-    version instead), ``score_batch_size``, ``device``, ``chunk_size`` and ``share_prompts`` (how fast,
+    version instead), ``score_batch_size``, ``device``, ``chunk_size``, ``share_prompts`` and
+    ``gradient_checkpointing`` (how fast,
     not what: other pass and chunk shapes round differently, moving the floats in their last digits,
     and a resume under other values says so), and ``contractions`` while it is true (versions built
     before it existed stay valid).
@@ -63,8 +64,13 @@ class CacheConfig(StageConfig):
     forward-only ones of 26 responses of one prompt included, ran faster with the prompt per row).
     The manifest records what it resolved to (``resolved_share_prompts``)."""
 
+    gradient_checkpointing: bool = False
+    """Checkpoint every decoder layer of the input-gradient passes (moplex_core.lm.checkpointing, as
+    `TrainConfig.gradient_checkpointing`): about one layer's activations a pass instead of every
+    layer's, for about one forward more; the same terms, bit for bit on the CPU."""
+
     def identity(self) -> dict[str, Any]:
-        exclude = {"model", "score_batch_size", "device", "chunk_size", "share_prompts"}
+        exclude = {"model", "score_batch_size", "device", "chunk_size", "share_prompts", "gradient_checkpointing"}
         if self.contractions:
             exclude.add("contractions")
         return self.model_dump(mode="json", exclude=exclude)

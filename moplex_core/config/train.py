@@ -70,7 +70,15 @@ class TrainConfig(StageConfig):
     estimates seen not to hold, at the price of exact passes once they fail (and, once, of the
     discarded M-step and E-step). None: never. Needs anchors and estimation_check > 0.
 
-    Left out of the version: ``score_batch_size``, ``device``, ``chunk_size`` (how fast, not what),
+    ``gradient_checkpointing`` checkpoints every decoder layer (moplex_core.lm.checkpointing): the
+    E-step's and the M-step's passes keep each layer's input instead of its activations and run its
+    forward again in their backward, so a pass of score_batch_size rows needs about one layer's
+    activations, for about one forward more per pass (benchmarks/activation_memory.py: peak and time
+    with and without). The same scores and gradients, bit for bit on the CPU: for a model or rows too
+    large for the card otherwise.
+
+    Left out of the version: ``score_batch_size``, ``device``, ``chunk_size``, ``gradient_checkpointing``
+    (how fast, not what),
     except that with LoRA dropout ``score_batch_size`` and the device type are in (`identity`).
     The base model is the one the cache was built from (its version pins the model's content).
     """
@@ -105,6 +113,7 @@ class TrainConfig(StageConfig):
     score_batch_size: int = Field(32, ge=1)
     chunk_size: int = Field(1024, ge=1)
     share_prompts: SharePrompts = "auto"
+    gradient_checkpointing: bool = False
 
     @field_validator("lora_targets")
     @classmethod
@@ -156,7 +165,8 @@ class TrainConfig(StageConfig):
         """What enters the train version. ``score_batch_size`` and ``device`` do not, unless LoRA
         dropout is on: its masks are drawn pass by pass (so by how rows are grouped into passes) and
         by the device's generator (train.plan_train adds the device type)."""
-        volatile = {"score_batch_size", "device", "chunk_size"} - ({"score_batch_size"} if self.lora_dropout else set())
+        volatile = {"score_batch_size", "device", "chunk_size", "gradient_checkpointing"}
+        volatile -= {"score_batch_size"} if self.lora_dropout else set()
         if self.anchors in (None, 1):  # nothing to weigh
             volatile.add("anchor_weighting")
         return self.model_dump(mode="json", exclude=volatile)

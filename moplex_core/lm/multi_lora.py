@@ -99,6 +99,21 @@ class _Route:
             self.summing = (key, (to_device(torch.tensor(present), device), to_device(summing, device)))
         return self.summing[1]
 
+    def snapshot(self) -> tuple[Any, ...]:
+        """The routing as it is now, for `restored` (a checkpointed layer runs again in its backward,
+        after the route has changed: moplex_core.lm.checkpointing)."""
+        return self.rows, self.present, self.adapters, self.summing
+
+    @contextmanager
+    def restored(self, snapshot: tuple[Any, ...]) -> Iterator[None]:
+        """The routing of ``snapshot`` inside, and what it is now after."""
+        now = self.snapshot()
+        self.rows, self.present, self.adapters, self.summing = snapshot
+        try:
+            yield
+        finally:
+            self.rows, self.present, self.adapters, self.summing = now
+
 
 class MultiLoRALinear(nn.Module):
     """A frozen ``nn.Linear`` (or transformers' ``Conv1D``, GPT-2's projections: the same map with W

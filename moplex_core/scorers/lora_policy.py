@@ -67,6 +67,7 @@ from moplex_core.estimate import (
     nearest_anchor_weights,
     response_embeddings,
 )
+from moplex_core.lm.checkpointing import checkpoint_layers
 from moplex_core.lm.device import HostCopies, passes_sized_by, to_device
 from moplex_core.lm.loading import load_model
 from moplex_core.lm.logprobs import output_score_features
@@ -178,6 +179,9 @@ class LoRAPolicyScorer:
     share_prompts:     run an (example, cluster)'s prompt once per pass for all its rows in that pass
                        (moplex_core.lm.logprobs.prompt_prefix): the same scores and gradients for
                        fewer tokens. With LoRA dropout the prompt's dropout mask is then shared too.
+    gradient_checkpointing: every decoder layer keeps only its input for the backward and runs its forward
+                       again there (moplex_core.lm.checkpointing): the passes that take gradients hold one
+                       layer's activations, for about one forward more each; the same scores and gradients.
     seed:              adapter initialisation (LoRA A), M-step shuffling, anchor draws, LoRA dropout
                        masks and the examples the estimation check and the exact fallback draw.
     exact_fallback:    examples (a seeded draw, `estimate.check_sample`) whose estimated E-step scores
@@ -205,6 +209,7 @@ class LoRAPolicyScorer:
         score_batch_size: int = 32,
         chunk_size: int = 1024,
         share_prompts: bool = True,
+        gradient_checkpointing: bool = False,
         seed: int = 0,
         exact_fallback: int = 0,
         fallback_above: float = 1.0,
@@ -232,6 +237,9 @@ class LoRAPolicyScorer:
         self.model = load_model(model_path, dtype=dtype, device=device, progress=progress)
         self.pad_token_id = self.model.config.pad_token_id if self.model.config.pad_token_id is not None else 0
         self.lora = MultiLoRA(self.model, k, lora, seed)
+        self.gradient_checkpointing = gradient_checkpointing
+        if gradient_checkpointing:
+            checkpoint_layers(self.model)
         self.model.eval()
         self._lora = self.lora.named_parameters()
         self.lr = lr
@@ -334,7 +342,7 @@ class LoRAPolicyScorer:
                     f"the M-step runs whole (example, cluster) pairs, up to score_batch_size = {self.score_batch_size} "
                     f"rows a pass but never fewer than a pair's {largest}; lower train.score_batch_size, or with "
                     "every response exact (a pair is all its m' responses) use anchors (train.anchors) or shorter "
-                    "responses (cache.max_response_tokens)"):
+                    f"responses (cache.max_response_tokens){self._or_checkpointing()}"):
                 for _ in range(epochs):
                     order = pairs[torch.randperm(pairs.shape[0], generator=self._shuffle)]
                     for start in range(0, order.shape[0], self.batch_size):
@@ -522,6 +530,10 @@ class LoRAPolicyScorer:
         (-objective).backward()
         return objective.detach()
 
+    def _or_checkpointing(self) -> str:
+        """The end of an out-of-memory message of a pass with gradients: the other way to fit it."""
+        return "" if self.gradient_checkpointing else "; or set train.gradient_checkpointing = true"
+
     def _score_all(self, inputs: PolicyInputs, round_: int, anchors: int | None, what: str
                    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The deltas float64 [n, k, M] with the anchors of round ``round_`` (the scores over beta:
@@ -544,7 +556,7 @@ class LoRAPolicyScorer:
                 with passes_sized_by(f"{what} runs up to score_batch_size = {self.score_batch_size} rows a pass (a "
                                      f"response under one adapter{', with its input gradients' if input_grads else ''});"
                                      f" lower it (--set train.score_batch_size={half}, or evaluate.score_batch_size in "
-                                     "evaluate)"):
+                                     f"evaluate){self._or_checkpointing() if input_grads else ''}"):
                     for start in range(0, len(part), self.score_batch_size):
                         chunk = part[start : start + self.score_batch_size]
                         copies.add(self._pass(inputs, chunk, input_grads=input_grads, train=False))
