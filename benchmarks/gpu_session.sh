@@ -14,6 +14,8 @@
 #      `make gpu-wheels` here, then carry `.whl`
 #   3  the EM section at m' = 26 at the pipeline's minibatch (16 pairs a step) in 16-row passes
 #   4  the EM section at m' = 26 and 32 (Figure 5's rows that carry the targets), one pair a step
+#   5  step 4's m' = 26 with every decoder layer checkpointed (train.gradient_checkpointing): its time
+#      and memory against step 4's; only if the session's time allows after the four above
 #
 # The session's 30 minutes of device time count from the first call's start (a minute or more) to the
 # machine's return, idle time included, and a machine idle for 30 s goes back (the next call starts a
@@ -24,7 +26,7 @@
 # writes what it measured; to measure only what is missing, copy the returned em_gpu.json into the
 # checkout (a path git does not ignore, so that it travels) and rerun the step with RESUME=that/path.
 set -euo pipefail
-step=${1:?"which step: 1, 2, 3 or 4 (see the top of this file)"}
+step=${1:?"which step: 1 to 5 (see the top of this file)"}
 out=${OUT:?"set OUT to the folder the results go to (the device tool sets it)"}
 export PYTHONUNBUFFERED=1 PYTHONPATH=.
 resume=(${RESUME:+--resume "$RESUME"})
@@ -47,8 +49,12 @@ case "$step" in
   4)
     python3 benchmarks/em_gpu.py --out "$out/em" --sections em --m-primes 26,32 --deadline 400 "${resume[@]}"
     ;;
+  5)
+    python3 benchmarks/em_gpu.py --out "$out/checkpointed" --sections em --m-primes 26 --gradient-checkpointing \
+      --deadline 400 "${resume[@]}"
+    ;;
   *)
-    echo "unknown step $step: 1, 2, 3 or 4" >&2
+    echo "unknown step $step: 1 to 5" >&2
     exit 2
     ;;
 esac

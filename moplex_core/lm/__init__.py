@@ -6,6 +6,7 @@
     tokenize     prompt + response token ids with a shared prompt prefix; right-padded batches
     logprobs     log pi(y|x) at response positions only, chunked over the vocabulary projection
     multi_lora   k LoRA adapters on one base model, routed per row, in PEFT's format
+    checkpointing  decoder layers that keep their input and run again in the backward (opt-in)
     routed_adam  AdamW's step for the adapters a minibatch routed
     tiny         build_tiny_model: a small Qwen3 chat model made offline for tests and the demo
 """
