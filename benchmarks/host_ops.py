@@ -18,8 +18,9 @@ Rows, over ``--rows`` rows routed to adapter b mod k (benchmarks/em_gpu.py's pas
 - the plain base model's forward + input gradient (no adapters), with moplex's lean RMSNorm and MLP
   (load_model's) and with transformers' own;
 - the E-step's pass, k adapters mixed, forward + input gradient;
-- the M-step's pass, forward + backward into the adapters: k adapters mixed, one adapter, and k
-  mixed with each row's prompt run in a prompt pass first (shared prompts);
+- the M-step's pass, forward + backward into the adapters: k adapters mixed, one adapter, k
+  mixed with each row's prompt run in a prompt pass first (shared prompts), and k mixed with every
+  decoder layer checkpointed (train.gradient_checkpointing);
 - one M-step minibatch through `LoRAPolicyScorer.fit` (the pass, the PL likelihood, the backward
   and the optimizer step): one (example, cluster) pair of a = 2 rows, and k pairs of 2 rows.
 
@@ -43,6 +44,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import em_gpu_rig
+from moplex_core.lm.checkpointing import checkpoint_layers
 from moplex_core.lm.tiny import build_tiny_model
 from moplex_core.scorers.lora_policy import LoRAPolicyScorer
 
@@ -114,6 +116,9 @@ def main() -> None:
              lambda: em_gpu_rig.mixed_pass(model, lora, batch, sizes, params, shared_prompts=True)))
         for label, run in m_step_passes:
             rows.append((label, *measure(run, args.repeats)))
+        checkpoint_layers(model)  # train.gradient_checkpointing: every layer runs again in the backward
+        rows.append((f"M-step pass, {args.k} adapters mixed, checkpointed layers", *measure(m_step_passes[0][1],
+                                                                                         args.repeats)))
         del model, lora
         vocab_size, eos_id = em_gpu_rig.model_vocab(model_dir)
         inputs = em_gpu_rig.synthetic_inputs(sizes, 4, args.k, vocab_size, eos_id)  # k examples of m' = 4

@@ -75,9 +75,10 @@ TESTS: dict[str, tuple[str, ...]] = {  # source file -> test modules under tests
     'moplex_core/lm/loading.py': ('test_lm_loading', 'test_generate', 'test_pipeline_config'),
     'moplex_core/lm/logprobs.py': (
         'test_lm_logprobs', 'test_estimate', 'test_lm_tiny', 'test_approximation', 'test_lora_policy',
+        'test_checkpointing',
     ),
     'moplex_core/lm/multi_lora.py': (
-        'test_multi_lora', 'test_lean', 'test_model_checks', 'test_estimate', 'test_lora_policy',
+        'test_multi_lora', 'test_lean', 'test_model_checks', 'test_estimate', 'test_lora_policy', 'test_checkpointing',
     ),
     'moplex_core/lm/routed_adam.py': ('test_routed_adam', 'test_multi_lora', 'test_lora_policy'),
     'moplex_core/lm/tokenize.py': (

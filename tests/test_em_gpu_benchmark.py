@@ -304,12 +304,15 @@ def test_host_ops_prints_every_pass_with_its_ops_and_host_time() -> None:
                           "plain base model, transformers' RMSNorm and MLP (not lean), fwd + input grad",
                           "E-step pass, 3 adapters mixed",
                           "M-step pass, 3 adapters mixed", "M-step pass, one adapter",
-                          "M-step pass, 3 adapters mixed, shared prompts", "M-step minibatch (fit): 1 pair, a = 2",
+                          "M-step pass, 3 adapters mixed, shared prompts",
+                          "M-step pass, 3 adapters mixed, checkpointed layers", "M-step minibatch (fit): 1 pair, a = 2",
                           "M-step minibatch (fit): 3 pairs of 3 clusters, a = 2"]
     assert all(ops > 0 and ms > 0 for ops, ms in rows.values())
     # the LoRA layer adds ops to the plain pass; the prompt pass adds a second decoder call
     assert rows["E-step pass, 3 adapters mixed"][0] > rows["plain base model, fwd + input grad"][0]
     assert rows["M-step pass, 3 adapters mixed, shared prompts"][0] > rows["M-step pass, 3 adapters mixed"][0]
+    # checkpointed, the layers' forward ops run twice
+    assert rows["M-step pass, 3 adapters mixed, checkpointed layers"][0] > rows["M-step pass, 3 adapters mixed"][0]
 
 
 def test_activation_memory_prints_every_pass_with_less_kept_by_the_lean_modules_in_bf16() -> None:

@@ -18,9 +18,18 @@ runs again (`_as_in_forward`):
   (`LoRAPolicyScorer._weighted_logp`). Whether the adapters require grad decides what the LoRA layer
   keeps, too: a backward outside the `MultiLoRA.requires_grad` of its forward, under another setting,
   fails loudly (torch's checkpoint counts the tensors the layer keeps each time); moplex takes none.
-- a key/value cache (a shared prompt's prefix, `moplex_core.lm.logprobs.prompt_prefix`): the layer
-  appended its keys and values to it, so the cache holds more keys than the forward attended to.
-  The layer runs again on the keys it saw, and the cache is left as it is.
+- a key/value cache (a shared prompt's prefix, `moplex_core.lm.logprobs.prompt_prefix`), found by
+  its type among the layer's arguments (each model names it its own way, GPT-2 passes it by
+  position): the layer appended its keys and values to it, so the cache holds more keys than the
+  forward attended to. The layer runs again on the keys it saw, and the cache is left as it is (the
+  continuation drops its tensors once its decoder call is done, `logprobs._response_hidden`, so that
+  the checkpoint, which holds the cache as an argument, does not keep every layer's keys).
+
+What the layer reads live is read again as it is at the backward: the adapters' values (their
+`MultiLoRALinear.frozen` copy in the E-step), whether they require grad, LoRA dropout's mode. moplex
+backpropagates before any of them changes; a backward after an optimizer step would see the new
+adapters, where a pass without checkpointing would use the saved ones (the version counters catch
+what a pass saved, not what it runs again).
 
 The RNG state (LoRA dropout's masks) is restored by torch's checkpoint. The recomputation runs the
 same kernels on the same inputs, so the gradients are the same bits (tests/test_checkpointing.py):
@@ -30,81 +39,83 @@ the setting is left out of the stages' versions, as the pass sizes are.
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterator
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import nullcontext
 from typing import Any
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
+from peft import PeftModel
+from transformers import Cache, PreTrainedModel
 from transformers.modeling_layers import GradientCheckpointingLayer
 
+from moplex_core.lm.logprobs import causal_lm_parts
 from moplex_core.lm.multi_lora import MultiLoRALinear
-
-_CACHE_ARGUMENTS = ("cache", "past_key_values")  # a decoder layer's key/value cache: transformers 5.24's name, 5.17's
 
 
 def checkpoint_layers(model: nn.Module) -> int:
     """Checkpoint every decoder layer of ``model`` in place (transformers' `GradientCheckpointingLayer`
-    modules, whatever their model type) and return how many; calling it again changes nothing. Passes
-    without gradients run the layers as before."""
-    layers = [module for module in model.modules() if isinstance(module, GradientCheckpointingLayer)]
+    modules of its decoder, whatever its model type; not those inside another) and return how many
+    are; calling it again changes nothing. Passes without gradients run the layers as before."""
+    decoder = causal_lm_parts(model)[0] if isinstance(model, PreTrainedModel | PeftModel) else model
+    layers: list[tuple[str, nn.Module]] = []
+    for name, module in decoder.named_modules():
+        inside = any(name.startswith(f"{outer}.") for outer, _ in layers)
+        if isinstance(module, GradientCheckpointingLayer) and not inside:
+            layers.append((name, module))
     if not layers:
         raise ValueError(f"{type(model).__name__} has no decoder layers that transformers marks as checkpointable "
                          "(GradientCheckpointingLayer); run it with gradient_checkpointing = false")
-    for layer in layers:
-        if "forward" not in vars(layer):  # the instance's own forward shadows its class's
-            layer.forward = functools.partial(_checkpointed, layer)
+    for _, layer in layers:
+        current = layer.forward
+        if not (isinstance(current, functools.partial) and current.func is _checkpointed):
+            layer.forward = functools.partial(_checkpointed, layer, current)  # over its class's (or a hook's)
     return len(layers)
 
 
-def _checkpointed(layer: nn.Module, *args: Any, **kwargs: Any) -> Any:
-    forward = functools.partial(type(layer).forward, layer)
+def _checkpointed(layer: nn.Module, forward: Any, *args: Any, **kwargs: Any) -> Any:
     if not torch.is_grad_enabled():  # no backward to run it again for
         return forward(*args, **kwargs)
-    again = _as_in_forward(layer, kwargs)
+    again = _AsInForward(layer, next((v for v in (*args, *kwargs.values()) if isinstance(v, Cache)), None))
     return checkpoint(forward, *args, use_reentrant=False, context_fn=lambda: (nullcontext(), again), **kwargs)
 
 
-def _as_in_forward(layer: nn.Module, kwargs: dict[str, Any]) -> AbstractContextManager[None]:
-    """A context in which ``layer`` runs again as it ran now, taken now: its LoRA route, and the keys and
-    values of its cache before it appended its own."""
-    route = next((module.route for module in layer.modules() if isinstance(module, MultiLoRALinear)), None)
-    cache = next((kwargs[name] for name in _CACHE_ARGUMENTS if kwargs.get(name) is not None), None)
-    return _replaying(route, None if route is None else route.snapshot(), cache,
-                      None if cache is None else _keys_before(cache, layer))
+class _AsInForward:
+    """A context in which ``layer`` runs again as it ran when this was made: its LoRA route, and the
+    keys and values of its ``cache`` (None: none) before it appended its own. Entered at every
+    recomputation (a graph kept for a second backward runs the layer again)."""
 
-
-def _keys_before(cache: Any, layer: nn.Module) -> tuple[int, tuple[torch.Tensor, torch.Tensor] | None]:
-    """(the cache layer ``layer`` writes, the keys and values it holds now, None where it holds none)."""
-    index = next((m.layer_idx for m in layer.modules() if isinstance(getattr(m, "layer_idx", None), int)), None)
-    if index is None:
-        raise ValueError(f"{type(layer).__name__} names no layer_idx, so which of the cache's layers it writes is "
-                         "unknown; run it without gradient checkpointing")
-    held = cache.layers[index] if index < len(cache.layers) else None
-    keys = getattr(held, "keys", None)
-    return index, None if keys is None or keys.numel() == 0 else (keys, held.values)
-
-
-@contextmanager
-def _replaying(route: Any, routing: Any, cache: Any, before: tuple[int, tuple[torch.Tensor, torch.Tensor] | None] | None
-               ) -> Iterator[None]:
-    restore = nullcontext() if route is None else route.restored(routing)
-    if cache is not None:
-        index, held = before
-
-        def update(keys: torch.Tensor, values: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
-                   ) -> tuple[torch.Tensor, torch.Tensor]:  # [B, heads, P + L, head_dim] as the forward's
-            if layer_idx != index:
-                raise RuntimeError(f"the layer checkpointed for cache layer {index} wrote cache layer {layer_idx}")
-            if held is None:
-                return keys, values
-            return torch.cat([held[0], keys], dim=-2), torch.cat([held[1], values], dim=-2)
-
-        cache.update = update  # the instance's, over its class's, while the layer runs again
-    try:
-        with restore:
-            yield
-    finally:
+    def __init__(self, layer: nn.Module, cache: Cache | None) -> None:
+        self.route = next((m.route for m in layer.modules() if isinstance(m, MultiLoRALinear)), None)
+        self.routing = None if self.route is None else self.route.snapshot()
+        self.cache = cache
         if cache is not None:
-            del cache.update
+            self.index = next((m.layer_idx for m in layer.modules() if isinstance(getattr(m, "layer_idx", None), int)),
+                              None)
+            if self.index is None:
+                raise ValueError(f"{type(layer).__name__} names no layer_idx, so which of the cache's layers it writes "
+                                 "is unknown; run it without gradient checkpointing")
+            held = cache.layers[self.index] if self.index < len(cache.layers) else None
+            keys = getattr(held, "keys", None)
+            self.held = None if keys is None or keys.numel() == 0 else (keys, held.values)  # [B, heads, P, head_dim]
+
+    def __enter__(self) -> None:
+        self.now = None if self.route is None else self.route.snapshot()
+        if self.route is not None:
+            self.route.restore(self.routing)
+        if self.cache is not None:
+            self.cache.update = self._update  # the instance's, over its class's, while the layer runs again
+
+    def __exit__(self, *exc: object) -> None:
+        if self.cache is not None:
+            del self.cache.update
+        if self.route is not None:
+            self.route.restore(self.now)
+
+    def _update(self, keys: torch.Tensor, values: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
+                ) -> tuple[torch.Tensor, torch.Tensor]:  # [B, heads, P + L, head_dim] as the forward's
+        if layer_idx != self.index:
+            raise RuntimeError(f"the layer checkpointed for cache layer {self.index} wrote cache layer {layer_idx}")
+        if self.held is None:
+            return keys, values
+        return torch.cat([self.held[0], keys], dim=-2), torch.cat([self.held[1], values], dim=-2)

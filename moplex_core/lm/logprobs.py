@@ -125,7 +125,7 @@ class PromptPrefix:
     """Keys and values of the prompt tokens before each row's last prompt token, one row per row of
     the batch that continues it (rows of one group share their group's tensors)."""
 
-    cache: DynamicCache  # per layer [B, heads, P, head_dim]; single use: a forward appends to it
+    cache: DynamicCache  # per layer [B, heads, P, head_dim]; single use: a forward appends to it, then drops it
     attention_mask: torch.Tensor  # int64 [B, P], 1 at real prompt tokens (right padding)
     lengths: torch.Tensor  # int64 [B] real prompt tokens: the continuation's first position
     padded: bool  # whether a prefix is shorter than P (read on the host, so that nothing waits for the device)
@@ -414,6 +414,11 @@ def _response_hidden(
         inputs.update({_cache_name(decoder): prefix.cache}, position_ids=prefix.lengths[:, None] + positions[None, :])
         attention_mask = _continuation_mask(model, prefix, attention_mask.to("cpu"), device)
     hidden = decoder(**inputs, attention_mask=attention_mask, use_cache=False).last_hidden_state  # [B, L, d]
+    if prefix is not None:
+        # The cache is single use: drop what it holds now, every layer's prefix and continuation keys and
+        # values. Attention's backward saved what it needs; a checkpointed layer keeps the cache object.
+        for layer in prefix.cache.layers:
+            layer.keys = layer.values = None
     return hidden.flatten(0, 1)[at.hidden], input_ids.flatten()[at.hidden + 1], at, lm_head
 
 

@@ -100,19 +100,13 @@ class _Route:
         return self.summing[1]
 
     def snapshot(self) -> tuple[Any, ...]:
-        """The routing as it is now, for `restored` (a checkpointed layer runs again in its backward,
-        after the route has changed: moplex_core.lm.checkpointing)."""
-        return self.rows, self.present, self.adapters, self.summing
+        """The routing as it is now, for `restore` (a checkpointed layer runs again in its backward,
+        after the route has changed: moplex_core.lm.checkpointing). Not ``summing``: a cache that
+        `to_adapters` checks against the rows it was made for."""
+        return self.rows, self.present, self.adapters
 
-    @contextmanager
-    def restored(self, snapshot: tuple[Any, ...]) -> Iterator[None]:
-        """The routing of ``snapshot`` inside, and what it is now after."""
-        now = self.snapshot()
-        self.rows, self.present, self.adapters, self.summing = snapshot
-        try:
-            yield
-        finally:
-            self.rows, self.present, self.adapters, self.summing = now
+    def restore(self, snapshot: tuple[Any, ...]) -> None:
+        self.rows, self.present, self.adapters = snapshot
 
 
 class MultiLoRALinear(nn.Module):
@@ -391,13 +385,13 @@ class MultiLoRA:
             shown = ids.unique().tolist()[:10] if ids.numel() else "none"
             raise ValueError(f"route needs one adapter index in 0..{self.k - 1} per row, got {shown}")
         present = torch.unique(ids)  # [p] ascending
-        previous = (self._route.rows, self._route.present, self._route.adapters)
+        previous = self._route.snapshot()
         self._route.rows, self._route.present = tuple(ids.tolist()), tuple(present.tolist())
         self._route.adapters = to_device(ids, self._device) if len(present) > 1 else None
         try:
             yield
         finally:
-            self._route.rows, self._route.present, self._route.adapters = previous
+            self._route.restore(previous)
 
     @contextmanager
     def requires_grad(self, flag: bool) -> Iterator[None]:
