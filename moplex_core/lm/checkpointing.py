@@ -5,13 +5,14 @@ A pass that takes a gradient (the cache's and the E-step's w.r.t. the input embe
 into the adapters) keeps every layer's activations until its backward: with them, not the weights,
 the rows of a pass set its peak memory (benchmarks/activation_memory.py counts them per token and
 layer). Checkpointed, a layer keeps only its inputs, and its backward runs its forward again first,
-one layer at a time: the activations of one layer plus each layer's [B, L, d] input, for about one
-forward more per pass.
+one layer at a time: the activations of one layer plus each layer's [B, L, d] input, for one forward
+more per pass and more host time than that (torch's checkpoint runs Python for every tensor a layer
+saves: benchmarks/host_ops.py).
 
 torch's non-reentrant checkpoint keeps the forward's autograd graph and recomputes only the tensors
 the layer saved for its backward, during that backward. Two things a moplex pass holds outside the
 layer's arguments are no longer as the forward saw them by then, and are put back while the layer
-runs again (`_as_in_forward`):
+runs again (`_AsInForward`):
 
 - the multi-LoRA route (moplex_core.lm.multi_lora): which adapter each row takes, set by
   `MultiLoRA.route` around the forward only. An M-step backpropagates after it has closed
@@ -43,9 +44,9 @@ from contextlib import nullcontext
 from typing import Any
 
 import torch
+from peft import PeftModel
 from torch import nn
 from torch.utils.checkpoint import checkpoint
-from peft import PeftModel
 from transformers import Cache, PreTrainedModel
 from transformers.modeling_layers import GradientCheckpointingLayer
 
