@@ -111,6 +111,20 @@ def test_a_layer_inside_another_runs_again_with_it_not_on_its_own() -> None:
     assert torch.equal(torch.autograd.grad(model(x).sum(), x)[0], expected)
 
 
+def _eight_layers(checkpointed: bool) -> tuple[torch.nn.Module, MultiLoRA]:
+    """A Qwen3 of 8 layers, width 64, lean modules and 3 adapters, for memory: each pass's activations
+    are most of what it holds."""
+    config = Qwen3Config(vocab_size=64, hidden_size=64, intermediate_size=192, num_hidden_layers=8,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    make_lean(model)
+    lora = MultiLoRA(model, 3, LoRASettings(r=4, alpha=8.0), seed=0)
+    if checkpointed:
+        checkpoint_layers(model)
+    return model, lora
+
+
 @pytest.mark.parametrize("kind", ["E-step", "M-step"])
 def test_checkpointed_passes_hold_less_at_their_peak(kind, monkeypatch) -> None:
     # measured as benchmarks/activation_memory.py measures a pass's peak (PeakBytes), on 8 layers: the
@@ -118,17 +132,10 @@ def test_checkpointed_passes_hold_less_at_their_peak(kind, monkeypatch) -> None:
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
     from activation_memory import pass_peak
 
-    config = Qwen3Config(vocab_size=64, hidden_size=64, intermediate_size=192, num_hidden_layers=8,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, attn_implementation="sdpa")
     embeds = torch.randn(4, 64, 64, generator=torch.Generator().manual_seed(1))
     peaks = []
     for checkpointed in (False, True):
-        torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(config).eval()
-        make_lean(model)
-        lora = MultiLoRA(model, 3, LoRASettings(r=4, alpha=8.0), seed=0)
-        if checkpointed:
-            checkpoint_layers(model)
+        model, lora = _eight_layers(checkpointed)
         with lora.route([0, 1, 2, 0]), lora.requires_grad(kind == "M-step"):
             pass_peak(model, embeds, kind == "E-step")  # the E-step's stacked adapters are made once
             peaks.append(pass_peak(model, embeds, kind == "E-step"))
@@ -186,18 +193,11 @@ def test_a_checkpointed_continuation_keeps_no_layers_keys_until_its_backward(mon
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
     from activation_memory import PeakBytes
 
-    config = Qwen3Config(vocab_size=64, hidden_size=64, intermediate_size=192, num_hidden_layers=8,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, attn_implementation="sdpa")
     prompt = torch.randint(1, 64, (128,), generator=torch.Generator().manual_seed(2)).tolist()
     rows = [TokenizedResponse(prompt + [3 + r] * 8, len(prompt)) for r in range(8)]  # one prompt, two adapters
     held = []
     for checkpointed in (False, True):
-        torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(config).eval()
-        make_lean(model)
-        lora = MultiLoRA(model, 2, LoRASettings(r=4, alpha=8.0), seed=0)
-        if checkpointed:
-            checkpoint_layers(model)
+        model, lora = _eight_layers(checkpointed)
         with PeakBytes() as counted:
             passed = anchor_pass(model, rows, 0, input_grads=False, keep_graph=True,
                                  groups=[r // 4 for r in range(8)], route=lambda sub: lora.route([r // 4 for r in sub]))
