@@ -187,8 +187,8 @@ def cache_rows(
                          f"{context}")
     terms = []
     half = max(1, config.score_batch_size // 2)
-    without_grads = config.gradient_checkpointing or not config.contractions  # nothing to checkpoint, or done
-    also = "" if without_grads else ", or set cache.gradient_checkpointing = true"
+    checkpointable = config.contractions and not config.gradient_checkpointing  # passes with gradients, not yet
+    also = ", or set cache.gradient_checkpointing = true" if checkpointable else ""
     with passes_sized_by(f"a cache pass holds up to cache.score_batch_size = {config.score_batch_size} responses; "
                          f"lower it (--set cache.score_batch_size={half}), or cache.max_response_tokens{also}"):
         for batch in _whole_examples(examples, config.score_batch_size):

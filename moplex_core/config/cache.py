@@ -67,7 +67,7 @@ class CacheConfig(StageConfig):
     gradient_checkpointing: bool = False
     """Checkpoint every decoder layer of the input-gradient passes (moplex_core.lm.checkpointing, as
     `TrainConfig.gradient_checkpointing`): about one layer's activations a pass instead of every
-    layer's, for about one forward more; the same terms, bit for bit on the CPU."""
+    layer's, for one forward more and about twice the host time; the same terms, bit for bit on the CPU."""
 
     def identity(self) -> dict[str, Any]:
         exclude = {"model", "score_batch_size", "device", "chunk_size", "share_prompts", "gradient_checkpointing"}

@@ -73,9 +73,9 @@ class TrainConfig(StageConfig):
     ``gradient_checkpointing`` checkpoints every decoder layer (moplex_core.lm.checkpointing): the
     E-step's and the M-step's passes keep each layer's input instead of its activations and run its
     forward again in their backward, so a pass of score_batch_size rows needs about one layer's
-    activations, for about one forward more per pass (benchmarks/activation_memory.py: peak and time
-    with and without). The same scores and gradients, bit for bit on the CPU: for a model or rows too
-    large for the card otherwise.
+    activations, for one forward more per pass and about twice its host time (peak and time with and
+    without: benchmarks/activation_memory.py, benchmarks/host_ops.py). The same scores and gradients,
+    bit for bit on the CPU: for a model or rows too large for the card otherwise, not for speed.
 
     Left out of the version: ``score_batch_size``, ``device``, ``chunk_size``, ``gradient_checkpointing``
     (how fast, not what),
