@@ -181,7 +181,8 @@ class LoRAPolicyScorer:
                        fewer tokens. With LoRA dropout the prompt's dropout mask is then shared too.
     gradient_checkpointing: every decoder layer keeps only its input for the backward and runs its forward
                        again there (moplex_core.lm.checkpointing): the passes that take gradients hold one
-                       layer's activations, for about one forward more each; the same scores and gradients.
+                       layer's activations, for one forward more each and about twice its host time; the
+                       same scores and gradients.
     seed:              adapter initialisation (LoRA A), M-step shuffling, anchor draws, LoRA dropout
                        masks and the examples the estimation check and the exact fallback draw.
     exact_fallback:    examples (a seeded draw, `estimate.check_sample`) whose estimated E-step scores
