@@ -228,11 +228,16 @@ def _cache(args: argparse.Namespace) -> int:
 
 def _assign(args: argparse.Namespace) -> int:
     # In this process, without Prefect, like `moplex ingest`.
-    from moplex_core.artifacts import ArtifactError, ArtifactStore
+    from moplex_core.artifacts import DEFAULT_ROOT, ArtifactError, ArtifactStore
     from moplex_core.assign import default_root, run_assign
     from moplex_core.display import markdown_cell
 
-    root = args.root or default_root(args.train)
+    try:  # resolved first: its root is the default one, also when typed as ROOT/train/<version prefix>
+        train = ArtifactStore(args.root or DEFAULT_ROOT).resolve(args.train)
+    except ArtifactError as err:
+        print(f"moplex assign: {err}", file=sys.stderr)
+        return 1
+    root = args.root or default_root(train)
     store = ArtifactStore(root)
     if Path(args.rankings).expanduser().is_file():
         print(f"moplex assign: {args.rankings} is a file; assign takes a rankings artifact. Ingest the file first: "
@@ -241,7 +246,7 @@ def _assign(args: argparse.Namespace) -> int:
               "then give the ingest/<version> it names", file=sys.stderr)
         return 1
     try:
-        result = run_assign(store.resolve(args.train), store.resolve(args.rankings), store, model=args.model,
+        result = run_assign(train, store.resolve(args.rankings), store, model=args.model,
                             device=args.device, score_batch_size=args.score_batch_size, progress=not args.quiet)
     except (ValueError, ArtifactError, OSError) as err:
         print(f"moplex assign: {err}", file=sys.stderr)

@@ -214,6 +214,10 @@ def test_list_locate_and_fingerprint(tmp_path):
         store.resolve("nope/abc")  # experiments/ holds no version: not a stage
     # a version prefix at the end of a stage folder's path, from anywhere
     assert ArtifactStore(tmp_path / "elsewhere").resolve(str(tmp_path / "demo" / "aab")) == tmp_path / "demo" / "aab222"
+    # ... with a path inside the version after it
+    assert (ArtifactStore(tmp_path / "elsewhere").resolve(str(tmp_path / "demo" / "aab" / "part-00001.parquet"))
+            == tmp_path / "demo" / "aab222" / "part-00001.parquet")
+    assert store.resolve(str(tmp_path / "demo" / "aab222" / "gone")) == tmp_path / "demo" / "aab222" / "gone"
     with pytest.raises(ArtifactNotFoundError, match="versions of demo: demo/aaa111"):
         store.resolve(str(tmp_path / "demo" / "zzz"))
     # a folder that is not a stage's is not searched: the path is returned for the caller to report

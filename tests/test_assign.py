@@ -148,6 +148,9 @@ def test_new_rankings_get_a_posterior_an_adapter_and_every_score(trained, capsys
     monkeypatch.chdir(tmp_path)  # without --root: the train folder's own root, not ./data/artifacts
     assert main(["assign", str(train), str(new), "--device", "cpu", "--quiet"]) == 0
     assert "already complete" in capsys.readouterr().out and not (tmp_path / "data").exists()
+    prefix = f"{train.parent}/{train.name[:4]}"  # ROOT/train/<version prefix>: the same root
+    assert main(["assign", prefix, str(new), "--device", "cpu", "--quiet"]) == 0
+    assert "already complete" in capsys.readouterr().out and not (tmp_path / "data").exists()
     monkeypatch.chdir(train)  # typed relative to where the user is
     assert default_root(".") == default_root(f"../{train.name}/") == str(store.root.resolve())
     assert default_root("train/abc") == DEFAULT_ROOT  # a ref, not a folder: resolved under --root's default

@@ -96,11 +96,13 @@ class ArtifactStore:
     def resolve(self, text: str) -> Path:
         """What a user typed for an artifact: an existing path as it is, else ``stage/version``
         (a version prefix is enough) under this root (`locate`), with any path inside it after
-        (``train/8f1d/em``), else a version prefix in an existing stage folder (``ROOT/STAGE/PREFIX``)."""
+        (``train/8f1d/em``), else a version prefix in an existing stage folder (``ROOT/STAGE/PREFIX``),
+        with any path inside it after (``ROOT/train/8f1d/em``)."""
         path = Path(text).expanduser()
         if path.exists():
             return path
-        in_stage_folder = len(path.parts) >= 2 and is_stage_folder(path.parent)
+        missing = next(head for head in (path, *path.parents) if head.parent.exists())  # its first part not there
+        in_stage_folder = len(missing.parts) >= 2 and is_stage_folder(missing.parent)  # ROOT/STAGE/PREFIX[/inner]
         spelled_as_path = path.is_absolute() or text.startswith(".")  # /tmp/x, ~/x, ./x: not stage/version
         parts = text.strip("/").split("/")
         if len(parts) >= 2 and not spelled_as_path:
@@ -111,7 +113,8 @@ class ArtifactStore:
                 if (len(parts) == 2 and not in_stage_folder) or (len(parts) > 2 and a_stage_here):
                     raise
         if in_stage_folder:
-            return ArtifactStore(root_of(path)).locate(f"{path.parent.name}/{path.name}").path
+            found = ArtifactStore(root_of(missing)).locate(f"{missing.parent.name}/{missing.name}").path
+            return found / path.relative_to(missing)
         return path
 
     def locate(self, ref: str | ArtifactRef) -> ArtifactInfo:
