@@ -33,7 +33,8 @@ from moplex_core.data.sources import (
 )
 from moplex_core.data.splits import assign_splits, split_groups
 from moplex_core.data.synthetic import SyntheticConfig, generate_synthetic
-from moplex_core.schema import RANKINGS_SCHEMA, REJECTED_SCHEMA, SPLITS, check_rankings, split_rejected
+from moplex_core.schema import (RANKINGS_SCHEMA, REJECTED_SCHEMA, SPLITS, check_rankings, issues_by_field,
+                                split_rejected)
 
 log = logging.getLogger(__name__)
 
@@ -272,16 +273,14 @@ def build_rankings(config: IngestConfig, inputs: dict[str, str] | None = None) -
         if outside:
             detail = f"; split.sizes left out all {outside}"
         elif rejected is not None and rejected.num_rows:
-            first = rejected.slice(0, 1).to_pylist()[0]
-            place = first["where"] or f"row {first['row']}"
-            numbers = rejected.column("row").to_pylist()
+            reasons = rejected.select(["row", "where", "field", "reason"]).to_pylist()
+            numbers = [r["row"] for r in reasons]
             rows = len({n for n in numbers if n is not None}) + numbers.count(None)  # an unreadable record: one each
-            detail = (f"; every row was rejected ({rows} row(s), {rejected.num_rows} reason(s)), the first "
-                      f"({place}, field {first['field']!r}): {first['reason']}")
-        raise ValueError(
-            f"no valid rankings left for dataset {config.dataset!r} ({adapted.stats}){detail}; every rejected "
-            "row's reason: ingest with validation='strict'"
-        )
+            by_field = [(r["field"], r["reason"] if r["row"] is None  # an unreadable record's names its line
+                         else f"{r['where'] or 'row ' + str(r['row'])}: {r['reason']}") for r in reasons]
+            detail = (f"; every row was rejected ({rows} row(s), {rejected.num_rows} reason(s)), by field: "
+                      + issues_by_field(by_field))
+        raise ValueError(f"no valid rankings left for dataset {config.dataset!r} ({adapted.stats}){detail}")
     _warn_of_equal_texts_apart(table)
     clusters = table.column("cluster").to_pylist()
     summary = {

@@ -72,12 +72,17 @@ class RowIssue:
     reason: str
     where: str | None = None  # where the row was read, e.g. "data.jsonl line 3"
 
+    @property
+    def place(self) -> str:
+        """The row, where it was read and its example_id: "row 3 (data.jsonl line 4, example_id 'e3')"."""
+        about = ", ".join(([self.where] if self.where else [])
+                          + ([f"example_id {self.example_id!r}"] if self.example_id else []))
+        return f"row {self.row}{f' ({about})' if about else ''}"
+
     def __str__(self) -> str:
         if self.row is None:
             return f"column {self.field!r}: {self.reason}"
-        about = ", ".join(([self.where] if self.where else [])
-                          + ([f"example_id {self.example_id!r}"] if self.example_id else []))
-        return f"row {self.row}{f' ({about})' if about else ''}, field {self.field!r}: {self.reason}"
+        return f"{self.place}, field {self.field!r}: {self.reason}"
 
 
 DROP_MODE = ("`moplex ingest ... --set validation=drop` (`--set ingest.validation=drop` with `moplex run`; "
@@ -94,6 +99,9 @@ class SchemaError(ValueError):
         listed = _MESSAGE_ROWS + (len(self.issues) == _MESSAGE_ROWS + 1)  # not "... and 1 more"
         shown = "\n  ".join(str(i) for i in self.issues[:listed])
         more = len(self.issues) - listed
+        if more > 0:  # every field at fault named, though not every row
+            shown += f"\n  ... and {more} more: " + issues_by_field(
+                [(i.field, f"{i.place}: {i.reason}" if i.row is not None else i.reason) for i in self.issues[listed:]])
         head = (
             f"{what}: {len(rows)} invalid row(s)" if rows else f"{what}: the table does not have the canonical schema"
         )
@@ -103,7 +111,18 @@ class SchemaError(ValueError):
             if rows
             else "Produce the columns of moplex_core.schema.RANKINGS_SCHEMA with those types."
         )
-        super().__init__(f"{head}:\n  {shown}" + (f"\n  ... and {more} more" if more > 0 else "") + f"\n{tail}")
+        super().__init__(f"{head}:\n  {shown}\n{tail}")
+
+
+def issues_by_field(issues: Sequence[tuple[str | None, str]]) -> str:
+    """How many of ``issues`` ((field, the issue as a user reads it, with its row); field None: a record
+    that could not be read) each field has, with the first of them: the end of a message that cannot
+    list every row but must name every field at fault."""
+    groups: dict[str | None, list[str]] = {}
+    for field, text in issues:
+        groups.setdefault(field, []).append(text)
+    return "; ".join(f"{len(texts)} x {'an unreadable record' if field is None else f'field {field!r}'} "
+                     f"({'the first: ' if len(texts) > 1 else ''}{texts[0]})" for field, texts in groups.items())
 
 
 def check_rankings(

@@ -136,14 +136,19 @@ def test_a_lone_surrogate_escape_names_the_line_and_field_and_drop_mode_sets_the
     assert _error(path).startswith(f"{path} record 1, field 'responses[1]': character 2 is a lone UTF-16 surrogate")
 
 
-def test_drop_mode_with_every_row_rejected_says_so_with_the_first_reason(tmp_path):
+def test_drop_mode_with_every_row_rejected_names_every_field_at_fault_with_its_first_row(tmp_path):
     lone = json.dumps({**GOOD, "example_id": "e1", "responses": ["only one"], "ranking": [[0]]})
     empty = json.dumps({**GOOD, "example_id": "e2", "prompt": ""})
-    path = _write(tmp_path / "x.jsonl", f"{lone}\n{empty}\n".encode())
+    lone_too = lone.replace('"e1"', '"e3"')
+    path = _write(tmp_path / "x.jsonl", f"{lone}\n{lone_too}\n{empty}\n{{not json\n".encode())
     with pytest.raises(ValueError) as raised:
         build_rankings(IngestConfig(dataset="generic", path=str(path), validation="drop"))
-    assert "every row was rejected (2 row(s)" in str(raised.value)
-    assert "the first (line 1, field 'responses'): has 1 response(s)" in str(raised.value)
+    message = str(raised.value)
+    assert "every row was rejected (4 row(s), 4 reason(s)), by field: " in message
+    assert "2 x field 'responses' (the first: line 1: has 1 response(s)" in message
+    assert "1 x field 'prompt' (line 3: is missing or empty)" in message
+    assert "1 x an unreadable record (line 4 is not valid JSON" in message
+    assert "validation='strict'" not in message  # which would list five rows, not the fields
 
 
 def test_drop_mode_sets_aside_unreadable_lines_and_records_without_the_raw_schema(tmp_path, fixtures_dir):

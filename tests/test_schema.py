@@ -170,7 +170,11 @@ def test_the_error_lists_a_last_issue_rather_than_saying_one_more():
     message = str(pytest.raises(SchemaError, check_rankings, rows).value)
     assert "row 5" in message and "more" not in message
     rows.append(row(example_id="e6", prompt_id="p6", ranking=[[9], [0]]))
-    assert "... and 2 more" in str(pytest.raises(SchemaError, check_rankings, rows).value)
+    rows.append(row(example_id="e7", prompt_id="p7", prompt=""))
+    message = str(pytest.raises(SchemaError, check_rankings, rows).value)
+    assert "row 6" not in message.split("... and")[0]  # five listed, then what they leave out by field
+    assert ("... and 3 more: 2 x field 'ranking' (the first: row 5 (example_id 'e5'): "
+            in message and "; 1 x field 'prompt' (row 7 (example_id 'e7'): " in message)
 
 
 def test_one_prompt_text_under_two_prompt_ids_stays_in_one_split():
