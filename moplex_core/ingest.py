@@ -239,18 +239,20 @@ def build_rankings(config: IngestConfig, inputs: dict[str, str] | None = None) -
                     "(split.fractions, seed). To keep the source's splits, set split.from_source=true (every row "
                     "then needs one of %s)", adapted.stats["ignored_column:split"], ", ".join(SPLITS))
     if adapted.stats.get("repeated_rankings"):
-        log.warning("%d ranking(s) of the source repeat an earlier row's prompt, responses, ranking and cluster "
-                    "(or a given example_id holds its made one) without an example_id: each is kept as a ranking of "
-                    "its own (example_id <the made one>-2, -3, ...), as two raters who agree are. Where a repeat is "
-                    "a mistake (a file read twice), remove it or give the rows example_ids",
+        log.warning("%d ranking(s) of the source repeat an earlier row's prompt_id (or, without one, its prompt), "
+                    "responses, ranking and cluster (or a given example_id holds its made one) without an example_id: "
+                    "each is kept as a ranking of its own (example_id <the made one>-2, -3, ...), as two raters who "
+                    "agree are. Where a repeat is a mistake (a file read twice), remove it or give the rows "
+                    "example_ids",
                     adapted.stats["repeated_rankings"])
     labels = config.default_labels()
     if config.validation == "strict":
-        table = check_rankings(adapted.rows, labels, config.split.from_source, adapted.where)
+        table = check_rankings(adapted.rows, labels, config.split.from_source, adapted.where, made_ids=True)
         rejected = None
     else:
         where = None if adapted.where is None else [raw.relative(w) for w in adapted.where]
-        table, rejected = split_rejected(adapted.rows, labels, config.split.from_source, where, adapted.originals)
+        table, rejected = split_rejected(adapted.rows, labels, config.split.from_source, where, adapted.originals,
+                                         made_ids=True)
         unreadable = pa.Table.from_pylist([{"row": None, "example_id": None, **r} for r in raw.rows],
                                           schema=REJECTED_SCHEMA)
         rejected = pa.concat_tables([unreadable, rejected])

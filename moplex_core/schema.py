@@ -130,14 +130,18 @@ def check_rankings(
     labels: Collection[str] | None = None,
     require_split: bool = True,
     where: Sequence[str] | None = None,
+    made_ids: bool = False,
 ) -> pa.Table:
     """The rows in the canonical schema, or `SchemaError` listing every bad row.
 
     ``labels``, when given, is the declared cluster label set; a non-null cluster outside it is an
     error. With ``require_split=False`` a null split is accepted (rows validated before splitting).
-    ``where``, one entry per row (e.g. "data.jsonl line 3"), is named beside each bad row.
+    ``where``, one entry per row (e.g. "data.jsonl line 3"), is named beside each bad row. With
+    ``made_ids`` (ingest: its sources make the ids a record leaves out, from its prompt and
+    ranking) an absent example_id or prompt_id is not named in a row with other faults: it is
+    absent because of them.
     """
-    table, issues = _validate(data, labels, require_split, where)
+    table, issues = _validate(data, labels, require_split, where, made_ids)
     if issues:
         raise SchemaError(issues)
     return _cast(table, require_split)
@@ -149,14 +153,16 @@ def split_rejected(
     require_split: bool = True,
     where: Sequence[str] | None = None,
     originals: Sequence[dict[str, Any]] | None = None,
+    made_ids: bool = False,
 ) -> tuple[pa.Table, pa.Table]:
     """(valid rows in the canonical schema, one `REJECTED_SCHEMA` row per issue of the others).
 
     A rejected row's ``record`` is the row as JSON, or its source record as read where ``originals``
     gives one per row (`AdapterOutput.originals`). Table-level problems (missing columns, a column of
-    the wrong type) cannot be fixed by dropping rows and still raise `SchemaError`.
+    the wrong type) cannot be fixed by dropping rows and still raise `SchemaError`. ``made_ids``: as
+    `check_rankings`'s.
     """
-    table, issues = _validate(data, labels, require_split, where)
+    table, issues = _validate(data, labels, require_split, where, made_ids)
     table_level = [i for i in issues if i.row is None]
     if table_level:
         raise SchemaError(table_level)
@@ -221,6 +227,7 @@ def _validate(
     labels: Collection[str] | None,
     require_split: bool,
     where: Sequence[str] | None = None,
+    made_ids: bool = False,
 ) -> tuple[pa.Table, list[RowIssue]]:
     columns, n = _columns(data)
     missing = [f.name for f in RANKINGS_SCHEMA if f.name not in columns and f.name not in OPTIONAL_COLUMNS]
@@ -249,6 +256,12 @@ def _validate(
     typed = {(i.row, i.field) for i in issues}
     issues += [i for i in _row_issues(values, n, labels, require_split, where, {row for row, _ in typed})
                if (i.row, i.field) not in typed]
+    if made_ids:  # an id the source would have made is absent because of another fault of its row
+        def unmade(i: RowIssue) -> bool:
+            return (i.field in ("example_id", "prompt_id") and values[i.field][i.row] is None
+                    and (i.row, i.field) not in typed)
+        faulty = {i.row for i in issues if not unmade(i)}
+        issues = [i for i in issues if not (unmade(i) and i.row in faulty)]
     issues = [RowIssue(i.row, values["example_id"][i.row] if i.example_id is None else i.example_id, i.field,
                        i.reason, None if where is None else where[i.row])
               for i in issues]

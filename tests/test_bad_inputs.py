@@ -28,7 +28,7 @@ from moplex_core.data.sources import RawRejects, RawSchemaError, iter_local_reco
 from moplex_core.ingest import build_rankings, run_ingest
 from moplex_core.lm.tokenize import TokenizedResponse
 from moplex_core.pl import PAD
-from moplex_core.schema import SchemaError
+from moplex_core.schema import SchemaError, check_rankings
 from moplex_core.scorers.lora_policy import PolicyInputs
 from moplex_core.train import check_config_fits_data, run_train
 
@@ -134,6 +134,27 @@ def test_a_lone_surrogate_escape_names_the_line_and_field_and_drop_mode_sets_the
     assert record.unreadable.field is None and "is a JSON list; records are JSON objects" in str(record.unreadable)
     path = _write(tmp_path / "x.json", f"[{good}, {bad}]".replace("\\\\u", "\\u").encode())
     assert _error(path).startswith(f"{path} record 1, field 'responses[1]': character 2 is a lone UTF-16 surrogate")
+
+
+def test_a_bad_prompt_is_named_alone_not_with_the_ids_ingest_could_not_make_from_it(tmp_path):
+    rows = [{**GOOD, "prompt": None}, {**GOOD, "prompt": 123}, {**GOOD, "prompt": ""}]
+    rows = [{key: value for key, value in row.items() if key not in ("example_id", "prompt_id")} for row in rows]
+    path = _write(tmp_path / "x.jsonl", "".join(json.dumps(row) + "\n" for row in rows).encode())
+    with pytest.raises(SchemaError) as raised:
+        build_rankings(IngestConfig(dataset="generic", path=str(path)))
+    assert [(i.row, i.field) for i in raised.value.issues] == [(0, "prompt"), (1, "prompt"), (2, "prompt")]
+    binary = pa.table({"prompt": pa.array([b"p\xff", b"ok"], pa.binary()), "responses": [["a", "b"]] * 2,
+                       "ranking": [[[0], [1]], [[1], [0]]]})  # a Parquet binary column, UTF-8 but in row 0
+    pq.write_table(binary, tmp_path / "b.parquet")
+    with pytest.raises(SchemaError) as raised:
+        build_rankings(IngestConfig(dataset="generic", path=str(tmp_path / "b.parquet")))
+    assert [(i.row, i.field) for i in raised.value.issues] == [(0, "prompt")]
+    # canonical rows (Python's check) must carry their ids: each absent one is named
+    canonical = {**rows[0], "example_id": None, "prompt_id": None, "ranked_prefix": 1, "cluster": None, "source": "s",
+                 "split": "train"}
+    with pytest.raises(SchemaError) as raised:
+        check_rankings([canonical])
+    assert {i.field for i in raised.value.issues} >= {"example_id", "prompt_id", "prompt"}
 
 
 def test_drop_mode_with_every_row_rejected_names_every_field_at_fault_with_its_first_row(tmp_path):

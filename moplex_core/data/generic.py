@@ -34,6 +34,11 @@ def to_rankings(records: Iterable[Record], *, source: str, keep_split: bool = Fa
             if name not in COLUMNS:
                 stats[f"dropped_column:{name}"] += 1
         row = {name: data.get(name) for name in COLUMNS}
+        if isinstance(row["prompt"], bytes):  # a Parquet binary column: text where UTF-8, as the validator reads it
+            try:
+                row["prompt"] = row["prompt"].decode()
+            except UnicodeDecodeError:
+                pass  # left for the validator to name
         if row["prompt_id"] is None and isinstance(row["prompt"], str):
             row["prompt_id"] = prompt_id(row["prompt"])
         prefix = row["ranked_prefix"]
