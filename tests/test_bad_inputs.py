@@ -81,6 +81,15 @@ def test_a_utf8_byte_order_mark_is_read_as_windows_tools_write_it(tmp_path, name
     assert record.data == GOOD and record.unreadable is None
 
 
+@pytest.mark.parametrize("name", ["x.jsonl", "x.json", "x.jsonl.gz"])
+def test_a_utf16_file_is_refused_whole_with_how_to_re_encode_it(tmp_path, name):
+    text = (json.dumps(GOOD) + "\n" + json.dumps(GOOD) if ".jsonl" in name else json.dumps([GOOD])) + "\n"
+    data = text.encode("utf-16")  # with its byte-order mark, as PowerShell 5's `>` writes
+    path = _write(tmp_path / name, gzip.compress(data) if name.endswith(".gz") else data)
+    assert _error(path) == (f"{path} is UTF-16 text (it starts with a UTF-16 byte-order mark); re-encode it as UTF-8, "
+                            "e.g. `iconv -f utf-16 -t utf-8 IN > OUT`, or write it with `Out-File -Encoding utf8`")
+
+
 def test_json_nested_past_the_recursion_limit_names_its_line(tmp_path):
     deep = b'{"a": ' + b"[" * 5000 + b"]" * 5000 + b"}"
     path = _write(tmp_path / "x.jsonl", b'{"a": 1}\n' + deep + b"\n")

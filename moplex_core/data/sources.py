@@ -205,7 +205,9 @@ def iter_local_records(path: str | Path) -> Iterator[Record]:
         if file.name.endswith(".parquet"):
             yield from _parquet_records(file)
         elif file.name.endswith(".json"):
-            text = _utf8(file.read_bytes().removeprefix(codecs.BOM_UTF8), str(file), whole_file=True)
+            raw = file.read_bytes()
+            _refuse_utf16(raw, file)
+            text = _utf8(raw.removeprefix(codecs.BOM_UTF8), str(file), whole_file=True)
             rows = _parse_json(text, str(file), whole_file=True)
             if not isinstance(rows, list):
                 raise RawSchemaError(f"{file} must hold a JSON array of records (or use .jsonl, one per line)")
@@ -226,6 +228,7 @@ def iter_local_records(path: str | Path) -> Iterator[Record]:
                     for line_no, raw in enumerate(f, start=1):
                         where = f"{file} line {line_no}"
                         if line_no == 1:
+                            _refuse_utf16(raw, file)
                             raw = raw.removeprefix(codecs.BOM_UTF8)  # as Windows tools write UTF-8
                         try:
                             line = _utf8(raw, where, whole_file=False)
@@ -300,6 +303,15 @@ def _not_utf8(file: Path, batch: pa.RecordBatch, first_row: int) -> str:
                 return (f"{file} row {first_row + i} field {name!r} is not UTF-8 text; rewrite the file with its "
                         "strings in UTF-8")
     return f"{file} holds text that is not UTF-8 after row {first_row}; rewrite the file with its strings in UTF-8"
+
+
+def _refuse_utf16(head: bytes, file: Path) -> None:
+    """Raise for a file that starts with a UTF-16 byte-order mark (Windows PowerShell 5's ``>`` and
+    ``Out-File`` write UTF-16): read as UTF-8 every line of it would be unreadable."""
+    if head.startswith((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)):
+        raise RawSchemaError(f"{file} is UTF-16 text (it starts with a UTF-16 byte-order mark); re-encode it as "
+                             "UTF-8, e.g. `iconv -f utf-16 -t utf-8 IN > OUT`, or write it with `Out-File -Encoding "
+                             "utf8`")
 
 
 def _utf8(raw: bytes, where: str, *, whole_file: bool) -> str:
