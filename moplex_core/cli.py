@@ -323,7 +323,7 @@ def _inspect(args: argparse.Namespace) -> int:
             target = store.resolve(args.path)
             if not target.exists() and is_stage_folder(store.root / args.path):  # a stage's name: its listing
                 target = store.root / args.path
-        print(inspect_path(target, rows=args.rows))
+        print(inspect_path(target, rows=args.rows, verify=args.verify))
     except (FileNotFoundError, ArtifactError, ValueError) as err:
         print(f"moplex inspect: {err}", file=sys.stderr)
         return 1
@@ -520,6 +520,9 @@ def build_parser() -> argparse.ArgumentParser:
                                                  "enough, e.g. ingest/3fa2); without it, the listing of --root")
     inspect.add_argument("--root", default="data/artifacts", help="artifact root for stage/version")
     inspect.add_argument("--rows", type=_int_at_least(0), default=3, help="first rows to show per table")
+    inspect.add_argument("--verify", action="store_true",
+                         help="check every file of a version (of each version listed) against the sha256 its manifest "
+                              "records, not only its size (reads every file)")
     inspect.set_defaults(func=_inspect)
     return parser
 

@@ -31,6 +31,9 @@ _SHARDS_LISTED = 8  # a version with more lists its shards in one line
 _STAGE_SECTIONS: dict[str, StageSection] = {}
 _CELL = 70
 _METRIC_COLUMNS = {"metric", "value", "split", "cluster"}  # a metrics table (evaluate's, compare's)
+_UNREADABLE = (pa.ArrowException, OSError, UnicodeDecodeError)
+"""What reading a damaged Parquet file raises: one cut short by a kill, tables that do not agree, a
+changed byte in its text."""
 
 
 def stage_section(stage: str) -> Callable[[StageSection], StageSection]:
@@ -43,25 +46,27 @@ def stage_section(stage: str) -> Callable[[StageSection], StageSection]:
     return register
 
 
-def inspect_path(path: str | Path, rows: int = 3) -> str:
+def inspect_path(path: str | Path, rows: int = 3, *, verify: bool = False) -> str:
     """The report of ``path`` (see `moplex inspect --help`), every character of the data that a
-    terminal would act on (escape sequences, carriage returns, bidi overrides) written as an escape."""
-    return printable(_report(Path(path), rows))
+    terminal would act on (escape sequences, carriage returns, bidi overrides) written as an escape.
+    With ``verify`` a version's files (a listing's every version's) are checked against the sha256 their
+    manifest records, not only their sizes: each file read once."""
+    return printable(_report(Path(path), rows, verify))
 
 
-def _report(path: Path, rows: int) -> str:
+def _report(path: Path, rows: int, verify: bool = False) -> str:
     if path.is_file() and path.name == MANIFEST and is_version_folder(path.parent):
-        return _version_report(path.parent, rows)
+        return _version_report(path.parent, rows, verify)
     if path.is_file() and path.suffix == ".parquet":
         try:
             return "\n".join(_readable_table_report(path.name, [path], rows))
-        except (pa.ArrowException, OSError) as err:  # asked for by name: an error, not a line of a report
+        except _UNREADABLE as err:  # asked for by name: an error, not a line of a report
             raise ValueError(f"{path} is not a readable Parquet file ({err})") from None
     if path.is_dir() and is_version_folder(path):
-        return _version_report(path, rows)
+        return _version_report(path, rows, verify)
     if path.is_dir():
         version = next((parent for parent in path.resolve().parents if is_version_folder(parent)), None)
-        return _listing(path) if version is None else _folder_in_version(path, version)
+        return _listing(path, verify) if version is None else _folder_in_version(path, version)
     if path.exists():
         raise FileNotFoundError(f"{path} is not an artifact folder, a manifest.json or a Parquet file "
                                 "(it exists: open it with a viewer of its own kind)")
@@ -70,23 +75,24 @@ def _report(path: Path, rows: int) -> str:
     )
 
 
-def _version_report(version_dir: Path, rows: int) -> str:
+def _version_report(version_dir: Path, rows: int, verify: bool = False) -> str:
     manifest: dict[str, Any] = readable_manifest(version_dir) or {}  # {} unfinished, or damaged after the fact
     complete = bool(manifest)
     stage = manifest.get("stage", version_dir.parent.name)
     title = f"artifact {stage}/{manifest.get('version', version_dir.name)}"
     lines = [title, "=" * len(title), f"path:     {version_dir}"]
     shards = shard_paths(version_dir)
-    off = off_the_manifest(version_dir, manifest) if complete else []
+    off = off_the_manifest(version_dir, manifest, hashes=verify) if complete else []
     damaged = sorted(set(off) & set(output_files(manifest))) if complete else []
     if damaged:
-        lines.append(f"status:   DAMAGED: {', '.join(damaged)} missing or not the size {MANIFEST} records (an "
-                     "interrupted copy, an edit, a deletion by hand?): a stage that finds this version refuses it "
-                     "by these names; delete the version folder and rerun its stage")
+        lines.append(f"status:   DAMAGED: {', '.join(damaged)} missing or not the size{' or sha256' if verify else ''} "
+                     f"{MANIFEST} records (an interrupted copy, a damaged disk, an edit, a deletion by hand?): a stage "
+                     "that finds this version refuses it by these names; delete the version folder and rerun its stage")
     if complete:
         lines += [
             *([] if damaged else
-              [f"status:   complete{' (resumed after an interruption)' if manifest.get('resumed') else ''}"]),
+              [f"status:   complete{' (resumed after an interruption)' if manifest.get('resumed') else ''}"
+               f"{'; every file the stages read has the sha256 its manifest records' if verify else ''}"]),
             f"rows:     {_size(manifest)}",
             f"code:     {manifest.get('code_version') or '-'}",
             f"started:  {manifest.get('started')}   finished: {manifest.get('finished')}",
@@ -135,7 +141,7 @@ def _version_report(version_dir: Path, rows: int) -> str:
         if section is not None:
             try:
                 lines += [""] + section(version_dir, shards)
-            except (pa.ArrowException, OSError) as err:
+            except _UNREADABLE as err:
                 lines += ["", f"-- {stage} section: unreadable: {err} --"]
     last = {path.parent for path in _last_iterations(version_dir)}
     others = sorted(p for p in version_dir.rglob("*.parquet") if p not in shards
@@ -150,7 +156,7 @@ def _version_report(version_dir: Path, rows: int) -> str:
 def _table_report(title: str, files: list[Path], rows: int) -> list[str]:
     try:
         return _readable_table_report(title, files, rows)
-    except (pa.ArrowException, OSError) as err:  # a shard cut short by a kill, or tables that do not agree
+    except _UNREADABLE as err:
         return [f"-- {title}: unreadable: {err} --"]
 
 
@@ -351,11 +357,13 @@ def _folder_in_version(folder: Path, version_dir: Path) -> str:
     return "\n".join(lines)
 
 
-def _listing(directory: Path) -> str:
+def _listing(directory: Path, verify: bool = False) -> str:
     """A stage folder or an artifact root: one line per version, with what a user deciding what to keep
     needs: whether it finished, its size on disk, when it finished (an unfinished one: when its last run
     started), what it was made from, which versions of the root were made from it (``used by``: their
-    manifests name it), and where a stage has several versions, the settings they differ in."""
+    manifests name it), and where a stage has several versions, the settings they differ in. A finished
+    version is DAMAGED where a file its stages read is not the size (with ``verify``, the sha256) its
+    manifest records."""
     is_stage_dir = is_stage_folder(directory)
     store = ArtifactStore(directory.parent if is_stage_dir else directory)
     everything = store.list()  # the whole root, for what a stage folder's versions are made from and used by
@@ -377,8 +385,8 @@ def _listing(directory: Path) -> str:
     for info in infos:
         ref = str(info.ref)
         if info.complete:
-            off = off_the_manifest(info.path, info.manifest)
-            size = sum(entry["bytes"] for name, entry in info.manifest["files"].items() if name not in off)
+            off = off_the_manifest(info.path, info.manifest, hashes=verify)
+            size = _folder_bytes(info.path) if off else sum(entry["bytes"] for entry in info.manifest["files"].values())
             status = "DAMAGED " if set(off) & set(output_files(info.manifest)) else "complete"
             what = f"{_size(info.manifest, short=True):>16}  {info.manifest['finished']}"
         else:
@@ -396,7 +404,9 @@ def _listing(directory: Path) -> str:
         lines.append(f"  {folder.parent.name + '/' + folder.name:<32} PARTIAL     {_bytes(size):>8}  neither "
                      f"{MANIFEST} nor a run's start marker: a version deleted or copied in part; delete it before its "
                      "stage runs again")
-    return "\n".join([f"artifacts under {directory} ({len(infos)} version(s), {_bytes(total)} on disk):", *lines])
+    checked = ", every file's sha256 checked" if verify else ""
+    return "\n".join([f"artifacts under {directory} ({len(infos)} version(s), {_bytes(total)} on disk{checked}):",
+                      *lines])
 
 
 def _partial_versions(root: Path, stage: str | None) -> list[Path]:

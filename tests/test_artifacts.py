@@ -239,8 +239,15 @@ def test_unfinished_or_tampered_artifacts_are_refused_with_a_way_out(tmp_path):
     (path / "stray.txt").write_text("x")
     with pytest.raises(ArtifactCorruptError, match="part-00001.parquet changed.*stray.txt is not in the manifest"):
         verify(store.path("demo", "v1"))
-    with pytest.raises(ArtifactCorruptError, match="part-00001.parquet missing or not the size its manifest"):
+    with pytest.raises(ArtifactCorruptError, match="part-00001.parquet missing or not the size or sha256 its manifest"):
         load_table(store.path("demo", "v1"))  # an interrupted copy of a root: refused, never half read
+    flipped = write_demo(store, "v3")
+    data = bytearray((flipped / "part-00000.parquet").read_bytes())
+    data[len(data) // 2] ^= 0xFF  # one byte of a damaged disk: the size is right, the data is not
+    (flipped / "part-00000.parquet").write_bytes(bytes(data))
+    with pytest.raises(ArtifactCorruptError, match="v3: part-00000.parquet missing or not the size or sha256 its "
+                                                   "manifest records .* Delete the version directory"):
+        load_table(flipped)
     (path / MANIFEST).unlink()
     with pytest.raises(ArtifactIncompleteError, match="did not finish. Rerun the stage"):
         load_table(store.path("demo", "v1"))

@@ -98,6 +98,27 @@ def test_a_version_whose_files_are_not_its_manifests_is_reported_damaged(ranking
     assert "DAMAGED: part-00000.parquet" in inspect_path(rankings.path)
 
 
+def test_verify_finds_a_changed_byte_that_the_size_check_cannot_and_a_damaged_version_lists_its_bytes_on_disk(
+        rankings, tmp_path):
+    shard = rankings.path / "part-00000.parquet"
+    original = shard.read_bytes()
+    assert "status:   complete; every file the stages read has the sha256" in inspect_path(rankings.path, verify=True)
+    data = bytearray(original)
+    data[len(data) // 2] ^= 0xFF  # the same size: only its sha256 tells
+    shard.write_bytes(bytes(data))
+    assert "status:   complete" in inspect_path(rankings.path)
+    report = inspect_path(rankings.path, verify=True)
+    assert "status:   DAMAGED: part-00000.parquet missing or not the size or sha256 manifest.json records" in report
+    listing = inspect_path(tmp_path, verify=True).splitlines()
+    assert listing[0].endswith("on disk, every file's sha256 checked):")
+    line = next(line for line in listing if str(rankings.ref) in line)
+    on_disk = sum(p.stat().st_size for p in rankings.path.rglob("*") if p.is_file())
+    assert line.split()[1] == "DAMAGED" and f"{on_disk / 1000:.1f} kB" in line  # what deleting it frees
+    shard.write_bytes(bytes(data[:-10]))
+    line = next(line for line in inspect_path(tmp_path).splitlines() if str(rankings.ref) in line)
+    assert f"{(on_disk - 10) / 1000:.1f} kB" in line  # a cut file's bytes count as they are
+
+
 def test_a_cluster_column_of_integers_with_nulls_and_an_empty_table_are_counted_as_text(tmp_path):
     pq.write_table(pa.table({"cluster": pa.array([10, 0, None, 1, 1, 2], pa.int64()), "split": ["train"] * 6}),
                    tmp_path / "ints.parquet")

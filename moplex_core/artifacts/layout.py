@@ -207,8 +207,9 @@ def load_table(version_dir: str | Path, columns: list[str] | None = None) -> pa.
 
 
 def finished_shards(version_dir: str | Path) -> list[Path]:
-    """The row shards a finished artifact's manifest lists, in shard order, each checked to be there at
-    the size the manifest records (`ArtifactCorruptError` otherwise; `ArtifactError` when it has none)."""
+    """The row shards a finished artifact's manifest lists, in shard order, each checked to be there with
+    the size and sha256 the manifest records (`ArtifactCorruptError` otherwise; `ArtifactError` when it
+    has none): a byte changed in a shard would otherwise be read as data, or fail later naming no file."""
     version_dir = Path(version_dir)
     manifest = read_manifest(version_dir)
     names = sorted(name for name in manifest["files"] if SHARD_RE.match(name))
@@ -216,20 +217,21 @@ def finished_shards(version_dir: str | Path) -> list[Path]:
         tables = sorted(name for name in manifest["files"] if "/" not in name and name.endswith(".parquet"))
         raise ArtifactError(f"{version_dir} holds no part-*.parquet shards; its stage writes other files only"
                             + (f" (read {', '.join(tables)} with pd.read_parquet)" if tables else ""))
-    check_files(version_dir, manifest, names)
+    check_files(version_dir, manifest, names, hashes=True)
     return [version_dir / name for name in names]
 
 
-def check_files(version_dir: str | Path, manifest: dict[str, Any], names: list[str] | None = None) -> None:
+def check_files(version_dir: str | Path, manifest: dict[str, Any], names: list[str] | None = None, *,
+                hashes: bool = False) -> None:
     """Raise `ArtifactCorruptError` when a file the manifest lists (or one of ``names``) is missing or
-    not the size it records (`off_the_manifest`)."""
-    changed = off_the_manifest(version_dir, manifest, names)
+    not the size it records, or with ``hashes`` not its sha256 (`off_the_manifest`)."""
+    changed = off_the_manifest(version_dir, manifest, names, hashes=hashes)
     if changed:
         named = ", ".join(changed[:_FILES_NAMED]) + (f" and {len(changed) - _FILES_NAMED} more"
                                                     if len(changed) > _FILES_NAMED else "")
-        raise ArtifactCorruptError(f"{version_dir}: {named} missing or not the size its manifest records (an "
-                                   "interrupted copy, or deleted by hand?). Delete the version directory and rerun "
-                                   "its stage.")
+        raise ArtifactCorruptError(f"{version_dir}: {named} missing or not the size{' or sha256' if hashes else ''} "
+                                   "its manifest records (an interrupted copy, a damaged disk, or changed or deleted "
+                                   "by hand?). Delete the version directory and rerun its stage.")
 
 
 _FILES_NAMED = 8  # a model folder or a version of hundreds of shards deleted: the first few, and a count
@@ -251,13 +253,19 @@ def read_checked_manifest(version_dir: str | Path) -> dict[str, Any]:
     return manifest
 
 
-def off_the_manifest(version_dir: str | Path, manifest: dict[str, Any], names: list[str] | None = None) -> list[str]:
+def off_the_manifest(version_dir: str | Path, manifest: dict[str, Any], names: list[str] | None = None, *,
+                     hashes: bool = False) -> list[str]:
     """The files the manifest lists (or those of ``names``) that are missing or not the size it
-    records: a check without reading them (`verify` hashes every file)."""
+    records: a check without reading them; with ``hashes`` also those of another sha256 (each file
+    read once)."""
     version_dir = Path(version_dir)
-    return [name for name in (sorted(manifest["files"]) if names is None else names)
-            if not (version_dir / name).is_file()
-            or (version_dir / name).stat().st_size != manifest["files"][name]["bytes"]]
+
+    def off(name: str) -> bool:
+        path, entry = version_dir / name, manifest["files"][name]
+        return (not path.is_file() or path.stat().st_size != entry["bytes"]
+                or (hashes and sha256_file(path) != entry["sha256"]))
+
+    return [name for name in (sorted(manifest["files"]) if names is None else names) if off(name)]
 
 
 def verify(version_dir: str | Path) -> None:
