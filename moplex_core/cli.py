@@ -234,7 +234,7 @@ def _assign(args: argparse.Namespace) -> int:
 
     try:  # resolved first: its root is the default one, also when typed as ROOT/train/<version prefix>
         train = ArtifactStore(args.root or DEFAULT_ROOT).resolve(args.train)
-    except ArtifactError as err:
+    except (ValueError, ArtifactError, OSError) as err:
         print(f"moplex assign: {err}", file=sys.stderr)
         return 1
     root = args.root or default_root(train)

@@ -85,9 +85,12 @@ def _version_report(version_dir: Path, rows: int, verify: bool = False) -> str:
     off = off_the_manifest(version_dir, manifest, hashes=verify) if complete else []
     damaged = sorted(set(off) & set(output_files(manifest))) if complete else []
     if damaged:
+        refused = ("a stage refuses a file missing or cut short by its name, and a row shard changed in place when "
+                   "it reads it, but reads another changed file as it is" if verify
+                   else "a stage that finds this version refuses it by these names")
         lines.append(f"status:   DAMAGED: {', '.join(damaged)} missing or not the size{' or sha256' if verify else ''} "
-                     f"{MANIFEST} records (an interrupted copy, a damaged disk, an edit, a deletion by hand?): a stage "
-                     "that finds this version refuses it by these names; delete the version folder and rerun its stage")
+                     f"{MANIFEST} records (an interrupted copy, a damaged disk, an edit, a deletion by hand?): "
+                     f"{refused}; delete the version folder and rerun its stage")
     if complete:
         lines += [
             *([] if damaged else

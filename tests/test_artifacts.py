@@ -230,6 +230,14 @@ def test_list_locate_and_fingerprint(tmp_path):
         many.locate("demo/x")
 
 
+def test_a_version_prefix_typed_through_dot_dot_resolves_in_its_stage_folder(tmp_path, monkeypatch):
+    store = ArtifactStore(tmp_path / "root")
+    version = write_demo(store, "aab222")
+    monkeypatch.chdir(version)  # inside a version folder, a sibling by its prefix
+    assert ArtifactStore("elsewhere").resolve("../aab/part-00001.parquet") == version / "part-00001.parquet"
+    assert ArtifactStore("elsewhere").resolve("../aab") == version
+
+
 def test_unfinished_or_tampered_artifacts_are_refused_with_a_way_out(tmp_path):
     store = ArtifactStore(tmp_path)
     with pytest.raises(ArtifactNotFoundError):

@@ -104,6 +104,14 @@ def test_assign_refuses_damaged_artifacts_naming_the_file(trained, tmp_path):
             damaged.write_bytes(original)
         if damaged.parent == first.path:  # then: no assign version, so the cache and train are read
             first.path.rename(tmp_path / "assign")
+    shard = cache / "part-00001.parquet"
+    original = shard.read_bytes()
+    try:  # one byte changed in place (a damaged disk): the size is right, the sha256 is not
+        shard.write_bytes(original[:500] + bytes([original[500] ^ 0xFF]) + original[501:])
+        with pytest.raises(ArtifactCorruptError, match="part-00001.parquet missing or not the size or sha256"):
+            run_assign(train, rankings, store, device="cpu", progress=False)
+    finally:
+        shard.write_bytes(original)
     shutil.rmtree(first.path, ignore_errors=True)  # what the refused runs began
     (tmp_path / "assign").rename(first.path)
     verify(first.path)
@@ -164,6 +172,7 @@ def test_assign_refuses_what_it_cannot_use_before_writing_anything(trained, caps
         ([str(rankings), str(rankings)], "was written by the 'ingest' stage; give train/<version>"),
         ([str(train), str(cache)], "was written by the 'cache' stage; give ingest/<version> or augment/<version>"),
         ([str(train), str(rankings), "--device", "gpu"], "device 'gpu' is not a torch device"),
+        (["train//x", str(rankings)], "an artifact reference is 'stage/version'"),
         ([str(train), str(fixtures_dir / "generic.jsonl")], "is a file; assign takes a rankings artifact. Ingest the "
                                                          "file first: `moplex ingest --dataset generic --path"),
     ]:

@@ -81,13 +81,18 @@ def test_a_utf8_byte_order_mark_is_read_as_windows_tools_write_it(tmp_path, name
     assert record.data == GOOD and record.unreadable is None
 
 
-@pytest.mark.parametrize("name", ["x.jsonl", "x.json", "x.jsonl.gz"])
-def test_a_utf16_file_is_refused_whole_with_how_to_re_encode_it(tmp_path, name):
+@pytest.mark.parametrize(("name", "encoding"), [("x.jsonl", "utf-16"), ("x.json", "utf-16"), ("x.jsonl", "utf-16-be"),
+                                               ("x.jsonl.gz", "utf-16"), ("x.jsonl", "utf-32")])
+def test_a_utf16_file_is_refused_whole_with_how_to_re_encode_it(tmp_path, name, encoding):
     text = (json.dumps(GOOD) + "\n" + json.dumps(GOOD) if ".jsonl" in name else json.dumps([GOOD])) + "\n"
-    data = text.encode("utf-16")  # with its byte-order mark, as PowerShell 5's `>` writes
+    bom = "\ufeff" if encoding == "utf-16-be" else ""  # Python's utf-16 and utf-32 codecs write one themselves
+    data = (bom + text).encode(encoding)  # as PowerShell 5's `>` writes (UTF-16 little-endian)
     path = _write(tmp_path / name, gzip.compress(data) if name.endswith(".gz") else data)
-    assert _error(path) == (f"{path} is UTF-16 text (it starts with a UTF-16 byte-order mark); re-encode it as UTF-8, "
-                            "e.g. `iconv -f utf-16 -t utf-8 IN > OUT`, or write it with `Out-File -Encoding utf8`")
+    family = encoding[:6]
+    convert = f"iconv -f {family} -t utf-8"
+    command = f"gunzip -c IN | {convert} | gzip > OUT" if name.endswith(".gz") else f"{convert} IN > OUT"
+    assert _error(path) == (f"{path} is {family.upper()} text (it starts with a {family.upper()} byte-order mark); "
+                            f"re-encode it as UTF-8, e.g. `{command}`, or write it with `Out-File -Encoding utf8`")
 
 
 def test_json_nested_past_the_recursion_limit_names_its_line(tmp_path):
@@ -158,6 +163,9 @@ def test_a_bad_prompt_is_named_alone_not_with_the_ids_ingest_could_not_make_from
     with pytest.raises(SchemaError) as raised:
         build_rankings(IngestConfig(dataset="generic", path=str(tmp_path / "b.parquet")))
     assert [(i.row, i.field) for i in raised.value.issues] == [(0, "prompt")]
+    with pytest.raises(ValueError, match="every row was rejected") as raised:  # drop mode: the same reasons
+        build_rankings(IngestConfig(dataset="generic", path=str(path), validation="drop"))
+    assert "field 'prompt'" in str(raised.value) and "_id" not in str(raised.value).split("by field:")[1]
     # canonical rows (Python's check) must carry their ids: each absent one is named
     canonical = {**rows[0], "example_id": None, "prompt_id": None, "ranked_prefix": 1, "cluster": None, "source": "s",
                  "split": "train"}

@@ -9,6 +9,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from moplex_core.artifacts import ArtifactStore
+from moplex_core.cli import main
 from moplex_core.config import IngestConfig
 from moplex_core.ingest import run_ingest
 from moplex_core.inspect import inspect_path, stage_section
@@ -99,7 +100,7 @@ def test_a_version_whose_files_are_not_its_manifests_is_reported_damaged(ranking
 
 
 def test_verify_finds_a_changed_byte_that_the_size_check_cannot_and_a_damaged_version_lists_its_bytes_on_disk(
-        rankings, tmp_path):
+        rankings, tmp_path, capsys):
     shard = rankings.path / "part-00000.parquet"
     original = shard.read_bytes()
     assert "status:   complete; every file the stages read has the sha256" in inspect_path(rankings.path, verify=True)
@@ -117,6 +118,9 @@ def test_verify_finds_a_changed_byte_that_the_size_check_cannot_and_a_damaged_ve
     shard.write_bytes(bytes(data[:-10]))
     line = next(line for line in inspect_path(tmp_path).splitlines() if str(rankings.ref) in line)
     assert f"{(on_disk - 10) / 1000:.1f} kB" in line  # a cut file's bytes count as they are
+    shard.write_bytes(original)
+    assert main(["inspect", str(rankings.path), "--verify"]) == 0
+    assert "status:   complete; every file the stages read has the sha256" in capsys.readouterr().out
 
 
 def test_a_cluster_column_of_integers_with_nulls_and_an_empty_table_are_counted_as_text(tmp_path):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -101,8 +103,9 @@ class ArtifactStore:
         path = Path(text).expanduser()
         if path.exists():
             return path
-        missing = next(head for head in (path, *path.parents) if head.parent.exists())  # its first part not there
-        in_stage_folder = len(missing.parts) >= 2 and is_stage_folder(missing.parent)  # ROOT/STAGE/PREFIX[/inner]
+        absolute = Path(os.path.abspath(path))  # ../8f1d/em typed in a stage folder: its stage's name, not ".."
+        missing = next(head for head in (absolute, *absolute.parents) if head.parent.exists())  # its first part absent
+        in_stage_folder = is_stage_folder(missing.parent)  # ROOT/STAGE/PREFIX[/inner]
         spelled_as_path = path.is_absolute() or text.startswith(".")  # /tmp/x, ~/x, ./x: not stage/version
         parts = text.strip("/").split("/")
         if len(parts) >= 2 and not spelled_as_path:
@@ -114,7 +117,7 @@ class ArtifactStore:
                     raise
         if in_stage_folder:
             found = ArtifactStore(root_of(missing)).locate(f"{missing.parent.name}/{missing.name}").path
-            return found / path.relative_to(missing)
+            return found / absolute.relative_to(missing)
         return path
 
     def locate(self, ref: str | ArtifactRef) -> ArtifactInfo:

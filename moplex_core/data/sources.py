@@ -306,11 +306,16 @@ def _not_utf8(file: Path, batch: pa.RecordBatch, first_row: int) -> str:
 
 
 def _refuse_utf16(head: bytes, file: Path) -> None:
-    """Raise for a file that starts with a UTF-16 byte-order mark (Windows PowerShell 5's ``>`` and
-    ``Out-File`` write UTF-16): read as UTF-8 every line of it would be unreadable."""
-    if head.startswith((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)):
-        raise RawSchemaError(f"{file} is UTF-16 text (it starts with a UTF-16 byte-order mark); re-encode it as "
-                             "UTF-8, e.g. `iconv -f utf-16 -t utf-8 IN > OUT`, or write it with `Out-File -Encoding "
+    """Raise for a file that starts with a UTF-16 (or UTF-32) byte-order mark (Windows PowerShell 5's
+    ``>`` and ``Out-File`` write UTF-16): read as UTF-8 every line of it would be unreadable."""
+    encoding = next((name for name, boms in (("utf-32", (codecs.BOM_UTF32_LE, codecs.BOM_UTF32_BE)),
+                                             ("utf-16", (codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)))
+                     if head.startswith(boms)), None)
+    if encoding is not None:
+        convert = f"iconv -f {encoding} -t utf-8"
+        command = (f"gunzip -c IN | {convert} | gzip > OUT" if file.name.endswith(".gz") else f"{convert} IN > OUT")
+        raise RawSchemaError(f"{file} is {encoding.upper()} text (it starts with a {encoding.upper()} byte-order "
+                             f"mark); re-encode it as UTF-8, e.g. `{command}`, or write it with `Out-File -Encoding "
                              "utf8`")
 
 
