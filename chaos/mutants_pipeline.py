@@ -34,9 +34,8 @@ PIPELINE_MUTANTS: list[Mutant] = [
            '"rows": sum(pq.read_metadata(p).num_rows for p in shards),',
            '"rows": sum(pq.read_metadata(p).num_rows for p in shards[1:]),'),
     Mutant('A9', 'moplex_core/artifacts/layout.py', 'off_the_manifest: size not compared (only presence)',
-           '        return (not path.is_file() or path.stat().st_size != entry["bytes"]\n'
-           '                or (hashes and sha256_file(path) != entry["sha256"]))',
-           '        return not path.is_file()'),
+           '        if not path.is_file() or (stat := path.stat()).st_size != entry["bytes"]:',
+           '        if not path.is_file() or (stat := path.stat()) is None:'),
     Mutant('A10', 'moplex_core/artifacts/writer.py', 'lock: a second writer does not wait (timeout 0)',
            'self._lock.acquire(timeout=self._lock_timeout)',
            'self._lock.acquire(timeout=0)'),
