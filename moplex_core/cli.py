@@ -106,7 +106,7 @@ def _preset_run(preset: str, args: argparse.Namespace) -> tuple[PipelineConfig, 
     from moplex_core.config import as_assignments, pipeline_preset, with_overrides
 
     config = with_overrides(pipeline_preset(preset), args.set)
-    if args.root:
+    if args.root is not None:
         config = with_overrides(config, [f"root={args.root}"])
     root = Path(config.root).absolute()
     in_the_way = next((p for p in (root, *root.parents) if p.exists() and not p.is_dir()), None)
@@ -365,7 +365,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     approx.add_argument("--cache", required=True,
                         help="a cache artifact: its folder, or cache/<version prefix> under --root (its model is pi_ref)")
-    approx.add_argument("--root", default="data/artifacts", help="artifact root (default: %(default)s)")
+    approx.add_argument("--root", type=_folder, default="data/artifacts", help="artifact root (default: %(default)s)")
     approx.add_argument("--model", help="where the cache's base model is now, when it moved: a folder with the same "
                         "files (default: where the cache recorded it, or the root's own tiny model)")
     approx.add_argument("--out", help="folder for errors.parquet, table.parquet and table.md (default: "
@@ -400,7 +400,7 @@ def build_parser() -> argparse.ArgumentParser:
                          help="the base pipeline preset: MoPLEx itself (generated responses, train.anchors < m')")
     compare.add_argument("--seeds", type=_positive_int, default=3, help="number of train seeds")
     compare.add_argument("--seed", type=_int_at_least(0), default=0, help="first train seed")
-    compare.add_argument("--root", help="artifact root (default: the preset's)")
+    compare.add_argument("--root", type=_folder, help="artifact root (default: the preset's)")
     compare.add_argument("--threads", type=_positive_int, help="torch CPU threads (as moplex run)")
     compare.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                          help="override a field of the base PipelineConfig before the methods' own; repeatable")
@@ -416,7 +416,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="the dataset's adapter (its raw schema); give this or --preset")
     ingest.add_argument("--preset", help="a named IngestConfig (moplex_core.config.INGEST_PRESETS)")
     ingest.add_argument("--path", help="local file or folder in the dataset's raw schema (instead of the hub)")
-    ingest.add_argument("--root", default="data/artifacts", help="artifact root")
+    ingest.add_argument("--root", type=_folder, default="data/artifacts", help="artifact root")
     ingest.add_argument(
         "--set", action="append", default=[], metavar="KEY=VALUE",
         help="override a config field, dotted for nested ones (e.g. ultrafeedback.min_distinct_rankings=3); repeatable",
@@ -435,7 +435,7 @@ def build_parser() -> argparse.ArgumentParser:
                          help="hf: transformers generate (default); vllm: a subprocess under vllm_python; "
                          "borrow: responses of the other rankings of the same prompt, no model")
     augment.add_argument("--model", help="local model directory or hub name (hf, vllm)")
-    augment.add_argument("--root", default="data/artifacts", help="artifact root")
+    augment.add_argument("--root", type=_folder, default="data/artifacts", help="artifact root")
     augment.add_argument(
         "--set", action="append", default=[], metavar="KEY=VALUE",
         help="override an AugmentConfig field (e.g. n_generated=4, temperature=1.0, vllm_python=...); repeatable",
@@ -457,7 +457,7 @@ def build_parser() -> argparse.ArgumentParser:
                        "(e.g. augment/9c1e)")
     cache.add_argument("--model", required=True, help="the base model pi_ref: a local model directory or a cached "
                        "hub name (the pipeline's tiny model is its folder, ROOT/model/VERSION/model)")
-    cache.add_argument("--root", default="data/artifacts", help="artifact root")
+    cache.add_argument("--root", type=_folder, default="data/artifacts", help="artifact root")
     cache.add_argument(
         "--set", action="append", default=[], metavar="KEY=VALUE",
         help="override a CacheConfig field (e.g. max_prompt_tokens=256, score_batch_size=8, dtype=bfloat16, "
@@ -477,8 +477,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     assign.add_argument("train", help="the train artifact: its folder, or train/<version> under --root")
     assign.add_argument("rankings", help="the rankings artifact: its folder, or ingest/<version> under --root")
-    assign.add_argument("--root", help="artifact root (the cache and assign artifacts go here; default: the train "
-                        "artifact's, given as a folder, else data/artifacts)")
+    assign.add_argument("--root", type=_folder, help="artifact root (the cache and assign artifacts go here; "
+                        "default: the train artifact's, given as a folder, else data/artifacts)")
     assign.add_argument("--model", help="where the base model the adapters were trained on is now, when it moved: a "
                         "folder with the same files (default: where the train artifact's cache recorded it, or the "
                         "root's own tiny model)")
@@ -497,7 +497,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     run.add_argument("preset", nargs="?", help="e.g. synthetic-demo (see --list)")
     run.add_argument("--list", action="store_true", help="list the presets and exit")
-    run.add_argument("--root", help="artifact root (default: the preset's, data/artifacts; wins over --set root=...)")
+    run.add_argument("--root", type=_folder,
+                     help="artifact root (default: the preset's, data/artifacts; wins over --set root=...)")
     run.add_argument("--threads", type=_positive_int, help="torch CPU threads (1 is fastest for the tiny model on a busy "
                      "2-core machine; default: torch's)")
     run.add_argument(
@@ -518,13 +519,21 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("path", nargs="?", help="a version folder, manifest.json, Parquet file, root or stage "
                                                  "folder, or stage/version under --root (a version prefix is "
                                                  "enough, e.g. ingest/3fa2); without it, the listing of --root")
-    inspect.add_argument("--root", default="data/artifacts", help="artifact root for stage/version")
+    inspect.add_argument("--root", type=_folder, default="data/artifacts", help="artifact root for stage/version")
     inspect.add_argument("--rows", type=_int_at_least(0), default=3, help="first rows to show per table")
     inspect.add_argument("--verify", action="store_true",
                          help="check every file of a version (of each version listed) against the sha256 its manifest "
                               "records, not only its size (reads every file)")
     inspect.set_defaults(func=_inspect)
     return parser
+
+
+def _folder(text: str) -> str:
+    """An argparse type: a folder's path, not empty (``--root "$ROOT"`` with ROOT unset would otherwise
+    fall back to the default root unseen)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("expected a folder, got an empty path (leave --root out for the default)")
+    return text
 
 
 def _int_at_least(low: int) -> Callable[[str], int]:

@@ -260,3 +260,15 @@ def test_show_config_prints_the_resolved_config_and_runs_nothing(tmp_path, capsy
     shown = PipelineConfig.model_validate(json.loads(capsys.readouterr().out))
     assert shown == with_overrides(pipeline_preset("synthetic-demo"), ["train.k=2", f"root={tmp_path / 'r'}"])
     assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.parametrize("command", [["run", "synthetic-demo", "--show-config"], ["inspect"], ["assign", "a", "b"],
+                                     ["ingest", "--dataset", "synthetic"]])
+def test_an_empty_root_is_refused_not_taken_for_the_default(command, tmp_path, capsys, monkeypatch):
+    from moplex_core.cli import main
+
+    monkeypatch.chdir(tmp_path)  # `--root "$ROOT"` with ROOT unset: nothing written to ./data/artifacts
+    with pytest.raises(SystemExit) as exited:
+        main([*command, "--root", ""])
+    assert exited.value.code == 2 and "argument --root: expected a folder, got an empty path" in capsys.readouterr().err
+    assert not (tmp_path / "data").exists()
