@@ -53,15 +53,16 @@ def test_summarise_takes_each_seeds_bin_mean_then_mean_and_std_over_seeds():
     assert table.loc[("delta", 0), "mean"] == pytest.approx(40.0)  # (0.2 + 0.6) / 2, in percent
     assert table.loc[("delta", 0), "std"] == pytest.approx(100 * np.std([0.2, 0.6], ddof=1))
     assert table.loc[("delta", 0), "pairs"] == 3
-    assert table.loc[("delta", 1), ["mean", "std", "pairs"]].tolist() == pytest.approx([100.0, 0.0, 1])
+    assert table.loc[("delta", 1), ["mean", "seeds", "pairs"]].tolist() == pytest.approx([100.0, 1, 1])
+    assert np.isnan(table.loc[("delta", 1), "std"])  # one seed has no spread, not a spread of 0
     assert table.loc[("delta", 10), "mean"] == pytest.approx(600.0) and table.loc[("delta", 10), "distance"] == ">= 50%"
     assert table.loc[("logpi", 0), "distance"] == "0%-5%"
     relative = relative_errors(errors)  # mean |eps| over the mean spread of the (seed, example, cluster) slates
     assert relative == pytest.approx({"delta": 1.0 / 3.0, "logpi": 3.0 / 2.0})
     lines = approximation_markdown(summarise(errors), relative).splitlines()
     assert lines[0] == "| distance | delta (eps/r)^2 | logpi (eps/r)^2 | pairs |"
-    assert lines[2] == "| 0%-5% | 40.0 ± 28.3% | 200.0 ± 0.0% | 1 |"
-    assert lines[3] == "| 5%-10% | 100.0 ± 0.0% | - | 1 |"
+    assert lines[2] == "| 0%-5% | 40.0 ± 28.3% | 200.0% (one seed) | 1 |"
+    assert lines[3] == "| 5%-10% | 100.0% (one seed) | - | 1 |"
     assert lines[-1].endswith("error does): delta 0.33, logpi 1.50")
 
 

@@ -82,3 +82,20 @@ print(matplotlib.get_backend(), "matplotlib.pyplot" in sys.modules)
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
     assert done.stdout.split() == ["svg", "False"]
     assert (tmp_path / "plot.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_a_study_without_m_2_labels_its_augmented_bars_and_repeats_are_refused(tmp_path, capsys):
+    import warnings
+
+    from moplex_core.experiments.identifiability import plot_study
+
+    rows = [dict(k=2, method=method, m=m, m_prime=m_prime, augment=augment, seed=0, accuracy=0.7)
+            for method in ("em", "oracle")
+            for m, m_prime, augment in ((3, 3, "none"), (2, 4, "below"), (2, 4, "random"), (2, 4, "top_m"))]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # matplotlib's "No artists with labels found to put in legend"
+        plot_study(pd.DataFrame(rows), tmp_path / "plot.png")
+    code = main(["experiment", "identifiability", "--out", str(tmp_path / "study"), "--k", "2", "2", "--m", "3", "3",
+                 "--seeds", "1", "--quiet"])
+    assert code == 1 and not (tmp_path / "study").exists()
+    assert "ks = [2, 2], ms = [3, 3] repeat a value" in capsys.readouterr().err

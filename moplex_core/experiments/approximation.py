@@ -118,16 +118,17 @@ def relative_errors(errors: pd.DataFrame) -> dict[str, float | None]:
 
 
 def summarise(errors: pd.DataFrame, max_distance: float = 0.5) -> pd.DataFrame:
-    """Mean and std over seeds of the per-seed mean error in each 5% distance bin (percent)."""
+    """Mean and std over seeds of the per-seed mean error in each 5% distance bin (percent); the std is
+    NaN in a bin one seed alone reached (``seeds``)."""
     frame = errors.dropna(subset=["relative_squared_error"]).copy()
     last = int(round(max_distance / BIN_WIDTH))
     frame["bin"] = np.minimum((frame.distance / BIN_WIDTH).astype(int), last)
     per_seed = frame.groupby(["mode", "bin", "seed"]).agg(error=("relative_squared_error", "mean"),
                                                         pairs=("relative_squared_error", "size")).reset_index()
     table = per_seed.groupby(["mode", "bin"]).agg(mean=("error", "mean"), std=("error", "std"),
-                                                 pairs=("pairs", "sum")).reset_index()
+                                                 seeds=("error", "size"), pairs=("pairs", "sum")).reset_index()
     table["mean"] *= 100
-    table["std"] = table["std"].fillna(0.0) * 100
+    table["std"] *= 100
     table["distance"] = [f"{b * 5}%-{(b + 1) * 5}%" if b < last else f">= {last * 5}%" for b in table["bin"]]
     return table
 
@@ -141,7 +142,8 @@ def approximation_markdown(table: pd.DataFrame, relative: dict[str, float | None
         cells, pairs = [], 0
         for mode in modes:
             row = table[(table["bin"] == b) & (table["mode"] == mode)]
-            cells.append(f"{row['mean'].iloc[0]:.1f} ± {row['std'].iloc[0]:.1f}%" if len(row) else "-")
+            cells.append("-" if not len(row) else f"{row['mean'].iloc[0]:.1f}% (one seed)" if row["seeds"].iloc[0] < 2
+                         else f"{row['mean'].iloc[0]:.1f} ± {row['std'].iloc[0]:.1f}%")
             pairs = int(row["pairs"].iloc[0]) if len(row) else pairs
         label = table[table["bin"] == b]["distance"].iloc[0]
         lines.append(f"| {label} | " + " | ".join(cells) + f" | {pairs} |")

@@ -56,6 +56,11 @@ class StudyConfig:
     def __post_init__(self) -> None:
         # Checked before the first cell: a cell that fails after others have fitted loses them all
         # (the results are written at the end).
+        repeated = {name: values for name, values in (("ks", self.ks), ("ms", self.ms), ("seeds", self.seeds))
+                    if len(set(values)) != len(values)}
+        if repeated:
+            raise ValueError(f"{', '.join(f'{name} = {list(values)}' for name, values in repeated.items())} repeat a "
+                             "value: each value is a cell (a seed) of its own, which a repeat would count twice")
         if min(self.ks) < 2:
             raise ValueError(f"every k must be at least 2 (a one-cluster mixture has no clustering to identify), "
                              f"got ks = {list(self.ks)}")
@@ -269,6 +274,7 @@ def plot_study(results: pd.DataFrame, path: Path) -> None:
 
     groups = [("none", "m=2"), ("below", "+below"), ("random", "+random"), ("top_m", "top-2 of 2+k")]
     width = 0.8 / max(len(colors), 1)
+    labelled: set[tuple[int, str]] = set()  # the legend names each (k, method) at its first bar drawn
     for i, k in enumerate(sorted(colors)):
         for j, (augment, _) in enumerate(groups):
             frame = results[(results.k == k) & (results.augment == augment) & (results.m == 2)]
@@ -278,10 +284,13 @@ def plot_study(results: pd.DataFrame, path: Path) -> None:
                     continue
                 x = j + (i - len(colors) / 2 + 0.5) * width + (0.0 if method == "em" else width / 2)
                 ax_aug.bar(x, acc.mean(), width / 2, yerr=acc.std() if len(acc) > 1 else 0.0, color=colors[k],
-                           hatch=hatch, edgecolor="black", linewidth=0.4, label=f"k={k} {method}" if j == 0 else None)
+                           hatch=hatch, edgecolor="black", linewidth=0.4,
+                           label=None if (k, method) in labelled else f"k={k} {method}")
+                labelled.add((k, method))
     ax_aug.set_xticks(range(len(groups)), [g[1] for g in groups], fontsize=8)
     ax_aug.set_title("m = 2 pairs, augmented to m' = 2 + k")
     ax_aug.set_ylim(0, 1)
-    ax_aug.legend(fontsize=6, ncol=2)
+    if labelled:
+        ax_aug.legend(fontsize=6, ncol=2)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
