@@ -278,7 +278,7 @@ def build_rankings(config: IngestConfig, inputs: dict[str, str] | None = None) -
             reasons = rejected.select(["row", "where", "field", "reason"]).to_pylist()
             numbers = [r["row"] for r in reasons]
             rows = len({n for n in numbers if n is not None}) + numbers.count(None)  # an unreadable record: one each
-            by_field = [(r["field"], r["reason"] if r["row"] is None  # an unreadable record's names its line
+            by_field = [(r["field"], r["reason"] if r["row"] is None  # an unreadable record's reason names its line
                          else f"{r['where'] or 'row ' + str(r['row'])}: {r['reason']}") for r in reasons]
             detail = (f"; every row was rejected ({rows} row(s), {rejected.num_rows} reason(s)), by field: "
                       + issues_by_field(by_field))

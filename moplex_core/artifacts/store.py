@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
