@@ -5,8 +5,7 @@ from __future__ import annotations
 
 from prefect import flow, get_run_logger
 
-from moplex_core.artifacts import ALREADY_COMPLETE
-from moplex_core.assign import default_root
+from moplex_core.artifacts import ALREADY_COMPLETE, default_root
 from flows.stage_runs import name_run_after, publish_if_alone
 from tasks.assign import plan_assignment, write_assignment
 

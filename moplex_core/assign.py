@@ -35,8 +35,8 @@ import pyarrow.parquet as pq
 import torch
 from tqdm.auto import tqdm
 
-from moplex_core.artifacts import (DEFAULT_ROOT, ArtifactError, ArtifactRef, ArtifactStore, finished_shards,
-                                   is_version_folder, read_manifest, root_of, shard_name)
+from moplex_core.artifacts import (ArtifactError, ArtifactRef, ArtifactStore, finished_shards, read_manifest, root_of,
+                                   shard_name)
 
 if TYPE_CHECKING:
     from moplex_core.cache import CachePlan
@@ -114,14 +114,6 @@ def plan_assign(train_dir: str | Path, rankings_dir: str | Path, store: Artifact
                 "score_batch_size": score_batch_size}
     return AssignPlan(ArtifactRef(STAGE, version), store.path(STAGE, version), cache, cache_config, inputs, recorded,
                       store.is_complete(STAGE, version))
-
-
-def default_root(train: str | Path) -> str:
-    """Where an assignment's cache and assign artifacts go when no root is given: the root of the
-    train artifact ``train`` when it is a version folder (``ROOT/train/<version>``, as typed: relative,
-    with ``~``), else DEFAULT_ROOT."""
-    path = Path(train).expanduser().resolve()
-    return str(root_of(path)) if is_version_folder(path) else DEFAULT_ROOT
 
 
 def run_assign(train_dir: str | Path, rankings_dir: str | Path, store: ArtifactStore, *, model: str | None = None,

@@ -134,7 +134,7 @@ class Filled:
 def plan_augment(config: AugmentConfig, rankings: str | Path, store: ArtifactStore) -> AugmentPlan:
     """The version ``config`` maps to for the finished rankings artifact at ``rankings``."""
     rankings = Path(rankings)
-    manifest = read_manifest(rankings)
+    manifest = read_manifest(rankings, ("ingest",))  # an augmented artifact's rows carry generations already
     inputs = {"rankings": f"{manifest['stage']}/{manifest['version']}"}
     if config.model is not None:
         inputs["model"] = model_fingerprint(config.model)

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, get_args
 
 if TYPE_CHECKING:
+    from moplex_core.artifacts import ArtifactStore
     from moplex_core.config import PipelineConfig
 
 
@@ -186,13 +187,12 @@ def _refuse_the_pipelines_model(model: str | None) -> None:
 
 def _augment(args: argparse.Namespace) -> int:
     # In this process, without Prefect, like `moplex ingest`; flows/augment.py calls the same run_augment.
-    from moplex_core.artifacts import ArtifactError, ArtifactStore
+    from moplex_core.artifacts import ArtifactError
     from moplex_core.augment import ShortfallError, run_augment
     from moplex_core.config import AugmentConfig, with_overrides
 
-    store = ArtifactStore(args.root)
     try:
-        rankings = store.resolve(args.rankings)
+        rankings, store = _input_and_its_root(args.rankings, args.root)
         data = {k: v for k, v in (("backend", args.backend), ("model", args.model)) if v is not None}
         # validated once, flags and --set together, so a missing setting reads like a bad --set
         config = with_overrides(AugmentConfig.model_construct(**data), args.set)
@@ -208,13 +208,12 @@ def _augment(args: argparse.Namespace) -> int:
 
 def _cache(args: argparse.Namespace) -> int:
     # In this process, without Prefect, like `moplex ingest`; flows/cache.py calls the same run_cache.
-    from moplex_core.artifacts import ArtifactError, ArtifactStore
+    from moplex_core.artifacts import ArtifactError
     from moplex_core.cache import run_cache
     from moplex_core.config import CacheConfig, with_overrides
 
-    store = ArtifactStore(args.root)
     try:
-        rankings = store.resolve(args.rankings)
+        rankings, store = _input_and_its_root(args.rankings, args.root)
         # validated once, flags and --set together, as augment's
         config = with_overrides(CacheConfig.model_construct(model=args.model), args.set)
         _refuse_the_pipelines_model(config.model)
@@ -226,19 +225,28 @@ def _cache(args: argparse.Namespace) -> int:
     return 0
 
 
+def _input_and_its_root(text: str, root: str | None) -> tuple[Path, ArtifactStore]:
+    """The input artifact a user typed (a folder, or STAGE/VERSION under ``root``), and the store of
+    ``root``, or without one of the input's own root (`artifacts.default_root`), where the command's
+    new artifacts go, beside their input. Resolved first, so that ROOT/STAGE/PREFIX finds that root."""
+    from moplex_core.artifacts import DEFAULT_ROOT, ArtifactStore, default_root
+
+    artifact = ArtifactStore(root or DEFAULT_ROOT).resolve(text)
+    return artifact, ArtifactStore(root or default_root(artifact))
+
+
 def _assign(args: argparse.Namespace) -> int:
     # In this process, without Prefect, like `moplex ingest`.
-    from moplex_core.artifacts import DEFAULT_ROOT, ArtifactError, ArtifactStore
-    from moplex_core.assign import default_root, run_assign
+    from moplex_core.artifacts import ArtifactError
+    from moplex_core.assign import run_assign
     from moplex_core.display import markdown_cell
 
-    try:  # resolved first: its root is the default one, also when typed as ROOT/train/<version prefix>
-        train = ArtifactStore(args.root or DEFAULT_ROOT).resolve(args.train)
+    try:
+        train, store = _input_and_its_root(args.train, args.root)
     except (ValueError, ArtifactError, OSError) as err:
         print(f"moplex assign: {err}", file=sys.stderr)
         return 1
-    root = args.root or default_root(train)
-    store = ArtifactStore(root)
+    root = str(store.root)
     if Path(args.rankings).expanduser().is_file():
         print(f"moplex assign: {args.rankings} is a file; assign takes a rankings artifact. Ingest the file first: "
               f"`moplex ingest --dataset generic --path {shlex.quote(args.rankings)} --set 'split.fractions=[1,0,0]' "
@@ -435,7 +443,8 @@ def build_parser() -> argparse.ArgumentParser:
                          help="hf: transformers generate (default); vllm: a subprocess under vllm_python; "
                          "borrow: responses of the other rankings of the same prompt, no model")
     augment.add_argument("--model", help="local model directory or hub name (hf, vllm)")
-    augment.add_argument("--root", type=_folder, default="data/artifacts", help="artifact root")
+    augment.add_argument("--root", type=_folder, help="artifact root (default: the rankings artifact's, given as a "
+                         "folder, else data/artifacts)")
     augment.add_argument(
         "--set", action="append", default=[], metavar="KEY=VALUE",
         help="override an AugmentConfig field (e.g. n_generated=4, temperature=1.0, vllm_python=...); repeatable",
@@ -457,7 +466,8 @@ def build_parser() -> argparse.ArgumentParser:
                        "(e.g. augment/9c1e)")
     cache.add_argument("--model", required=True, help="the base model pi_ref: a local model directory or a cached "
                        "hub name (the pipeline's tiny model is its folder, ROOT/model/VERSION/model)")
-    cache.add_argument("--root", type=_folder, default="data/artifacts", help="artifact root")
+    cache.add_argument("--root", type=_folder, help="artifact root (default: the rankings artifact's, given as a "
+                       "folder, else data/artifacts)")
     cache.add_argument(
         "--set", action="append", default=[], metavar="KEY=VALUE",
         help="override a CacheConfig field (e.g. max_prompt_tokens=256, score_batch_size=8, dtype=bfloat16, "

@@ -230,6 +230,22 @@ def test_list_locate_and_fingerprint(tmp_path):
         many.locate("demo/x")
 
 
+def test_a_folder_no_run_began_in_is_named_for_what_it_is_not_called_unfinished(tmp_path):
+    store = ArtifactStore(tmp_path / "root")
+    version = write_demo(store, "aab222")
+    with pytest.raises(ArtifactNotFoundError, match="root is an artifact root, not a version folder: .*its stages: demo"):
+        read_manifest(store.root)
+    (tmp_path / "data").mkdir()
+    with pytest.raises(ArtifactNotFoundError, match="data is not a moplex artifact .*moplex ingest --dataset generic"):
+        read_manifest(tmp_path / "data")
+    (version / MANIFEST).unlink()  # a version folder copied without its manifest, and no run's marker
+    with pytest.raises(ArtifactIncompleteError, match="holds neither manifest.json nor a run's start marker"):
+        read_manifest(store.root / "demo" / "aab222")
+    (version / ".started").write_text("{}")  # a run began here and did not finish
+    with pytest.raises(ArtifactIncompleteError, match="its stage did not finish"):
+        read_manifest(version)
+
+
 def test_a_version_prefix_typed_through_dot_dot_resolves_in_its_stage_folder(tmp_path, monkeypatch):
     store = ArtifactStore(tmp_path / "root")
     version = write_demo(store, "aab222")
@@ -257,7 +273,8 @@ def test_unfinished_or_tampered_artifacts_are_refused_with_a_way_out(tmp_path):
                                                    "manifest records .* Delete the version directory"):
         load_table(flipped)
     (path / MANIFEST).unlink()
-    with pytest.raises(ArtifactIncompleteError, match="did not finish. Rerun the stage"):
+    with pytest.raises(ArtifactIncompleteError, match="holds neither manifest.json nor a run's start marker: a "
+                                                      "version deleted or copied in part; delete it"):
         load_table(store.path("demo", "v1"))
     lost = write_demo(store, "v2")
     (lost / "part-00002.parquet").unlink()  # a shard the manifest lists: refused, never read around

@@ -11,8 +11,9 @@ import pytest
 import torch
 from scipy.optimize import linear_sum_assignment
 
-from moplex_core.artifacts import DEFAULT_ROOT, ArtifactCorruptError, ArtifactStore, load_table, shard_paths, verify
-from moplex_core.assign import ASSIGN_SCHEMA, default_root, plan_assign, run_assign
+from moplex_core.artifacts import (DEFAULT_ROOT, ArtifactCorruptError, ArtifactStore, default_root, load_table,
+                                   shard_paths, verify)
+from moplex_core.assign import ASSIGN_SCHEMA, plan_assign, run_assign
 from moplex_core.cache import load_policy_inputs
 from moplex_core.cli import main
 from moplex_core.config import IngestConfig, TrainConfig

@@ -199,6 +199,21 @@ def test_borrow_fills_each_ranking_from_the_other_rankings_of_its_prompt(tmp_pat
     assert sorted(result.shortfall.column("got").to_pylist()) == [0, 0]  # the two prompts with one ranking
 
 
+def test_cli_augment_goes_beside_its_input_and_takes_rankings_only(tmp_path, monkeypatch, capsys):
+    root = tmp_path / "artifacts"
+    rankings = rankings_dir(tmp_path, root)
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")  # no --root: the input's own root, not ./data/artifacts
+    argv = ["--backend", "borrow", "--set", "on_shortfall=keep_fewer", "--quiet"]
+    assert main(["augment", "--rankings", f"{root}/ingest/{rankings.name[:4]}", *argv]) == 0
+    [augmented] = [p for p in (root / STAGE).iterdir() if p.is_dir()]
+    assert not (tmp_path / "elsewhere" / "data").exists() and str(augmented) in capsys.readouterr().out
+    assert main(["augment", "--rankings", str(augmented), *argv]) == 1
+    assert "was written by the 'augment' stage; give ingest/<version>" in capsys.readouterr().err
+    assert main(["augment", "--rankings", str(root), *argv]) == 1
+    assert f"{root} is an artifact root, not a version folder" in capsys.readouterr().err
+
+
 def _augment_argv(rankings: Path, root: Path, model: Path) -> list[str]:
     return ["augment", "--rankings", str(rankings), "--model", str(model), "--root", str(root), "--quiet",
             "--set", "shard_prompts=1", "--set", "max_new_tokens=48", "--set", "batch_size=4"]

@@ -106,6 +106,20 @@ def read_manifest(version_dir: str | Path, stages: tuple[str, ...] = ()) -> dict
         versions = sorted(p.name for p in version_dir.iterdir() if p.is_dir() and is_version_folder(p))
         raise ArtifactNotFoundError(f"{version_dir} is a stage's folder, not a version folder: give one of its "
                                     f"versions ({', '.join(versions[:8])}{', ...' if len(versions) > 8 else ''})")
+    if not has_manifest(version_dir) and not (version_dir / STARTED).is_file():  # no run ever began here
+        stages = sorted(p.name for p in version_dir.iterdir() if is_stage_folder(p))
+        if stages:
+            raise ArtifactNotFoundError(f"{version_dir} is an artifact root, not a version folder: give one of its "
+                                        f"versions, STAGE/VERSION under it (its stages: {', '.join(stages)}; `moplex "
+                                        f"inspect {version_dir}` lists the versions)")
+        named_so = (version_dir.parent.name in STAGE_ORDER
+                    and re.fullmatch(f"[0-9a-f]{{{VERSION_LENGTH}}}", version_dir.name) is not None)
+        if named_so or shard_paths(version_dir) or is_stage_folder(version_dir.parent):  # a version's folder
+            raise ArtifactIncompleteError(f"{version_dir} holds neither {MANIFEST} nor a run's start marker: a version "
+                                          "deleted or copied in part; delete it and rerun its stage")
+        raise ArtifactNotFoundError(f"{version_dir} is not a moplex artifact (no {MANIFEST}): give a version folder, "
+                                    "ROOT/STAGE/VERSION, or STAGE/VERSION under the root; a folder of data files is "
+                                    "read by `moplex ingest --dataset generic --path FOLDER` first")
     if not has_manifest(version_dir):
         raise ArtifactIncompleteError(
             f"{version_dir} has no {MANIFEST}: its stage did not finish. Rerun the stage with the same "
@@ -171,6 +185,14 @@ def root_of(version_dir: str | Path) -> Path:
     """The artifact root that holds a version folder, ``ROOT`` of ``ROOT/STAGE/VERSION`` (as given:
     resolve the path first where a relative or moved one must not matter)."""
     return Path(version_dir).parents[1]
+
+
+def default_root(artifact: str | Path) -> str:
+    """Where a command's new artifacts go when no root is given: the root of its input ``artifact`` when
+    that is a version folder (``ROOT/STAGE/VERSION``, as typed: relative, with ``~``), so that they
+    join the root their input is in, else DEFAULT_ROOT."""
+    path = Path(artifact).expanduser().resolve()
+    return str(root_of(path)) if is_version_folder(path) else DEFAULT_ROOT
 
 
 def is_version_folder(path: str | Path) -> bool:

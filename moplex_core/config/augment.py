@@ -88,7 +88,7 @@ class AugmentConfig(StageConfig):
         if self.backend == "vllm" and self.temperature > VLLM_MAX_TEMPERATURE:
             raise ValueError(f"temperature = {self.temperature}: vLLM's SamplingParams refuse a temperature above "
                              f"{VLLM_MAX_TEMPERATURE:g} (since 2026-06, after the model has loaded); use backend "
-                             "'hf' for the paper's temperature 4")
+                             "'hf' for a higher temperature (the paper's is 2.0, which vLLM takes)")
         return self
 
     def identity(self) -> dict[str, Any]:
