@@ -63,7 +63,7 @@ __all__ = [
     "ALREADY_COMPLETE", "CHECKPOINTS", "DEFAULT_ROOT", "MANIFEST", "VERSION_LENGTH", "ArtifactCorruptError",
     "ArtifactError", "ArtifactIncompleteError", "ArtifactInfo", "ArtifactNotFoundError", "ArtifactRef",
     "ArtifactStageError", "ArtifactStorageError", "ArtifactStore", "ArtifactWriter", "artifact_version", "check_files",
-    "default_root", "finished_shards", "has_manifest", "is_stage_folder", "is_version_folder", "load_table", "off_the_manifest",
-    "output_files", "read_checked_manifest", "read_manifest", "readable_manifest", "root_of", "run_changes",
-    "shard_name", "shard_paths", "verify", "atomic_path",
+    "default_root", "finished_shards", "has_manifest", "is_stage_folder", "is_version_folder", "load_table",
+    "off_the_manifest", "output_files", "read_checked_manifest", "read_manifest", "readable_manifest", "root_of",
+    "run_changes", "shard_name", "shard_paths", "verify", "atomic_path",
 ]
