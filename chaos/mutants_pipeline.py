@@ -429,5 +429,5 @@ PIPELINE_MUTANTS: list[Mutant] = [
            'f"{markdown_cell(name)} {int(n)}"', 'f"{name} {int(n)}"'),
     Mutant('inspect_user_folder_partial', 'moplex_core/inspect.py',
            "a user's own folder in a stage folder is listed PARTIAL, to be deleted",
-           '_VERSION_NAME.fullmatch(folder.name) and not', 'not'),
+           'VERSION_NAME.fullmatch(folder.name) and not', 'not'),
 ]

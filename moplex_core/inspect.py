@@ -10,7 +10,6 @@ registering a function with `stage_section`.
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Callable
 from pathlib import Path, PurePath
 from typing import Any
@@ -22,7 +21,7 @@ import pyarrow.parquet as pq
 
 from moplex_core.artifacts import (CHECKPOINTS, MANIFEST, ArtifactStore, is_stage_folder, is_version_folder,
                                    off_the_manifest, output_files, readable_manifest, run_changes, shard_paths)
-from moplex_core.artifacts.layout import SHARD_RE, STAGE_ORDER, VERSION_LENGTH
+from moplex_core.artifacts.layout import SHARD_RE, STAGE_ORDER, VERSION_NAME
 from moplex_core.artifacts.writer import last_started_run
 from moplex_core.display import printable
 
@@ -419,10 +418,7 @@ def _partial_versions(root: Path, stage: str | None) -> list[Path]:
     which no stage writes to; other folders of the root, an experiment's, are not looked at."""
     stages = [stage] if stage else [name for name in STAGE_ORDER if (root / name).is_dir()]
     return [folder for name in stages for folder in sorted((root / name).iterdir())
-            if folder.is_dir() and _VERSION_NAME.fullmatch(folder.name) and not is_version_folder(folder)]
-
-
-_VERSION_NAME = re.compile(f"[0-9a-f]{{{VERSION_LENGTH}}}")  # `artifacts.artifact_version`'s names
+            if folder.is_dir() and VERSION_NAME.fullmatch(folder.name) and not is_version_folder(folder)]
 
 
 def _folder_bytes(folder: Path) -> int:

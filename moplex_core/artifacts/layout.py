@@ -32,6 +32,9 @@ MANIFEST = "manifest.json"
 CHECKPOINTS = "em"
 """A version's folder of checkpoints (train's EM iterations): files like any other, listed apart by inspect."""
 VERSION_LENGTH = 12
+VERSION_NAME = re.compile(f"[0-9a-f]{{{VERSION_LENGTH}}}")
+"""The name `artifact_version` gives a version folder (a folder of another name in a stage's folder is the
+user's, a model kept in ROOT/model/)."""
 SHARD_RE = re.compile(r"^part-(\d{5})\.parquet$")
 STARTED = ".started"
 
@@ -112,8 +115,7 @@ def read_manifest(version_dir: str | Path, stages: tuple[str, ...] = ()) -> dict
             raise ArtifactNotFoundError(f"{version_dir} is an artifact root, not a version folder: give one of its "
                                         f"versions, STAGE/VERSION under it (its stages: {', '.join(stages)}; `moplex "
                                         f"inspect {version_dir}` lists the versions)")
-        named_so = (version_dir.parent.name in STAGE_ORDER
-                    and re.fullmatch(f"[0-9a-f]{{{VERSION_LENGTH}}}", version_dir.name) is not None)
+        named_so = version_dir.parent.name in STAGE_ORDER and VERSION_NAME.fullmatch(version_dir.name) is not None
         if named_so or shard_paths(version_dir) or is_stage_folder(version_dir.parent):  # a version's folder
             raise ArtifactIncompleteError(f"{version_dir} holds neither {MANIFEST} nor a run's start marker: a version "
                                           "deleted or copied in part; delete it and rerun its stage")
