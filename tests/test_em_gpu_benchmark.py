@@ -337,5 +337,5 @@ def test_report_redraws_the_cards_figure_from_its_json_without_a_device(tmp_path
     proc = subprocess.run([sys.executable, "-c", runner], cwd=ROOT, env=_env(), capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "672.6 TFLOP/s" in proc.stdout and _table(proc.stdout, "| m' | method |")
+    assert "677.3 TFLOP/s" in proc.stdout and _table(proc.stdout, "| m' | method |")
     assert (tmp_path / "em_gpu.png").read_bytes() == (ROOT / "docs" / "em_gpu.png").read_bytes()
