@@ -32,7 +32,7 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from moplex_core.artifacts import ArtifactRef, ArtifactStore, load_table, read_manifest, root_of, shard_name
-from moplex_core.config import CacheConfig, local_model_absolute, prompts_shared
+from moplex_core.config import CacheConfig, local_model_absolute
 from moplex_core.estimate import reference_terms_batch
 from moplex_core.hashing import files_changed, files_fingerprint, model_files, model_fingerprint
 from moplex_core.lm.checkpointing import checkpoint_layers
@@ -102,7 +102,7 @@ def run_cache(config: CacheConfig, rankings_dir: str | Path, store: ArtifactStor
     table = load_table(rankings_dir)
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
-    shared = prompts_shared(config.share_prompts, device)
+    shared = config.shares_prompts(device)
     recorded = {**config.model_dump(mode="json"), "resolved_dtype": dtype_name(dtype), "resolved_share_prompts": shared}
     with store.writer(STAGE, plan.ref.version, config=recorded, inputs=plan.inputs, code_version=CODE_VERSION) as writer:
         if writer.complete:

@@ -46,15 +46,17 @@ Device = Annotated[str, AfterValidator(_torch_device)]
 
 SharePrompts = bool | Literal["auto"]
 """Whether the rows of a pass that share a prompt run it once (moplex_core.lm.logprobs.prompt_prefix):
-``auto`` means on the CPU only (`prompts_shared`; why: `TrainConfig`'s docstring)."""
+``auto`` means on the CPU, and on a GPU in the cache's passes with contractions only (`prompts_shared`;
+why: `TrainConfig`'s and `CacheConfig`'s docstrings)."""
 
 
-def prompts_shared(setting: SharePrompts, device: str) -> bool:
+def prompts_shared(setting: SharePrompts, device: str, elsewhere: bool = False) -> bool:
     """Whether passes on ``device`` (a resolved torch device: cpu, cuda:0, ...) share prompts under
-    ``setting``: the setting itself, or for ``auto`` whether the device is the CPU."""
+    ``setting``: the setting itself, or for ``auto`` True on the CPU and ``elsewhere`` on any other
+    device (the cache's passes with contractions, which a shared prompt made faster on the H200)."""
     if isinstance(setting, bool):
         return setting
-    return device.split(":")[0] == "cpu"
+    return device.split(":")[0] == "cpu" or elsewhere
 
 
 SplitName = Literal["train", "validation", "test"]

@@ -6,7 +6,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator
 
-from moplex_core.config.base import Device, SharePrompts, StageConfig, local_model_absolute
+from moplex_core.config.base import Device, SharePrompts, StageConfig, local_model_absolute, prompts_shared
 
 # No float16 for the cache and train: their input and LoRA gradients would need loss scaling, which
 # this code does not do ("auto" on a GPU without bfloat16 is float32).
@@ -59,15 +59,22 @@ class CacheConfig(StageConfig):
 
     share_prompts: SharePrompts = "auto"
     """Run an example's prompt once per pass for all its responses there (pi_ref has no dropout: the
-    same terms up to float rounding, for fewer tokens). ``auto`` (the default): on the CPU only, as
-    `TrainConfig.share_prompts` (whose docstring says why: on an H200 the train stage's passes, the
-    forward-only ones of 26 responses of one prompt included, ran faster with the prompt per row).
-    The manifest records what it resolved to (``resolved_share_prompts``)."""
+    same terms up to float rounding, for fewer tokens). ``auto`` (the default): on the CPU, and on a
+    GPU with ``contractions``: on an H200 (2026-11-26, docs/gpu-efficiency.md) an example's 26
+    responses took 0.290 s and 20.6 GiB with its prompt shared, 0.319 s and 27.9 GiB with the prompt
+    per row; forward only (``contractions = false``) 0.127 s and 4.4 GiB shared, 0.126 s and 2.4 GiB
+    per row, so the prompt per row there, as `TrainConfig.share_prompts` on a GPU. The manifest
+    records what it resolved to (``resolved_share_prompts``)."""
 
     gradient_checkpointing: bool = False
     """Checkpoint every decoder layer of the input-gradient passes (moplex_core.lm.checkpointing, as
     `TrainConfig.gradient_checkpointing`): about one layer's activations a pass instead of every
     layer's, for one forward more and about twice the host time; the same terms, bit for bit on the CPU."""
+
+    def shares_prompts(self, device: str) -> bool:
+        """Whether this cache's passes on ``device`` (resolved: cpu, cuda:0, ...) share prompts:
+        ``share_prompts``, with ``auto`` resolved as its docstring says."""
+        return prompts_shared(self.share_prompts, device, elsewhere=self.contractions)
 
     def identity(self) -> dict[str, Any]:
         exclude = {"model", "score_batch_size", "device", "chunk_size", "share_prompts", "gradient_checkpointing"}
