@@ -29,8 +29,8 @@ class TrainConfig(StageConfig):
     (the same scores and gradients up to float rounding, for fewer tokens; with ``lora_dropout``
     the rows share the prompt's dropout mask): faster on the CPU (1.4-1.6x), slower on an H200, where
     the prompt pass is a second decoder call whose launches the host cannot issue fast enough (per
-    EM iteration at m' = 26, a = 6: 3.57 s per example with the prompt per row, 6.36 shared; full
-    computation 8.25 and 9.73; shared slower in every configuration where both ran,
+    EM iteration at m' = 26, a = 6: 3.25 s per example with the prompt per row, 5.51 shared; full
+    computation 6.20 and 8.75; shared slower in every configuration where both ran,
     docs/gpu-efficiency.md). ``auto`` (the default) shares them on the CPU and not elsewhere
     (`moplex_core.config.prompts_shared`), and is versioned as what it resolves to. Trains on the
     cache's ``train`` split.
