@@ -8,8 +8,7 @@
 #      then the card's ceilings, the anchor-pass table, the checks, the profile (the 12-row mixed
 #      pass against 0.9x of the plain model, host waits, kernels; the M-step pass of one pair at a = 6
 #      and at m' = 26 rows, whether the small one waits on its host) and the cache stage's passes with
-#      shared prompts and per row, timed and profiled (cache.share_prompts auto: per row on a GPU,
-#      unmeasured there yet)
+#      shared prompts and per row, timed and profiled (what cache.share_prompts auto chooses on a GPU)
 #   2  the pipeline's own stages on the card (benchmarks/pipeline_stages.py, about two minutes): first
 #      `make gpu-wheels` here, then carry `.whl`
 #   3  the EM section at m' = 26 at the pipeline's minibatch (16 pairs a step) in 16-row passes
