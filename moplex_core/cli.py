@@ -374,8 +374,8 @@ def build_parser() -> argparse.ArgumentParser:
     approx.add_argument("--cache", required=True,
                         help="a cache artifact: its folder, or cache/<version prefix> under --root (its model is pi_ref)")
     approx.add_argument("--root", type=_folder, default="data/artifacts", help="artifact root (default: %(default)s)")
-    approx.add_argument("--model", help="where the cache's base model is now, when it moved: a folder with the same "
-                        "files (default: where the cache recorded it, or the root's own tiny model)")
+    approx.add_argument("--model", type=_model, help="where the cache's base model is now, when it moved: a folder "
+                        "with the same files (default: where the cache recorded it, or the root's own tiny model)")
     approx.add_argument("--out", help="folder for errors.parquet, table.parquet and table.md (default: "
                                       "ROOT/experiments/approximation)")
     approx.add_argument("--split", default="train", help="cache split to measure on")
@@ -423,7 +423,8 @@ def build_parser() -> argparse.ArgumentParser:
     ingest.add_argument("--dataset", choices=get_args(DatasetName),
                         help="the dataset's adapter (its raw schema); give this or --preset")
     ingest.add_argument("--preset", help="a named IngestConfig (moplex_core.config.INGEST_PRESETS)")
-    ingest.add_argument("--path", help="local file or folder in the dataset's raw schema (instead of the hub)")
+    ingest.add_argument("--path", type=_given("a file or folder"),
+                        help="local file or folder in the dataset's raw schema (instead of the hub)")
     ingest.add_argument("--root", type=_folder, default="data/artifacts", help="artifact root")
     ingest.add_argument(
         "--set", action="append", default=[], metavar="KEY=VALUE",
@@ -442,7 +443,7 @@ def build_parser() -> argparse.ArgumentParser:
     augment.add_argument("--backend", choices=["hf", "vllm", "borrow"],
                          help="hf: transformers generate (default); vllm: a subprocess under vllm_python; "
                          "borrow: responses of the other rankings of the same prompt, no model")
-    augment.add_argument("--model", help="local model directory or hub name (hf, vllm)")
+    augment.add_argument("--model", type=_model, help="local model directory or hub name (hf, vllm)")
     augment.add_argument("--root", type=_folder, help="artifact root (default: the rankings artifact's, given as a "
                          "folder, else data/artifacts)")
     augment.add_argument(
@@ -464,8 +465,8 @@ def build_parser() -> argparse.ArgumentParser:
     cache.add_argument("--rankings", required=True,
                        help="the rankings or augmented artifact: its folder, or stage/version under --root "
                        "(e.g. augment/9c1e)")
-    cache.add_argument("--model", required=True, help="the base model pi_ref: a local model directory or a cached "
-                       "hub name (the pipeline's tiny model is its folder, ROOT/model/VERSION/model)")
+    cache.add_argument("--model", type=_model, required=True, help="the base model pi_ref: a local model directory "
+                       "or a cached hub name (the pipeline's tiny model is its folder, ROOT/model/VERSION/model)")
     cache.add_argument("--root", type=_folder, help="artifact root (default: the rankings artifact's, given as a "
                        "folder, else data/artifacts)")
     cache.add_argument(
@@ -489,9 +490,9 @@ def build_parser() -> argparse.ArgumentParser:
     assign.add_argument("rankings", help="the rankings artifact: its folder, or ingest/<version> under --root")
     assign.add_argument("--root", type=_folder, help="artifact root (the cache and assign artifacts go here; "
                         "default: the train artifact's, given as a folder, else data/artifacts)")
-    assign.add_argument("--model", help="where the base model the adapters were trained on is now, when it moved: a "
-                        "folder with the same files (default: where the train artifact's cache recorded it, or the "
-                        "root's own tiny model)")
+    assign.add_argument("--model", type=_model, help="where the base model the adapters were trained on is now, when "
+                        "it moved: a folder with the same files (default: where the train artifact's cache recorded "
+                        "it, or the root's own tiny model)")
     assign.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default: %(default)s)")
     assign.add_argument("--score-batch-size", type=_positive_int, default=32,
                         help="rows (one response under one adapter) per scoring pass (default: %(default)s)")
@@ -538,12 +539,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _folder(text: str) -> str:
-    """An argparse type: a folder's path, not empty (``--root "$ROOT"`` with ROOT unset would otherwise
-    fall back to the default root unseen)."""
-    if not text.strip():
-        raise argparse.ArgumentTypeError("expected a folder, got an empty path (leave --root out for the default)")
-    return text
+def _given(what: str) -> Callable[[str], str]:
+    """An argparse type: ``what`` (a path or a model), not empty or blank: ``--root "$ROOT"`` with ROOT
+    unset would fall back to the default root unseen, and an empty path or model is the working
+    directory to the OS, which would be read or hashed in its place."""
+    def parse(text: str) -> str:
+        if not text.strip():
+            raise argparse.ArgumentTypeError(f"expected {what}, got an empty value")
+        return text
+    return parse
+
+
+_folder = _given("a folder (leave --root out for the default)")
+_model = _given("a local model folder or a hub name")
 
 
 def _int_at_least(low: int) -> Callable[[str], int]:

@@ -56,6 +56,8 @@ def test_values_that_would_fail_a_later_stage_are_refused_up_front():
         "tiny_model.heads=3": "\n  tiny_model.hidden_size 64 / tiny_model.heads 3 must be a whole, even head size",
         "train.gamma_min=0.5": "\n  train.gamma_min = 0.5 is above 1/k",
         "root=": "root is empty",
+        "cache.model=": "cache.model: is empty: give a local model folder or a hub name",
+        "ingest.path= ": "ingest.path: is empty: give a file or folder",
     }
     for assignment, message in refused.items():
         with pytest.raises(ValueError, match=re.escape(message)) as refusal:
@@ -270,5 +272,22 @@ def test_an_empty_root_is_refused_not_taken_for_the_default(command, tmp_path, c
     monkeypatch.chdir(tmp_path)  # `--root "$ROOT"` with ROOT unset: nothing written to ./data/artifacts
     with pytest.raises(SystemExit) as exited:
         main([*command, "--root", ""])
-    assert exited.value.code == 2 and "argument --root: expected a folder, got an empty path" in capsys.readouterr().err
+    refusal = "argument --root: expected a folder (leave --root out for the default), got an empty value"
+    assert exited.value.code == 2 and refusal in capsys.readouterr().err
     assert not (tmp_path / "data").exists()
+
+
+@pytest.mark.parametrize("command", [["ingest", "--dataset", "generic", "--path", " "],
+                                     ["augment", "--rankings", "ingest/x", "--model", ""],
+                                     ["cache", "--rankings", "ingest/x", "--model", ""],
+                                     ["assign", "a", "b", "--model", ""],
+                                     ["experiment", "approximation", "--cache", "cache/x", "--model", ""]])
+def test_an_empty_path_or_model_is_refused_not_read_as_the_working_directory(command, tmp_path, capsys, monkeypatch):
+    from moplex_core.cli import main
+
+    monkeypatch.chdir(tmp_path)  # an empty path is the working directory to the OS: nothing read or hashed there
+    with pytest.raises(SystemExit) as exited:
+        main(command)
+    flag = command[-2]
+    assert exited.value.code == 2 and f"argument {flag}: expected a " in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())

@@ -17,12 +17,19 @@ the ingested texts into the artifact root, versioned like any stage output, and 
 
 def absolute_path(path: str) -> str:
     """``path`` made absolute against the working directory it is read in (``~`` expanded): the
-    manifests record it and later stages, CLI commands and retried flow runs read it from anywhere."""
+    manifests record it and later stages, CLI commands and retried flow runs read it from anywhere.
+    Refuses an empty or blank path, which the OS would read as the working directory itself."""
+    if not path.strip():
+        raise ValueError("is empty: give a file or folder (an empty path would be the working directory)")
     return os.path.abspath(os.path.expanduser(path))
 
 
 def local_model_absolute(model: str | None) -> str | None:
-    """A model naming an existing local directory, made absolute; a hub name or "tiny" as given."""
+    """A model naming an existing local directory, made absolute; a hub name or "tiny" as given; an
+    empty or blank one refused."""
+    if model is not None and not model.strip():
+        raise ValueError("is empty: give a local model folder or a hub name (an empty path would be the working "
+                         "directory)")
     if model is None or model == TINY_MODEL or not Path(model).expanduser().is_dir():
         return model
     return absolute_path(model)
