@@ -63,6 +63,7 @@ TESTS: dict[str, tuple[str, ...]] = {  # source file -> test modules under tests
     'moplex_core/generate/hf.py': ('test_generate', 'test_augment_stage'),
     'moplex_core/hashing.py': ('test_artifacts', 'test_lm_loading', 'test_cache_stage'),
     'moplex_core/inspect.py': ('test_inspect', 'test_evaluate_stage', 'test_ingest_flow', 'test_long_lived_root'),
+    'moplex_core/cli.py': ('test_inspect', 'test_pipeline_config'),
     'moplex_core/ingest.py': (
         'test_ingest_build', 'test_bad_inputs', 'test_ingest_adapters', 'test_ingest_flow', 'test_config',
     ),

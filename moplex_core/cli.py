@@ -331,9 +331,13 @@ def _inspect(args: argparse.Namespace) -> int:
             target = store.resolve(args.path)
             if not target.exists() and is_stage_folder(store.root / args.path):  # a stage's name: its listing
                 target = store.root / args.path
-        print(inspect_path(target, rows=args.rows, verify=args.verify))
+        damaged: list[str] = []
+        print(inspect_path(target, rows=args.rows, verify=args.verify, damaged=damaged))
     except (FileNotFoundError, ArtifactError, ValueError) as err:
         print(f"moplex inspect: {err}", file=sys.stderr)
+        return 1
+    if damaged:  # a check a script can use: the report above says which files
+        print(f"moplex inspect: {len(damaged)} version(s) DAMAGED", file=sys.stderr)
         return 1
     return 0
 
@@ -534,7 +538,8 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("--rows", type=_int_at_least(0), default=3, help="first rows to show per table")
     inspect.add_argument("--verify", action="store_true",
                          help="check every file of a version (of each version listed) against the sha256 its manifest "
-                              "records, not only its size (reads every file)")
+                              "records, not only its size (reads every file); with or without it, exit 1 when a "
+                              "version is DAMAGED")
     inspect.set_defaults(func=_inspect)
     return parser
 

@@ -45,27 +45,28 @@ def stage_section(stage: str) -> Callable[[StageSection], StageSection]:
     return register
 
 
-def inspect_path(path: str | Path, rows: int = 3, *, verify: bool = False) -> str:
+def inspect_path(path: str | Path, rows: int = 3, *, verify: bool = False, damaged: list[str] | None = None) -> str:
     """The report of ``path`` (see `moplex inspect --help`), every character of the data that a
     terminal would act on (escape sequences, carriage returns, bidi overrides) written as an escape.
     With ``verify`` a version's files (a listing's every version's) are checked against the sha256 their
-    manifest records, not only their sizes: each file read once."""
-    return printable(_report(Path(path), rows, verify))
+    manifest records, not only their sizes: each file read once. The folders of the versions it
+    reports DAMAGED are appended to ``damaged`` when given (`moplex inspect` exits 1 on any)."""
+    return printable(_report(Path(path), rows, verify, [] if damaged is None else damaged))
 
 
-def _report(path: Path, rows: int, verify: bool = False) -> str:
+def _report(path: Path, rows: int, verify: bool, damaged: list[str]) -> str:
     if path.is_file() and path.name == MANIFEST and is_version_folder(path.parent):
-        return _version_report(path.parent, rows, verify)
+        return _version_report(path.parent, rows, verify, damaged)
     if path.is_file() and path.suffix == ".parquet":
         try:
             return "\n".join(_readable_table_report(path.name, [path], rows))
         except _UNREADABLE as err:  # asked for by name: an error, not a line of a report
             raise ValueError(f"{path} is not a readable Parquet file ({err})") from None
     if path.is_dir() and is_version_folder(path):
-        return _version_report(path, rows, verify)
+        return _version_report(path, rows, verify, damaged)
     if path.is_dir():
         version = next((parent for parent in path.resolve().parents if is_version_folder(parent)), None)
-        return _listing(path, verify) if version is None else _folder_in_version(path, version)
+        return _listing(path, verify, damaged) if version is None else _folder_in_version(path, version)
     if path.exists():
         raise FileNotFoundError(f"{path} is not an artifact folder, a manifest.json or a Parquet file "
                                 "(it exists: open it with a viewer of its own kind)")
@@ -74,7 +75,7 @@ def _report(path: Path, rows: int, verify: bool = False) -> str:
     )
 
 
-def _version_report(version_dir: Path, rows: int, verify: bool = False) -> str:
+def _version_report(version_dir: Path, rows: int, verify: bool, damaged_versions: list[str]) -> str:
     manifest: dict[str, Any] = readable_manifest(version_dir) or {}  # {} unfinished, or damaged after the fact
     complete = bool(manifest)
     stage = manifest.get("stage", version_dir.parent.name)
@@ -84,6 +85,7 @@ def _version_report(version_dir: Path, rows: int, verify: bool = False) -> str:
     off = off_the_manifest(version_dir, manifest, hashes=verify) if complete else []
     damaged = sorted(set(off) & set(output_files(manifest))) if complete else []
     if damaged:
+        damaged_versions.append(str(version_dir))
         refused = ("a stage refuses a file missing or cut short by its name, and a row shard changed in place when "
                    "it reads it, but reads another changed file as it is" if verify
                    else "a stage that finds this version refuses it by these names")
@@ -359,7 +361,7 @@ def _folder_in_version(folder: Path, version_dir: Path) -> str:
     return "\n".join(lines)
 
 
-def _listing(directory: Path, verify: bool = False) -> str:
+def _listing(directory: Path, verify: bool, damaged: list[str]) -> str:
     """A stage folder or an artifact root: one line per version, with what a user deciding what to keep
     needs: whether it finished, its size on disk, when it finished (an unfinished one: when its last run
     started), what it was made from, which versions of the root were made from it (``used by``: their
@@ -390,6 +392,8 @@ def _listing(directory: Path, verify: bool = False) -> str:
             off = off_the_manifest(info.path, info.manifest, hashes=verify)
             size = _folder_bytes(info.path) if off else sum(entry["bytes"] for entry in info.manifest["files"].values())
             status = "DAMAGED " if set(off) & set(output_files(info.manifest)) else "complete"
+            if status == "DAMAGED ":
+                damaged.append(str(info.path))
             what = f"{_size(info.manifest, short=True):>16}  {info.manifest['finished']}"
         else:
             size = _folder_bytes(info.path)

@@ -108,7 +108,13 @@ def test_verify_finds_a_changed_byte_that_the_size_check_cannot_and_a_damaged_ve
     data[len(data) // 2] ^= 0xFF  # the same size: only its sha256 tells
     shard.write_bytes(bytes(data))
     assert "status:   complete" in inspect_path(rankings.path)
-    report = inspect_path(rankings.path, verify=True)
+    assert main(["inspect", str(rankings.path)]) == 0  # the size check alone sees nothing
+    for where in ([str(rankings.path)], ["--root", str(tmp_path)], ["ingest", "--root", str(tmp_path)]):
+        assert main(["inspect", *where, "--verify"]) == 1  # a check that a script can use
+        assert capsys.readouterr().err == "moplex inspect: 1 version(s) DAMAGED\n"
+    damaged: list[str] = []
+    report = inspect_path(rankings.path, verify=True, damaged=damaged)
+    assert damaged == [str(rankings.path)]
     assert "status:   DAMAGED: part-00000.parquet missing or not the size or sha256 manifest.json records" in report
     listing = inspect_path(tmp_path, verify=True).splitlines()
     assert listing[0].endswith("on disk, every file's sha256 checked):")
