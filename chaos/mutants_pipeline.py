@@ -417,6 +417,8 @@ PIPELINE_MUTANTS: list[Mutant] = [
     Mutant('inspect_prints_raw', 'moplex_core/inspect.py', "the data's escape sequences reach the terminal",
            'return printable(_report(Path(path), rows, verify, [] if damaged is None else damaged))',
            'return _report(Path(path), rows, verify, [] if damaged is None else damaged)'),
+    Mutant('split_fractions_beside_sizes', 'moplex_core/config/ingest.py', 'split.fractions beside split.sizes ignored unseen',
+           'if self.sizes is not None and self.fractions != type(self)', 'if False and self.fractions != type(self)'),
     Mutant('inspect_damaged_exits_0', 'moplex_core/cli.py', 'moplex inspect exits 0 on a DAMAGED version',
            '    if damaged:  # a check a script can use', '    if False:  # a check a script can use'),
     Mutant('inspect_counts_as_floats', 'moplex_core/inspect.py', "a count in inspect's metric table shows as 60.0000",

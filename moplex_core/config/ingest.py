@@ -54,6 +54,15 @@ class SplitConfig(Options):
             raise ValueError(f"split sizes (train, validation, test) must be >= 0 and not all 0, got {v}")
         return v
 
+    @model_validator(mode="after")
+    def _sizes_or_fractions(self) -> SplitConfig:
+        # sizes deal exact numbers of rankings and fractions would be ignored unseen (a preset's sizes under
+        # --set ingest.split.fractions=...); the default fractions beside sizes are what every manifest records
+        if self.sizes is not None and self.fractions != type(self).model_fields["fractions"].default:
+            raise ValueError(f"split.sizes {list(self.sizes)} and split.fractions {list(self.fractions)} exclude each "
+                             "other: sizes deal exact numbers of rankings; set split.sizes=null to split by fractions")
+        return self
+
 
 class DatasetOptions(Options):
     """The block of one dataset's own settings (``IngestConfig.<dataset>``), and what the configs
