@@ -57,6 +57,7 @@ def test_values_that_would_fail_a_later_stage_are_refused_up_front():
         "train.gamma_min=0.5": "\n  train.gamma_min = 0.5 is above 1/k",
         "root=": "root is empty",
         "cache.model=": "cache.model: is empty: give a local model folder or a hub name",
+        "ingest.synthetic.n=99999999999999999999": "ingest.synthetic.n: Input should be less than or equal to 10000000",
         "ingest.path= ": "ingest.path: is empty: give a file or folder",
     }
     for assignment, message in refused.items():

@@ -241,12 +241,13 @@ class PrismOptions(DatasetOptions):
 class SyntheticOptions(DatasetOptions):
     """moplex_core.data.synthetic.SyntheticConfig without its augmentation fields: the rankings
     artifact holds originals only (generated responses are the augment stage's); the seed is the
-    ingest config's."""
+    ingest config's. The upper bounds keep a mistyped size from a traceback or a machine's whole
+    memory: the rankings are generated in memory."""
 
-    n: int = Field(2000, ge=1)
-    k: int = Field(3, ge=1)
-    m: int = Field(4, ge=2)
-    n_values: int = Field(10, ge=1)
+    n: int = Field(2000, ge=1, le=10_000_000)
+    k: int = Field(3, ge=1, le=1000)
+    m: int = Field(4, ge=2, le=1000)
+    n_values: int = Field(10, ge=1, le=1_000_000)
     noise: float = Field(1.0, ge=0.0)
     alpha: tuple[float, ...] | None = None
 
