@@ -58,6 +58,8 @@ def test_values_that_would_fail_a_later_stage_are_refused_up_front():
         "root=": "root is empty",
         "cache.model=": "cache.model: is empty: give a local model folder or a hub name",
         "ingest.synthetic.n=99999999999999999999": "ingest.synthetic.n: Input should be less than or equal to 10000000",
+        "ingest.split.fractions=[true,false,false]": "ingest.split.fractions: expected a list of numbers, not booleans",
+        "ingest.synthetic.alpha=[0.5,true]": "ingest.synthetic.alpha: expected a list of numbers, not booleans",
         "ingest.path= ": "ingest.path: is empty: give a file or folder",
     }
     for assignment, message in refused.items():

@@ -58,6 +58,10 @@ def with_overrides(config: C, assignments: Sequence[str]) -> C:
             elif isinstance(value, bool) and bool not in alternatives and (int in alternatives or float in alternatives):
                 problems.append(f"  {key}: expected {_type_names(alternatives)}, not a boolean (got {raw})")  # read as 1
                 continue
+            elif (isinstance(value, list) and any(isinstance(item, bool) for item in value)
+                  and bool not in (inside := _types_in(annotation)) and (int in inside or float in inside)):
+                problems.append(f"  {key}: expected a list of numbers, not booleans (got {raw})")  # [1.0, 0.0]
+                continue
             for block, (_, given) in replaced.items():  # typed after the block: the user's, not a reset
                 if key.startswith(f"{block}."):
                     given.add(key[len(block) + 1:].split(".")[0])
