@@ -246,9 +246,13 @@ def test_first_day_mistakes_are_named_with_the_fix():
         ("ingest.split.fractions=[0.5,0.5]", "ingest.split.fractions: expected 3 values, got 2 ([0.5, 0.5])"),
         ("ingest.split.fractions=[0.5]", "ingest.split.fractions: expected 3 values, got 1 ([0.5])"),
         ("ingest.split.fractions=0.6,0.2,0.2", "a list is written as JSON: ingest.split.fractions='[0.6, 0.2, 0.2]'"),
+        ("train.lora_targets=1", """a list is written as JSON: train.lora_targets='["1"]'"""),  # text stays text
+        ("train.lora_targets=q_proj,2", """train.lora_targets='["q_proj", "2"]'"""),
+        ("augment=null augment.n_generated=3", "augment.n_generated: augment is null here, so it has no 'n_generated' "
+                                               "to set; give the whole block (augment={...}"),
     ]:
         with pytest.raises(ValueError) as refused:
-            with_overrides(demo, [assignment])
+            with_overrides(demo, assignment.split(" "))
         assert said in str(refused.value), str(refused.value)
     with pytest.raises(ValueError, match="did you mean synthetic-demo?"):
         pipeline_preset("data/presets/synthetic-demo.json")

@@ -42,6 +42,10 @@ def with_overrides(config: C, assignments: Sequence[str]) -> C:
         for depth, part in enumerate(parents):
             if not isinstance(node.get(part), dict):
                 block = ".".join(parents[:depth + 1])
+                if part in node and node[part] is None:  # a block this config leaves out (augment=null)
+                    problems.append(f"  {key}: {block} is null here, so it has no {leaf!r} to set; give the whole "
+                                    f"block first ({block}={{...}} with every setting it needs)")
+                    break
                 unprefixed = key.split(".", 1)[1]  # `ingest.validation` given to the ingest config itself
                 own_name = depth == 0 and part not in data and unprefixed in known
                 meant = unprefixed if own_name else _closest_key(block, blocks)
@@ -71,7 +75,7 @@ def with_overrides(config: C, assignments: Sequence[str]) -> C:
     try:
         validated = type(config).model_validate(data)
     except ValidationError as err:
-        problems.append(describe_validation_error(err, known))
+        problems.append(describe_validation_error(err, known, type(config)))
     if problems:
         given = f" (overrides {list(assignments)})" if assignments else ""
         raise ValueError(f"invalid {type(config).__name__} settings{given}:\n" + "\n".join(problems))
@@ -193,9 +197,11 @@ def _closest_key(key: str, known: Sequence[str]) -> str | None:
     return close[0] if close else None
 
 
-def describe_validation_error(err: ValidationError, known: Sequence[str] = ()) -> str:
+def describe_validation_error(err: ValidationError, known: Sequence[str] = (), model: type[BaseModel] | None = None
+                              ) -> str:
     """One line per problem, ``dotted.key: what is wrong (got value)``, without pydantic's URLs;
-    ``known`` (every dotted key of the settings) lets an unknown key name the one it was likely meant as."""
+    ``known`` (every dotted key of the settings) lets an unknown key name the one it was likely meant as;
+    ``model`` (the settings' class) lets a list of text suggest its items as text."""
     lines = []
     needed: dict[str, int] = {}  # a list given with too few items: how many its missing ones say it needs
     for problem in err.errors():
@@ -221,7 +227,8 @@ def describe_validation_error(err: ValidationError, known: Sequence[str] = ()) -
         said = isinstance(given, dict) or ", got " in message or (isinstance(given, str) and repr(given) in message)
         got = "" if said else f" (got {given!r})"
         if problem["type"] in ("tuple_type", "list_type") and isinstance(given, str):
-            items = [_as_value(item.strip()) for item in given.split(",") if item.strip()]
+            textual = model is not None and str in _types_in(_annotation_at(model, [str(p) for p in problem["loc"]]))
+            items = [item.strip() if textual else _as_value(item.strip()) for item in given.split(",") if item.strip()]
             got += f"; a list is written as JSON: {key}='{json.dumps(items)}'"
         named = not key or message.startswith(f"{key}.")  # a block's validator that names its setting itself
         lines.append(f"  {'' if named else key + ': '}{message}{got}")
