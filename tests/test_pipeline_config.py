@@ -249,7 +249,7 @@ def test_first_day_mistakes_are_named_with_the_fix():
         ("train.lora_targets=1", """a list is written as JSON: train.lora_targets='["1"]'"""),  # text stays text
         ("train.lora_targets=q_proj,2", """train.lora_targets='["q_proj", "2"]'"""),
         ("augment=null augment.n_generated=3", "augment.n_generated: augment is null here, so it has no 'n_generated' "
-                                               "to set; give the whole block (augment={...}"),
+                                               "to set; give the whole block first (augment={...}"),
     ]:
         with pytest.raises(ValueError) as refused:
             with_overrides(demo, assignment.split(" "))
