@@ -352,7 +352,7 @@ def build_parser() -> argparse.ArgumentParser:
         "identifiability",
         help="held-out clustering accuracy vs ranking length m (paper section 3, figure 4)",
     )
-    ident.add_argument("--out", default="data/artifacts/experiments/identifiability",
+    ident.add_argument("--out", type=_given("a folder"), default="data/artifacts/experiments/identifiability",
                        help="folder for results.parquet, table.md and accuracy_vs_m.png (default: %(default)s)")
     ident.add_argument("--seed", type=_int_at_least(0), default=0, help="first seed")
     ident.add_argument("--seeds", type=_positive_int, default=3, help="number of seeds")
@@ -375,13 +375,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="relative error of first-order score estimates by embedding distance (paper Table 1), "
         "delta and logpi modes",
     )
-    approx.add_argument("--cache", required=True,
+    approx.add_argument("--cache", type=_artifact, required=True,
                         help="a cache artifact: its folder, or cache/<version prefix> under --root (its model is pi_ref)")
     approx.add_argument("--root", type=_folder, default="data/artifacts", help="artifact root (default: %(default)s)")
     approx.add_argument("--model", type=_model, help="where the cache's base model is now, when it moved: a folder "
                         "with the same files (default: where the cache recorded it, or the root's own tiny model)")
-    approx.add_argument("--out", help="folder for errors.parquet, table.parquet and table.md (default: "
-                                      "ROOT/experiments/approximation)")
+    approx.add_argument("--out", type=_given("a folder"), help="folder for errors.parquet, table.parquet and "
+                        "table.md (default: ROOT/experiments/approximation)")
     approx.add_argument("--split", default="train", help="cache split to measure on")
     approx.add_argument("--k", type=_positive_int, default=3, help="adapters trained briefly before measuring")
     approx.add_argument("--seed", type=_int_at_least(0), default=0, help="first seed")
@@ -442,7 +442,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Add n_generated responses, ranked below the originals, to every ranking of a "
         "rankings artifact. Resumes an interrupted run; a second run with the same config does nothing.",
     )
-    augment.add_argument("--rankings", required=True,
+    augment.add_argument("--rankings", type=_artifact, required=True,
                          help="the rankings artifact: its folder, or stage/version under --root (e.g. ingest/3fa2)")
     augment.add_argument("--backend", choices=["hf", "vllm", "borrow"],
                          help="hf: transformers generate (default); vllm: a subprocess under vllm_python; "
@@ -466,7 +466,7 @@ def build_parser() -> argparse.ArgumentParser:
         "stage does; `moplex experiment approximation --cache` reads it. Resumes an interrupted run; a second "
         "run with the same config does nothing.",
     )
-    cache.add_argument("--rankings", required=True,
+    cache.add_argument("--rankings", type=_artifact, required=True,
                        help="the rankings or augmented artifact: its folder, or stage/version under --root "
                        "(e.g. augment/9c1e)")
     cache.add_argument("--model", type=_model, required=True, help="the base model pi_ref: a local model directory "
@@ -490,8 +490,9 @@ def build_parser() -> argparse.ArgumentParser:
         "train artifact's own cache settings, forward passes only (exact scores need no reference contractions). "
         "A second run with the same inputs does nothing.",
     )
-    assign.add_argument("train", help="the train artifact: its folder, or train/<version> under --root")
-    assign.add_argument("rankings", help="the rankings artifact: its folder, or ingest/<version> under --root")
+    assign.add_argument("train", type=_artifact, help="the train artifact: its folder, or train/<version> under --root")
+    assign.add_argument("rankings", type=_artifact,
+                        help="the rankings artifact: its folder, or ingest/<version> under --root")
     assign.add_argument("--root", type=_folder, help="artifact root (the cache and assign artifacts go here; "
                         "default: the train artifact's, given as a folder, else data/artifacts)")
     assign.add_argument("--model", type=_model, help="where the base model the adapters were trained on is now, when "
@@ -531,9 +532,10 @@ def build_parser() -> argparse.ArgumentParser:
         description="A readable report of an artifact version (manifest, schema, counts per cluster and split, "
                     "first rows, the stage's own summary), a manifest.json, a Parquet file, or a listing of a "
                     "root or stage folder.")
-    inspect.add_argument("path", nargs="?", help="a version folder, manifest.json, Parquet file, root or stage "
-                                                 "folder, or stage/version under --root (a version prefix is "
-                                                 "enough, e.g. ingest/3fa2); without it, the listing of --root")
+    inspect.add_argument("path", nargs="?", type=_given("a path (leave it out for the listing of --root)"),
+                         help="a version folder, manifest.json, Parquet file, root or stage folder, or stage/version "
+                              "under --root (a version prefix is enough, e.g. ingest/3fa2); without it, the listing "
+                              "of --root")
     inspect.add_argument("--root", type=_folder, default="data/artifacts", help="artifact root for stage/version")
     inspect.add_argument("--rows", type=_int_at_least(0), default=3, help="first rows to show per table")
     inspect.add_argument("--verify", action="store_true",
@@ -557,6 +559,7 @@ def _given(what: str) -> Callable[[str], str]:
 
 _folder = _given("a folder (leave --root out for the default)")
 _model = _given("a local model folder or a hub name")
+_artifact = _given("an artifact: its folder, or STAGE/VERSION under --root")
 
 
 def _int_at_least(low: int) -> Callable[[str], int]:

@@ -129,7 +129,8 @@ def _version_report(version_dir: Path, rows: int, verify: bool, damaged_versions
         if manifest.get("runtime"):  # torch's thread count (manifests since commit 88a0104)
             lines.append("runtime:  " + ", ".join(f"{k} {v}" for k, v in sorted(manifest["runtime"].items())))
     elif (version_dir / MANIFEST).is_file():
-        lines.append(f"status:   INCOMPLETE ({MANIFEST} cannot be read): damaged after it was written; delete the "
+        damaged_versions.append(str(version_dir))
+        lines.append(f"status:   DAMAGED: {MANIFEST} cannot be read (damaged after it was written); delete the "
                      "version folder and rerun the stage")
     else:
         code = _started_by(version_dir)
@@ -395,6 +396,10 @@ def _listing(directory: Path, verify: bool, damaged: list[str]) -> str:
             if status == "DAMAGED ":
                 damaged.append(str(info.path))
             what = f"{_size(info.manifest, short=True):>16}  {info.manifest['finished']}"
+        elif (info.path / MANIFEST).is_file():  # there, but not a manifest a stage can read
+            size = _folder_bytes(info.path)
+            status, what = "DAMAGED ", f"{MANIFEST} cannot be read"
+            damaged.append(str(info.path))
         else:
             size = _folder_bytes(info.path)
             started = records[ref].get("started")
@@ -407,9 +412,10 @@ def _listing(directory: Path, verify: bool, damaged: list[str]) -> str:
     for folder in partial:
         size = _folder_bytes(folder)
         total += size
-        lines.append(f"  {folder.parent.name + '/' + folder.name:<32} PARTIAL     {_bytes(size):>8}  neither "
-                     f"{MANIFEST} nor a run's start marker: a version deleted or copied in part; delete it before its "
-                     "stage runs again")
+        which = (f"a {MANIFEST} without a stage, version and code version" if (folder / MANIFEST).is_file()
+                 else f"neither {MANIFEST} nor a run's start marker")
+        lines.append(f"  {folder.parent.name + '/' + folder.name:<32} PARTIAL     {_bytes(size):>8}  {which}: a "
+                     "version deleted, copied in part or edited; delete it before its stage runs again")
     checked = ", every file's sha256 checked" if verify else ""
     return "\n".join([f"artifacts under {directory} ({len(infos)} version(s), {_bytes(total)} on disk{checked}):",
                       *lines])

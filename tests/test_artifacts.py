@@ -186,7 +186,11 @@ def test_list_locate_and_fingerprint(tmp_path):
     damaged = write_demo(store, "abd444")
     (damaged / MANIFEST).write_text('{"stage": "demo", "vers')  # a finished version's manifest, cut short
     assert ("demo/abd444", False, None) in [(str(i.ref), i.complete, i.manifest) for i in store.list("demo")]
-    assert "INCOMPLETE (manifest.json cannot be read)" in inspect_path(damaged)  # a version, not data
+    found: list[str] = []
+    assert "DAMAGED: manifest.json cannot be read" in inspect_path(damaged, damaged=found)  # a version, not data
+    listed: list[str] = []
+    assert "demo/abd444                      DAMAGED   " in inspect_path(tmp_path / "demo", damaged=listed)
+    assert found == listed == [str(damaged)]  # moplex inspect exits 1
     with pytest.raises(ArtifactCorruptError, match=f"{damaged / MANIFEST} cannot be read .*delete the version folder"):
         read_manifest(damaged)  # a stage that finds it "complete" is told which file, not a bare JSON error
     (damaged / MANIFEST).write_text("[1, 2]")

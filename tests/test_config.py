@@ -152,7 +152,8 @@ def test_a_value_holding_an_equals_sign_is_kept_whole(tmp_path):
     (lambda: IngestConfig(dataset="generic", path="x.jsonl", split={"from_source": True, "sizes": [1, 1, 1]}),
      "split.sizes and split.from_source exclude each other"),
     (lambda: IngestConfig(dataset="synthetic", split={"sizes": [10, 10, 10], "fractions": [1, 0, 0]}),
-     r"split.sizes \[10, 10, 10\] and split.fractions \[1.0, 0.0, 0.0\] exclude each other"),
+     r"split.sizes \[10, 10, 10\] and split.fractions \[1.0, 0.0, 0.0\] exclude each other: .* or "
+     r"split.fractions=\[0.8, 0.1, 0.1\] \(the default\) to deal by sizes"),
     (lambda: TrainConfig(lora_targets=()), r"lora_targets must name at least one module \(e.g. q_proj\), got \(\)"),
     (lambda: TrainConfig(lora_targets=("q_proj", "")), "lora_targets must name at least one module"),
 ])
@@ -164,6 +165,7 @@ def test_each_setting_that_cannot_work_is_refused_naming_it(make, message):
 def test_split_sizes_keep_the_default_fractions_every_manifest_records():
     sized = IngestConfig(dataset="synthetic", split={"sizes": [10, 10, 10]})
     assert IngestConfig.model_validate(sized.model_dump()).split == sized.split  # read back from a manifest
+    assert IngestConfig(dataset="synthetic", split={"sizes": [10, 10, 10], "fractions": [0.8000000000000001, 0.1, 0.1]})
 
 
 def test_hub_source_defaults_and_overrides():

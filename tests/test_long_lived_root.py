@@ -115,7 +115,12 @@ def test_the_listing_says_each_versions_size_what_uses_it_and_which_inputs_are_g
     assert lines[str(versions["train"].ref)].endswith(
         f"from {short['cache']} (gone), {short['model']} (partial)  used by {short['evaluate']}")
     assert lines[str(versions["model"].ref)].split()[1] == "PARTIAL"  # listed, not left out: it takes space
-    assert "a version deleted or copied in part" in lines[str(versions["model"].ref)]
+    assert "neither manifest.json nor a run's start marker: a version deleted, copied in part or edited" in lines[
+        str(versions["model"].ref)]
+    (versions["model"].path / MANIFEST).write_text("{}")  # one that says nothing of a stage: not moplex's
+    partial = next(line for line in inspect_path(root).splitlines() if str(versions["model"].ref) in line)
+    assert "PARTIAL" in partial and "a manifest.json without a stage, version and code version" in partial
+    (versions["model"].path / MANIFEST).unlink()
     (root / "model" / "my-base-model").mkdir()  # the user's own, which no stage writes to: not theirs to delete
     (root / "model" / "my-base-model" / "config.json").write_text("{}")
     assert "my-base-model" not in inspect_path(root) and "my-base-model" not in inspect_path(root / "model")

@@ -58,8 +58,11 @@ def test_values_that_would_fail_a_later_stage_are_refused_up_front():
         "root=": "root is empty",
         "cache.model=": "cache.model: is empty: give a local model folder or a hub name",
         "ingest.synthetic.n=99999999999999999999": "ingest.synthetic.n: Input should be less than or equal to 10000000",
-        "ingest.split.fractions=[true,false,false]": "ingest.split.fractions: expected a list of numbers, not booleans",
-        "ingest.synthetic.alpha=[0.5,true]": "ingest.synthetic.alpha: expected a list of numbers, not booleans",
+        "ingest.synthetic.n=10000000": "ingest.synthetic: n x m x k = 10000000 x 4 x 3 values is more than",
+        "ingest.split.fractions=[true,false,false]": "ingest.split.fractions.0: expected a number, not a boolean",
+        "ingest.synthetic.alpha=[0.5,true]": "ingest.synthetic.alpha.1: expected a number, not a boolean",
+        'ingest.split={"fractions":[1,0,false]}': "ingest.split.fractions.2: expected a number, not a boolean",
+        "train.k=[true]": "train.k: Input should be a valid integer",
         "ingest.path= ": "ingest.path: is empty: give a file or folder",
     }
     for assignment, message in refused.items():
@@ -248,6 +251,7 @@ def test_first_day_mistakes_are_named_with_the_fix():
         ("ingest.split.fractions=0.6,0.2,0.2", "a list is written as JSON: ingest.split.fractions='[0.6, 0.2, 0.2]'"),
         ("train.lora_targets=1", """a list is written as JSON: train.lora_targets='["1"]'"""),  # text stays text
         ("train.lora_targets=q_proj,2", """train.lora_targets='["q_proj", "2"]'"""),
+        ("ingest.revision.main=1", "ingest.revision.main: 'revision' is not a block of ingest"),  # a null setting
         ("augment=null augment.n_generated=3", "augment.n_generated: augment is null here, so it has no 'n_generated' "
                                                "to set; give the whole block first (augment={...}"),
     ]:
@@ -288,13 +292,17 @@ def test_an_empty_root_is_refused_not_taken_for_the_default(command, tmp_path, c
                                      ["augment", "--rankings", "ingest/x", "--model", ""],
                                      ["cache", "--rankings", "ingest/x", "--model", ""],
                                      ["assign", "a", "b", "--model", ""],
-                                     ["experiment", "approximation", "--cache", "cache/x", "--model", ""]])
+                                     ["experiment", "approximation", "--cache", "cache/x", "--model", ""],
+                                     ["augment", "--rankings", ""], ["cache", "--model", "m", "--rankings", " "],
+                                     ["assign", "train/x", ""], ["experiment", "approximation", "--cache", ""],
+                                     ["experiment", "approximation", "--cache", "cache/x", "--out", ""],
+                                     ["inspect", ""]])
 def test_an_empty_path_or_model_is_refused_not_read_as_the_working_directory(command, tmp_path, capsys, monkeypatch):
     from moplex_core.cli import main
 
     monkeypatch.chdir(tmp_path)  # an empty path is the working directory to the OS: nothing read or hashed there
     with pytest.raises(SystemExit) as exited:
         main(command)
-    flag = command[-2]
-    assert exited.value.code == 2 and f"argument {flag}: expected a " in capsys.readouterr().err
+    flag = command[-2] if command[-2].startswith("--") else {"assign": "rankings", "inspect": "path"}[command[0]]
+    assert exited.value.code == 2 and f"argument {flag}: expected a" in capsys.readouterr().err
     assert not list(tmp_path.iterdir())

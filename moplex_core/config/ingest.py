@@ -58,9 +58,12 @@ class SplitConfig(Options):
     def _sizes_or_fractions(self) -> SplitConfig:
         # sizes deal exact numbers of rankings and fractions would be ignored unseen (a preset's sizes under
         # --set ingest.split.fractions=...); the default fractions beside sizes are what every manifest records
-        if self.sizes is not None and self.fractions != type(self).model_fields["fractions"].default:
+        default = type(self).model_fields["fractions"].default
+        if self.sizes is not None and any(abs(f - d) > 1e-9 for f, d in zip(self.fractions, default, strict=True)):
             raise ValueError(f"split.sizes {list(self.sizes)} and split.fractions {list(self.fractions)} exclude each "
-                             "other: sizes deal exact numbers of rankings; set split.sizes=null to split by fractions")
+                             "other: sizes deal exact numbers of rankings and ignore fractions; give split.sizes=null "
+                             f"to split by fractions, or split.fractions={list(default)} (the default) to deal by "
+                             "sizes")
         return self
 
 
@@ -257,6 +260,9 @@ class SyntheticOptions(DatasetOptions):
             len(self.alpha) != self.k or any(a < 0 for a in self.alpha) or abs(sum(self.alpha) - 1) > 1e-6
         ):
             raise ValueError(f"alpha must be {self.k} non-negative proportions summing to 1, got {self.alpha}")
+        if self.n * self.m * self.k > 100_000_000:  # generated as one integer array of that many values
+            raise ValueError(f"n x m x k = {self.n} x {self.m} x {self.k} values is more than these rankings are "
+                             "generated in (10^8, in memory at once); lower synthetic.n, synthetic.m or synthetic.k")
         return self
 
     def labels(self) -> tuple[str, ...]:

@@ -42,7 +42,9 @@ def with_overrides(config: C, assignments: Sequence[str]) -> C:
         for depth, part in enumerate(parents):
             if not isinstance(node.get(part), dict):
                 block = ".".join(parents[:depth + 1])
-                if part in node and node[part] is None:  # a block this config leaves out (augment=null)
+                if part in node and node[part] is None and _blocks_in(_annotation_at(type(config), [*parents[:depth],
+                                                                                                      part])):
+                    # a block this config leaves out (augment=null)
                     problems.append(f"  {key}: {block} is null here, so it has no {leaf!r} to set; give the whole "
                                     f"block first ({block}={{...}} with every setting it needs)")
                     break
@@ -56,15 +58,11 @@ def with_overrides(config: C, assignments: Sequence[str]) -> C:
             node = node[part]
         else:
             annotation = _annotation_at(type(config), [*parents, leaf])
-            alternatives = _alternatives(annotation)  # a number, or null: not the items of a list
             if isinstance(value, (bool, int, float)) and str in _types_in(annotation):
                 value = raw  # a setting that takes text keeps what was typed
-            elif isinstance(value, bool) and bool not in alternatives and (int in alternatives or float in alternatives):
-                problems.append(f"  {key}: expected {_type_names(alternatives)}, not a boolean (got {raw})")  # read as 1
-                continue
-            elif (isinstance(value, list) and any(isinstance(item, bool) for item in value)
-                  and bool not in (inside := _types_in(annotation)) and (int in inside or float in inside)):
-                problems.append(f"  {key}: expected a list of numbers, not booleans (got {raw})")  # [1.0, 0.0]
+            elif boolean := _boolean_for_a_number(value, annotation, key):  # pydantic would read true as 1
+                where, expected = boolean
+                problems.append(f"  {where}: expected {expected}, not a boolean (got {raw})")
                 continue
             for block, (_, given) in replaced.items():  # typed after the block: the user's, not a reset
                 if key.startswith(f"{block}."):
@@ -128,7 +126,7 @@ def _annotation_at(model: type[BaseModel], path: Sequence[str]) -> Any:
     where there is no such setting (the validation then names the unknown key)."""
     annotation: Any = model
     for part in path:
-        blocks = [t for t in _types_in(annotation) if isinstance(t, type) and issubclass(t, BaseModel)]
+        blocks = _blocks_in(annotation)
         field = blocks[0].model_fields.get(part) if blocks else None
         if field is None:
             return None
@@ -151,6 +149,35 @@ def _alternatives(annotation: Any) -> list[Any]:
     if get_origin(annotation) is Annotated:
         return _alternatives(get_args(annotation)[0])
     return [annotation]
+
+
+def _boolean_for_a_number(value: Any, annotation: Any, key: str) -> tuple[str, str] | None:
+    """The first place in ``value`` (as typed: JSON, a block's dict and a list's items included) that
+    holds a boolean where a setting of type ``annotation`` takes a number and not a boolean, as (its
+    dotted key, what it takes), or None."""
+    alternatives = _alternatives(annotation)
+    if isinstance(value, bool):
+        numbers = int in alternatives or float in alternatives
+        return (key, _type_names(alternatives)) if numbers and bool not in alternatives else None
+    if isinstance(value, list):
+        lists = [get_args(t) for t in alternatives if get_origin(t) in (tuple, list)]
+        for i, item in enumerate(value):
+            for args in lists:
+                item_type = args[0] if len(args) == 1 or args[-1] is Ellipsis else args[i] if i < len(args) else None
+                if found := _boolean_for_a_number(item, item_type, f"{key}.{i}"):
+                    return found
+    if isinstance(value, dict):
+        for block in _blocks_in(annotation):
+            for name, item in value.items():
+                field = block.model_fields.get(name)
+                if field is not None and (found := _boolean_for_a_number(item, field.annotation, f"{key}.{name}")):
+                    return found
+    return None
+
+
+def _blocks_in(annotation: Any) -> list[type[BaseModel]]:
+    """The blocks of settings (models) a setting of type ``annotation`` can hold."""
+    return [t for t in _types_in(annotation) if isinstance(t, type) and issubclass(t, BaseModel)]
 
 
 def _types_in(annotation: Any) -> list[Any]:
