@@ -46,8 +46,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 STAGE = "assign"
-CODE_VERSION = "assign-3"  # bump when a change to this stage changes what it writes
-# (assign-2: agreement_with_labels; assign-3: one shard per cache shard, each written when scored)
+CODE_VERSION = "assign-4"  # bump when a change to this stage changes what it writes
+# (assign-2: agreement_with_labels; assign-3: one shard per cache shard, each written when scored; assign-4: a
+# tied last tier of every response left adds 0 to the PL likelihood, moplex_core.pl)
 
 ASSIGN_SCHEMA = pa.schema([
     pa.field("example_id", pa.string(), nullable=False),

@@ -246,13 +246,14 @@ def _name(c: int, label_names: list[str] | None) -> str:
 # the evaluate stage: a train artifact and its cache in, `evaluation` out (DESIGN 3, 7)
 
 STAGE = "evaluate"
-CODE_VERSION = "evaluate-14"  # bump when a change to this stage changes what it writes (8: plots, "|" in labels;
+CODE_VERSION = "evaluate-15"  # bump when a change to this stage changes what it writes (8: plots, "|" in labels;
 # 9: ranking accuracy leave_pair_out, marginal = the mixture's pairwise probability, non-finite scores refused;
 # 10: clustering_accuracy_many_to_one when k exceeds the labels, no clustering rows when k = 1; 11: the report
 # says that EM's iterations are numbered from 0, and under which observation model heldout_log_likelihood is;
 # metrics.parquet counts each split's rankings, per true cluster too; 12: the report's mixture table; 13: text
 # columns as Arrow string, not pandas 3's large_string, and no pandas metadata: `artifacts.writer.arrow_table`;
-# 14: assignments.parquet, the held-out rankings' posteriors and scores)
+# 14: assignments.parquet, the held-out rankings' posteriors and scores; 15: a tied last tier of every response
+# left adds 0 to the PL likelihood, moplex_core.pl)
 METRICS_FILE = "metrics.parquet"
 ASSIGNMENTS_FILE = "assignments.parquet"
 RANKINGS = "rankings"  # the metric that counts a split's rankings (per true cluster too): what each value rests on

@@ -14,7 +14,9 @@ The log-likelihood (DESIGN.md 5.2; paper eqs. 2 and 5, Breslow's treatment of ti
     log P = sum_t [ sum_{j in T_t} r_j - |T_t| * logsumexp({r_l : l in T_t ... T_L} U {r_g : g in G}) ]
 
 computed for every observed item j as  r_j - logsumexp{r_l : tier_l >= tier_j}, which summed over the
-items of one tier gives the bracket above. Cost O(M log M) per ranking (a sort, once per dataset,
+items of one tier gives the bracket above; with G empty the last tier's bracket is 0 (it holds every
+item left, in any order: the exact marginal, where Breslow's bracket is below 0 for a tie). So a tied
+last tier and the unranked bottom set G are one thing: the items whose order the ranking leaves open. Cost O(M log M) per ranking (a sort, once per dataset,
 and a cumulative sum), vectorised over any number of leading batch dimensions.
 """
 
@@ -98,7 +100,15 @@ def prepare_rankings(tiers: torch.Tensor, ranked_prefix: torch.Tensor | int | No
     sort_key, order = torch.sort(sort_key, dim=-1, stable=True)  # [..., M]
     flat_key = sort_key.reshape(-1, sort_key.shape[-1]).contiguous()
     last = torch.searchsorted(flat_key, flat_key, right=True).reshape(sort_key.shape) - 1
-    return RankingIndex(order, sort_key >= -UNRANKED, torch.gather(observed, -1, order), last)
+    observed = torch.gather(observed, -1, order)  # [..., M], sorted
+    # The worst tier, where no unranked item lies below it, is every item left: each order of its
+    # items follows, so a tie there contributes log 1 = 0 (Breslow's term would be below 0, and differ
+    # between clusters, for a ranking that says nothing of their order). A single item's term is 0
+    # already (r - r), and is kept as it was computed.
+    first = (~valid).sum(-1, keepdim=True).clamp(max=max(tiers.shape[-1] - 1, 0))  # padding sorts first
+    rest = torch.gather(observed, -1, first) & (sort_key == torch.gather(sort_key, -1, first))
+    tied_rest = rest & (rest.sum(-1, keepdim=True) > 1)
+    return RankingIndex(order, sort_key >= -UNRANKED, observed & ~tied_rest, last)
 
 
 def log_likelihood(scores: torch.Tensor, index: RankingIndex) -> torch.Tensor:

@@ -62,11 +62,13 @@ from moplex_core.scorers.lora_policy import LoRAPolicyScorer, PolicyInputs, Scor
 log = logging.getLogger(__name__)
 
 STAGE = "train"
-CODE_VERSION = "train-14"  # bump when a change to this stage changes what it writes (11: a k-means restart
+CODE_VERSION = "train-15"  # bump when a change to this stage changes what it writes (11: a k-means restart
 # that repeats an earlier restart's partition starts from a Dirichlet draw instead; 12: adapter_config.json has
 # task_type CAUSAL_LM, so AutoPeftModelForCausalLM loads an adapter; 13: EM's tolerance is absolute where
 # |LL per ranking| < 1, as with m = 2; 14: with shared prompts a group's prefix reaches its rows by broadcast,
-# whose backward sums them in another order: the same values to float rounding, other bytes)
+# whose backward sums them in another order: the same values to float rounding, other bytes; 15: a last tier
+# that holds every response left, with no generated one below, adds log 1 = 0 to a ranking's PL likelihood
+# (moplex_core.pl), where Breslow's term for a tie did not: rankings without ties keep their values)
 POSTERIORS = "posteriors.parquet"
 SCORES = "scores.parquet"  # of one EM iteration, under em/restart-RR/iter-NNNN/ (SCORES_SCHEMA)
 ESTIMATES = "estimation.json"  # of one EM iteration, beside it: `measure_estimates`

@@ -130,6 +130,32 @@ def test_breslow_ties_match_the_design_formula():
         assert got == pytest.approx(sum(terms[:l]), rel=1e-12)
 
 
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.floats(-5, 5), min_size=2, max_size=5), st.data())
+def test_a_last_tier_of_every_item_left_equals_the_brute_force_marginal_over_its_orders(scores, data):
+    """Without generated items the last tier holds every item left: all its orders follow, so it adds
+    log 1 = 0, the exact marginal (Breslow's bracket would be below 0 and differ between clusters).
+    A ranking of one tier, all tied, has probability 1 under every cluster."""
+    m = len(scores)
+    order = data.draw(st.permutations(range(m)))
+    cut = data.draw(st.integers(0, m - 2))  # the strict tiers before the tied last one (at least 2 items)
+    ranking = [[j] for j in order[:cut]] + [list(order[cut:])]
+    marginal = sum(brute_force_order_prob(scores, list(order[:cut]) + list(tail))
+                   for tail in itertools.permutations(order[cut:]))
+    got = plackett_luce_log_likelihood(torch.tensor([[*scores, 9.0]], dtype=torch.float64),  # a PAD slot last
+                                       torch.tensor([encode_tiers(ranking, m, m + 1)])).item()
+    assert got == pytest.approx(math.log(marginal), rel=1e-9, abs=1e-12)
+    if cut == 0:
+        assert got == 0.0
+
+
+def test_a_tied_last_tier_keeps_breslow_where_generated_items_lie_below_it():
+    s = [0.3, -1.2, 2.0]  # item 2 generated: unranked, below the tie
+    tiers = torch.tensor([encode_tiers([[0, 1]], 3)])
+    got = plackett_luce_log_likelihood(torch.tensor([s], dtype=torch.float64), tiers).item()
+    assert got == pytest.approx(s[0] + s[1] - 2 * math.log(sum(math.exp(v) for v in s)), rel=1e-12)
+
+
 @settings(max_examples=100, deadline=None)
 @given(st.floats(-30, 30), st.floats(-30, 30))
 def test_bradley_terry_is_pl_with_two_items_and_the_sigmoid(rw, rl):

@@ -321,15 +321,15 @@ def _m_and_e_step(scorer: Scorer, inputs: Any, rankings: Rankings, weights: torc
 
 def _warn_on_tied_rankings(rankings: Rankings) -> None:
     """Rankings with every response in one observed tier (`Rankings.all_tied`) order nothing. EM still
-    runs; if every ranking is tied, no cluster can be told apart and the posteriors tend to the
-    mixing weights."""
+    runs; their likelihood is 1 under every cluster, so if every ranking is tied no cluster can be
+    told apart and the posteriors are the mixing weights."""
     tied = rankings.all_tied
     if tied.any():
         n_tied, n = int(tied.sum()), len(rankings)
         warnings.warn(
             f"{n_tied} of {n} rankings put every response in one tier (all tied); they say nothing about "
             "which response is better or which cluster they came from"
-            + (". With every ranking tied the clusters cannot be told apart: the posteriors tend to the "
+            + (". With every ranking tied the clusters cannot be told apart: the posteriors are the "
                "mixing weights." if n_tied == n else "; EM fits on the others."),
             RuntimeWarning,
             stacklevel=3,

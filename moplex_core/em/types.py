@@ -72,8 +72,8 @@ class Rankings:
 
     @property
     def all_tied(self) -> torch.Tensor:
-        """bool [n]: rankings with every observed response in one tier. They order nothing: under
-        Breslow ties (pl) they only pull a cluster's scores together, under bt_pairs they have no pair."""
+        """bool [n]: rankings with every observed response in one tier. They order nothing: under pl
+        their one tier holds every response, in any order (probability 1), under bt_pairs they have no pair."""
         tiers = self.observed_tiers
         return ((tiers == 0) | (tiers == PAD)).all(1)
 
