@@ -392,8 +392,9 @@ def _listing(directory: Path, verify: bool, damaged: list[str]) -> str:
         if info.complete:
             off = off_the_manifest(info.path, info.manifest, hashes=verify)
             size = _folder_bytes(info.path) if off else sum(entry["bytes"] for entry in info.manifest["files"].values())
-            status = "DAMAGED " if set(off) & set(output_files(info.manifest)) else "complete"
-            if status == "DAMAGED ":
+            broken = bool(set(off) & set(output_files(info.manifest)))
+            status = "DAMAGED " if broken else "complete"
+            if broken:
                 damaged.append(str(info.path))
             what = f"{_size(info.manifest, short=True):>16}  {info.manifest['finished']}"
         elif (info.path / MANIFEST).is_file():  # there, but not a manifest a stage can read

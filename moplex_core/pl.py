@@ -16,8 +16,9 @@ The log-likelihood (DESIGN.md 5.2; paper eqs. 2 and 5, Breslow's treatment of ti
 computed for every observed item j as  r_j - logsumexp{r_l : tier_l >= tier_j}, which summed over the
 items of one tier gives the bracket above; with G empty the last tier's bracket is 0 (it holds every
 item left, in any order: the exact marginal, where Breslow's bracket is below 0 for a tie). So a tied
-last tier and the unranked bottom set G are one thing: the items whose order the ranking leaves open. Cost O(M log M) per ranking (a sort, once per dataset,
-and a cumulative sum), vectorised over any number of leading batch dimensions.
+last tier and the unranked bottom set G are one thing: the items whose order the ranking leaves open.
+Cost O(M log M) per ranking (a sort, once per dataset, and a cumulative sum), vectorised over any
+number of leading batch dimensions.
 """
 
 from __future__ import annotations

@@ -42,9 +42,8 @@ def with_overrides(config: C, assignments: Sequence[str]) -> C:
         for depth, part in enumerate(parents):
             if not isinstance(node.get(part), dict):
                 block = ".".join(parents[:depth + 1])
-                if part in node and node[part] is None and _blocks_in(_annotation_at(type(config), [*parents[:depth],
-                                                                                                      part])):
-                    # a block this config leaves out (augment=null)
+                left_out = part in node and node[part] is None  # augment=null: a block this config leaves out
+                if left_out and _blocks_in(_annotation_at(type(config), parents[:depth + 1])):
                     problems.append(f"  {key}: {block} is null here, so it has no {leaf!r} to set; give the whole "
                                     f"block first ({block}={{...}} with every setting it needs)")
                     break
