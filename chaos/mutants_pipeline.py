@@ -422,6 +422,8 @@ PIPELINE_MUTANTS: list[Mutant] = [
            'return _report(Path(path), rows, verify, [] if damaged is None else damaged)'),
     Mutant('split_fractions_beside_sizes', 'moplex_core/config/ingest.py', 'split.fractions beside split.sizes ignored unseen',
            'if self.sizes is not None and any(abs(f - d)', 'if False and any(abs(f - d)'),
+    Mutant('resolve_stage_name_in_cwd', 'moplex_core/artifacts/store.py', "a stage's name resolved in the working directory",
+           'return self.root / parts[0]  # a stage', 'return path  # a stage'),
     Mutant('inspect_damaged_exits_0', 'moplex_core/cli.py', 'moplex inspect exits 0 on a DAMAGED version',
            '    if damaged:  # a check a script can use', '    if False:  # a check a script can use'),
     Mutant('inspect_counts_as_floats', 'moplex_core/inspect.py', "a count in inspect's metric table shows as 60.0000",

@@ -258,6 +258,15 @@ def test_a_version_prefix_typed_through_dot_dot_resolves_in_its_stage_folder(tmp
     assert ArtifactStore("elsewhere").resolve("../aab") == version
 
 
+def test_a_stage_name_resolves_to_its_folder_under_the_root_not_the_working_directory(tmp_path, monkeypatch):
+    store = ArtifactStore(tmp_path / "root")
+    write_demo(store, "aab222")
+    monkeypatch.chdir(tmp_path)
+    assert store.resolve("demo/") == store.resolve("demo") == store.root / "demo"  # a command names its versions
+    (tmp_path / "demo").mkdir()  # a folder of that name here: a path typed as it is, as before
+    assert store.resolve("demo") == Path("demo")
+
+
 def test_unfinished_or_tampered_artifacts_are_refused_with_a_way_out(tmp_path):
     store = ArtifactStore(tmp_path)
     with pytest.raises(ArtifactNotFoundError):

@@ -117,6 +117,8 @@ class ArtifactStore:
         if in_stage_folder:
             found = ArtifactStore(root_of(missing)).locate(f"{missing.parent.name}/{missing.name}").path
             return found / absolute.relative_to(missing)
+        if len(parts) == 1 and not spelled_as_path and is_stage_folder(self.root / parts[0]):
+            return self.root / parts[0]  # a stage's name (ingest, ingest/): its folder under this root
         return path
 
     def locate(self, ref: str | ArtifactRef) -> ArtifactInfo:
