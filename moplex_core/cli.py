@@ -318,7 +318,7 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _inspect(args: argparse.Namespace) -> int:
-    from moplex_core.artifacts import ArtifactError, ArtifactStore, is_stage_folder
+    from moplex_core.artifacts import ArtifactError, ArtifactStore
     from moplex_core.inspect import inspect_path
 
     store = ArtifactStore(args.root)
@@ -328,9 +328,7 @@ def _inspect(args: argparse.Namespace) -> int:
                 raise ArtifactError(f"no artifacts to list: the root is {store.missing_root()}")
             target = store.root
         else:
-            target = store.resolve(args.path)
-            if not target.exists() and is_stage_folder(store.root / args.path):  # a stage's name: its listing
-                target = store.root / args.path
+            target = store.resolve(args.path)  # a stage's name: its folder under --root, listed
         damaged: list[str] = []
         print(inspect_path(target, rows=args.rows, verify=args.verify, damaged=damaged))
     except (FileNotFoundError, ArtifactError, ValueError) as err:
