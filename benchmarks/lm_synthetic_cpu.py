@@ -38,7 +38,7 @@ from moplex_core.em import Rankings  # noqa: E402
 from moplex_core.evaluate import EvalSplit, cache_label_names, em_start_rows, evaluate_mixture  # noqa: E402
 from moplex_core.experiments.approximation import ApproximationConfig, run_approximation  # noqa: E402
 from moplex_core.lm.tiny import build_tiny_model  # noqa: E402
-from moplex_core.train import load_trained  # noqa: E402
+from moplex_core.train import load_posteriors, load_trained  # noqa: E402
 
 
 def below_extras(rankings_dir: Path, store: ArtifactStore, n_generated: int, k: int, seed: int) -> Path:
@@ -74,7 +74,8 @@ def evaluate(train_dir: str, cache_dir: str) -> dict[str, float]:
 def start_and_end_accuracy(train_dir: str, cache_dir: str) -> tuple[float, float]:
     """Clustering accuracy on the train split of the responsibilities EM started from and of those it
     ended with (both kept in the train artifact), each under its own Hungarian matching on the train split."""
-    metrics = em_start_rows(train_dir, cache_dir, cache_label_names(cache_dir)).set_index("metric").value
+    rows = em_start_rows(load_posteriors(train_dir), cache_dir, cache_label_names(cache_dir))
+    metrics = rows.set_index("metric").value
     return float(metrics["clustering_accuracy_start"]), float(metrics["clustering_accuracy_final"])
 
 
@@ -101,6 +102,8 @@ def main() -> None:
                              "(train.backtracks)")
     parser.add_argument("--anchor-weighting", default="mean", choices=("mean", "nearest"),
                         help="train.anchor_weighting: the anchors' mean estimate (the paper's) or the nearest's")
+    parser.add_argument("--anchor-draw", default="uniform", choices=("uniform", "by_length"),
+                        help="train.anchor_draw: a uniform draw of anchors (the paper's) or one per length stratum")
     parser.add_argument("--seed", type=int, default=0,
                         help="train.seed (LoRA init, EM start, shuffling, anchors); the data and tiny model stay fixed")
     parser.add_argument("--pretrain-steps", type=int, default=150)
@@ -135,7 +138,8 @@ def main() -> None:
                                lr=args.lr, epochs=2, first_epochs=args.first_epochs,
                                batch_size=16, em_iterations=args.iterations, tol=0.0, init=args.init,
                                backtracks=args.backtracks, exact_fallback=args.exact_fallback, seed=args.seed,
-                               anchor_weighting=args.anchor_weighting, dtype="float32", device="cpu")
+                               anchor_weighting=args.anchor_weighting, anchor_draw=args.anchor_draw,
+                               dtype="float32", device="cpu")
     results = {}
     for label, source in (("m' = m = 4 (no augmentation)", rankings_dir), ("m' = 8 (4 below extras)", augmented_dir)):
         t0 = time.time()

@@ -74,13 +74,22 @@ RowRoute = Callable[[Sequence[int]], AbstractContextManager[Any]]
 ESTIMATION_MODES: tuple[str, ...] = ("delta", "logpi")
 AnchorWeighting = Literal["mean", "nearest"]
 ANCHOR_WEIGHTINGS: tuple[str, ...] = ("mean", "nearest")
+AnchorDraw = Literal["uniform", "by_length"]
+ANCHOR_DRAWS: tuple[str, ...] = ("uniform", "by_length")
 
 
-def anchor_indices(example_id: str, n_responses: int, a: int | None, seed: int, iteration: int) -> np.ndarray:
+def anchor_indices(example_id: str, n_responses: int, a: int | None, seed: int, iteration: int,
+                   lengths: Sequence[int] | None = None) -> np.ndarray:
     """Sorted indices of the anchors of one example: int64 [min(a, n_responses)].
 
-    ``a = None`` or ``a >= n_responses`` takes every response (full computation). The draw depends
-    only on (seed, iteration, example_id), never on batch composition or call order.
+    ``a = None`` or ``a >= n_responses`` takes every response (full computation). Without
+    ``lengths`` the a anchors are a uniform draw (the paper's). With ``lengths`` (the responses'
+    token counts, [n_responses]) the responses sorted by length (then by index) are cut into a
+    strata of sizes differing by at most one and one anchor is drawn from each, so that every length
+    class has an anchor near it: the first-order term stops at the shorter of anchor and response
+    (`contraction`), and a response longer than its anchor keeps none of its tail in its estimate.
+    ``a = 1`` draws as without lengths (one stratum). The draw depends only on (seed, iteration,
+    example_id) and the lengths, never on batch composition or call order.
     """
     if a is None or a >= n_responses:
         return np.arange(n_responses, dtype=np.int64)
@@ -88,7 +97,13 @@ def anchor_indices(example_id: str, n_responses: int, a: int | None, seed: int, 
         raise ValueError(f"the number of anchors must be at least 1, got {a}")
     example_key = seed_from(example_id)
     rng = np.random.default_rng([seed, iteration, example_key])
-    return np.sort(rng.choice(n_responses, size=a, replace=False)).astype(np.int64)
+    if lengths is None or a == 1:
+        return np.sort(rng.choice(n_responses, size=a, replace=False)).astype(np.int64)
+    if len(lengths) != n_responses:
+        raise ValueError(f"{len(lengths)} lengths for {n_responses} responses")
+    by_length = np.lexsort((np.arange(n_responses), np.asarray(lengths)))  # [n_responses]
+    strata = np.array_split(by_length, a)
+    return np.sort([stratum[rng.integers(len(stratum))] for stratum in strata]).astype(np.int64)
 
 
 @dataclass

@@ -120,7 +120,7 @@ def make_scorer(config: TrainConfig, model: str, *, progress: bool = False, rest
     device = resolve_device(config.device)
     return LoRAPolicyScorer(
         model, config.k, beta=config.beta, anchors=config.anchors, estimation=config.estimation,
-        anchor_weighting=config.anchor_weighting,
+        anchor_weighting=config.anchor_weighting, anchor_draw=config.anchor_draw,
         lora=LoRASettings(config.lora_r, config.lora_alpha, config.lora_dropout, config.lora_targets),
         lr=config.lr, epochs=config.epochs, first_epochs=config.first_epochs, batch_size=config.batch_size,
         score_batch_size=config.score_batch_size,

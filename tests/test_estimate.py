@@ -182,6 +182,22 @@ def test_anchors_depend_only_on_seed_iteration_and_example():
     assert np.array_equal(anchor_indices("ex-1", 4, 9, 0, 0), np.arange(4))
 
 
+def test_anchors_by_length_take_one_from_each_length_stratum():
+    lengths = [8, 13, 8, 14, 8, 12, 8, 13]  # four originals of 8 tokens, four longer generated responses
+    shortest, longest = {0, 2, 4, 6}, {1, 3, 5, 7}
+    draws = [anchor_indices(f"ex-{i}", 8, 2, seed=0, iteration=1, lengths=lengths) for i in range(40)]
+    assert all(len(shortest.intersection(d.tolist())) == len(longest.intersection(d.tolist())) == 1 for d in draws)
+    assert len({tuple(d) for d in draws}) > 8  # each stratum's pick is drawn (16 possible draws)
+    assert np.array_equal(draws[0], anchor_indices("ex-0", 8, 2, seed=0, iteration=1, lengths=lengths))
+    three = anchor_indices("ex-1", 8, 3, seed=0, iteration=1, lengths=lengths)  # strata of 3, 3, 2 by length
+    by_length = [0, 2, 4, 6, 5, 1, 7, 3]  # equal lengths in index order
+    assert [by_length.index(int(i)) // 3 for i in sorted(three, key=by_length.index)] == [0, 1, 2]
+    assert np.array_equal(anchor_indices("ex-1", 8, 1, 0, 1, lengths), anchor_indices("ex-1", 8, 1, 0, 1))
+    assert np.array_equal(anchor_indices("ex-1", 8, 8, 0, 1, lengths), np.arange(8))
+    with pytest.raises(ValueError, match="7 lengths for 8 responses"):
+        anchor_indices("ex-1", 8, 2, 0, 1, lengths[:7])
+
+
 def test_reference_terms_match_the_reference_log_probs(model64):
     model, tokenizer = model64
     seqs = tokenize_responses(tokenizer, "Which list is best?", RESPONSES)

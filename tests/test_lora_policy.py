@@ -19,7 +19,7 @@ from moplex_core.artifacts import ArtifactStore
 from moplex_core.cache import load_policy_inputs, run_cache
 from moplex_core.config import CacheConfig
 from moplex_core.em import EMConfig, initial_responsibilities
-from moplex_core.estimate import reference_terms_batch, response_embeddings
+from moplex_core.estimate import anchor_indices, reference_terms_batch, response_embeddings
 from moplex_core.lm.device import PassOutOfMemoryError
 from moplex_core.lm.loading import load_model, load_tokenizer
 from moplex_core.lm.logprobs import embed, output_score_features, sequence_logprobs
@@ -546,6 +546,19 @@ def test_the_nearest_anchor_weighting_changes_only_the_estimates(tiny_model_dir,
     assert torch.equal(mean[at], nearest[at]) and not torch.allclose(mean[~at], nearest[~at])
     with pytest.raises(ValueError, match="anchor_weighting must be one of"):
         scorer(tiny_model_dir, anchors=2, anchor_weighting="closest")
+
+
+def test_anchors_drawn_by_length_take_one_of_each_length_stratum(tiny_model_dir, inputs):  # noqa: F811
+    lengths = [[len(s.input_ids) - s.response_start for s in seqs] for seqs in inputs.sequences]
+    for draw in ("uniform", "by_length"):
+        policy = scorer(tiny_model_dir, anchors=2, anchor_draw=draw)
+        policy.score(inputs, 1)  # the E-step of iteration 1 draws round 2's anchors
+        expected = [anchor_indices(e, len(n), 2, policy.seed, 2, n if draw == "by_length" else None)
+                    for e, n in zip(inputs.example_ids, lengths, strict=True)]
+        assert [row.nonzero().flatten().tolist() for row in policy.last_scores.is_anchor] == [
+            e.tolist() for e in expected]
+    with pytest.raises(ValueError, match="anchor_draw must be one of"):
+        scorer(tiny_model_dir, anchors=2, anchor_draw="longest")
 
 
 def test_adapters_round_trip_through_peft_format(tiny_model_dir, inputs, tmp_path):  # noqa: F811

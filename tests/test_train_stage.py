@@ -258,6 +258,8 @@ def test_score_batch_size_and_the_device_enter_the_version_only_with_lora_dropou
     assert version(device="cpu", share_prompts=True) == version(device="meta", share_prompts=True)
     assert version(anchor_weighting="nearest") != version()
     assert version(anchor_weighting="nearest", anchors=None) == version(anchors=None)  # nothing to weigh
+    assert version(anchor_draw="by_length") != version() == version(anchor_draw="uniform")  # as versions before it
+    assert version(anchor_draw="by_length", anchors=1) == version(anchors=1)  # one stratum: the uniform draw
 
 
 def test_shared_prompts_auto_means_on_the_cpu_only_and_is_versioned_as_it_resolves(cache_dir, tmp_path):

@@ -19,7 +19,12 @@ class TrainConfig(StageConfig):
     ``anchor_weighting``: a non-anchor's estimate is the ``mean`` of every anchor's first-order
     estimate of it (the paper's Algorithm 1) or the estimate of the ``nearest`` anchor in input
     embedding space alone, where the first-order term is most accurate (docs/lm-path.md, "Which anchor
-    estimates a response"); in the version only with at least 2 anchors.
+    estimates a response"); in the version only with at least 2 anchors. ``anchor_draw``: the a
+    anchors of an example are a ``uniform`` draw (the paper's) or ``by_length``, one from each of a
+    strata of its responses sorted by length (`estimate.anchor_indices`): the first-order term stops
+    at the shorter response, so a response estimated from a shorter anchor keeps none of its tail
+    (docs/lm-path.md, "Anchors of every length"); in the version only with at least 2 anchors and
+    when not ``uniform``.
     ``epochs`` passes over the weighted (example, cluster) pairs per M-step, in minibatches of
     ``batch_size`` pairs (a rows each, m' without anchors: the M-step's memory); ``first_epochs``
     (None = ``epochs``) for the first M-step, which starts with every adapter at the base model and
@@ -88,6 +93,7 @@ class TrainConfig(StageConfig):
     anchors: int | None = Field(2, ge=1)
     estimation: Literal["delta", "logpi"] = "delta"
     anchor_weighting: Literal["mean", "nearest"] = "mean"
+    anchor_draw: Literal["uniform", "by_length"] = "uniform"
     likelihood: Literal["pl", "bt_pairs"] = "pl"
     hard: bool = False
     lora_r: int = Field(16, ge=1)
@@ -167,6 +173,8 @@ class TrainConfig(StageConfig):
         by the device's generator (train.plan_train adds the device type)."""
         volatile = {"score_batch_size", "device", "chunk_size", "gradient_checkpointing"}
         volatile -= {"score_batch_size"} if self.lora_dropout else set()
-        if self.anchors in (None, 1):  # nothing to weigh
-            volatile.add("anchor_weighting")
+        if self.anchors in (None, 1):  # nothing to weigh, one stratum
+            volatile |= {"anchor_weighting", "anchor_draw"}
+        if self.anchor_draw == "uniform":  # as every version before the setting drew
+            volatile.add("anchor_draw")
         return self.model_dump(mode="json", exclude=volatile)

@@ -53,8 +53,10 @@ from tqdm.auto import tqdm
 
 from moplex_core.em import Rankings
 from moplex_core.estimate import (
+    ANCHOR_DRAWS,
     ANCHOR_WEIGHTINGS,
     ESTIMATION_MODES,
+    AnchorDraw,
     AnchorWeighting,
     EstimationMode,
     anchor_indices,
@@ -171,6 +173,8 @@ class LoRAPolicyScorer:
     anchor_weighting:  how a non-anchor's estimate combines the anchors' first-order estimates of it:
                        "mean" (the paper's Algorithm 1) or "nearest" (the anchor closest to it in
                        input embedding space alone, `estimate.nearest_anchor_weights`).
+    anchor_draw:       "uniform" (the paper's) or "by_length": one anchor from each of a strata of the
+                       responses sorted by length (`estimate.anchor_indices`).
     lr, epochs:        Adam learning rate (`RoutedAdam`); passes over the weighted pairs per M-step.
     first_epochs:      passes of the first M-step (iteration 0), None = ``epochs``. It starts with every
                        adapter at the base model and must carry the start's partition into them.
@@ -202,6 +206,7 @@ class LoRAPolicyScorer:
         anchors: int | None = None,
         estimation: EstimationMode = "delta",
         anchor_weighting: AnchorWeighting = "mean",
+        anchor_draw: AnchorDraw = "uniform",
         lora: LoRASettings = LoRASettings(),
         lr: float = 1e-4,
         epochs: int = 1,
@@ -222,13 +227,15 @@ class LoRAPolicyScorer:
             raise ValueError(f"estimation must be one of {ESTIMATION_MODES}, got {estimation!r}")
         if anchor_weighting not in ANCHOR_WEIGHTINGS:
             raise ValueError(f"anchor_weighting must be one of {ANCHOR_WEIGHTINGS}, got {anchor_weighting!r}")
+        if anchor_draw not in ANCHOR_DRAWS:
+            raise ValueError(f"anchor_draw must be one of {ANCHOR_DRAWS}, got {anchor_draw!r}")
         first_epochs = epochs if first_epochs is None else first_epochs
         if k < 1 or beta <= 0 or min(epochs, first_epochs, batch_size, score_batch_size) < 1:
             raise ValueError(f"need k >= 1, beta > 0, epochs, batch sizes >= 1; got k={k}, beta={beta}, "
                              f"epochs={epochs}, first_epochs={first_epochs}, batch_size={batch_size}, "
                              f"score_batch_size={score_batch_size}")
         self.k, self.beta, self._anchors, self.estimation = k, beta, anchors, estimation
-        self.anchor_weighting = anchor_weighting
+        self.anchor_weighting, self.anchor_draw = anchor_weighting, anchor_draw
         self.epochs, self.batch_size, self.score_batch_size = epochs, batch_size, score_batch_size
         self.first_epochs = first_epochs
         self.chunk_size, self.share_prompts, self.seed, self.progress = chunk_size, share_prompts, seed, progress
@@ -485,7 +492,10 @@ class LoRAPolicyScorer:
 
     def _anchor_picks(self, inputs: PolicyInputs, round_: int, anchors: int | None) -> list[torch.Tensor]:
         """The anchors of round ``round_`` of every example: int64 [a_i] each (all responses when full)."""
-        picks = [torch.as_tensor(anchor_indices(eid, len(seqs), anchors, self.seed, round_))
+        def lengths(seqs: Sequence[TokenizedResponse]) -> list[int] | None:
+            return [len(s.input_ids) - s.response_start for s in seqs] if self.anchor_draw == "by_length" else None
+
+        picks = [torch.as_tensor(anchor_indices(eid, len(seqs), anchors, self.seed, round_, lengths(seqs)))
                  for eid, seqs in zip(inputs.example_ids, inputs.sequences, strict=True)]
         if inputs.ref_contraction is None and _estimated_examples(inputs, picks):
             raise ValueError(f"a = {anchors} anchors estimate scores from the reference contractions s_ref, and these "
