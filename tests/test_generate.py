@@ -317,6 +317,23 @@ def test_a_prompt_beyond_the_models_context_is_refused_before_vllm_sees_it(tmp_p
         generator.close(failed=True)
 
 
+def test_the_vllm_backend_reads_the_context_a_yarn_factor_stretches_it_to(tmp_path, tiny_model_dir):
+    model = tmp_path / "yarn"
+    shutil.copytree(tiny_model_dir, model)
+    config = json.loads((model / "config.json").read_text())
+    positions = config["max_position_embeddings"]
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": positions,
+            "rope_theta": config.get("rope_theta", 10000.0)}
+    (model / "config.json").write_text(json.dumps({**config, "rope_parameters": yarn}))
+    waiting = tmp_path / "waiting_worker.py"
+    waiting.write_text("import sys\nsys.stdin.read()\n")
+    generator = _vllm(model, worker=waiting)
+    try:
+        assert generator.context == 4 * positions  # as hf's and the cache's context_length: vLLM reads it so
+    finally:
+        generator.close(failed=True)
+
+
 def test_the_hf_backend_refuses_prompts_that_would_run_past_the_models_context(tiny_model_dir):
     # a model with learned positions (GPT-2's) would fail on them deep in torch, with an index error
     context = AutoModelForCausalLM.from_pretrained(tiny_model_dir).config.max_position_embeddings

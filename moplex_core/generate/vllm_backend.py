@@ -38,6 +38,7 @@ from transformers import GenerationConfig, PreTrainedTokenizerBase
 
 from moplex_core.generate import vllm_worker
 from moplex_core.generate.base import Sample, SampleRequest, request_prompt_ids, stop_token_ids
+from moplex_core.lm.checks import context_length
 from moplex_core.lm.loading import hub_snapshot, load_config, load_tokenizer
 from moplex_core.processes import popen_ending_with_this_thread
 
@@ -139,8 +140,7 @@ class VLLMGenerator:
                 "to the python of an environment with vllm and pyarrow installed"
             )
         self._tokenizer = load_tokenizer(model)
-        text_config = load_config(model).get_text_config()
-        self.context: int | None = getattr(text_config, "max_position_embeddings", None)
+        self.context = context_length(load_config(model).get_text_config())  # with a YaRN factor, as vLLM reads it
         self.exchange = Path(tempfile.mkdtemp(prefix="moplex-vllm-"))
         snapshot = hub_snapshot(model)  # a cached hub model: the commit its fingerprint names
         self.settings = {
