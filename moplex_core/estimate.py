@@ -266,17 +266,23 @@ def contraction(
     return torch.where(aligned, cross - own[:, None, :], 0.0).sum(-1).to(torch.float64)
 
 
+def response_distances(anchor_idx: torch.Tensor, emb: torch.Tensor) -> torch.Tensor:
+    """||h(x, y_j) - h(x, y_i)|| over every response position of one example: float64 [a, M] for the
+    anchors i in ``anchor_idx`` [a] and every response j. emb: `response_embeddings` of the example,
+    float32 [M, T, d], zero past each response's end, so a position only one of the two responses has
+    counts in full: the first-order term stops at the shorter response, and is blind there."""
+    return torch.cdist(emb[anchor_idx].flatten(1).double(), emb.flatten(1).double())
+
+
 def nearest_anchor_weights(anchor_idx: torch.Tensor, emb: torch.Tensor) -> torch.Tensor:
     """The ``nearest`` weighting of one example: float64 [a, M] on emb's device, column j all on the
     anchor closest to y_j in input embedding space (the first of equally close ones), where the
     first-order estimate is most accurate (its error grows with the distance: paper Table 1, and
     the approximation table in docs/lm-path.md).
 
-    emb: `response_embeddings` of the example, float32 [M, T, d], zero past each response's end. The
-    distance is ||h(x, y_j) - h(x, y_i)|| over every response position, so a position where only one
-    of the two responses has a token, which the first-order term does not see, counts in full.
+    emb: `response_embeddings` of the example; the distance is `response_distances`'.
     """
-    distances = torch.cdist(emb[anchor_idx].flatten(1).double(), emb.flatten(1).double())  # [a, M]
+    distances = response_distances(anchor_idx, emb)  # [a, M]
     nearest = distances.argmin(0)  # [M]
     weights = torch.zeros_like(distances)
     return weights.scatter_(0, nearest[None, :], 1.0)
@@ -398,17 +404,11 @@ def reference_terms_batch(
     return list(zip(ref_logp, s_ref))
 
 
-def embedding_distance(emb: torch.Tensor, lengths: torch.Tensor, anchor: int, full_norm: torch.Tensor) -> torch.Tensor:
-    """||h(x, y_j) - h(x, y_i)|| / ||h(x, y_i)|| over aligned response positions: float64 [M].
-
-    The paper's distance of Table 1; ``full_norm`` is ||h(x, y_i)|| over the anchor's whole
-    prompt + response sequence.
-    """
-    width = emb.shape[1]
-    cut = torch.minimum(lengths[anchor], lengths)  # [M]
-    aligned = torch.arange(width, device=emb.device)[None, :] < cut[:, None]  # [M, T]
-    diff = torch.where(aligned[..., None], emb - emb[anchor][None], 0.0)  # [M, T, d]
-    return (diff.double().pow(2).sum((1, 2)).sqrt() / full_norm.double())
+def embedding_distance(emb: torch.Tensor, anchor: int, full_norm: torch.Tensor) -> torch.Tensor:
+    """||h(x, y_j) - h(x, y_i)|| / ||h(x, y_i)||: float64 [M], the paper's distance of Table 1, over
+    every response position (`response_distances`); ``full_norm`` is ||h(x, y_i)|| over the anchor's
+    whole prompt + response sequence."""
+    return response_distances(torch.tensor([anchor], device=emb.device), emb)[0] / full_norm.double()
 
 
 def _response_rows(full: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:

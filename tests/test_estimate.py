@@ -13,6 +13,7 @@ from moplex_core.estimate import (
     anchor_pass,
     apply_offsets,
     contraction,
+    embedding_distance,
     estimate_delta,
     estimate_offsets,
     hold_estimates,
@@ -139,6 +140,18 @@ def test_the_nearest_weighting_is_the_estimate_of_the_anchor_closest_in_embeddin
         uniform = torch.full((2, m), 0.5, dtype=torch.float64)  # weights of 1/a are the paper's mean
         torch.testing.assert_close(estimate_delta(mode, anchors, logp, s_pol, ref_logp, s_ref, uniform),
                                    estimate_delta(mode, anchors, logp, s_pol, ref_logp, s_ref))
+
+
+def test_the_embedding_distance_counts_a_tail_only_one_response_has():
+    generator = torch.Generator().manual_seed(2)
+    emb = torch.randn(3, 6, 4, generator=generator, dtype=torch.float64)  # [M, T, d]
+    emb[0, 3:] = 0.0  # the anchor: 3 tokens
+    emb[1, :3], emb[1, 5:] = emb[0, :3], 0.0  # the anchor's tokens and a tail of 2 the first-order term never sees
+    full_norm = torch.tensor(10.0, dtype=torch.float64)
+    distance = embedding_distance(emb.float(), 0, full_norm)  # [M]
+    assert distance[0] == 0
+    torch.testing.assert_close(distance[1], emb[1, 3:5].norm() / 10, rtol=1e-6, atol=0)
+    torch.testing.assert_close(distance[2], (emb[2] - emb[0]).norm() / 10, rtol=1e-6, atol=0)
 
 
 def test_offsets_plus_the_anchors_mean_delta_are_the_per_anchor_mean_of_algorithm_1():

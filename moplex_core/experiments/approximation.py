@@ -7,8 +7,9 @@ for every example one anchor y_i is drawn and every other response y_j is estima
 first-order term leaves out the target term) and compared with its exact score r_c(y_j):
 
     relative squared error  (eps / r)^2 = ((r_hat_c(y_j) - r_c(y_j)) / r_c(y_j))^2
-    distance                ||h(x, y_j) - h(x, y_i)|| / ||h(x, y_i)||   (aligned response positions;
-                            ||h(x, y_i)|| over the anchor's whole prompt + response)
+    distance                ||h(x, y_j) - h(x, y_i)|| / ||h(x, y_i)||   (response positions, the
+                            shorter response padded with zero embeddings, so a tail one of the two
+                            has counts in full; ||h(x, y_i)|| over the anchor's whole prompt + response)
 
 bucketed in 5% bins of distance. Per seed the mean error of a bin is taken; the table shows the
 mean and standard deviation of those over seeds, in percent, as the paper does. A DPO score r near 0
@@ -78,7 +79,7 @@ def measure_errors(scorer: LoRAPolicyScorer, inputs: PolicyInputs, seed: int) ->
         ids = torch.tensor(seqs[anchor].input_ids, device=scorer.model.device)[None]
         with torch.no_grad():
             anchor_norm = embed(scorer.model, ids).double().norm().cpu()
-        distance = embedding_distance(emb, lengths, anchor, anchor_norm)  # [m]
+        distance = embedding_distance(emb, anchor, anchor_norm)  # [m]
         ref_logp, s_ref = inputs.ref_logp[e, :m], inputs.ref_contraction[e, :m, :m]
         with scorer.lora.requires_grad(False):  # adapters off: pi_ref's input term alone, for the paper's estimator
             ref = anchor_pass(scorer.model, [seqs[anchor]], scorer.pad_token_id, input_grads=True)
