@@ -174,19 +174,23 @@ def make_generator(config: AugmentConfig, rankings: pa.Table, progress: bool = T
 def check_prompts(config: AugmentConfig, rankings: pa.Table) -> int:
     """Every distinct prompt of ``rankings`` rendered once with the model's tokenizer before a model
     loads (hf, vllm), so that a prompt no shard could render (chat messages without a chat template,
-    say) stops the stage at once, naming every such prompt_id, and not when its shard comes up after
-    earlier shards were generated, whose work the fix (a new version) would not reuse. Returns how
-    many of them are longer than ``augment.max_prompt_tokens`` (generated from their last tokens),
-    and warns of them, naming the first."""
+    say) or that the backend would refuse as too long for the model's context stops the stage at once,
+    naming the prompt_ids, and not when its shard comes up after earlier shards were generated, whose
+    work the fix (a new version) would not reuse. Returns how many of them are longer than
+    ``augment.max_prompt_tokens`` (generated from their last tokens), and warns of them, naming the
+    first."""
     if config.backend == "borrow":
         return 0
+    from moplex_core.generate import hf, vllm_backend  # transformers: only the model backends need it
     from moplex_core.generate.base import request_prompt_ids
-    from moplex_core.lm.loading import load_tokenizer  # transformers: only the model backends need it
+    from moplex_core.lm.checks import context_length
+    from moplex_core.lm.loading import load_config, load_tokenizer
 
     tokenizer = load_tokenizer(config.model)
     rows = rankings.select(["prompt_id", "prompt", "prompt_messages"]).to_pylist()
     failed: dict[str, str] = {}  # prompt_id -> the reason
     cut: dict[str, int] = {}  # prompt_id -> its tokens, uncut
+    generated: list[tuple[str, int]] = []  # (prompt_id, its tokens as generated: cut to max_prompt_tokens)
     for row in {(r["prompt_id"], r["prompt"], r["prompt_messages"]): r for r in rows}.values():
         try:
             ids = request_prompt_ids(tokenizer, SampleRequest(row["prompt_id"], row["prompt"], row["prompt_messages"],
@@ -197,10 +201,14 @@ def check_prompts(config: AugmentConfig, rankings: pa.Table) -> int:
             continue
         if config.max_prompt_tokens is not None and len(ids) > config.max_prompt_tokens:
             cut[row["prompt_id"]] = len(ids)
+        generated.append((row["prompt_id"], min(len(ids), config.max_prompt_tokens or len(ids))))
     if failed:
         named = sorted(failed)
         raise ValueError(f"{len(failed)} prompt(s) cannot be rendered for generation ({', '.join(named[:10])}"
                          f"{', ...' if len(failed) > 10 else ''}); the first: {failed[named[0]]}")
+    context = context_length(load_config(config.model).get_text_config())
+    backend = {"hf": hf, "vllm": vllm_backend}[config.backend]
+    backend.refuse_prompts_beyond_the_context(sorted(generated), context, config.max_new_tokens)
     if cut:
         first = min(cut)
         log.warning("%d prompt(s) are longer than augment.max_prompt_tokens = %d tokens (e.g. %s: %d tokens): they "

@@ -94,6 +94,28 @@ def test_a_prompt_no_shard_could_render_stops_the_stage_before_any_model_loads(t
     assert run_augment(hf_config(tiny_model_dir, shard_prompts=1), rankings, store, progress=False).built
 
 
+@pytest.mark.parametrize("backend, refusal", [
+    ("hf", r"1 prompt\(s\) with max_new_tokens = 16 would run past the \d+ positions the model reads .*e.g. '[0-9a-f]+'"),
+    ("vllm", r"1 prompt\(s\) have at least the model's \d+ positions of context \(e.g. '[0-9a-f]+'")])
+def test_a_prompt_beyond_the_models_context_stops_the_stage_before_any_shard(tmp_path, tiny_model_dir, backend,
+                                                                              refusal):
+    """As a prompt no shard could render: the last shard's prompt too long for the model's context, with
+    no augment.max_prompt_tokens to cut it, used to stop the stage when its shard came up, after the
+    shards before it, which the fix (max_prompt_tokens, a new version) does not reuse."""
+    store = ArtifactStore(tmp_path / "artifacts")
+    source = tmp_path / "rankings.jsonl"
+    long = "Which list is best? " * 2000  # past the tiny model's positions
+    source.write_text("".join(json.dumps({"prompt": long if i == 5 else p, "responses": r, "ranking": [[0], [1]],
+                                          "cluster": c}) + "\n" for i, (p, r, c) in enumerate(ROWS)))
+    rankings = run_ingest(IngestConfig(dataset="generic", path=str(source), split={"fractions": (1.0, 0.0, 0.0)}),
+                          store).path
+    config = hf_config(tiny_model_dir, shard_prompts=1, max_prompt_tokens=None, backend=backend,
+                       vllm_python=sys.executable)
+    with pytest.raises(ValueError, match=refusal):
+        run_augment(config, rankings, store, progress=False)
+    assert not list(shard_paths(plan_augment(config, rankings, store).path))  # nothing generated, nothing wasted
+
+
 def test_prompts_longer_than_max_prompt_tokens_are_warned_of_and_counted(tmp_path, tiny_model_dir, caplog):
     store = ArtifactStore(tmp_path / "artifacts")
     rankings = rankings_dir(tmp_path, store.root)

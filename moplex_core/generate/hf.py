@@ -55,6 +55,25 @@ def sampling_processors(temperature: float, top_p: float, generators: Sequence[t
     return LogitsProcessorList(processors)
 
 
+def refuse_prompts_beyond_the_context(lengths: Sequence[tuple[str, int]], context: int | None,
+                                      max_new_tokens: int) -> None:
+    """Refuse (ValueError, naming how many and the first) prompts of these (key, prompt tokens as
+    generated, after augment.max_prompt_tokens) pairs that ``max_new_tokens`` would carry past the
+    model's ``context`` positions; `augment.check_prompts` asks it of every prompt before a shard."""
+    if context is not None and max_new_tokens >= context:
+        raise ValueError(f"augment.max_new_tokens = {max_new_tokens} leaves no position for a prompt in the "
+                         f"{context} positions the model reads (max_position_embeddings): lower it below "
+                         f"{context}, with room for the prompts")
+    beyond = beyond_the_context([(key, n + max_new_tokens) for key, n in lengths], context)
+    if beyond is not None:
+        count, key, tokens = beyond
+        raise ValueError(f"{count} prompt(s) with max_new_tokens = {max_new_tokens} would run past the "
+                         f"{context} positions the model reads (max_position_embeddings; e.g. {key!r}: "
+                         f"{tokens - max_new_tokens} prompt tokens); set augment.max_prompt_tokens (e.g. "
+                         f"{max(1, context - max_new_tokens)}) to keep their last tokens, or lower "
+                         "augment.max_new_tokens")
+
+
 class HFGenerator:
     """Samples continuations of each request's prompt from a causal LM with transformers."""
 
@@ -117,20 +136,8 @@ class HFGenerator:
                                max_prompt_tokens=self.max_prompt_tokens)
             for r in requests
         ]
-        context = context_length(self._model.config)
-        if context is not None and self.max_new_tokens >= context:
-            raise ValueError(f"augment.max_new_tokens = {self.max_new_tokens} leaves no position for a prompt in the "
-                             f"{context} positions the model reads (max_position_embeddings): lower it below "
-                             f"{context}, with room for the prompts")
-        lengths = [(r.key, len(ids) + self.max_new_tokens) for r, ids in zip(requests, prompt_ids, strict=True)]
-        beyond = beyond_the_context(lengths, context)
-        if beyond is not None:
-            count, key, tokens = beyond
-            raise ValueError(f"{count} prompt(s) with max_new_tokens = {self.max_new_tokens} would run past the "
-                             f"{context} positions the model reads (max_position_embeddings; e.g. {key!r}: "
-                             f"{tokens - self.max_new_tokens} prompt tokens); set augment.max_prompt_tokens (e.g. "
-                             f"{max(1, context - self.max_new_tokens)}) to keep their last tokens, or lower "
-                             "augment.max_new_tokens")
+        refuse_prompts_beyond_the_context([(r.key, len(ids)) for r, ids in zip(requests, prompt_ids, strict=True)],
+                                          context_length(self._model.config), self.max_new_tokens)
         rows = [(r, j) for r, request in enumerate(requests) for j in range(request.n)]
         # Longest prompts first: similar lengths share a batch and waste less padding.
         rows.sort(key=lambda rj: (-len(prompt_ids[rj[0]]), rj))

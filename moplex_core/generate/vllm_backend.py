@@ -110,6 +110,20 @@ class VLLMWorkerError(RuntimeError):
     """The vLLM worker could not start, died, or broke the protocol."""
 
 
+def refuse_prompts_beyond_the_context(lengths: Sequence[tuple[str, int]], context: int | None,
+                                      max_new_tokens: int) -> None:
+    """Refuse (ValueError, naming how many and the first) prompts of these (key, prompt tokens as
+    generated) pairs with at least the model's ``context`` positions: vLLM refuses such a prompt, and
+    its engine then aborts every request of the call, so the worker would exit and the shard fail on
+    every resume. `augment.check_prompts` asks it of every prompt before a shard."""
+    long = [(key, n) for key, n in lengths if context is not None and n >= context]
+    if long:
+        key, tokens = long[0]
+        raise ValueError(f"{len(long)} prompt(s) have at least the model's {context} positions of context "
+                         f"(e.g. {key!r}: {tokens} tokens), which vLLM refuses; set augment.max_prompt_tokens "
+                         f"(e.g. {max(1, context - max_new_tokens)}) to keep their last tokens")
+
+
 class VLLMGenerator:
     backend = "vllm"
 
@@ -169,7 +183,8 @@ class VLLMGenerator:
             raise ValueError(f"requests need distinct keys and n >= 1 each (keys {keys[:5]}, n "
                              f"{[r.n for r in requests][:5]}); the worker answers one row per key")
         rows = request_rows(self._tokenizer, requests, self.use_chat_template, self.max_prompt_tokens)
-        self._refuse_prompts_beyond_the_context(rows)
+        refuse_prompts_beyond_the_context([(row["key"], len(row["prompt_token_ids"])) for row in rows], self.context,
+                                          self.settings["max_tokens"])
         if not self._ready:
             self._expect("ready")  # the first call waits for the model to load
             self._ready = True
@@ -194,19 +209,6 @@ class VLLMGenerator:
                                             by_key[r.key]["finish_reasons"], strict=True)]
             for r in requests
         ]
-
-    def _refuse_prompts_beyond_the_context(self, rows: list[dict[str, Any]]) -> None:
-        """vLLM refuses a prompt of the model's context length or more, and its engine then aborts
-        every request of the call: the worker would exit, and the shard fail on every resume."""
-        if self.context is None:
-            return
-        long = [(row["key"], len(row["prompt_token_ids"])) for row in rows
-                if len(row["prompt_token_ids"]) >= self.context]
-        if long:
-            key, tokens = long[0]
-            raise ValueError(f"{len(long)} prompt(s) have at least the model's {self.context} positions of context "
-                             f"(e.g. {key!r}: {tokens} tokens), which vLLM refuses; set augment.max_prompt_tokens "
-                             f"(e.g. {max(1, self.context - self.settings['max_tokens'])}) to keep their last tokens")
 
     def close(self, failed: bool = False) -> None:
         """End the worker and check that it exited cleanly: at the end of its input it finishes the
