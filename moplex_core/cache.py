@@ -38,8 +38,8 @@ from moplex_core.hashing import files_changed, files_fingerprint, model_files, m
 from moplex_core.lm.checkpointing import checkpoint_layers
 from moplex_core.lm.checks import beyond_the_context, context_length, warn_of_turn_layout
 from moplex_core.lm.device import passes_sized_by
-from moplex_core.lm.loading import (dtype_name, identity_on_this_machine, load_model, load_tokenizer, resolve_device,
-                                    resolve_dtype)
+from moplex_core.lm.loading import (dtype_name, identity_on_this_machine, load_config, load_model, load_tokenizer,
+                                    resolve_device, resolve_dtype)
 from moplex_core.lm.tokenize import TokenizedResponse, encode_response, tokenize_responses
 from moplex_core.pl import encode_tiers_batch
 from moplex_core.tiny_model import MODEL_DIR
@@ -111,6 +111,7 @@ def run_cache(config: CacheConfig, rankings_dir: str | Path, store: ArtifactStor
         todo = [s for s, _ in enumerate(starts) if not writer.has_shard(s)]
         tokenizer = load_tokenizer(config.model)
         if todo:
+            _refuse_beyond_the_context([table.slice(starts[s], config.shard_rows) for s in todo], tokenizer, config)
             model = load_model(config.model, dtype=dtype, device=device, progress=progress)
             if config.gradient_checkpointing:
                 checkpoint_layers(model)
@@ -176,15 +177,6 @@ def cache_rows(
     pass (``share_prompts``) or per response; ``advance(n)`` after n examples."""
     rows = part.to_pylist()
     examples = [_tokenize(row, ended, tokenizer, config) for row, ended in zip(rows, _ended(part), strict=True)]
-    context = context_length(model.config)
-    beyond = beyond_the_context([(row["example_id"], max(len(seq.input_ids) for seq in seqs))
-                                 for row, seqs in zip(rows, examples, strict=True)], context)
-    if beyond is not None:
-        count, example_id, tokens = beyond
-        raise ValueError(f"{count} example(s) have a prompt + response longer than the {context} positions the model "
-                         f"reads (max_position_embeddings; e.g. example_id {example_id!r}: {tokens} tokens); set "
-                         "cache.max_prompt_tokens and cache.max_response_tokens so that their sum is at most "
-                         f"{context}")
     terms = []
     half = max(1, config.score_batch_size // 2)
     checkpointable = config.contractions and not config.gradient_checkpointing  # passes with gradients, not yet
@@ -407,6 +399,24 @@ def _ending_with(table: pa.Table, text: str | None) -> int:
     columns = [c for c in ("responses", "generated") if c in table.column_names]
     return sum(int(pc.sum(pc.ends_with(pc.utf8_rtrim_whitespace(pc.list_flatten(table.column(c))), text)).as_py() or 0)
                for c in columns)
+
+
+def _refuse_beyond_the_context(parts: list[pa.Table], tokenizer: PreTrainedTokenizerBase, config: CacheConfig
+                               ) -> None:
+    """Every example of ``parts`` (the shards to do) tokenized before a model loads, to refuse (naming
+    how many and the first) those whose prompt + response the model cannot read, before any shard is
+    written: the fix (cache.max_prompt_tokens, max_response_tokens) is a new version, which would not
+    reuse them. The shards tokenize again when they run (cheap next to their passes)."""
+    context = context_length(load_config(config.model).get_text_config())
+    longest = [(row["example_id"], max(len(seq.input_ids) for seq in _tokenize(row, ended, tokenizer, config)))
+               for part in parts for row, ended in zip(part.to_pylist(), _ended(part), strict=True)]
+    beyond = beyond_the_context(longest, context)
+    if beyond is not None:
+        count, example_id, tokens = beyond
+        raise ValueError(f"{count} example(s) have a prompt + response longer than the {context} positions the model "
+                         f"reads (max_position_embeddings; e.g. example_id {example_id!r}: {tokens} tokens); set "
+                         "cache.max_prompt_tokens and cache.max_response_tokens so that their sum is at most "
+                         f"{context}")
 
 
 def _tokenize(row: dict, ended: list[bool], tokenizer: PreTrainedTokenizerBase, config: CacheConfig

@@ -18,8 +18,9 @@ from stage_fixtures import write_synthetic
 
 from moplex_core.artifacts import ArtifactCorruptError, ArtifactStore, load_table, read_manifest
 from moplex_core.cache import cache_model, load_policy_inputs, plan_cache, policy_inputs, run_cache
-from moplex_core.config import CacheConfig, TrainConfig, pipeline_preset, with_overrides
+from moplex_core.config import CacheConfig, IngestConfig, TrainConfig, pipeline_preset, with_overrides
 from moplex_core.estimate import reference_terms_batch
+from moplex_core.ingest import run_ingest
 from moplex_core.inspect import inspect_path
 from moplex_core.lm.loading import identity_on_this_machine, load_model, load_tokenizer
 from moplex_core.lm.tokenize import tokenize_responses
@@ -319,7 +320,7 @@ def test_a_cache_pass_out_of_device_memory_names_cache_score_batch_size(tiny_mod
 def test_a_prompt_and_response_longer_than_the_models_context_are_refused_naming_one(tiny_model_dir, tmp_path):  # noqa: F811
     """The cache stage reads the whole prompt + response: beyond max_position_embeddings a rotary model
     reads positions it never trained at (a learned one fails deep in torch), so it stops, naming an
-    example and the settings that cut the sequences."""
+    example and the settings that cut the sequences, before any shard: the fix is a new version."""
     short = tmp_path / "short-context"
     shutil.copytree(tiny_model_dir, short)
     config = json.loads((short / "config.json").read_text())
@@ -331,6 +332,17 @@ def test_a_prompt_and_response_longer_than_the_models_context_are_refused_naming
                                          r"cache\.max_prompt_tokens and cache\.max_response_tokens so that their "
                                          r"sum is at most 8"):
         run_cache(CacheConfig(model=str(short)), rankings, store, progress=False)
+    source = tmp_path / "long.jsonl"  # the last shard's prompt past the model's positions
+    source.write_text("".join(json.dumps({"prompt": "Which list is best? " * (2000 if i == 3 else 1),
+                                          "responses": [f"{i} 1", f"{i} 2"], "ranking": [[0], [1]]}) + "\n"
+                              for i in range(4)))
+    store_long = ArtifactStore(tmp_path / "long-root")
+    with_long = run_ingest(IngestConfig(dataset="generic", path=str(source), split={"fractions": (1.0, 0.0, 0.0)}),
+                           store_long).path
+    one_per_shard = CacheConfig(model=str(tiny_model_dir), shard_rows=1, max_prompt_tokens=None)
+    with pytest.raises(ValueError, match=r"1 example\(s\) have a prompt \+ response longer than the \d+ positions"):
+        run_cache(one_per_shard, with_long, store_long, progress=False)
+    assert not list(plan_cache(one_per_shard, with_long, store_long).path.glob("part-*"))  # refused before any shard
     with pytest.raises(ValueError, match="the cache at .* has no rows of split 'nope'; ingest with a split that has"):
         load_policy_inputs(run_cache(CacheConfig(model=str(tiny_model_dir)), rankings, store, progress=False).path,
                            "nope")
