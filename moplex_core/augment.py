@@ -164,7 +164,8 @@ def make_generator(config: AugmentConfig, rankings: pa.Table, progress: bool = T
         return VLLMGenerator(config.model, python=config.vllm_python, temperature=config.temperature,
                              top_p=config.top_p, max_new_tokens=config.max_new_tokens, dtype=config.dtype,
                              seed=config.seed, gpu_memory_utilization=config.vllm_gpu_memory_utilization,
-                             use_chat_template=config.use_chat_template, max_prompt_tokens=config.max_prompt_tokens)
+                             use_chat_template=config.use_chat_template, max_prompt_tokens=config.max_prompt_tokens,
+                             timeout_s=config.vllm_timeout_s)
     from moplex_core.generate.borrow import BorrowGenerator, borrow_pools
 
     columns = rankings.select(["example_id", "prompt_id", "responses"]).to_pydict()

@@ -302,6 +302,19 @@ def test_a_failing_worker_is_reported_with_its_status_and_log(tmp_path, tiny_mod
         _vllm(tiny_model_dir, python=str(tmp_path / "no-such-python"))
 
 
+def test_a_worker_that_sends_nothing_within_the_timeout_is_ended_and_named(tmp_path, tiny_model_dir):
+    """An engine stuck in its start-up (or in a call) would hold the GPU and the stage for ever; with
+    augment.vllm_timeout_s the wait ends, the worker's group with it, and the error names the setting."""
+    stuck = tmp_path / "stuck_worker.py"
+    stuck.write_text("import sys, time\nprint('loading', file=sys.stderr, flush=True)\ntime.sleep(600)\n")
+    generator = _vllm(tiny_model_dir, worker=stuck, timeout_s=1.5)
+    with pytest.raises(VLLMWorkerError, match=r"status -15 after waiting augment.vllm_timeout_s = 1.5 s for it to "
+                                              r"send 'ready'(.|\n)*loading"):
+        generator.sample(requests(n=1))
+    generator.close(failed=True)
+    assert generator._process.returncode == -15 and _released(generator)
+
+
 def test_a_prompt_beyond_the_models_context_is_refused_before_vllm_sees_it(tmp_path, tiny_model_dir):
     # vLLM refuses such a prompt and aborts the whole call: the worker would exit on every resume.
     waiting = tmp_path / "waiting_worker.py"

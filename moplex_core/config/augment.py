@@ -37,8 +37,8 @@ class AugmentConfig(StageConfig):
     more: its kernels are not batch-invariant by default (its reproducibility docs), so a resumed
     shard may sample other texts than a clean run; the seeds still fix the draws, and the version
     is the same. What is left out of the version
-    (`identity`): ``batch_size``, ``device``, ``vllm_python`` and ``vllm_gpu_memory_utilization``
-    (where and how fast, not what), ``on_shortfall`` (what to accept, not what is generated), and
+    (`identity`): ``batch_size``, ``device``, ``vllm_python``, ``vllm_gpu_memory_utilization`` and
+    ``vllm_timeout_s`` (where and how fast, not what), ``on_shortfall`` (what to accept, not what is generated), and
     ``model`` itself: a local model directory's content is an input of the version (moving it keeps
     the version, retraining it does not).
     """
@@ -73,6 +73,10 @@ class AugmentConfig(StageConfig):
     max_prompt_tokens: int | None = Field(None, ge=1)
     vllm_python: str | None = None
     vllm_gpu_memory_utilization: float = Field(0.9, gt=0.0, le=1.0)
+    vllm_timeout_s: float | None = Field(None, gt=0.0)
+    """How long the vLLM worker may take to load the model, and then to answer one shard's requests,
+    before it is ended and the stage fails naming its log (an engine stuck in its start-up holds the
+    GPU otherwise); None waits as long as it runs."""
 
     @model_validator(mode="after")
     def _backend_is_complete(self) -> AugmentConfig:
@@ -92,7 +96,8 @@ class AugmentConfig(StageConfig):
         return self
 
     def identity(self) -> dict[str, Any]:
-        excluded = {"model", "batch_size", "device", "vllm_python", "vllm_gpu_memory_utilization", "on_shortfall"}
+        excluded = {"model", "batch_size", "device", "vllm_python", "vllm_gpu_memory_utilization", "vllm_timeout_s",
+                    "on_shortfall"}
         if self.backend == "borrow":
             excluded |= set(_SAMPLING_FIELDS)
         return self.model_dump(mode="json", exclude=excluded)

@@ -11,7 +11,8 @@ The worker leads its own process group, and every way out of it ends that whole 
 an engine process (``VLLM::EngineCore``) that holds the GPU memory and, forked, a copy of the
 protocol pipe, so ending the worker alone could leave the memory taken and the parent waiting on a
 pipe that never closes. The parent therefore watches the worker itself while it waits for a line,
-not only the pipe. On Linux the worker also gets SIGTERM when the thread that started it ends, however
+not only the pipe, and with ``timeout_s`` (augment.vllm_timeout_s) ends the group when no line
+came in that long: loading, then each call's answer. On Linux the worker also gets SIGTERM when the thread that started it ends, however
 it ends (`moplex_core.processes`): moplex killed outright, or its Prefect flow run cancelled (Prefect
 signals the flow run's process group, which the worker has left).
 
@@ -140,6 +141,7 @@ class VLLMGenerator:
         gpu_memory_utilization: float = 0.9,
         use_chat_template: bool = True,
         max_prompt_tokens: int | None = None,
+        timeout_s: float | None = None,
         worker: str | Path = WORKER,
     ):
         self.model = model
@@ -148,6 +150,7 @@ class VLLMGenerator:
         self.worker = Path(worker)
         self.use_chat_template = use_chat_template
         self.max_prompt_tokens = max_prompt_tokens
+        self.timeout_s = timeout_s  # for loading, then for each call's answer (augment.vllm_timeout_s)
         if shutil.which(self.python) is None:
             raise VLLMWorkerError(
                 f"could not start the vLLM worker with vllm_python={python!r} (no such executable); set vllm_python "
@@ -260,7 +263,12 @@ class VLLMGenerator:
 
     def _expect(self, field: str, value: Any = None) -> dict[str, Any]:
         """The worker's next line: a JSON object with ``field`` (equal to ``value`` when given)."""
-        line = self._read_line()
+        try:
+            line = self._read_line()
+        except TimeoutError:
+            raise self._died(self._stop(signal.SIGTERM, _TERM_S),
+                             f"after waiting augment.vllm_timeout_s = {self.timeout_s:g} s for it to send {field!r} "
+                             "(it was ended; raise the setting if loading or a shard takes longer)") from None
         if line is None:
             raise self._died(self._stop(None, _TERM_S), f"before it sent {field!r}")
         try:
@@ -275,11 +283,15 @@ class VLLMGenerator:
 
     def _read_line(self) -> bytes | None:
         """The worker's next protocol line, or None once it has exited (or closed its stdout) without
-        one. The worker's exit is noticed even while a process it started still holds the pipe."""
+        one; TimeoutError when none came in ``timeout_s``. The worker's exit is noticed even while a
+        process it started still holds the pipe."""
         fd = self._process.stdout.fileno()  # type: ignore[union-attr]
         poller = select.poll()
         poller.register(fd, select.POLLIN)
+        deadline = None if self.timeout_s is None else time.monotonic() + self.timeout_s
         while b"\n" not in self._pending:
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError
             exited = self._exited()  # before the poll: what it wrote before exiting is then readable
             readable = poller.poll(0 if exited else _POLL_S * 1000)  # POLLIN, or POLLHUP once the pipe is closed
             if readable:
