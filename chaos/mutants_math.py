@@ -103,7 +103,7 @@ MATH_MUTANTS: list[Mutant] = [
            'return s + self.target_terms[rows, : s.shape[1]]',
            'return s'),
     Mutant('S14', 'moplex_core/estimate.py', 'anchors by length drawn by index, not by length',
-           'by_length = np.lexsort((np.arange(n_responses), np.asarray(lengths)))',
+           'by_length = np.lexsort((rng.permutation(n_responses), np.asarray(lengths)))',
            'by_length = np.arange(n_responses)'),
     Mutant('S15', 'moplex_core/scorers/lora_policy.py', 'train.anchor_draw by_length draws uniformly',
            'if self.anchor_draw == "by_length" else None',

@@ -414,7 +414,7 @@ def _refuse_beyond_the_context(parts: list[pa.Table], tokenizer: PreTrainedToken
     if beyond is not None:
         count, example_id, tokens = beyond
         raise ValueError(f"{count} example(s) have a prompt + response longer than the {context} positions the model "
-                         f"reads (max_position_embeddings; e.g. example_id {example_id!r}: {tokens} tokens); set "
+                         f"reads (its context; e.g. example_id {example_id!r}: {tokens} tokens); set "
                          "cache.max_prompt_tokens and cache.max_response_tokens so that their sum is at most "
                          f"{context}")
 

@@ -84,7 +84,9 @@ def anchor_indices(example_id: str, n_responses: int, a: int | None, seed: int, 
 
     ``a = None`` or ``a >= n_responses`` takes every response (full computation). Without
     ``lengths`` the a anchors are a uniform draw (the paper's). With ``lengths`` (the responses'
-    token counts, [n_responses]) the responses sorted by length (then by index) are cut into a
+    token counts, [n_responses]) the responses sorted by length (equal lengths in a seeded random
+    order, not by index: responses cut at one length cap are many, and the originals come first)
+    are cut into a
     strata of sizes differing by at most one and one anchor is drawn from each, so that every length
     class has an anchor near it: the first-order term stops at the shorter of anchor and response
     (`contraction`), and a response longer than its anchor keeps none of its tail in its estimate.
@@ -101,7 +103,7 @@ def anchor_indices(example_id: str, n_responses: int, a: int | None, seed: int, 
         return np.sort(rng.choice(n_responses, size=a, replace=False)).astype(np.int64)
     if len(lengths) != n_responses:
         raise ValueError(f"{len(lengths)} lengths for {n_responses} responses")
-    by_length = np.lexsort((np.arange(n_responses), np.asarray(lengths)))  # [n_responses]
+    by_length = np.lexsort((rng.permutation(n_responses), np.asarray(lengths)))  # [n_responses]
     strata = np.array_split(by_length, a)
     return np.sort([stratum[rng.integers(len(stratum))] for stratum in strata]).astype(np.int64)
 

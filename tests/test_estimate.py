@@ -202,9 +202,12 @@ def test_anchors_by_length_take_one_from_each_length_stratum():
     assert all(len(shortest.intersection(d.tolist())) == len(longest.intersection(d.tolist())) == 1 for d in draws)
     assert len({tuple(d) for d in draws}) > 8  # each stratum's pick is drawn (16 possible draws)
     assert np.array_equal(draws[0], anchor_indices("ex-0", 8, 2, seed=0, iteration=1, lengths=lengths))
-    three = anchor_indices("ex-1", 8, 3, seed=0, iteration=1, lengths=lengths)  # strata of 3, 3, 2 by length
-    by_length = [0, 2, 4, 6, 5, 1, 7, 3]  # equal lengths in index order
-    assert [by_length.index(int(i)) // 3 for i in sorted(three, key=by_length.index)] == [0, 1, 2]
+    for i in range(40):  # strata of 3, 3, 2 by length: 8 8 8 | 8 12 13 | 13 14
+        three = anchor_indices(f"ex-{i}", 8, 3, seed=0, iteration=1, lengths=lengths)
+        first, second, third = sorted(lengths[j] for j in three)
+        assert first == 8 and second in (8, 12, 13) and third in (13, 14)
+    ties = {tuple(anchor_indices(f"ex-{i}", 8, 2, 0, 1, [8] * 8)) for i in range(200)}
+    assert len(ties) == 28  # equal lengths: any pair, the strata not cut by index (0-3 against 4-7)
     assert np.array_equal(anchor_indices("ex-1", 8, 1, 0, 1, lengths), anchor_indices("ex-1", 8, 1, 0, 1))
     assert np.array_equal(anchor_indices("ex-1", 8, 8, 0, 1, lengths), np.arange(8))
     with pytest.raises(ValueError, match="7 lengths for 8 responses"):

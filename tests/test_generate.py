@@ -357,7 +357,7 @@ def test_the_hf_backend_refuses_prompts_that_would_run_past_the_models_context(t
         generator.sample(requests(n=1))
     generator.max_new_tokens = context  # no prompt length fits: only a lower max_new_tokens helps
     with pytest.raises(ValueError, match=rf"augment.max_new_tokens = {context} leaves no position for a prompt in the "
-                                         rf"{context} positions the model reads \(max_position_embeddings\): lower it"):
+                                         rf"{context} positions the model reads \(its context\): lower it"):
         generator.sample(requests(n=1))
 
 

@@ -23,7 +23,7 @@ TARGETS = LoRASettings().target_modules
 def test_a_gpt2_model_is_checked_before_any_stage_for_its_positions_and_its_layers(tmp_path):
     GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=64, n_positions=128).save_pretrained(tmp_path)  # no weights
     with pytest.raises(ValueError, match=r"cache.max_prompt_tokens \+ cache.max_response_tokens = 512 \+ 512 exceeds "
-                                         r"the 128 positions .* reads \(max_position_embeddings\)"):
+                                         r"the 128 positions .* reads \(its context\)"):
         check_model(str(tmp_path), lora_targets=TARGETS, max_prompt_tokens=512, max_response_tokens=512,
                     use_chat_template=True)
     with pytest.raises(ValueError, match=r"train.lora_targets.*its linear layers \(but the output layer\): \['c_attn', "

@@ -74,9 +74,11 @@ class AugmentConfig(StageConfig):
     vllm_python: str | None = None
     vllm_gpu_memory_utilization: float = Field(0.9, gt=0.0, le=1.0)
     vllm_timeout_s: float | None = Field(None, gt=0.0)
-    """How long the vLLM worker may take to load the model, and then to answer one shard's requests,
-    before it is ended and the stage fails naming its log (an engine stuck in its start-up holds the
-    GPU otherwise); None waits as long as it runs."""
+    """How long the vLLM worker may take to load the model, and then to answer each call (one round of
+    one shard's prompts: a shard makes up to ``max_attempts`` calls), before it is ended and the stage
+    fails naming its log (an engine stuck in its start-up holds the GPU otherwise). The worker sends
+    nothing during a call, so set it above the longest healthy call: one that always takes longer
+    fails on every resume. None waits as long as it runs."""
 
     @model_validator(mode="after")
     def _backend_is_complete(self) -> AugmentConfig:

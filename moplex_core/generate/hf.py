@@ -62,13 +62,13 @@ def refuse_prompts_beyond_the_context(lengths: Sequence[tuple[str, int]], contex
     model's ``context`` positions; `augment.check_prompts` asks it of every prompt before a shard."""
     if context is not None and max_new_tokens >= context:
         raise ValueError(f"augment.max_new_tokens = {max_new_tokens} leaves no position for a prompt in the "
-                         f"{context} positions the model reads (max_position_embeddings): lower it below "
+                         f"{context} positions the model reads (its context): lower it below "
                          f"{context}, with room for the prompts")
     beyond = beyond_the_context([(key, n + max_new_tokens) for key, n in lengths], context)
     if beyond is not None:
         count, key, tokens = beyond
         raise ValueError(f"{count} prompt(s) with max_new_tokens = {max_new_tokens} would run past the "
-                         f"{context} positions the model reads (max_position_embeddings; e.g. {key!r}: "
+                         f"{context} positions the model reads (its context; e.g. {key!r}: "
                          f"{tokens - max_new_tokens} prompt tokens); set augment.max_prompt_tokens (e.g. "
                          f"{max(1, context - max_new_tokens)}) to keep their last tokens, or lower "
                          "augment.max_new_tokens")

@@ -12,7 +12,7 @@ an engine process (``VLLM::EngineCore``) that holds the GPU memory and, forked, 
 protocol pipe, so ending the worker alone could leave the memory taken and the parent waiting on a
 pipe that never closes. The parent therefore watches the worker itself while it waits for a line,
 not only the pipe, and with ``timeout_s`` (augment.vllm_timeout_s) ends the group when no line
-came in that long: loading, then each call's answer. On Linux the worker also gets SIGTERM when the thread that started it ends, however
+came in that long: loading, then each call's answer (the worker sends nothing during a call). On Linux the worker also gets SIGTERM when the thread that started it ends, however
 it ends (`moplex_core.processes`): moplex killed outright, or its Prefect flow run cancelled (Prefect
 signals the flow run's process group, which the worker has left).
 

@@ -136,7 +136,7 @@ def check_model(model: str, *, lora_targets: Sequence[str], max_prompt_tokens: i
             and max_prompt_tokens + max_response_tokens > context:
         raise ValueError(f"cache.max_prompt_tokens + cache.max_response_tokens = {max_prompt_tokens} + "
                          f"{max_response_tokens} exceeds the {context} positions {model} reads "
-                         f"(max_position_embeddings): lower them so that their sum is at most {context}")
+                         f"(its context): lower them so that their sum is at most {context}")
     try:
         with torch.device("meta"):
             skeleton = AutoModelForCausalLM.from_config(config)
