@@ -46,9 +46,10 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 STAGE = "assign"
-CODE_VERSION = "assign-4"  # bump when a change to this stage changes what it writes
+CODE_VERSION = "assign-5"  # bump when a change to this stage changes what it writes
 # (assign-2: agreement_with_labels; assign-3: one shard per cache shard, each written when scored; assign-4: a
-# tied last tier of every response left adds 0 to the PL likelihood, moplex_core.pl)
+# tied last tier of every response left adds 0 to the PL likelihood, moplex_core.pl; assign-5: the adjusted Rand
+# index null where the labels hold one label or one ranking, not 1.0)
 
 ASSIGN_SCHEMA = pa.schema([
     pa.field("example_id", pa.string(), nullable=False),
@@ -218,9 +219,10 @@ def assignment_summary(posterior: np.ndarray, clusters: list[str | None]) -> dic
         }
         # The matching is fitted on these same rankings: an upper bound, unlike evaluate's validation fit.
         matching = fit_matching(assigned, labels, k, len(names))
+        ari = adjusted_rand_index(assigned, labels)  # NaN with one label or one ranking: None in the manifest
         summary["agreement_with_labels"] = {
             "accuracy_best_matching": round(clustering_accuracy(assigned, labels, matching), 4),
-            "adjusted_rand_index": round(adjusted_rand_index(assigned, labels), 4),
+            "adjusted_rand_index": round(ari, 4) if np.isfinite(ari) else None,
         }
     return summary
 

@@ -274,8 +274,10 @@ def _assign(args: argparse.Namespace) -> int:
         for label, row in summary["labels_by_assigned"].items():
             print(f"| {markdown_cell(label)} | {' | '.join(str(row[n]) for n in names)} |")
         agreement = summary["agreement_with_labels"]
+        ari = agreement["adjusted_rand_index"]
         print(f"\nagreement with the labels: {agreement['accuracy_best_matching']:.1%} under the best matching of "
-              f"adapters to labels (fitted on these rankings), adjusted Rand index {agreement['adjusted_rand_index']:.3f}")
+              "adapters to labels (fitted on these rankings), adjusted Rand index "
+              + ("undefined (one label or one ranking: no partition to agree with)" if ari is None else f"{ari:.3f}"))
     else:
         print("\n(not every ranking carries a `cluster` label, so there is no table of labels by adapter)")
     return 0

@@ -46,7 +46,7 @@ generated-response diagnostics share those scores), and it writes the `evaluatio
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -63,6 +63,7 @@ from moplex_core.em import Rankings, Scorer, check_finite, mixture_posteriors
 from moplex_core.metrics import (
     ClusterMatching,
     adjusted_rand_index,
+    cluster_ids,
     clustering_accuracy,
     fit_matching,
     many_to_one_accuracy,
@@ -96,6 +97,8 @@ def evaluate_mixture(
 ) -> pd.DataFrame:
     """Metrics of the mixture (scorer, alpha) on every split; the matching is fitted on ``fit_split``."""
     k = scorer.k
+    splits = {name: split if split.labels is None else replace(split, labels=cluster_ids(split.labels))
+              for name, split in splits.items()}
     empty = [name for name, split in splits.items() if len(split.rankings) == 0]
     if empty:  # its ARI and NMI would read 1.0 (sklearn's convention for no samples), all else NaN
         raise ValueError(f"split(s) {empty} hold no rankings: there is nothing to evaluate on them")
@@ -246,14 +249,15 @@ def _name(c: int, label_names: list[str] | None) -> str:
 # the evaluate stage: a train artifact and its cache in, `evaluation` out (DESIGN 3, 7)
 
 STAGE = "evaluate"
-CODE_VERSION = "evaluate-15"  # bump when a change to this stage changes what it writes (8: plots, "|" in labels;
+CODE_VERSION = "evaluate-16"  # bump when a change to this stage changes what it writes (8: plots, "|" in labels;
 # 9: ranking accuracy leave_pair_out, marginal = the mixture's pairwise probability, non-finite scores refused;
 # 10: clustering_accuracy_many_to_one when k exceeds the labels, no clustering rows when k = 1; 11: the report
 # says that EM's iterations are numbered from 0, and under which observation model heldout_log_likelihood is;
 # metrics.parquet counts each split's rankings, per true cluster too; 12: the report's mixture table; 13: text
 # columns as Arrow string, not pandas 3's large_string, and no pandas metadata: `artifacts.writer.arrow_table`;
 # 14: assignments.parquet, the held-out rankings' posteriors and scores; 15: a tied last tier of every response
-# left adds 0 to the PL likelihood, moplex_core.pl)
+# left adds 0 to the PL likelihood, moplex_core.pl; 16: ARI and NMI NaN where the true labels hold fewer than
+# 2 rankings or one label, not sklearn's 1.0)
 METRICS_FILE = "metrics.parquet"
 ASSIGNMENTS_FILE = "assignments.parquet"
 RANKINGS = "rankings"  # the metric that counts a split's rankings (per true cluster too): what each value rests on

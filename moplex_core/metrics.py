@@ -47,10 +47,13 @@ def cluster_ids(values: Any, name: str = "labels") -> np.ndarray:
     metrics' labels. Strings are refused (compared with the matching's integer ids they would count
     every ranking wrong, silently): ``pd.factorize(labels, sort=True)[0]`` turns ``c0``, ``c1``, ... into ids."""
     array = np.asarray(values)
-    if array.dtype.kind in "iu":
-        return array.astype(np.int64, copy=False)
-    if array.dtype.kind == "f" and np.isfinite(array).all() and (array == np.round(array)).all():
-        return array.astype(np.int64)
+    if array.dtype.kind in "iu" or (array.dtype.kind == "f" and np.isfinite(array).all()
+                                    and (array == np.round(array)).all()):
+        ids = array.astype(np.int64, copy=False)
+        if ids.size and ids.min() < 0:  # indexing would wrap it to the last cluster, counted as a hit
+            raise ValueError(f"{name} must be cluster ids 0, 1, ...; got {int(ids.min())} (pd.factorize codes a "
+                             "missing label as -1: leave out the rankings without one)")
+        return ids
     raise TypeError(f"{name} must be integer cluster ids 0, 1, ...; got {array.dtype} values such as "
                     f"{array.ravel()[:3].tolist()} (pd.factorize(labels, sort=True)[0] gives ids for string labels; "
                     "NaN: a ranking without one)")
@@ -94,12 +97,21 @@ def per_cluster_accuracy(
     return out
 
 
+def _agreement(score: Any, predicted: np.ndarray, true: np.ndarray) -> float:
+    """``score(true, predicted)``, or NaN where ``true`` holds fewer than 2 rankings or one label:
+    there is no partition to agree with, and sklearn reads such a case as perfect agreement, 1.0."""
+    true = cluster_ids(true)
+    if len(true) < 2 or len(np.unique(true)) < 2:
+        return float("nan")
+    return float(score(true, cluster_ids(predicted, "predicted")))
+
+
 def adjusted_rand_index(predicted: np.ndarray, true: np.ndarray) -> float:
-    return float(adjusted_rand_score(true, predicted))
+    return _agreement(adjusted_rand_score, predicted, true)
 
 
 def normalized_mutual_information(predicted: np.ndarray, true: np.ndarray) -> float:
-    return float(normalized_mutual_info_score(true, predicted))
+    return _agreement(normalized_mutual_info_score, predicted, true)
 
 
 def score_credit(scores: torch.Tensor) -> torch.Tensor:

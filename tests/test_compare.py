@@ -188,6 +188,29 @@ def test_the_report_names_each_evaluation_under_the_root_so_two_roots_write_the_
         reports.append((folder / "report.md").read_bytes())
     assert reports[0] == reports[1]
     assert b"| dpo | 0 | `evaluate/0123456789ab` |" in reports[0] and str(tmp_path).encode() not in reports[0]
+    assert b"No cluster is matched to a label" in reports[0]  # no matched_adapter rows
+
+
+@pytest.mark.parametrize("fit_split, said", [
+    ("validation", "Cluster ids are matched to the true labels on validation; chance"),
+    ("test", "Cluster ids are matched to the true labels on test (the test split itself, for a source without "
+             "another: its clustering accuracy and oracle ranking accuracy are in-sample, upper bounds); chance")])
+def test_the_report_names_the_split_the_matching_was_fitted_on(tmp_path, fit_split, said):
+    # It said "on validation" whatever evaluate.fit_split was, also where the matching was fitted on the
+    # very split it reports (a source without a validation split; review helper-167).
+    from moplex_core.artifacts import ArtifactStore
+    from moplex_core.evaluate import MATCHED_ADAPTER, METRICS_FILE
+    from moplex_core.experiments.compare import write_comparison
+
+    store = ArtifactStore(tmp_path)
+    rows = [("moplex", "test", metric, cluster, 0.5, 0) for cluster in ("a", "b", "all")
+            for metric in ("ranking_accuracy_posterior", "clustering_accuracy")]
+    rows += [("moplex", fit_split, MATCHED_ADAPTER, cluster, float(c), 0) for c, cluster in enumerate("ab")]
+    with store.writer("evaluate", "0123456789ab", config={}) as w:
+        w.write_table(METRICS_FILE, _metrics(rows))
+    report = (write_comparison(store, "toy", [("moplex", 0, store.path("evaluate", "0123456789ab"))])
+              / "report.md").read_text()
+    assert said in report
 
 
 @pytest.mark.slow

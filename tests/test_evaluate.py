@@ -41,6 +41,10 @@ def test_true_scorer_with_permuted_ids_is_matched_and_ranks_perfectly(noise_free
     # the 50/50 blend of two orthogonal criteria is much worse than routing
     assert test["ranking_accuracy_marginal", "all"] < 0.85
     assert np.isfinite(test["heldout_log_likelihood", "all"])
+    # a merge's float ids, which the metrics take, give the same rows (np.bincount refused them: a TypeError)
+    floats = {name: EvalSplit(split.inputs, split.rankings, split.labels.astype(float)) for name, split in splits.items()}
+    again = evaluate_mixture(scorer, torch.tensor([0.5, 0.5], dtype=torch.float64), floats, label_names=["c0", "c1"])
+    pd.testing.assert_frame_equal(again, metrics)
 
 
 def test_one_cluster_serves_every_label_in_the_oracle_routing(noise_free):

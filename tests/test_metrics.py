@@ -68,6 +68,26 @@ def test_ari_and_nmi_are_permutation_invariant():
     assert adjusted_rand_index(np.array([0, 1, 0, 1]), true) == pytest.approx(-0.5)
 
 
+def test_ari_and_nmi_are_nan_without_a_partition_to_agree_with():
+    # sklearn reads one ranking, or one true label, as perfect agreement (1.0): evaluate reported it so
+    # beside a clustering accuracy of 0 on a one-ranking split (review helper-167)
+    for predicted, true in (([1], [0]), ([0, 1, 2], [1, 1, 1]), ([0, 0], [2, 2])):
+        assert np.isnan(adjusted_rand_index(np.array(predicted), np.array(true)))
+        assert np.isnan(normalized_mutual_information(np.array(predicted), np.array(true)))
+    assert adjusted_rand_index(np.array([0, 0]), np.array([0, 1])) == pytest.approx(0.0)
+
+
+def test_negative_ids_are_refused_not_wrapped_to_the_last_cluster():
+    # pd.factorize codes a missing label as -1; indexing took it for the last label, a hit wherever a
+    # ranking sat in an unmatched cluster (labels [0, 0, 1, 1, -1, -1] with k = 3 scored 1.0)
+    true = np.array([0, 0, 1, 1, -1, -1])
+    with pytest.raises(ValueError, match=r"true must be cluster ids 0, 1, ...; got -1 \(pd.factorize codes"):
+        fit_matching(np.array([0, 0, 1, 1, 2, 2]), true, 3, 2)
+    matching = fit_matching(np.array([0, 1]), np.array([0, 1]), 2, 2)
+    with pytest.raises(ValueError, match="predicted must be cluster ids"):
+        clustering_accuracy(np.array([-1, 0]), np.array([1, 0]), matching)
+
+
 def test_pairwise_accuracy_excludes_ground_truth_ties_unranked_and_padding():
     # tiers: item0 best, items 1 and 2 tied, item3 generated (unranked), slot 4 padding
     tiers = torch.tensor([[0, 1, 1, UNRANKED, PAD]])

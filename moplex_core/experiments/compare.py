@@ -38,15 +38,16 @@ from matplotlib.figure import Figure
 from moplex_core.artifacts import ArtifactRef, ArtifactStore, read_manifest
 from moplex_core.config import PipelineConfig
 from moplex_core.methods import METHODS, method_config
-from moplex_core.evaluate import EM_START_SPLIT, METRICS_FILE, RANKING_VARIANTS, RANKINGS
+from moplex_core.evaluate import EM_START_SPLIT, MATCHED_ADAPTER, METRICS_FILE, RANKING_VARIANTS, RANKINGS
 from moplex_core.display import markdown_cell
 from moplex_core.report import markdown_table, png_bytes
 
 STAGE = "compare"
-CODE_VERSION = "compare-8"  # bump when a change here changes what the report holds (5: NaN cells as -;
+CODE_VERSION = "compare-9"  # bump when a change here changes what the report holds (5: NaN cells as -;
 # 6: how much the test sample's rankings alone move a value, `sampling_note`; 7: comparison.parquet's text
 # columns as Arrow string, without pandas metadata; 8: the Runs table names each evaluation as
-# evaluate/VERSION, not by its absolute path, so the report's bytes do not depend on where the root is)
+# evaluate/VERSION, not by its absolute path, so the report's bytes do not depend on where the root is; 9: the
+# split the evaluations fitted their matching on, not "validation" whatever it was)
 SPLIT = "test"
 
 
@@ -289,6 +290,11 @@ def _report(metrics: pd.DataFrame, dataset: str, seeds: list[int], evaluations: 
     """The report; ``evaluations`` are (method, seed, ``evaluate/VERSION``), named so under the root."""
     methods = list(dict.fromkeys(m for m, _, _ in evaluations))
     chance_note = f"; chance clustering accuracy is {100 * chance:.1f}%. " if chance else ". "
+    fits = sorted(set(metrics.split[metrics.metric == MATCHED_ADAPTER]))  # where each evaluation fitted its matching
+    in_sample = (f" (the {SPLIT} split itself, for a source without another: its clustering accuracy and "
+                 "oracle ranking accuracy are in-sample, upper bounds)") if SPLIT in fits else ""
+    matched = (f"Cluster ids are matched to the true labels on {' and '.join(fits)}{in_sample}" if fits
+               else "No cluster is matched to a label")
     changed = ("The base config was changed by " + ", ".join(f"`{o}`" for o in overrides)
                + "; every method below is that base with its own overrides.") if overrides else ""
     lines = [
@@ -296,8 +302,7 @@ def _report(metrics: pd.DataFrame, dataset: str, seeds: list[int], evaluations: 
         "",
         *([changed, ""] if changed else []),
         f"{len(methods)} methods x {len(seeds)} seeds (train.seed = {', '.join(map(str, seeds))}), {SPLIT} split; "
-        "% mean ± std over seeds (sample std). Cluster ids are matched to the true labels on validation"
-        + chance_note + "Ranking accuracy is routed by each ranking's own posterior (the paper's number, which "
+        "% mean ± std over seeds (sample std). " + matched + chance_note + "Ranking accuracy is routed by each ranking's own posterior (the paper's number, which "
         "a method with more clusters raises by routing alone) and, in the Table 3 shape and the plot, without the "
         "pair it predicts (leave pair out, the number to compare methods by); the oracle and marginal variants "
         "are in the last table and in comparison.parquet. In the Table 3 and 4 "
