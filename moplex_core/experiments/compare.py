@@ -47,7 +47,8 @@ CODE_VERSION = "compare-9"  # bump when a change here changes what the report ho
 # 6: how much the test sample's rankings alone move a value, `sampling_note`; 7: comparison.parquet's text
 # columns as Arrow string, without pandas metadata; 8: the Runs table names each evaluation as
 # evaluate/VERSION, not by its absolute path, so the report's bytes do not depend on where the root is; 9: the
-# split the evaluations fitted their matching on, not "validation" whatever it was)
+# split the evaluations fitted their matching on, not "validation" whatever it was; the sampling note says
+# that ranking accuracy rests on the rankings with a known pair)
 SPLIT = "test"
 
 
@@ -215,7 +216,9 @@ def sampling_note(metrics: pd.DataFrame) -> str:
     return (note + ". The sampling of these rankings gives a value a standard error of up to " + bounds
             + " (at 50%: a mean over n independent rankings of a value in [0, 1] has at most 50 / sqrt(n); rankings "
             "that share a prompt, as UltraFeedback's criteria do, are not independent, and the bound on all of them "
-            "is then larger). The ± here are over seeds on this one sample and leave that out.")
+            "is then larger; ranking accuracy rests only on the rankings that order at least one pair, so where "
+            "some tie every response its n is smaller and its bound larger). The ± here are over seeds on this one "
+            "sample and leave that out.")
 
 
 def chance_level(metrics: pd.DataFrame) -> float | None:
