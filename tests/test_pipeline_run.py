@@ -262,7 +262,7 @@ def test_a_sigkill_of_moplex_run_takes_its_server_down_too(tmp_path):
     crashed = [run for run in runs if run[1] != "COMPLETED"]
     assert [state for _, state, _ in crashed] == ["CRASHED", "CRASHED"] and len(runs) > 2, runs
     assert all("ended without recording an end (SIGKILL, out of memory)" in message for _, _, message in crashed)
-    assert f"marked Crashed 2 flow run(s) that a moplex process on this PREFECT_HOME left" in after.stderr
+    assert "marked Crashed 2 flow run(s) that a moplex process on this PREFECT_HOME left" in after.stderr
 
 
 def test_only_the_runs_of_ended_processes_are_marked_crashed(prefect_env):
