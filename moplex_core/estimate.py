@@ -85,13 +85,12 @@ def anchor_indices(example_id: str, n_responses: int, a: int | None, seed: int, 
     ``a = None`` or ``a >= n_responses`` takes every response (full computation). Without
     ``lengths`` the a anchors are a uniform draw (the paper's). With ``lengths`` (the responses'
     token counts, [n_responses]) the responses sorted by length (equal lengths in a seeded random
-    order, not by index: responses cut at one length cap are many, and the originals come first)
-    are cut into a
-    strata of sizes differing by at most one and one anchor is drawn from each, so that every length
-    class has an anchor near it: the first-order term stops at the shorter of anchor and response
-    (`contraction`), and a response longer than its anchor keeps none of its tail in its estimate.
-    ``a = 1`` draws as without lengths (one stratum). The draw depends only on (seed, iteration,
-    example_id) and the lengths, never on batch composition or call order.
+    order, not by index: responses cut at one length cap are many, and the originals come first) are
+    cut into a strata of sizes differing by at most one and one anchor is drawn from each, so that
+    every length class has an anchor near it: the first-order term stops at the shorter of anchor and
+    response (`contraction`), and a response longer than its anchor keeps none of its tail in its
+    estimate. ``a = 1`` draws as without lengths (one stratum). The draw depends only on (seed,
+    iteration, example_id) and the lengths, never on batch composition or call order.
     """
     if a is None or a >= n_responses:
         return np.arange(n_responses, dtype=np.int64)
