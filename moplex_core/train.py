@@ -46,8 +46,8 @@ import pyarrow.parquet as pq
 import torch
 from tqdm.auto import tqdm
 
-from moplex_core.artifacts import (CHECKPOINTS, ArtifactRef, ArtifactStore, atomic_path, read_checked_manifest,
-                                   read_manifest)
+from moplex_core.artifacts import (CHECKPOINTS, MANIFEST, ArtifactRef, ArtifactStore, atomic_path,
+                                   read_checked_manifest, read_manifest, root_of)
 from moplex_core.cache import cache_model, contractions_out_of_date, load_policy_inputs
 from moplex_core.config import TrainConfig, no_contractions_message, prompts_shared
 from moplex_core.em import (START_FILE, EMConfig, EMState, estimates_off_by, fit_mixture, posteriors_table,
@@ -333,14 +333,17 @@ def load_trained(train_dir: str | Path, model: str | None = None, *, device: str
                  ) -> tuple[LoRAPolicyScorer, torch.Tensor, TrainConfig]:
     """The final adapters of a finished train artifact as a scorer, the mixing weights alpha, and
     the config it was trained with (its ``likelihood`` is how its posteriors are computed), on the
-    base model at ``model``: where its cache's model is now (`cache_model`), or by default where the
-    model was when it trained."""
+    base model at ``model``, by default where its cache finds its model now (`cache_model`: the root's
+    own tiny model when the root moved), or where the model was when it trained when that cache is
+    not beside it."""
     # What evaluate and assign read of it, as its stage checks it (a truncated adapter, say; a deleted
     # start_posteriors.parquet would pass for an artifact from before train-5, which kept none).
     manifest = read_checked_manifest(train_dir)
     recorded = dict(manifest["config"])
     trained_on = recorded.pop("model")  # where the model was when it trained
-    model = trained_on if model is None else model
+    if model is None:
+        cache_dir = root_of(Path(train_dir).resolve()) / manifest["inputs"]["cache"]
+        model = cache_model(cache_dir) if (cache_dir / MANIFEST).is_file() else trained_on
     recorded.pop("resolved_dtype", None)  # what "auto" was where it trained (artifacts of train-6 on)
     if device is not None:
         recorded["device"] = device

@@ -162,6 +162,10 @@ def test_a_moved_model_or_artifact_root_is_found_by_its_files(tiny_model_dir, tm
     result = run_train(TrainConfig(k=2, anchors=None, em_iterations=1, epochs=1), moved,
                        ArtifactStore(tmp_path / "moved"), progress=False)
     assert read_manifest(result.path)["config"]["model"] == str(tmp_path / "moved" / "model" / "abc123" / "model")
+    (tmp_path / "moved").rename(tmp_path / "again")  # the train artifact too: by default on its cache's model
+    scorer, _, _ = load_trained(tmp_path / "again" / "train" / result.path.name)  # where the root holds it now
+    assert scorer.exact_scores(load_policy_inputs(tmp_path / "again" / "cache" / cache.name, "train")[0]).shape[1] == 2
+    (tmp_path / "again").rename(tmp_path / "moved")
 
     elsewhere = tmp_path / "models" / "mine"  # a model kept outside the root, moved: say where it is
     (tmp_path / "moved" / "model").rename(tmp_path / "models")
