@@ -10,7 +10,7 @@ from flows.stage_runs import name_run_after, publish_if_alone
 from tasks.assign import plan_assignment, write_assignment
 
 
-@flow(name="assign")
+@flow(name="moplex-assign")
 def assign_flow(train: str, rankings: str, root: str | None = None, device: str = "auto",
                 score_batch_size: int = 32, model: str | None = None) -> str:
     """Write (or find) the posteriors of the rankings folder ``rankings`` (an ingest output) under the

@@ -10,7 +10,7 @@ from flows.stage_runs import name_run_after, publish_if_alone
 from tasks.augment import plan_augmented, write_augmented
 
 
-@flow(name="augment")
+@flow(name="moplex-augment")
 def augment_flow(config: AugmentConfig, rankings: str, root: str = DEFAULT_ROOT) -> str:
     """Write (or find) the augmented artifact of ``config`` for the rankings folder ``rankings``
     (an ingest output); returns its folder. A complete version is not regenerated, but its

@@ -10,7 +10,7 @@ from flows.stage_runs import name_run_after, publish_if_alone
 from tasks.cache import plan_reference_cache, write_reference_cache
 
 
-@flow(name="cache")
+@flow(name="moplex-cache")
 def cache_flow(config: CacheConfig, rankings_dir: str, root: str = DEFAULT_ROOT) -> str:
     """Write (or find) the cache of the artifact at ``rankings_dir`` under ``root``; returns its folder."""
     plan = plan_reference_cache(config, rankings_dir, root)

@@ -10,7 +10,7 @@ from flows.stage_runs import name_run_after, publish_if_alone
 from tasks.evaluate import plan_evaluation, write_evaluation
 
 
-@flow(name="evaluate")
+@flow(name="moplex-evaluate")
 def evaluate_flow(config: EvaluateConfig, train_dir: str, cache_dir: str, root: str = DEFAULT_ROOT,
                   model: str | None = None) -> str:
     """Write (or find) the evaluation of the mixture at ``train_dir`` (trained on ``cache_dir``);

@@ -11,7 +11,7 @@ from flows.stage_runs import name_run_after, publish_if_alone
 from tasks.ingest import plan_rankings, write_rankings
 
 
-@flow(name="ingest")
+@flow(name="moplex-ingest")
 def ingest_flow(config: IngestConfig, root: str = DEFAULT_ROOT) -> str:
     """Write (or find) the rankings artifact of ``config`` under ``root``; returns its folder. What a
     drop-mode ingest left out is a warning of the run, also where the version already existed."""

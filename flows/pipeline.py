@@ -146,11 +146,14 @@ def stage_outcome(path: str, started: datetime) -> tuple[bool, str]:
 
 
 def retry_command(run_id) -> str:
-    """The command that retries pipeline run ``run_id``: a run of a deployment by its id alone; a run
-    without one (``moplex run``) also needs the flow's entrypoint."""
+    """The command that retries pipeline run ``run_id``: a run of a deployment by its id alone (its
+    worker sets the 30 s heartbeat, prefect.yaml); a run without one (``moplex run``) also needs the
+    flow's entrypoint, and the heartbeat `moplex run` sets, which Prefect's own command does not: with
+    its 180 s, prefect-automations.yaml would mark the live retry Crashed."""
     if deployment.get_id() is not None:
         return f"prefect flow-run retry {run_id}"
-    return f"prefect flow-run retry {run_id} --entrypoint {Path(__file__).resolve()}:moplex_pipeline"
+    return (f"PREFECT_FLOWS_HEARTBEAT_FREQUENCY=30 prefect flow-run retry {run_id} "
+            f"--entrypoint {Path(__file__).resolve()}:moplex_pipeline")
 
 
 def how_to_retry(run_id) -> str:

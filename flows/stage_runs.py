@@ -25,9 +25,10 @@ def name_run_after(ref: ArtifactRef) -> None:
 
 def publish_if_alone(stage: str, path: str | Path, reused: bool) -> None:
     """Where this stage's flow run is a run of its own (a stage deployment, ``prefect deployment run
-    evaluate/evaluate``, or the flow called from a script), not another flow's subflow: Prefect artifacts of its version, as the pipeline
-    publishes for every stage (the version table, its Parquet files, and for evaluate the metrics
-    table and the report). ``reused``: the version was found complete, not written by this run."""
+    moplex-evaluate/evaluate``, or the flow called from a script), not another flow's subflow:
+    Prefect artifacts of its version, as the pipeline publishes for every stage (the version table,
+    its Parquet files, and for evaluate the metrics table and the report). ``reused``: the version
+    was found complete, not written by this run."""
     context = FlowRunContext.get()
     if context is None or context.flow_run is None or context.flow_run.parent_task_run_id is not None:
         return

@@ -10,7 +10,7 @@ from flows.stage_runs import name_run_after, publish_if_alone
 from tasks.tiny_model import build_model, plan_model
 
 
-@flow(name="tiny-model")
+@flow(name="moplex-tiny-model")
 def tiny_model_flow(config: TinyModelConfig, rankings_dir: str, root: str = DEFAULT_ROOT) -> str:
     """Build (or find) the tiny model of ``config`` for the rankings at ``rankings_dir``; returns its
     artifact folder (the model, loadable with from_pretrained, is its ``model/`` folder)."""

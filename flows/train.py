@@ -10,7 +10,7 @@ from flows.stage_runs import name_run_after, publish_if_alone
 from tasks.train import fit_mixture_of_adapters, plan_mixture
 
 
-@flow(name="train")
+@flow(name="moplex-train")
 def train_flow(config: TrainConfig, cache_dir: str, root: str = DEFAULT_ROOT, model: str | None = None) -> str:
     """Write (or find, or resume) the train artifact of ``config`` on the cache at ``cache_dir``.
     ``model``: where the cache's base model is now, when it moved (default: where the cache recorded it)."""

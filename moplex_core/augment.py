@@ -40,7 +40,7 @@ import pyarrow.parquet as pq
 from tqdm.auto import tqdm
 
 from moplex_core.artifacts import ArtifactRef, ArtifactStore, load_table, read_manifest, shard_name
-from moplex_core.config import AugmentConfig
+from moplex_core.config import AugmentConfig, refuse_the_pipelines_model
 from moplex_core.generate.base import Generator, SampleRequest, normalise, request_seed
 from moplex_core.hashing import model_fingerprint
 from moplex_core.schema import RANKINGS_SCHEMA, check_rankings
@@ -133,6 +133,7 @@ class Filled:
 
 def plan_augment(config: AugmentConfig, rankings: str | Path, store: ArtifactStore) -> AugmentPlan:
     """The version ``config`` maps to for the finished rankings artifact at ``rankings``."""
+    refuse_the_pipelines_model(config.model)
     rankings = Path(rankings)
     manifest = read_manifest(rankings, ("ingest",))  # an augmented artifact's rows carry generations already
     inputs = {"rankings": f"{manifest['stage']}/{manifest['version']}"}

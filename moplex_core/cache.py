@@ -32,7 +32,7 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from moplex_core.artifacts import ArtifactRef, ArtifactStore, load_table, read_manifest, root_of, shard_name
-from moplex_core.config import CacheConfig, local_model_absolute
+from moplex_core.config import CacheConfig, local_model_absolute, refuse_the_pipelines_model
 from moplex_core.estimate import reference_terms_batch
 from moplex_core.hashing import files_changed, files_fingerprint, model_files, model_fingerprint
 from moplex_core.lm.checkpointing import checkpoint_layers
@@ -87,6 +87,7 @@ RANKING_STAGES = ("ingest", "augment")
 
 
 def plan_cache(config: CacheConfig, rankings_dir: str | Path, store: ArtifactStore) -> CachePlan:
+    refuse_the_pipelines_model(config.model)
     manifest = read_manifest(rankings_dir, RANKING_STAGES)  # refuses an unfinished artifact or another stage's
     inputs = {"rankings": f"{manifest['stage']}/{manifest['version']}", "model": model_fingerprint(config.model)}
     version = store.version(STAGE, identity_on_this_machine(config.identity(), config.device), inputs, CODE_VERSION)

@@ -175,16 +175,6 @@ def _ingest(args: argparse.Namespace) -> int:
     return 0
 
 
-def _refuse_the_pipelines_model(model: str | None) -> None:
-    """Raise ValueError for the model value `tiny` in a stage run alone: it names the model `moplex run`
-    builds into its artifact root, which a stage given it here would look for on the hub."""
-    from moplex_core.config import TINY_MODEL
-
-    if model == TINY_MODEL:
-        raise ValueError(f"model {TINY_MODEL!r} is the pipeline's own model, which `moplex run` builds; give its "
-                         "folder, ROOT/model/VERSION/model")
-
-
 def _augment(args: argparse.Namespace) -> int:
     # In this process, without Prefect, like `moplex ingest`; flows/augment.py calls the same run_augment.
     from moplex_core.artifacts import ArtifactError
@@ -196,7 +186,6 @@ def _augment(args: argparse.Namespace) -> int:
         data = {k: v for k, v in (("backend", args.backend), ("model", args.model)) if v is not None}
         # validated once, flags and --set together, so a missing setting reads like a bad --set
         config = with_overrides(AugmentConfig.model_construct(**data), args.set)
-        _refuse_the_pipelines_model(config.model)
         result = run_augment(config, rankings, store, progress=not args.quiet)
     except (ValueError, ArtifactError, ShortfallError, OSError, RuntimeError) as err:
         print(f"moplex augment: {err}", file=sys.stderr)
@@ -216,7 +205,6 @@ def _cache(args: argparse.Namespace) -> int:
         rankings, store = _input_and_its_root(args.rankings, args.root)
         # validated once, flags and --set together, as augment's
         config = with_overrides(CacheConfig.model_construct(model=args.model), args.set)
-        _refuse_the_pipelines_model(config.model)
         result = run_cache(config, rankings, store, progress=not args.quiet)
     except (ValueError, ArtifactError, OSError, RuntimeError) as err:
         print(f"moplex cache: {err}", file=sys.stderr)

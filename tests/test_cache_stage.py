@@ -17,8 +17,10 @@ from lm_fixtures import (HUB_NAME, as_cached_hub_model, layer_runs, prompt_pass_
 from stage_fixtures import write_synthetic
 
 from moplex_core.artifacts import ArtifactCorruptError, ArtifactStore, load_table, read_manifest
+from moplex_core.augment import plan_augment
 from moplex_core.cache import cache_model, load_policy_inputs, plan_cache, policy_inputs, run_cache
-from moplex_core.config import CacheConfig, IngestConfig, TrainConfig, pipeline_preset, with_overrides
+from moplex_core.config import (AugmentConfig, CacheConfig, IngestConfig, TrainConfig, pipeline_preset,
+                                with_overrides)
 from moplex_core.estimate import reference_terms_batch
 from moplex_core.ingest import run_ingest
 from moplex_core.inspect import inspect_path
@@ -76,6 +78,9 @@ def test_moplex_cache_writes_the_stages_artifact_from_the_command_line(tiny_mode
     assert "ROOT/model/VERSION/model" in capsys.readouterr().err
     assert main(["augment", "--rankings", str(rankings), "--set", "model=tiny", "--root", str(tmp_path)]) == 1
     assert "moplex augment: model 'tiny' is the pipeline's own model" in capsys.readouterr().err
+    for plan, config in ((plan_cache, CacheConfig(model="tiny")), (plan_augment, AugmentConfig(model="tiny"))):
+        with pytest.raises(ValueError, match="the pipeline's own model, which `moplex run` builds"):  # a stage flow's
+            plan(config, rankings, ArtifactStore(tmp_path))  # first call: a stage deployment says so too
 
 
 def test_a_cache_without_contractions_runs_forwards_only_with_the_same_log_probs(tiny_model_dir, tmp_path):  # noqa: F811

@@ -98,7 +98,7 @@ def test_deployed_pipeline_runs_fails_on_purpose_and_a_retry_reuses_finished_sta
 
         # a stage's own deployment: the worker loads flows/ingest.py as a script, and moplex_core's INFO
         # lines (what it wrote, a resume, a wait for a lock) still reach the run's log
-        deployment = client.get("/deployments/name/ingest/ingest").raise_for_status().json()
+        deployment = client.get("/deployments/name/moplex-ingest/ingest").raise_for_status().json()
         run = client.post(f"/deployments/{deployment['id']}/create_flow_run", json={"parameters": {
             "config": {"dataset": "synthetic", "synthetic": {"n": 30}}, "root": str(tmp_path / "alone")},
             "idempotency_key": "ingest"}).raise_for_status().json()

@@ -342,7 +342,8 @@ def test_a_fault_in_a_run_without_a_deployment_names_the_retry_command_that_work
     with pytest.raises(InjectedFault) as err:
         state.result()
     entrypoint = f"--entrypoint {Path('flows/pipeline.py').resolve()}:moplex_pipeline"
-    assert f"(CLI: prefect flow-run retry {state.state_details.flow_run_id} {entrypoint})" in str(err.value)
+    assert (f"(CLI: PREFECT_FLOWS_HEARTBEAT_FREQUENCY=30 prefect flow-run retry {state.state_details.flow_run_id} "
+            f"{entrypoint})") in str(err.value)  # the heartbeat `moplex run` sets: the automation's window is 90 s
     assert "UI: Retry" not in str(err.value)  # no deployment: no worker would take a retry pressed in the UI
 
 

@@ -31,7 +31,9 @@ def test_runs_killed_without_a_word_are_marked_crashed_by_the_heartbeat_automati
     nothing reports: prefect-automations.yaml marks them Crashed when their heartbeats stop, which
     prefect.yaml's job variables and `moplex run` send every 30 s, so that the live runs are still
     Running a window after their first heartbeat. Another project's flow run on the same server, alive
-    with Prefect's default 180 s heartbeats, is left alone: the automation watches moplex's flows only."""
+    with Prefect's default 180 s heartbeats, is left alone: the automation watches moplex's flows only,
+    by their names, moplex-..., and the other project's flow is called train, as moplex's train stage
+    was (its live runs were marked Crashed then)."""
     api, env, started = prefect_server
     automation_file = REPO / "prefect-automations.yaml"
     automation = yaml.safe_load(automation_file.read_text())
@@ -51,7 +53,7 @@ def test_runs_killed_without_a_word_are_marked_crashed_by_the_heartbeat_automati
                         tmp_path / "moplex-run.log")
     started.append(moplex_run)
     other_project = start([sys.executable, "-c", OTHER_PROJECT], {**env, "PREFECT_FLOWS_HEARTBEAT_FREQUENCY": "180"},
-                           tmp_path / "other-project.log")
+                           tmp_path / "train.log")
     started.append(other_project)
 
     runs: dict[str, str] = {}
@@ -63,7 +65,7 @@ def test_runs_killed_without_a_word_are_marked_crashed_by_the_heartbeat_automati
                     "parameters": {"preset": "synthetic-demo", "overrides": [f"root={tmp_path / case}", *overrides]},
                     "idempotency_key": case}).raise_for_status().json()["id"]
             runs["moplex run"] = _run_without_deployment(client, tmp_path)
-            other = _wait_for_running(client, "other-project", tmp_path)
+            other = _wait_for_running(client, "train", tmp_path)
             other_started = time.monotonic()
             stages = {case: _stage_sending_heartbeats(client, run, "model/", tmp_path) for case, run in runs.items()}
             heartbeats_began = time.monotonic()  # every run and stage above has sent one by now
@@ -98,7 +100,7 @@ OTHER_PROJECT = """
 import time
 from prefect import flow
 
-@flow(name="other-project")
+@flow(name="train")
 def other_project():
     time.sleep(900)
 

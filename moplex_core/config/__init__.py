@@ -17,6 +17,7 @@ from moplex_core.config.base import (
     absolute_path,
     local_model_absolute,
     prompts_shared,
+    refuse_the_pipelines_model,
 )
 from moplex_core.config.cache import CacheConfig, ModelDtype, no_contractions_message
 from moplex_core.config.evaluate import EvaluateConfig
@@ -56,5 +57,6 @@ __all__ = [
     "PersonaOptions", "PipelineConfig", "PipelineStage", "PrismOptions", "SharePrompts", "SplitConfig", "StageConfig",
     "SyntheticOptions", "TinyModelConfig", "TrainConfig", "UltraFeedbackOptions", "absolute_path", "as_assignments",
     "describe_validation_error", "ingest_preset", "local_model_absolute", "no_contractions_message",
-    "pipeline_preset", "preset_description", "preset_names", "prompts_shared", "with_overrides",
+    "pipeline_preset", "preset_description", "preset_names", "prompts_shared", "refuse_the_pipelines_model",
+    "with_overrides",
 ]

@@ -24,6 +24,15 @@ def absolute_path(path: str) -> str:
     return os.path.abspath(os.path.expanduser(path))
 
 
+def refuse_the_pipelines_model(model: str | None) -> None:
+    """Raise ValueError for the model value `tiny` in a stage run alone (`moplex cache`, a stage
+    deployment): it names the model the pipeline builds into its artifact root and puts in its place,
+    which a stage given it here would look for on the hub."""
+    if model == TINY_MODEL:
+        raise ValueError(f"model {TINY_MODEL!r} is the pipeline's own model, which `moplex run` builds; give its "
+                         "folder, ROOT/model/VERSION/model")
+
+
 def local_model_absolute(model: str | None) -> str | None:
     """A model naming an existing local directory, made absolute; a hub name or "tiny" as given; an
     empty or blank one refused."""
