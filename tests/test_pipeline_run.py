@@ -205,7 +205,7 @@ def _signal_moplex_run_in_train(tmp_path: Path, signum: int, wait_for_server: fl
                                stdout=subprocess.DEVNULL, stderr=err, env=env, start_new_session=True)
         try:
             deadline = time.monotonic() + 600
-            while "for flow 'train'" not in log.read_text() and run.poll() is None and time.monotonic() < deadline:
+            while "for flow 'moplex-train'" not in log.read_text() and run.poll() is None and time.monotonic() < deadline:
                 time.sleep(1)
             assert run.poll() is None, log.read_text()[-3000:]
             assert _temporary_servers(home), (f"the run's temporary server is not running (servers of any PREFECT_HOME: "
