@@ -37,6 +37,7 @@ from moplex_core.ingest import rejected_note
 from moplex_core.lm.loading import ModelUnavailableError
 from moplex_core.pipeline import run_stages
 from moplex_core.processes import (
+    FLOW_HEARTBEAT_SECONDS,
     popen_ending_with_this_thread,
     process_identity,
     process_running,
@@ -152,7 +153,7 @@ def retry_command(run_id) -> str:
     its 180 s, prefect-automations.yaml would mark the live retry Crashed."""
     if deployment.get_id() is not None:
         return f"prefect flow-run retry {run_id}"
-    return (f"PREFECT_FLOWS_HEARTBEAT_FREQUENCY=30 prefect flow-run retry {run_id} "
+    return (f"PREFECT_FLOWS_HEARTBEAT_FREQUENCY={FLOW_HEARTBEAT_SECONDS} prefect flow-run retry {run_id} "
             f"--entrypoint {Path(__file__).resolve()}:moplex_pipeline")
 
 

@@ -590,10 +590,11 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
     # The temporary server `moplex run` starts would send Prefect's usage telemetry: off unless asked for.
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-    # A heartbeat event every 30 s against a server, as prefect.yaml sets for deployed runs (a temporary
-    # server gets none: flows.pipeline.local_run_settings): prefect-automations.yaml marks a run silent
-    # for 90 s Crashed, and with Prefect's default of 180 s it would take a live `moplex run` for a dead one.
-    os.environ.setdefault("PREFECT_FLOWS_HEARTBEAT_FREQUENCY", "30")
+    # A heartbeat event every 30 s against a server (a temporary server gets none:
+    # flows.pipeline.local_run_settings), as processes.FLOW_HEARTBEAT_SECONDS says why.
+    from moplex_core.processes import FLOW_HEARTBEAT_SECONDS
+
+    os.environ.setdefault("PREFECT_FLOWS_HEARTBEAT_FREQUENCY", str(FLOW_HEARTBEAT_SECONDS))
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     if extra:

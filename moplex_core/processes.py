@@ -80,6 +80,10 @@ def _start_ticks(pid: int) -> str | None:
     return stat.rpartition(")")[2].split()[19]
 
 
+FLOW_HEARTBEAT_SECONDS = 30
+"""PREFECT_FLOWS_HEARTBEAT_FREQUENCY of moplex's flow runs against a server (prefect.yaml sets it for the
+deployments; `moplex run` and the retry command it prints for its own): prefect-automations.yaml marks a
+run silent for 90 s Crashed, and Prefect's default of 180 s would take a live run for a dead one."""
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
 
 

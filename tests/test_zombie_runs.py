@@ -16,9 +16,10 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
-
 from prefect_server_fixtures import (PREFECT, REPO, RetryingTransport, cli, log_tails, prefect_server,  # noqa: F401
                                      start, wait_for_end)
+
+from moplex_core.processes import FLOW_HEARTBEAT_SECONDS
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -41,6 +42,7 @@ def test_runs_killed_without_a_word_are_marked_crashed_by_the_heartbeat_automati
     heartbeat = int(yaml.safe_load((REPO / "prefect.yaml").read_text())["definitions"]["env"][
         "PREFECT_FLOWS_HEARTBEAT_FREQUENCY"])
     assert window >= 3 * heartbeat  # Prefect's advice: a late heartbeat is not taken for a death
+    assert heartbeat == FLOW_HEARTBEAT_SECONDS  # what `moplex run` and its retry command set
     cli(["automation", "create", "--from-file", str(automation_file)], env)
     cli(["work-pool", "create", "cpu", "--type", "process"], env)
     cli(["--no-prompt", "deploy", "--name", "synthetic-demo"], env)
