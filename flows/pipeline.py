@@ -29,7 +29,7 @@ from prefect.runtime import deployment, flow_run
 from prefect.settings import PREFECT_API_URL, PREFECT_FLOWS_HEARTBEAT_FREQUENCY, PREFECT_UI_URL, temporary_settings
 from prefect.states import State
 
-from moplex_core.artifacts import ArtifactError, read_manifest
+from moplex_core.artifacts import ArtifactError, read_manifest, written_here
 from moplex_core.augment import ShortfallError
 from moplex_core.config import PipelineConfig, pipeline_preset, with_overrides
 from moplex_core.data.sources import DatasetUnavailableError
@@ -133,14 +133,14 @@ def moplex_pipeline(preset: str = "synthetic-demo", overrides: list[str] | None 
 
 def stage_outcome(path: str, started: datetime) -> tuple[bool, str]:
     """(reused, a line for the pipeline's log) for the stage artifact at ``path``, whose stage flow
-    started at ``started``: reused when its manifest was finished before that (found complete, e.g. by
-    an earlier run or an earlier attempt of this one), written by this run otherwise (also where another
-    run on the same root wrote it while this one waited for its lock: the manifest does not say who wrote it)."""
+    started at ``started``: written by this run when this process finished its manifest since then,
+    reused otherwise (found complete, by an earlier run or an earlier attempt of this one, or finished
+    by another run on the same root while this one waited for its lock)."""
     manifest = read_manifest(path)
     ref = f"{Path(path).parent.name}/{Path(path).name}"
     # the manifest's time is in whole seconds: one finished in the second this stage started counts as written
-    reused = datetime.fromisoformat(manifest["finished"]) < started.replace(microsecond=0)
-    if reused:
+    finished_since = datetime.fromisoformat(manifest["finished"]) >= started.replace(microsecond=0)
+    if not (finished_since and written_here(manifest)):
         return True, f"{ref} reused (complete since {manifest['finished']}) at {path}"
     resumed = ", resumed from what an interrupted run had finished" if manifest.get("resumed") else ""
     return False, f"{ref} written by this run{resumed} at {path}"

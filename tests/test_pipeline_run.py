@@ -97,6 +97,11 @@ def test_the_pipeline_log_says_whether_a_stage_wrote_its_version_or_reused_it(tm
     later = datetime.now(timezone.utc) + timedelta(seconds=5)  # a rerun's stage: found complete
     finished = json.loads((result.path / "manifest.json").read_text())["finished"]
     assert stage_outcome(path, later) == (True, f"{result.ref} reused (complete since {finished}) at {path}")
+    # another run on the same root finished it while this one waited for its lock: reused, though finished
+    # since this stage started
+    manifest = json.loads((result.path / "manifest.json").read_text())
+    (result.path / "manifest.json").write_text(json.dumps({**manifest, "process": "another process's mark"}))
+    assert stage_outcome(path, before) == (True, f"{result.ref} reused (complete since {finished}) at {path}")
 
 
 @pytest.fixture

@@ -57,7 +57,7 @@ from moplex_core.artifacts.layout import (
     verify,
 )
 from moplex_core.artifacts.store import ArtifactStore
-from moplex_core.artifacts.writer import ArtifactWriter, atomic_path, run_changes
+from moplex_core.artifacts.writer import ArtifactWriter, atomic_path, run_changes, written_here
 
 __all__ = [
     "ALREADY_COMPLETE", "CHECKPOINTS", "DEFAULT_ROOT", "MANIFEST", "VERSION_LENGTH", "ArtifactCorruptError",
@@ -65,5 +65,5 @@ __all__ = [
     "ArtifactStageError", "ArtifactStorageError", "ArtifactStore", "ArtifactWriter", "artifact_version", "check_files",
     "default_root", "finished_shards", "has_manifest", "is_stage_folder", "is_version_folder", "load_table",
     "off_the_manifest", "output_files", "read_checked_manifest", "read_manifest", "readable_manifest", "root_of",
-    "run_changes", "shard_name", "shard_paths", "verify", "atomic_path",
+    "run_changes", "shard_name", "shard_paths", "verify", "atomic_path", "written_here",
 ]

@@ -46,6 +46,10 @@ from moplex_core.hashing import sha256_file
 
 log = logging.getLogger(__name__)
 
+# This process's mark in the manifests it finishes (`written_here`): a version another process finished
+# while this one waited for its lock is told apart from one this process wrote in the same seconds.
+PROCESS_MARK = uuid.uuid4().hex
+
 _LIBRARIES = ("moplex", "pyarrow", "pandas", "numpy", "torch", "transformers", "peft", "datasets", "prefect")
 
 
@@ -305,6 +309,7 @@ class ArtifactWriter:
             "started": runs[0]["started"],
             "finished": _now(),
             "resumed": bool(self.reused),
+            "process": PROCESS_MARK,
             "runs": runs,
             "library_versions": _library_versions(),
             "runtime": _runtime(),
@@ -403,6 +408,11 @@ def last_started_run(version_dir: Path) -> dict[str, Any] | None:
     except (OSError, ValueError):  # unreadable, or not text
         return None
     return runs[-1] if runs else None
+
+
+def written_here(manifest: dict[str, Any]) -> bool:
+    """Whether this process finished the version of ``manifest`` (a manifest of before this field: no)."""
+    return manifest.get("process") == PROCESS_MARK
 
 
 def _now() -> str:
