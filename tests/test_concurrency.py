@@ -127,10 +127,20 @@ def test_two_moplex_runs_of_one_config_on_one_root(tmp_path):
 # a root that cannot be written
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root ignores file permissions; see the injected EROFS test below")
-def test_a_read_only_root_is_a_clear_error(tmp_path, capsys):
+def test_a_read_only_root_is_a_clear_error(tmp_path, capsys, monkeypatch):
+    """A root without write permission; as root, which ignores file permissions, its folders' mkdir
+    raises EACCES as the kernel would."""
     root = tmp_path / "root"
     root.mkdir()
+    if os.geteuid() == 0:
+        real_mkdir = pathlib.Path.mkdir
+
+        def denied(self, *args, **kwargs):
+            if str(self).startswith(f"{root}/"):
+                raise PermissionError(errno.EACCES, "Permission denied", str(self))
+            return real_mkdir(self, *args, **kwargs)
+
+        monkeypatch.setattr(pathlib.Path, "mkdir", denied)
     root.chmod(0o555)
     try:
         assert main([*INGEST, "--root", str(root)]) == 1

@@ -166,7 +166,8 @@ def test_dtypes_and_weights_are_recognised_as_the_hub_lays_them_out(tmp_path, mo
         _as_dtype("int8")
     (tmp_path / "model.safetensors.index.json").write_text("{}")  # a sharded snapshot
     assert _has_weights(tmp_path)
-    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: False)  # a V100, a T4
+    # a V100 or a T4: torch says bf16 is supported there unless asked without emulation
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: including_emulation)
     assert resolve_dtype("auto", "cuda") == torch.float32 and resolve_dtype("auto", "cpu") == torch.float32
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: True)
     assert resolve_dtype("auto", "cuda:0") == torch.bfloat16

@@ -116,8 +116,9 @@ def stop_signals_restored() -> Iterator[None]:
         signal.signal(signum, handler)
 
 
-def test_an_in_process_run_on_a_temporary_server_sends_no_heartbeats_and_one_on_a_real_server_does(
+def test_local_run_settings_turn_heartbeats_off_on_a_temporary_server_and_keep_them_on_a_real_one(
         stop_signals_restored):
+    # The setting only: test_zombie_runs watches a real server receive (and miss) a run's heartbeats.
     # Prefect's default (180 s), set here: the session's Prefect fixture runs without heartbeats.
     with temporary_settings(updates={PREFECT_FLOWS_HEARTBEAT_FREQUENCY: 180}):
         with temporary_settings(updates={PREFECT_API_URL: None}), local_run_settings():
