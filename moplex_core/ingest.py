@@ -72,10 +72,11 @@ class Adapter:
 # prompt_messages that is empty or ends on the assistant's turn is refused (it was kept, to fail in augment).
 # generic-7: a row without an example_id that repeats an earlier one, or whose made id a given one holds, is
 # a ranking of its own, its made id numbered (-2, -3, ...; it was refused as a duplicate id). generic-8: the
-# cluster labels 'all' and 'adapter cN' are refused (the evaluation's rows use them).
+# cluster labels 'all' and 'adapter cN' are refused (the evaluation's rows use them). ultrafeedback-3: a
+# completion repeating an earlier one's text is read once (both copies could be drawn and ranked apart).
 ADAPTERS: dict[str, Adapter] = {  # one per IngestConfig.dataset
     "ultrafeedback": Adapter(lambda c, records, source, raw: ultrafeedback.to_rankings(
-        records(), c.ultrafeedback, source=source, seed=c.seed, rejects=raw), "ultrafeedback-2"),
+        records(), c.ultrafeedback, source=source, seed=c.seed, rejects=raw), "ultrafeedback-3"),
     "persona": Adapter(lambda c, records, source, raw: persona.to_rankings(
         records(), c.persona, source=source, seed=c.seed, rejects=raw), "persona-2"),
     "helpsteer2": Adapter(lambda c, records, source, raw: helpsteer2.to_rankings(

@@ -94,6 +94,20 @@ def test_ultrafeedback_picks_a_seeded_slate_when_more_completions_qualify(fixtur
     assert all(len(s) == 3 for s in slates.values())
 
 
+def test_ultrafeedback_reads_a_repeated_response_once(fixtures_dir):
+    # Two copies of one text would be ranked apart by their ratings (tiers 0 and 2 here), which no
+    # scorer can learn: the first is read, and the slate of four is drawn from the others.
+    record = json.loads((fixtures_dir / "ultrafeedback.jsonl").read_text().splitlines()[0])
+    completions = record["completions"]
+    copy = {**completions[1], "response": f"  {completions[0]['response']}\n"}
+    record["completions"] = [completions[0], copy, *completions[1:]]
+    out = ultrafeedback.to_rankings([Record("uf.jsonl line 1", record)], UltraFeedbackOptions(), source="uf", seed=0)
+    original = ultrafeedback.to_rankings(records(fixtures_dir / "ultrafeedback.jsonl")[:1], UltraFeedbackOptions(),
+                                         source="uf", seed=0)
+    assert out.stats["skipped_duplicate_response"] == 1
+    assert [(r["responses"], r["ranking"]) for r in out.rows] == [(r["responses"], r["ranking"]) for r in original.rows]
+
+
 def test_ultrafeedback_bad_ratings_name_the_record_and_field(tmp_path, fixtures_dir):
     record = json.loads((fixtures_dir / "ultrafeedback.jsonl").read_text().splitlines()[0])
     record["completions"][2]["annotations"]["honesty"]["Rating"] = "five"

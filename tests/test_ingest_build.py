@@ -127,7 +127,7 @@ def test_rankings_that_cannot_make_a_run_are_refused_with_what_to_change(tmp_pat
 
 def test_adapter_changes_change_only_their_datasets_versions():
     assert code_version("generic") == "ingest-1+generic-8"
-    assert code_version("ultrafeedback") == "ingest-1+ultrafeedback-2"
+    assert code_version("ultrafeedback") == "ingest-1+ultrafeedback-3"
     assert code_version("persona") == "ingest-1+persona-2"
     assert code_version("prism") == "ingest-1+prism-2"
     assert code_version("helpsteer2") == "ingest-1+helpsteer2-2"

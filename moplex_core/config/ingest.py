@@ -91,7 +91,8 @@ class DatasetOptions(Options):
 class UltraFeedbackOptions(DatasetOptions):
     """One ranking per prompt per criterion over a shared slate of ``m`` completions (k = 4).
 
-    A slate is ``m`` completions with a non-empty response, drawn (seeded, per prompt) from those rated
+    A slate is ``m`` completions with a distinct non-empty response (a repeated text is read once, at
+    its first), drawn (seeded, per prompt) from those rated
     on every criterion when there are at least ``m`` of them, else from all. A criterion whose rating
     is "N/A" for any completion of the slate gives no ranking for that prompt: a ranking must order
     every response of the slate, and the slate must stay the same across criteria so the mixture sees

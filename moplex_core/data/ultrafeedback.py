@@ -63,7 +63,10 @@ def _record_rows(record: Record, options: UltraFeedbackOptions, source: str, see
         return []
     seen.add(record_id)
 
-    slate = _slate(completions, options, np.random.default_rng([seed, int(record_id[:15], 16)]))
+    distinct = _distinct(completions)
+    if repeated := sum(1 for c in completions if c.response.strip()) - len(distinct):
+        stats["skipped_duplicate_response"] += repeated
+    slate = _slate(distinct, options, np.random.default_rng([seed, int(record_id[:15], 16)]))
     if slate is None:
         stats["skipped_short_slate"] += 1
         return []
@@ -133,11 +136,25 @@ def _rating(annotation: object, where: str, field: str) -> float | None:
     return rating
 
 
+def _distinct(completions: list[Completion]) -> list[Completion]:
+    """The completions with a non-empty response, a repeated one (the same text but for surrounding
+    white space) read once, at its first: equal texts get equal scores, so no model could rank two
+    copies apart as their ratings may."""
+    seen: set[str] = set()
+    distinct = []
+    for completion in completions:
+        text = completion.response.strip()
+        if text and text not in seen:
+            seen.add(text)
+            distinct.append(completion)
+    return distinct
+
+
 def _slate(
-    completions: list[Completion], options: UltraFeedbackOptions, rng: np.random.Generator
+    usable: list[Completion], options: UltraFeedbackOptions, rng: np.random.Generator
 ) -> list[Completion] | None:
-    """m completions in dataset order, or None when the prompt is skipped (see UltraFeedbackOptions)."""
-    usable = [c for c in completions if c.response.strip()]
+    """m of the ``usable`` completions in dataset order, or None when the prompt is skipped (see
+    UltraFeedbackOptions)."""
     fully_rated = [c for c in usable if all(r is not None for r in c.ratings.values())]
     pool = fully_rated if len(fully_rated) >= options.m else usable
     if len(pool) < options.m:
