@@ -72,6 +72,15 @@ def test_identity_leaves_out_where_a_file_lives_and_other_datasets_options():
     assert (hub["hub_name"], hub["revision"]) == ("openbmb/UltraFeedback", "40b436560ca83a8dba36114c22ab3c66e43f6d5e")
 
 
+def test_a_source_whose_splits_are_kept_is_versioned_without_the_seed_and_fractions_that_assign_none():
+    kept = IngestConfig(dataset="generic", path="x.jsonl", split={"from_source": True})
+    assert kept.identity() == IngestConfig(dataset="generic", path="x.jsonl", seed=1,
+                                           split={"from_source": True, "fractions": (0.5, 0.5, 0.0)}).identity()
+    assert kept.identity() != IngestConfig(dataset="generic", path="x.jsonl").identity()
+    assigned = IngestConfig(dataset="generic", path="x.jsonl")
+    assert assigned.identity() != IngestConfig(dataset="generic", path="x.jsonl", seed=1).identity()
+
+
 # (a stage's config, another valid value of each setting, the settings its docstring leaves out of the version)
 VERSIONED = {
     "cache": (CacheConfig(model="some/hub-model"),

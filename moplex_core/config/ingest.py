@@ -349,8 +349,11 @@ class IngestConfig(StageConfig):
     def identity(self) -> dict[str, Any]:
         """Everything that changes the rankings except where a local file lives: its content is hashed
         separately (as the version's input), so moving a file keeps the version and editing it does
-        not. Options of other datasets are left out, and the dataset's own are its block's identity."""
+        not. Options of other datasets are left out, and the dataset's own are its block's identity; with
+        ``split.from_source`` the seed and the split fractions, which then assign nothing, are left out."""
         data = self.model_dump(mode="json", exclude={"path", *(set(DATASET_BLOCKS) - {self.dataset})})
+        if self.split.from_source:
+            del data["seed"], data["split"]["fractions"]
         options = self.options()
         if options is not None:
             data[self.dataset] = options.identity()
