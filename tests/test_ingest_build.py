@@ -247,6 +247,22 @@ def test_a_data_folder_says_which_files_it_does_not_read(tmp_path, fixtures_dir,
         in caplog.text
 
 
+
+def test_a_folder_without_data_files_names_the_files_it_holds_and_a_suffix_in_capitals(tmp_path):
+    (tmp_path / "A.JSONL").write_text("{}\n")
+    (tmp_path / "notes.txt").write_text("x")
+    with pytest.raises(DatasetUnavailableError) as err:
+        list(iter_local_records(tmp_path))
+    assert str(err.value) == (f"{tmp_path} holds no .jsonl, .jsonl.gz, .json, .parquet files; it holds 2 other file(s), "
+                              "e.g. A.JSONL, notes.txt (a suffix is matched as written: rename A.JSONL with its suffix "
+                              "in lower case)")
+    with pytest.raises(DatasetUnavailableError, match="rename A.JSONL with its suffix in lower case"):
+        list(iter_local_records(tmp_path / "A.JSONL"))
+    with pytest.raises(DatasetUnavailableError) as err:
+        list(iter_local_records(tmp_path / "notes.txt"))
+    assert "lower case" not in str(err.value)
+
+
 # --- splits ----------------------------------------------------------------------------------------
 
 

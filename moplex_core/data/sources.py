@@ -157,7 +157,8 @@ def local_files(path: str | Path, *, say_skipped: bool = False) -> list[Path]:
     path = Path(path)
     if path.is_file():
         if not path.name.endswith(DATA_SUFFIXES):
-            raise DatasetUnavailableError(f"{path} is not a data file; expected one of {', '.join(DATA_SUFFIXES)}")
+            raise DatasetUnavailableError(f"{path} is not a data file; expected one of {', '.join(DATA_SUFFIXES)}"
+                                          f"{_lower_case_hint([path])}")
         return [path]
     if path.is_dir():
         if is_version_folder(path):
@@ -181,9 +182,18 @@ def local_files(path: str | Path, *, say_skipped: bool = False) -> list[Path]:
             log.info("%s: skipped %d moplex artifact version folder(s), e.g. %s", path, len(artifacts), artifacts[0])
         if not files:
             skipped = f" (only moplex artifacts: {len(artifacts)} version folder(s))" if artifacts else ""
+            if others:
+                skipped += (f"; it holds {len(others)} other file(s), e.g. "
+                            f"{', '.join(str(f.relative_to(path)) for f in sorted(others)[:3])}{_lower_case_hint(others)}")
             raise DatasetUnavailableError(f"{path} holds no {', '.join(DATA_SUFFIXES)} files{skipped}")
         return sorted(files)
     raise DatasetUnavailableError(f"{path} does not exist; pass the file or folder that holds the dataset")
+
+
+def _lower_case_hint(files: list[Path]) -> str:
+    """A hint for files whose suffix is a data file's but for its case (suffixes are matched as written)."""
+    upper = [f.name for f in files if f.name.lower().endswith(DATA_SUFFIXES)]
+    return f" (a suffix is matched as written: rename {upper[0]} with its suffix in lower case)" if upper else ""
 
 
 def source_fingerprint(path: str | Path) -> str:
