@@ -27,6 +27,7 @@ from moplex_core.data.sources import (
     RawRejects,
     RawSchemaError,
     Record,
+    hub_commit,
     iter_hub_records,
     iter_local_records,
     source_fingerprint,
@@ -224,7 +225,7 @@ def build_rankings(config: IngestConfig, inputs: dict[str, str] | None = None) -
     """
     raw = RawRejects(drop=config.validation == "drop", within=config.path, read_on=True)
     try:
-        adapted = _adapt(config, _source_label(config, _inputs(config) if inputs is None else inputs), raw)
+        adapted = _adapt(config, _inputs(config) if inputs is None else inputs, raw)
     except RawSchemaError as err:  # a whole file, or what follows from the records set aside (PRISM's survey)
         raw.raise_if_any(then=err)
         raise
@@ -348,13 +349,21 @@ unreadable)."""
 
 
 def _inputs(config: IngestConfig) -> dict[str, str]:
-    """A local source's content is an input of the version (a hub source is pinned by its revision),
-    and so is the way it is read (LOCAL_READER)."""
-    return {"source": source_fingerprint(config.path), "reader": LOCAL_READER} if config.path else {}
+    """A local source's content is an input of the version, and so is the way it is read
+    (LOCAL_READER); a hub source is pinned by its revision, and one without is read at the commit
+    the hub names now (`hub_commit`), an input of the version."""
+    if config.path is not None:
+        return {"source": source_fingerprint(config.path), "reader": LOCAL_READER}
+    if config.dataset in HUB_SOURCES or config.hub_name is not None:
+        name, revision = config.hub_source()
+        if revision is None:
+            return {"revision": hub_commit(name, config.dataset)}
+    return {}
 
 
-def _adapt(config: IngestConfig, source: str, raw: RawRejects) -> AdapterOutput:
-    return ADAPTERS[config.dataset].read(config, lambda: raw.readable(_records(config)), source, raw)
+def _adapt(config: IngestConfig, inputs: dict[str, str], raw: RawRejects) -> AdapterOutput:
+    records = lambda: raw.readable(_records(config, inputs))  # noqa: E731
+    return ADAPTERS[config.dataset].read(config, records, _source_label(config, inputs), raw)
 
 
 def _synthetic(config: IngestConfig) -> AdapterOutput:
@@ -369,18 +378,19 @@ def _synthetic(config: IngestConfig) -> AdapterOutput:
     return AdapterOutput(rows, {"rankings": len(rows)})
 
 
-def _records(config: IngestConfig) -> Iterator[Record]:
+def _records(config: IngestConfig, inputs: dict[str, str]) -> Iterator[Record]:
     if config.path is not None:
         return iter_local_records(config.path)
     name, revision = config.hub_source()
-    return iter_hub_records(name, revision, config.dataset, config.hub_parts())
+    return iter_hub_records(name, revision or inputs["revision"], config.dataset, config.hub_parts())
 
 
 def _source_label(config: IngestConfig, inputs: dict[str, str]) -> str:
-    """The `source` column: dataset name + revision, or + a short hash of the local files' content."""
+    """The `source` column: dataset name + revision (the one read), or + a short hash of the local
+    files' content."""
     if config.dataset == "synthetic":
         return "synthetic"
     name = config.hub_source()[0] if config.dataset in HUB_SOURCES or config.hub_name else config.dataset
     if config.path is not None:
         return f"{name}@local-{inputs['source'].removeprefix('sha256:')[:12]}"
-    return f"{name}@{config.hub_source()[1] or 'latest'}"
+    return f"{name}@{config.hub_source()[1] or inputs['revision']}"

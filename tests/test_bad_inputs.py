@@ -314,6 +314,66 @@ def test_a_hub_server_error_is_worth_retrying_and_an_unknown_dataset_is_not(tmp_
     assert answers[503][0] == "HubUnreachableError" and "--path DIR" in answers[503][1]
 
 
+COMMIT_PROBE = """
+import http.server, json, os, sys, threading
+
+class Hub(http.server.BaseHTTPRequestHandler):  # a dataset's info, at the commit its main branch is at
+    sha = "1" * 40
+
+    def do_GET(self):
+        known = self.path.split("?")[0] == "/api/datasets/SynthLabsAI/PERSONA"
+        body = json.dumps({"id": "SynthLabsAI/PERSONA", "sha": Hub.sha} if known else {"error": "not found"}).encode()
+        self.send_response(200 if known else 404)
+        if not known:
+            self.send_header("X-Error-Code", "RepoNotFound")
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Hub)
+threading.Thread(target=server.serve_forever, daemon=True).start()
+os.environ.update(HF_ENDPOINT=f"http://127.0.0.1:{server.server_address[1]}", HF_HUB_OFFLINE=sys.argv[2],
+                  HF_HOME=sys.argv[1], HF_HUB_DISABLE_TELEMETRY="1")
+from moplex_core.artifacts import ArtifactStore
+from moplex_core.config import IngestConfig
+from moplex_core.ingest import plan_ingest
+
+for sha, config in (("1" * 40, {}), ("2" * 40, {}), ("2" * 40, {"revision": "3" * 40}),
+                    ("2" * 40, {"hub_name": "nobody/nothing"})):
+    Hub.sha = sha
+    try:
+        plan = plan_ingest(IngestConfig(dataset="persona", **config), ArtifactStore(sys.argv[1]))
+        print(json.dumps([plan.ref.version, plan.inputs]))
+    except Exception as err:
+        print(json.dumps([type(err).__name__, str(err)]))
+"""
+
+
+@pytest.mark.parametrize("offline", ["0", "1"])
+def test_an_unpinned_hub_source_is_versioned_at_the_commit_the_hub_names(tmp_path, offline):
+    """PERSONA has no pinned revision: its version holds the commit the hub's main branch is at, so a
+    dataset updated there is a new version, not the old rankings reused; offline, that cannot be
+    known, and the ingest says how to pin it or read a local copy."""
+    proc = subprocess.run([sys.executable, "-c", COMMIT_PROBE, str(tmp_path / "hf"), offline], capture_output=True,
+                          text=True, timeout=300, cwd=Path(__file__).resolve().parents[1],
+                          env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    first, updated, pinned, unknown = map(json.loads, proc.stdout.splitlines())
+    if offline == "1":
+        for kind, message in (first, updated, unknown):
+            assert kind == "DatasetUnavailableError" and "--set ingest.revision=COMMIT" in message
+            assert "--repo-type dataset --local-dir DIR" in message
+        assert pinned[1] == {}  # a pinned revision needs no hub
+        return
+    assert first[1] == {"revision": "1" * 40} and updated[1] == {"revision": "2" * 40}
+    assert first[0] != updated[0] and pinned[1] == {} and pinned[0] not in (first[0], updated[0])
+    assert unknown[0] == "DatasetUnavailableError" and "nobody/nothing names no revision" in unknown[1]
+
+
 # ---------------------------------------------------------------------------------------------------
 # config: one line per problem, naming the key
 

@@ -391,6 +391,28 @@ def iter_hub_records(name: str, revision: str | None, dataset: str,
                 yield Record(f"{name} ({f'{shown}, ' if shown else ''}{split}) row {row}", data)
 
 
+def hub_commit(name: str, dataset: str) -> str:
+    """The commit hub dataset ``name``'s main branch is at now. An unpinned source is read, and
+    versioned, at it: a dataset updated on the hub then makes a new version, not a reuse of the old
+    rankings under the same one. Offline, unknown or gated: `DatasetUnavailableError`; no answer:
+    `HubUnreachableError` (the pipeline retries it)."""
+    import httpx
+    from huggingface_hub import HfApi
+    from huggingface_hub.errors import HfHubHTTPError, OfflineModeIsEnabled, RepositoryNotFoundError
+
+    advice = (f"pin a revision (`--set ingest.revision=COMMIT`), or download it where the hub is reachable "
+              f"(`hf download {name} --repo-type dataset --local-dir DIR`) and pass DIR: `moplex ingest --dataset "
+              f"{dataset} --path DIR` (`--set ingest.path=DIR` in a pipeline)")
+    try:
+        return HfApi().dataset_info(name).sha
+    except (OfflineModeIsEnabled, RepositoryNotFoundError) as err:
+        raise DatasetUnavailableError(f"{name} names no revision, and the commit it is at could not be read from the "
+                                      f"Hugging Face hub ({type(err).__name__}: {err}); {advice}") from err
+    except (HfHubHTTPError, httpx.HTTPError, OSError) as err:
+        raise HubUnreachableError(f"the Hugging Face hub did not say which commit {name} is at ({type(err).__name__}: "
+                                  f"{err}); retry, or {advice}") from err
+
+
 def _offline(datasets: Any, err: OSError) -> bool:
     """Whether the hub was not asked at all: offline mode (its setting, or the error it raises)."""
     setting = getattr(getattr(datasets, "config", None), "HF_HUB_OFFLINE", False)
