@@ -11,7 +11,7 @@ import torch
 from lm_fixtures import tiny_model_dir  # noqa: F401  (fixture)
 from peft import AutoPeftModelForCausalLM, LoraConfig, PeftModel, get_peft_model
 from torch import nn
-from transformers import GPT2Config, GPT2LMHeadModel, MixtralConfig, MixtralForCausalLM
+from transformers import GPT2Config, GPT2LMHeadModel, MixtralConfig, MixtralForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM
 
 from moplex_core.lm.loading import load_model
 from moplex_core.lm.multi_lora import (PEFT_CONFIG, LoRASettings, MultiLoRA, MultiLoRALinear, _LoRALinear, _Route,
@@ -121,6 +121,35 @@ def test_gpt2s_conv1d_projections_take_adapters_as_peft_does(tmp_path):
     auto = AutoPeftModelForCausalLM.from_pretrained(tmp_path / "adapters" / "c2", dtype=torch.float64).eval()
     with torch.no_grad():  # the adapter alone names its base model and task: one call loads both
         torch.testing.assert_close(ours[2:3], auto(ids[2:3]).logits, rtol=1e-10, atol=1e-10)
+
+
+def test_a_shared_experts_flattened_positions_take_each_rows_adapter(tmp_path):
+    """Qwen2-MoE's shared expert runs its MLP on the rows' positions as one matrix [B*L, d]: its
+    projections take each row's adapter as PEFT's do (a mixed batch raised that the rows did not match).
+    In float32: its experts' grouped matmul takes no float64."""
+    torch.manual_seed(0)
+    config = Qwen2MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
+                            shared_expert_intermediate_size=24, num_hidden_layers=2, num_attention_heads=4,
+                            num_key_value_heads=2, num_experts=4, num_experts_per_tok=2)
+    Qwen2MoeForCausalLM(config).save_pretrained(tmp_path)
+    model = Qwen2MoeForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    lora = MultiLoRA(model, K, LoRASettings(r=4, alpha=8.0), seed=1)
+    assert any(".shared_expert.gate_proj" in name for name in lora.layers)
+    with torch.no_grad():
+        for param in lora.named_parameters().values():
+            param.add_(0.1 * torch.randn_like(param))
+    ids = torch.randint(0, 64, (K, 7))
+    with torch.no_grad(), lora.route([2, 0, 1]):
+        ours = model(ids).logits  # [K, L, V]
+    lora.save_peft(tmp_path / "adapters", [f"c{c}" for c in range(K)], str(tmp_path))
+    base = Qwen2MoeForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    peft = PeftModel.from_pretrained(base, tmp_path / "adapters" / "c0", adapter_name="c0")
+    for c in range(1, K):
+        peft.load_adapter(tmp_path / "adapters" / f"c{c}", adapter_name=f"c{c}")
+    with torch.no_grad():
+        for row, c in enumerate([2, 0, 1]):
+            peft.set_adapter(f"c{c}")
+            torch.testing.assert_close(ours[row:row + 1], peft(ids[row:row + 1]).logits, rtol=1e-5, atol=1e-5)
 
 
 def test_gradients_match_peft_for_inputs_and_adapter_weights(trained):
@@ -236,6 +265,7 @@ def test_dropout_falls_on_the_adapters_input_as_in_peft(tiny_model_dir, tmp_path
     settings = LoRASettings(r=4, alpha=8.0, dropout=0.5, target_modules=("q_proj", "up_proj"))
     model = load_model(tiny_model_dir, dtype=torch.float64)
     lora = MultiLoRA(model, 1, settings, seed=1)
+    assert not any(layer.dropout.training for layer in lora.layers.values())  # off until an M-step turns it on
     with torch.no_grad():
         for p in lora.named_parameters().values():
             p.normal_(0, 0.3)

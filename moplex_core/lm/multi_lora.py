@@ -161,7 +161,8 @@ class MultiLoRALinear(nn.Module):
         routed, present = self.route.rows, self.route.present
         if not routed:
             return self.base(x)
-        if x.shape[0] != len(routed):
+        # x: [B, L, d_in], or [B*L, d_in] where a block flattens the rows' positions (a shared expert's MLP)
+        if x.shape[0] != len(routed) and (x.dim() != 2 or x.shape[0] % len(routed)):
             raise ValueError(f"the batch has {x.shape[0]} rows but the route names adapters for {len(routed)}; "
                              "route exactly the rows of the batch (MultiLoRA.route)")
         if torch.amp.is_autocast_available(x.device.type) and torch.is_autocast_enabled(x.device.type):
@@ -360,6 +361,7 @@ class MultiLoRA:
         params = {f"{name}.{part}": getattr(layer, part) for name, layer in self.layers.items()
                   for part in ("lora_A", "lora_B")}
         self._parameters = dict(sorted(params.items()))
+        self.train_dropout(False)  # scoring until an M-step asks for it (a new module starts in training mode)
 
     def train_dropout(self, active: bool) -> None:
         """LoRA dropout on (an M-step) or off. Only the adapters' dropout: the base model's own modules
