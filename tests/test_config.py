@@ -140,6 +140,26 @@ def test_every_setting_not_left_out_of_the_version_changes_it(stage):
     assert moved.identity() != EvaluateConfig(splits=("validation", "test")).identity()
 
 
+@pytest.mark.parametrize(("given", "as_if"), [
+    ({"anchors": None, "estimation": "logpi", "estimation_check": 0}, {"anchors": None}),  # nothing estimated
+    ({"lora_targets": ("v_proj", "q_proj", "q_proj")}, {"lora_targets": ("q_proj", "v_proj")}),  # a set
+    ({"lora_targets": tuple(reversed(TrainConfig().lora_targets))}, {}),
+    ({"epochs": 2, "first_epochs": 2}, {"epochs": 2}),
+    ({"hard": True, "gamma_min": 0.5}, {"hard": True}),  # responsibilities of 0 or 1
+])
+def test_train_settings_that_change_nothing_keep_the_version(given, as_if):
+    assert TrainConfig(**given).identity() == TrainConfig(**as_if).identity()
+
+
+@pytest.mark.parametrize(("given", "other"), [
+    ({"estimation": "logpi"}, {}),  # anchors: estimated
+    ({"hard": True, "gamma_min": 0.0}, {"hard": True}),  # 0 keeps the pairs of responsibility 0
+    ({"epochs": 2, "first_epochs": 1}, {"epochs": 2}),
+])
+def test_train_settings_that_change_the_fit_change_the_version(given, other):
+    assert TrainConfig(**given).identity() != TrainConfig(**other).identity()
+
+
 def test_a_value_holding_an_equals_sign_is_kept_whole(tmp_path):
     folder = tmp_path / "run=1"  # a hive-style folder
     assert with_overrides(EvaluateConfig(), ["method=a=b"]).method == "a=b"

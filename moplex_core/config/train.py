@@ -177,4 +177,25 @@ class TrainConfig(StageConfig):
             volatile |= {"anchor_weighting", "anchor_draw"}
         if self.anchor_draw == "uniform":  # as every version before the setting drew
             volatile.add("anchor_draw")
-        return self.model_dump(mode="json", exclude=volatile)
+        return self.model_dump(mode="json", exclude=volatile) | self._as_the_default()
+
+    def _as_the_default(self) -> dict[str, Any]:
+        """Settings whose value changes nothing here, versioned as their default's (so that a version
+        made with the default keeps its name): the estimation and its check without anchors (nothing
+        is estimated), targets named in another order or twice (matched as a set), ``first_epochs`` equal
+        to ``epochs``, and any ``gamma_min`` above 0 under hard EM (responsibilities of 0 or 1)."""
+        fields = type(self).model_fields
+        default = {name: fields[name].default for name in ("estimation", "estimation_check", "lora_targets",
+                                                             "first_epochs", "gamma_min")}
+        same: dict[str, Any] = {}
+        if self.anchors is None:
+            same |= {"estimation": default["estimation"], "estimation_check": default["estimation_check"]}
+        if set(self.lora_targets) == set(default["lora_targets"]):
+            same["lora_targets"] = list(default["lora_targets"])
+        elif len(set(self.lora_targets)) < len(self.lora_targets) or list(self.lora_targets) != sorted(self.lora_targets):
+            same["lora_targets"] = sorted(set(self.lora_targets))
+        if self.first_epochs == self.epochs:
+            same["first_epochs"] = default["first_epochs"]
+        if self.hard and self.gamma_min > 0:
+            same["gamma_min"] = default["gamma_min"]
+        return same
