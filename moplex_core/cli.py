@@ -46,7 +46,7 @@ def _experiment_identifiability(args: argparse.Namespace) -> int:
 
 
 def _experiment_approximation(args: argparse.Namespace) -> int:
-    from moplex_core.artifacts import ArtifactError, ArtifactStore, read_manifest
+    from moplex_core.artifacts import ArtifactError, read_manifest
     from moplex_core.cache import cache_model, contractions_out_of_date, load_policy_inputs
     from moplex_core.experiments.approximation import ApproximationConfig, run_approximation
 
@@ -54,13 +54,13 @@ def _experiment_approximation(args: argparse.Namespace) -> int:
     if args.lora_targets:
         config = replace(config, lora=replace(config.lora, target_modules=tuple(args.lora_targets.split(","))))
     try:
-        cache = ArtifactStore(args.root).resolve(args.cache)
+        cache, store = _input_and_its_root(args.cache, args.root)
         read_manifest(cache, ("cache",))  # refuses an unfinished artifact or one of another stage
         out_of_date = contractions_out_of_date(cache)
         if out_of_date:
             raise ValueError(out_of_date)
         inputs, _ = load_policy_inputs(cache, args.split)
-        out = Path(args.out) if args.out else Path(args.root) / "experiments" / "approximation"
+        out = Path(args.out) if args.out else store.root / "experiments" / "approximation"
         outputs = run_approximation(cache_model(cache, args.model), inputs, config, out, progress=not args.quiet)
     except (ValueError, ArtifactError) as err:
         print(f"moplex experiment approximation: {err}", file=sys.stderr)
@@ -342,8 +342,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ident.add_argument("--out", type=_given("a folder"), default="data/artifacts/experiments/identifiability",
                        help="folder for results.parquet, table.md and accuracy_vs_m.png (default: %(default)s)")
-    ident.add_argument("--seed", type=_int_at_least(0), default=0, help="first seed")
-    ident.add_argument("--seeds", type=_positive_int, default=3, help="number of seeds")
+    ident.add_argument("--seed", type=_int_at_least(0), default=0, help="first seed (default: %(default)s)")
+    ident.add_argument("--seeds", type=_positive_int, default=3, help="number of seeds (default: %(default)s)")
     ident.add_argument("--n", type=_positive_int, default=2000, help="training rankings per run (default: %(default)s)")
     ident.add_argument("--n-test", type=_positive_int, default=20000,
                        help="test rankings per run, scored by EM and the oracle alike (default: %(default)s)")
@@ -351,8 +351,8 @@ def build_parser() -> argparse.ArgumentParser:
     ident.add_argument("--m", type=_int_at_least(2), nargs="+", default=[2, 3, 4, 5, 6, 7, 8],
                        help="ranking lengths, responses per ranking (default: 2 to 8)")
     ident.add_argument("--noise", type=_positive_float, default=1.0,
-                       help="Gumbel noise scale (above 0: the true PL scores are the integer utilities / noise)")
-    ident.add_argument("--max-iter", type=_positive_int, default=100, help="EM iterations at most")
+                       help="Gumbel noise scale (above 0: the true PL scores are the integer utilities / noise) (default: %(default)s)")
+    ident.add_argument("--max-iter", type=_positive_int, default=100, help="EM iterations at most (default: %(default)s)")
     ident.add_argument("--restarts", type=_positive_int, default=4,
                        help="EM restarts, the best log-likelihood kept (default: %(default)s)")
     ident.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -365,16 +365,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     approx.add_argument("--cache", type=_artifact, required=True,
                         help="a cache artifact: its folder, or cache/<version prefix> under --root (its model is pi_ref)")
-    approx.add_argument("--root", type=_folder, default="data/artifacts", help="artifact root (default: %(default)s)")
+    approx.add_argument("--root", type=_folder, help="artifact root for cache/<version>, and of the default --out "
+                        "(default: the cache artifact's, given as a folder, else data/artifacts)")
     approx.add_argument("--model", type=_model, help="where the cache's base model is now, when it moved: a folder "
                         "with the same files (default: where the cache recorded it, or the root's own tiny model)")
     approx.add_argument("--out", type=_given("a folder"), help="folder for errors.parquet, table.parquet and "
                         "table.md (default: ROOT/experiments/approximation)")
-    approx.add_argument("--split", default="train", help="cache split to measure on")
-    approx.add_argument("--k", type=_positive_int, default=3, help="adapters trained briefly before measuring")
-    approx.add_argument("--seed", type=_int_at_least(0), default=0, help="first seed")
-    approx.add_argument("--seeds", type=_positive_int, default=3, help="number of seeds")
-    approx.add_argument("--examples", type=_positive_int, default=50, help="examples per seed")
+    approx.add_argument("--split", default="train", help="cache split to measure on (default: %(default)s)")
+    approx.add_argument("--k", type=_positive_int, default=3, help="adapters trained briefly before measuring (default: %(default)s)")
+    approx.add_argument("--seed", type=_int_at_least(0), default=0, help="first seed (default: %(default)s)")
+    approx.add_argument("--seeds", type=_positive_int, default=3, help="number of seeds (default: %(default)s)")
+    approx.add_argument("--examples", type=_positive_int, default=50, help="examples per seed (default: %(default)s)")
     approx.add_argument("--lora-targets", metavar="NAMES",
                         help="the model's linear layers that take the adapters, comma-separated (default: the "
                              "Qwen3/Llama projections q_proj,...,down_proj; GPT-2: c_attn,c_fc,c_proj)")
@@ -397,9 +398,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     compare.add_argument("methods", nargs="*", metavar="METHOD", help=f"default: all ({', '.join(METHODS)})")
     compare.add_argument("--data", default="synthetic-compare",
-                         help="the base pipeline preset: MoPLEx itself (generated responses, train.anchors < m')")
-    compare.add_argument("--seeds", type=_positive_int, default=3, help="number of train seeds")
-    compare.add_argument("--seed", type=_int_at_least(0), default=0, help="first train seed")
+                         help="the base pipeline preset: MoPLEx itself (generated responses, train.anchors < m') (default: %(default)s)")
+    compare.add_argument("--seeds", type=_positive_int, default=3, help="number of train seeds (default: %(default)s)")
+    compare.add_argument("--seed", type=_int_at_least(0), default=0, help="first train seed (default: %(default)s)")
     compare.add_argument("--root", type=_folder, help="artifact root (default: the preset's)")
     compare.add_argument("--threads", type=_positive_int, help="torch CPU threads (as moplex run)")
     compare.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
@@ -417,7 +418,7 @@ def build_parser() -> argparse.ArgumentParser:
     ingest.add_argument("--preset", help="a named IngestConfig (moplex_core.config.INGEST_PRESETS)")
     ingest.add_argument("--path", type=_given("a file or folder"),
                         help="local file or folder in the dataset's raw schema (instead of the hub)")
-    ingest.add_argument("--root", type=_folder, default="data/artifacts", help="artifact root")
+    ingest.add_argument("--root", type=_folder, default="data/artifacts", help="artifact root (default: %(default)s)")
     ingest.add_argument(
         "--set", action="append", default=[], metavar="KEY=VALUE",
         help="override a config field, dotted for nested ones (e.g. ultrafeedback.min_distinct_rankings=3); repeatable",
@@ -524,8 +525,8 @@ def build_parser() -> argparse.ArgumentParser:
                          help="a version folder, manifest.json, Parquet file, root or stage folder, or stage/version "
                               "under --root (a version prefix is enough, e.g. ingest/3fa2); without it, the listing "
                               "of --root")
-    inspect.add_argument("--root", type=_folder, default="data/artifacts", help="artifact root for stage/version")
-    inspect.add_argument("--rows", type=_int_at_least(0), default=3, help="first rows to show per table")
+    inspect.add_argument("--root", type=_folder, default="data/artifacts", help="artifact root for stage/version (default: %(default)s)")
+    inspect.add_argument("--rows", type=_int_at_least(0), default=3, help="first rows to show per table (default: %(default)s)")
     inspect.add_argument("--verify", action="store_true",
                          help="check every file of a version (of each version listed) against the sha256 its manifest "
                               "records, not only its size (reads every file); with or without it, exit 1 when a "

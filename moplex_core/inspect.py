@@ -138,8 +138,15 @@ def _version_report(version_dir: Path, rows: int, verify: bool, damaged_versions
                      f"config to resume, on a moplex whose stage writes {code or 'the same code version'}: one whose "
                      "stage code changed since (an upgrade) builds another version and never finishes this one, "
                      "which can then be deleted")
+        run = last_started_run(version_dir) or {}
         if code:
             lines.append(f"code:     {code} (that of the last run that worked on it)")
+        if run.get("started"):
+            lines.append(f"started:  {run['started']} (the last run that worked on it)")
+        if isinstance(run.get("inputs"), dict):
+            lines.append("inputs:   " + (", ".join(f"{k} = {v}" for k, v in run["inputs"].items()) or "none"))
+        if isinstance(run.get("config"), dict):
+            lines += ["config:", *_key_lines(run["config"])]
     if shards:
         lines += [""] + _table_report("rows (part-*.parquet)", shards, rows)
         section = _STAGE_SECTIONS.get(stage)
@@ -202,17 +209,19 @@ def _metric_values(files: list[Path]) -> list[str]:
     if frame.empty:
         return []
     index = ["method", "metric"] if "method" in frame and frame["method"].nunique() > 1 else ["metric"]
-    table = frame.pivot_table(index=index, columns="split", values="value", aggfunc="mean", sort=False)
+    table = frame.pivot_table(index=index, columns="split", values="value", aggfunc="mean", sort=False,
+                              dropna=False)  # a metric without a value anywhere (ARI of one ranking) shows as "-"
     seeds = frame["seed"].nunique() if "seed" in frame else 1
     title = f"values over all rankings ({' x '.join(index)} x split{f'; mean of {seeds} seeds' if seeds > 1 else ''}):"
     return [title, _indent(table.apply(_row_text, axis=1).to_string())]
 
 
 def _row_text(row: pd.Series) -> pd.Series:
-    """One metric's values as text: whole numbers where every value is one (counts such as
-    ``rankings``), four decimals otherwise; "-" where a split lacks the metric."""
+    """One metric's values as text: whole numbers where every value is one and one is above 1 (counts
+    such as ``rankings``; a fraction of 1 or 0 is no count), four decimals otherwise; "-" where a split
+    lacks the metric."""
     values = row.dropna()
-    whole = bool(len(values)) and bool((values == values.round()).all())
+    whole = bool(len(values)) and bool((values == values.round()).all()) and bool((values.abs() > 1).any())
     return row.map(lambda v: "-" if pd.isna(v) else f"{v:.0f}" if whole else f"{v:.4f}")
 
 

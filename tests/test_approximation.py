@@ -79,11 +79,12 @@ def caches(tmp_path_factory):
 
 def test_the_command_measures_both_modes_for_every_non_anchor_response(caches, tmp_path, capsys):
     cache, _ = caches
-    out = tmp_path / "approximation"
-    argv = ["experiment", "approximation", "--cache", str(cache), "--out", str(out), "--k", "2", "--seeds", "2",
-            "--examples", "4", "--quiet"]
+    out = cache.parents[1] / "experiments" / "approximation"  # without --out: in the cache's own root
+    argv = ["experiment", "approximation", "--cache", str(cache), "--k", "2", "--seeds", "2", "--examples", "4",
+            "--quiet"]
     assert main(argv) == 0
     printed = capsys.readouterr().out
+    assert f"errors: {out / 'errors.parquet'}" in printed
     assert printed.startswith("| distance | delta (eps/r)^2 | logpi (eps/r)^2 | delta (input term only) (eps/r)^2 | "
                               "logpi (input term only) (eps/r)^2 | pairs |")
     errors = pd.read_parquet(out / "errors.parquet")

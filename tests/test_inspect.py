@@ -163,10 +163,12 @@ def test_an_unfinished_version_names_the_code_that_can_resume_it(tmp_path):
     """After an upgrade that changed a stage's code version, rerunning never resumes an unfinished
     version the older code left (it builds another): the report says which code resumes it."""
     store = ArtifactStore(tmp_path)
-    with pytest.raises(RuntimeError), store.writer("demo", "old111", config={}, code_version="demo-1") as w:
+    with pytest.raises(RuntimeError), store.writer("demo", "old111", config={"k": 4}, inputs={"rankings": "ingest/abc"},
+                                                   code_version="demo-1") as w:
         w.write_shard(0, pa.table({"x": [1]}))
         raise RuntimeError("killed")
     report = inspect_path(w.path)
+    assert "inputs:   rankings = ingest/abc\nconfig:\n  k: 4" in report  # what it ran with, as a finished one says
     assert ("INCOMPLETE (no manifest.json): 1 finished shard(s); rerun the stage with the same config to resume, "
             "on a moplex whose stage writes demo-1: one whose stage code changed since (an upgrade) builds another "
             "version and never finishes this one") in report
@@ -253,15 +255,17 @@ def test_a_metrics_table_shows_its_values_over_all_rankings_by_metric_and_split(
     rows = [("m", "validation", "accuracy", "all", 0.5, 0), ("m", "test", "accuracy", "all", 0.75, 0),
             ("m", "test", "accuracy", "all", 0.25, 1), ("m", "test", "accuracy", "c0", 0.0, 0),
             ("m", "train_em", "ari_final", "all", 0.125, 0), ("m", "test", "rankings", "all", 60.0, 0),
-            ("m", "test", "rankings", "all", 60.0, 1)]
+            ("m", "test", "rankings", "all", 60.0, 1), ("m", "test", "ari", "all", float("nan"), 0),
+            ("m", "validation", "ranking_accuracy", "all", 1.0, 0), ("m", "test", "ranking_accuracy", "all", 0.0, 0)]
     path = tmp_path / "metrics.parquet"
     pq.write_table(pa.table(dict(zip(("method", "split", "metric", "cluster", "value", "seed"), zip(*rows)))), path)
     report = inspect_path(path)
     assert "values over all rankings (metric x split; mean of 2 seeds):" in report
     lines = report.splitlines()
-    assert lines[lines.index("  split     validation    test train_em") + 2:][:3] == [  # a count as a count
-        "  accuracy      0.5000  0.5000        -", "  ari_final          -       -   0.1250",
-        "  rankings           -      60        -"]
+    assert lines[lines.index("  split            validation    test train_em") + 2:][:5] == [  # a count as a count
+        "  accuracy             0.5000  0.5000        -", "  ari_final                 -       -   0.1250",
+        "  rankings                  -      60        -", "  ari                       -       -        -",
+        "  ranking_accuracy     1.0000  0.0000        -"]  # undefined everywhere, and fractions that are whole
     assert "rows per cluster x split" not in report  # counts of metric rows would say nothing
     two = [("k1", *row[1:]) for row in rows] + rows
     pq.write_table(pa.table(dict(zip(("method", "split", "metric", "cluster", "value", "seed"), zip(*two)))), path)

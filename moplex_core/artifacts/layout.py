@@ -125,7 +125,8 @@ def read_manifest(version_dir: str | Path, stages: tuple[str, ...] = ()) -> dict
     if not has_manifest(version_dir):
         raise ArtifactIncompleteError(
             f"{version_dir} has no {MANIFEST}: its stage did not finish. Rerun the stage with the same "
-            "config; it resumes from the shards already written."
+            f"config; it resumes from what it finished ({'EM iterations' if version_dir.parent.name == 'train' else 'shards'}"
+            f"; `moplex inspect {version_dir}` shows the run's settings)."
         )
     try:
         manifest = json.loads((version_dir / MANIFEST).read_text())
