@@ -356,7 +356,7 @@ def build_parser() -> argparse.ArgumentParser:
     ident.add_argument("--restarts", type=_positive_int, default=4,
                        help="EM restarts, the best log-likelihood kept (default: %(default)s)")
     ident.add_argument("--quiet", action="store_true", help="no progress bar")
-    ident.set_defaults(func=_experiment_identifiability)
+    ident.set_defaults(parser=ident, func=_experiment_identifiability)
 
     approx = exp_sub.add_parser(
         "approximation",
@@ -380,7 +380,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="the model's linear layers that take the adapters, comma-separated (default: the "
                              "Qwen3/Llama projections q_proj,...,down_proj; GPT-2: c_attn,c_fc,c_proj)")
     approx.add_argument("--quiet", action="store_true", help="no progress bar")
-    approx.set_defaults(func=_experiment_approximation)
+    approx.set_defaults(parser=approx, func=_experiment_approximation)
 
     from moplex_core.config import DatasetName
     from moplex_core.methods import METHODS
@@ -405,7 +405,7 @@ def build_parser() -> argparse.ArgumentParser:
     compare.add_argument("--threads", type=_positive_int, help="torch CPU threads (as moplex run)")
     compare.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                          help="override a field of the base PipelineConfig before the methods' own; repeatable")
-    compare.set_defaults(func=_experiment_compare)
+    compare.set_defaults(parser=compare, func=_experiment_compare)
 
     ingest = sub.add_parser(
         "ingest",
@@ -423,7 +423,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--set", action="append", default=[], metavar="KEY=VALUE",
         help="override a config field, dotted for nested ones (e.g. ultrafeedback.min_distinct_rankings=3); repeatable",
     )
-    ingest.set_defaults(func=_ingest)
+    ingest.set_defaults(parser=ingest, func=_ingest)
 
     augment = sub.add_parser(
         "augment",
@@ -444,7 +444,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="override an AugmentConfig field (e.g. n_generated=4, temperature=1.0, vllm_python=...); repeatable",
     )
     augment.add_argument("--quiet", action="store_true", help="no progress bar")
-    augment.set_defaults(func=_augment)
+    augment.set_defaults(parser=augment, func=_augment)
 
     cache = sub.add_parser(
         "cache",
@@ -468,7 +468,7 @@ def build_parser() -> argparse.ArgumentParser:
         "contractions=false); repeatable",
     )
     cache.add_argument("--quiet", action="store_true", help="no progress bar")
-    cache.set_defaults(func=_cache)
+    cache.set_defaults(parser=cache, func=_cache)
 
     assign = sub.add_parser(
         "assign",
@@ -491,7 +491,7 @@ def build_parser() -> argparse.ArgumentParser:
     assign.add_argument("--score-batch-size", type=_positive_int, default=32,
                         help="rows (one response under one adapter) per scoring pass (default: %(default)s)")
     assign.add_argument("--quiet", action="store_true", help="no progress bar")
-    assign.set_defaults(func=_assign)
+    assign.set_defaults(parser=assign, func=_assign)
 
     run = sub.add_parser(
         "run",
@@ -514,7 +514,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--show-config", action="store_true",
                      help="print the config the run would use (the preset with --set and --root applied) as JSON "
                           "and exit without running")
-    run.set_defaults(func=_run)
+    run.set_defaults(parser=run, func=_run)
 
     inspect = sub.add_parser(
         "inspect", help="readable report of an artifact folder, manifest.json or Parquet file",
@@ -531,7 +531,7 @@ def build_parser() -> argparse.ArgumentParser:
                          help="check every file of a version (of each version listed) against the sha256 its manifest "
                               "records, not only its size (reads every file); with or without it, exit 1 when a "
                               "version is DAMAGED")
-    inspect.set_defaults(func=_inspect)
+    inspect.set_defaults(parser=inspect, func=_inspect)
     return parser
 
 
@@ -602,7 +602,7 @@ def main(argv: list[str] | None = None) -> int:
         settings = [e for e in extra if "=" in e and not e.startswith("-")]
         hint = (f" (each setting takes its own --set: {' '.join(f'--set {e}' for e in settings)})"
                 if settings and hasattr(args, "set") else "")
-        parser.error(f"unrecognized arguments: {' '.join(extra)}{hint}")
+        getattr(args, "parser", parser).error(f"unrecognized arguments: {' '.join(extra)}{hint}")  # its usage
     bars: contextlib.AbstractContextManager = contextlib.nullcontext()
     if getattr(args, "quiet", False):  # transformers' own bars too (a hub download), for this command only
         from moplex_core.lm.loading import transformers_bars

@@ -64,6 +64,9 @@ def _report(path: Path, rows: int, verify: bool, damaged: list[str]) -> str:
             raise ValueError(f"{path} is not a readable Parquet file ({err})") from None
     if path.is_dir() and is_version_folder(path):
         return _version_report(path, rows, verify, damaged)
+    if path.is_dir() and path.parent.name in STAGE_ORDER and path in _partial_versions(path.parent.parent,
+                                                                                        path.parent.name):
+        return f"{path}: PARTIAL, {_partial_state(path)} ({_bytes(_folder_bytes(path))} on disk)"
     if path.is_dir():
         version = next((parent for parent in path.resolve().parents if is_version_folder(parent)), None)
         return _listing(path, verify, damaged) if version is None else _folder_in_version(path, version)
@@ -422,13 +425,19 @@ def _listing(directory: Path, verify: bool, damaged: list[str]) -> str:
     for folder in partial:
         size = _folder_bytes(folder)
         total += size
-        which = (f"a {MANIFEST} without a stage, version and code version" if (folder / MANIFEST).is_file()
-                 else f"neither {MANIFEST} nor a run's start marker")
-        lines.append(f"  {folder.parent.name + '/' + folder.name:<32} PARTIAL     {_bytes(size):>8}  {which}: a "
-                     "version deleted, copied in part or edited; delete it before its stage runs again")
+        lines.append(f"  {folder.parent.name + '/' + folder.name:<32} PARTIAL     {_bytes(size):>8}  "
+                     f"{_partial_state(folder)}")
     checked = ", every file's sha256 checked" if verify else ""
-    return "\n".join([f"artifacts under {directory} ({len(infos)} version(s), {_bytes(total)} on disk{checked}):",
-                      *lines])
+    partly = f" and {len(partial)} partial folder(s)" if partial else ""
+    return "\n".join([f"artifacts under {directory} ({len(infos)} version(s){partly}, {_bytes(total)} on disk"
+                      f"{checked}):", *lines])
+
+
+def _partial_state(folder: Path) -> str:
+    """What a partial folder (`_partial_versions`) holds, and what to do with it."""
+    which = (f"a {MANIFEST} without a stage, version and code version" if (folder / MANIFEST).is_file()
+             else f"neither {MANIFEST} nor a run's start marker")
+    return f"{which}: a version deleted, copied in part or edited; delete it before its stage runs again"
 
 
 def _partial_versions(root: Path, stage: str | None) -> list[Path]:

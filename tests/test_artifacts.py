@@ -216,6 +216,10 @@ def test_list_locate_and_fingerprint(tmp_path):
     assert store.resolve("/nosuchdir/abc") == Path("/nosuchdir/abc")  # a path, though it reads as stage/version
     with pytest.raises(ArtifactNotFoundError, match=r"no stage 'nope' there; its stages: demo, ingest\)$"):
         store.resolve("nope/abc")  # experiments/ holds no version: not a stage
+    with pytest.raises(ArtifactNotFoundError, match=r"^deom is no path here and no stage's folder under .* \(its "
+                                                    r"stages: demo, ingest; did you mean demo\?\)$"):
+        store.resolve("deom")  # a stage's name misspelled
+    assert ArtifactStore(tmp_path / "elsewhere").resolve("deom") == Path("deom")  # no root: left for the caller
     # a version prefix at the end of a stage folder's path, from anywhere
     assert ArtifactStore(tmp_path / "elsewhere").resolve(str(tmp_path / "demo" / "aab")) == tmp_path / "demo" / "aab222"
     # ... with a path inside the version after it

@@ -117,6 +117,9 @@ def test_the_listing_says_each_versions_size_what_uses_it_and_which_inputs_are_g
     assert lines[str(versions["model"].ref)].split()[1] == "PARTIAL"  # listed, not left out: it takes space
     assert "neither manifest.json nor a run's start marker: a version deleted, copied in part or edited" in lines[
         str(versions["model"].ref)]
+    assert inspect_path(root).splitlines()[0].startswith(f"artifacts under {root} (3 version(s) and 1 partial folder(s), ")
+    assert inspect_path(versions["model"].path).startswith(  # asked for by name: what it is, not "no artifacts"
+        f"{versions['model'].path}: PARTIAL, neither manifest.json nor a run's start marker: a version deleted")
     (versions["model"].path / MANIFEST).write_text("{}")  # one that says nothing of a stage: not moplex's
     partial = next(line for line in inspect_path(root).splitlines() if str(versions["model"].ref) in line)
     assert "PARTIAL" in partial and "a manifest.json without a stage, version and code version" in partial

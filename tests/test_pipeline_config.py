@@ -139,8 +139,10 @@ def test_moplex_run_lists_the_presets_and_refuses_a_bad_override(capsys):
     assert "train.clusters" in capsys.readouterr().err
     with pytest.raises(SystemExit) as exit_:
         main(["run", "synthetic-demo", "--set", "train.k=2", "train.lr=0.1"])
-    assert exit_.value.code == 2 and ("unrecognized arguments: train.lr=0.1 (each setting takes its own --set: "
-                                      "--set train.lr=0.1)") in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and ("moplex run: error: unrecognized arguments: train.lr=0.1 (each setting takes its "
+                                      "own --set: --set train.lr=0.1)") in err
+    assert err.startswith("usage: moplex run [-h]")  # the subcommand's usage, not moplex's
     for threads in ("0", "-1", "two"):
         with pytest.raises(SystemExit) as exit_:
             main(["run", "synthetic-demo", "--threads", threads])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -119,6 +120,11 @@ class ArtifactStore:
             return found / absolute.relative_to(missing)
         if len(parts) == 1 and not spelled_as_path and is_stage_folder(self.root / parts[0]):
             return self.root / parts[0]  # a stage's name (ingest, ingest/): its folder under this root
+        if len(parts) == 1 and not spelled_as_path and self.root.is_dir():  # a stage misspelled, or not run here
+            stages = sorted(s.name for s in self.root.iterdir() if is_stage_folder(s))
+            meant = difflib.get_close_matches(parts[0], stages, n=1)
+            raise ArtifactNotFoundError(f"{text} is no path here and no stage's folder under {self.root} (its stages: "
+                                        f"{', '.join(stages) or 'none'}{f'; did you mean {meant[0]}?' if meant else ''})")
         return path
 
     def locate(self, ref: str | ArtifactRef) -> ArtifactInfo:
