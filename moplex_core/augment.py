@@ -165,6 +165,7 @@ def make_generator(config: AugmentConfig, rankings: pa.Table, progress: bool = T
         return VLLMGenerator(config.model, python=config.vllm_python, temperature=config.temperature,
                              top_p=config.top_p, max_new_tokens=config.max_new_tokens, dtype=config.dtype,
                              seed=config.seed, gpu_memory_utilization=config.vllm_gpu_memory_utilization,
+                             max_model_len=config.vllm_max_model_len,
                              use_chat_template=config.use_chat_template, max_prompt_tokens=config.max_prompt_tokens,
                              timeout_s=config.vllm_timeout_s)
     from moplex_core.generate.borrow import BorrowGenerator, borrow_pools
@@ -208,9 +209,12 @@ def check_prompts(config: AugmentConfig, rankings: pa.Table) -> int:
         named = sorted(failed)
         raise ValueError(f"{len(failed)} prompt(s) cannot be rendered for generation ({', '.join(named[:10])}"
                          f"{', ...' if len(failed) > 10 else ''}); the first: {failed[named[0]]}")
-    context = context_length(load_config(config.model).get_text_config())
-    backend = {"hf": hf, "vllm": vllm_backend}[config.backend]
-    backend.refuse_prompts_beyond_the_context(sorted(generated), context, config.max_new_tokens)
+    if config.backend == "vllm":
+        vllm_backend.refuse_prompts_beyond_the_context(
+            sorted(generated), vllm_backend.served_context(config.model, config.vllm_max_model_len), config.max_new_tokens)
+    else:
+        hf.refuse_prompts_beyond_the_context(sorted(generated), context_length(load_config(config.model).get_text_config()),
+                                             config.max_new_tokens)
     if cut:
         first = min(cut)
         log.warning("%d prompt(s) are longer than augment.max_prompt_tokens = %d tokens (e.g. %s: %d tokens): they "

@@ -94,23 +94,25 @@ def test_a_prompt_no_shard_could_render_stops_the_stage_before_any_model_loads(t
     assert run_augment(hf_config(tiny_model_dir, shard_prompts=1), rankings, store, progress=False).built
 
 
-@pytest.mark.parametrize("backend, refusal", [
-    ("hf", r"1 prompt\(s\) with max_new_tokens = 16 would run past the \d+ positions the model reads .*e.g. '[0-9a-f]+'"),
-    ("vllm", r"1 prompt\(s\) have at least the model's \d+ positions of context \(e.g. '[0-9a-f]+'")])
+@pytest.mark.parametrize("backend, served, refusal", [
+    ("hf", None, r"1 prompt\(s\) with max_new_tokens = 16 would run past the \d+ positions the model reads .*e.g. "
+                 r"'[0-9a-f]+'"),
+    ("vllm", None, r"1 prompt\(s\) have at least the \d+ positions vLLM serves the model with .*\(e.g. '[0-9a-f]+'"),
+    ("vllm", 8, r"4 prompt\(s\) have at least the 8 positions vLLM serves the model with")])  # vllm_max_model_len
 def test_a_prompt_beyond_the_models_context_stops_the_stage_before_any_shard(tmp_path, tiny_model_dir, backend,
-                                                                              refusal):
+                                                                              served, refusal):
     """As a prompt no shard could render: the last shard's prompt too long for the model's context, with
     no augment.max_prompt_tokens to cut it, used to stop the stage when its shard came up, after the
     shards before it, which the fix (max_prompt_tokens, a new version) does not reuse."""
     store = ArtifactStore(tmp_path / "artifacts")
     source = tmp_path / "rankings.jsonl"
-    long = "Which list is best? " * 2000  # past the tiny model's positions
+    long = "Which list is best? " * 2000 if served is None else ROWS[5][0]  # past the tiny model's positions
     source.write_text("".join(json.dumps({"prompt": long if i == 5 else p, "responses": r, "ranking": [[0], [1]],
                                           "cluster": c}) + "\n" for i, (p, r, c) in enumerate(ROWS)))
     rankings = run_ingest(IngestConfig(dataset="generic", path=str(source), split={"fractions": (1.0, 0.0, 0.0)}),
                           store).path
     config = hf_config(tiny_model_dir, shard_prompts=1, max_prompt_tokens=None, backend=backend,
-                       vllm_python=sys.executable)
+                       vllm_python=sys.executable, vllm_max_model_len=served)
     with pytest.raises(ValueError, match=refusal):
         run_augment(config, rankings, store, progress=False)
     assert not list(shard_paths(plan_augment(config, rankings, store).path))  # nothing generated, nothing wasted

@@ -212,6 +212,7 @@ def test_vllm_request_shards_round_trip_and_build_vllm_arguments(tmp_path, tiny_
         "n": 2, "temperature": 2.0, "top_p": 0.9, "max_tokens": 64, "seed": reqs[1].seed}
     assert vllm_worker.token_prompt(read[1]) == {"prompt_token_ids": rows[1]["prompt_token_ids"]}
     assert vllm_worker.llm_kwargs(settings) == {"model": "m", "dtype": "auto", "seed": 0, "gpu_memory_utilization": 0.5}
+    assert vllm_worker.llm_kwargs({**settings, "max_model_len": 4096})["max_model_len"] == 4096
     responses = [{"key": "p0", "texts": ["a", "b"], "token_counts": [3, 1], "finish_reasons": ["stop", "length"]}]
     vllm_worker.write_responses(tmp_path / "responses.parquet", responses)
     assert vllm_worker.read_responses(tmp_path / "responses.parquet") == responses
@@ -322,8 +323,9 @@ def test_a_prompt_beyond_the_models_context_is_refused_before_vllm_sees_it(tmp_p
     generator = _vllm(tiny_model_dir, worker=waiting)
     try:
         long = SampleRequest("long", "Which list is best? " * 2000, None, 1, 0)
-        with pytest.raises(ValueError, match=rf"1 prompt\(s\) have at least the model's {generator.context} positions "
-                                             r"of context \(e.g. 'long': \d+ tokens\).*augment.max_prompt_tokens"):
+        with pytest.raises(ValueError, match=rf"1 prompt\(s\) have at least the {generator.context} positions vLLM "
+                                             r"serves the model with \(its context, or augment.vllm_max_model_len "
+                                             r"where fewer\) \(e.g. 'long': \d+ tokens\).*augment.max_prompt_tokens"):
             generator.sample([*requests(n=1)[:1], long])
         assert generator._calls == 0 and not generator._ready  # nothing was sent
     finally:
@@ -345,6 +347,11 @@ def test_the_vllm_backend_reads_the_context_a_yarn_factor_stretches_it_to(tmp_pa
         assert generator.context == 4 * positions  # as hf's and the cache's context_length: vLLM reads it so
     finally:
         generator.close(failed=True)
+    served = _vllm(model, worker=waiting, max_model_len=positions + 1)  # augment.vllm_max_model_len: fewer served
+    try:
+        assert served.context == positions + 1 and served.settings["max_model_len"] == positions + 1
+    finally:
+        served.close(failed=True)
 
 
 def test_the_hf_backend_refuses_prompts_that_would_run_past_the_models_context(tiny_model_dir):

@@ -37,8 +37,8 @@ class AugmentConfig(StageConfig):
     more: its kernels are not batch-invariant by default (its reproducibility docs), so a resumed
     shard may sample other texts than a clean run; the seeds still fix the draws, and the version
     is the same. What is left out of the version
-    (`identity`): ``batch_size``, ``device``, ``vllm_python``, ``vllm_gpu_memory_utilization`` and
-    ``vllm_timeout_s`` (where and how fast, not what), ``on_shortfall`` (what to accept, not what is generated), and
+    (`identity`): ``batch_size``, ``device``, ``vllm_python``, ``vllm_gpu_memory_utilization``,
+    ``vllm_max_model_len`` and ``vllm_timeout_s`` (where and how fast, not what), ``on_shortfall`` (what to accept, not what is generated), and
     ``model`` itself: a local model directory's content is an input of the version (moving it keeps
     the version, retraining it does not).
     """
@@ -73,6 +73,9 @@ class AugmentConfig(StageConfig):
     max_prompt_tokens: int | None = Field(None, ge=1)
     vllm_python: str | None = None
     vllm_gpu_memory_utilization: float = Field(0.9, gt=0.0, le=1.0)
+    vllm_max_model_len: int | None = Field(None, ge=1)
+    """vLLM's max_model_len: the positions its KV cache is sized for (None: the model's context, which for
+    a long-context model may not fit the card's memory); a prompt and its max_new_tokens must fit it."""
     vllm_timeout_s: float | None = Field(None, gt=0.0)
     """How long the vLLM worker may take to load the model, and then to answer each call (one round of
     one shard's prompts: a shard makes up to ``max_attempts`` calls), before it is ended and the stage
@@ -98,7 +101,8 @@ class AugmentConfig(StageConfig):
         return self
 
     def identity(self) -> dict[str, Any]:
-        excluded = {"model", "batch_size", "device", "vllm_python", "vllm_gpu_memory_utilization", "vllm_timeout_s",
+        excluded = {"model", "batch_size", "device", "vllm_python", "vllm_gpu_memory_utilization", "vllm_max_model_len",
+                    "vllm_timeout_s",
                     "on_shortfall"}
         if self.backend == "borrow":
             excluded |= set(_SAMPLING_FIELDS)

@@ -111,16 +111,24 @@ class VLLMWorkerError(RuntimeError):
     """The vLLM worker could not start, died, or broke the protocol."""
 
 
+def served_context(model: str, max_model_len: int | None) -> int | None:
+    """The positions vLLM serves ``model`` with: its context (with a YaRN factor, as vLLM reads it), or
+    ``max_model_len`` (augment.vllm_max_model_len) where that is fewer; None where neither is known."""
+    known = [n for n in (context_length(load_config(model).get_text_config()), max_model_len) if n is not None]
+    return min(known) if known else None
+
+
 def refuse_prompts_beyond_the_context(lengths: Sequence[tuple[str, int]], context: int | None,
                                       max_new_tokens: int) -> None:
     """Refuse (ValueError, naming how many and the first) prompts of these (key, prompt tokens as
-    generated) pairs with at least the model's ``context`` positions: vLLM refuses such a prompt, and
+    generated) pairs with at least the ``context`` positions vLLM serves (`served_context`): vLLM refuses such a prompt, and
     its engine then aborts every request of the call, so the worker would exit and the shard fail on
     every resume. `augment.check_prompts` asks it of every prompt before a shard."""
     long = [(key, n) for key, n in lengths if context is not None and n >= context]
     if long:
         key, tokens = long[0]
-        raise ValueError(f"{len(long)} prompt(s) have at least the model's {context} positions of context "
+        raise ValueError(f"{len(long)} prompt(s) have at least the {context} positions vLLM serves the model with "
+                         "(its context, or augment.vllm_max_model_len where fewer) "
                          f"(e.g. {key!r}: {tokens} tokens), which vLLM refuses; set augment.max_prompt_tokens "
                          f"(e.g. {max(1, context - max_new_tokens)}) to keep their last tokens")
 
@@ -139,6 +147,7 @@ class VLLMGenerator:
         dtype: str = "auto",
         seed: int = 0,
         gpu_memory_utilization: float = 0.9,
+        max_model_len: int | None = None,
         use_chat_template: bool = True,
         max_prompt_tokens: int | None = None,
         timeout_s: float | None = None,
@@ -157,12 +166,13 @@ class VLLMGenerator:
                 "to the python of an environment with vllm and pyarrow installed"
             )
         self._tokenizer = load_tokenizer(model)
-        self.context = context_length(load_config(model).get_text_config())  # with a YaRN factor, as vLLM reads it
+        self.context = served_context(model, max_model_len)
         self.exchange = Path(tempfile.mkdtemp(prefix="moplex-vllm-"))
         snapshot = hub_snapshot(model)  # a cached hub model: the commit its fingerprint names
         self.settings = {
             "model": model, "revision": snapshot.name if snapshot is not None else None, "dtype": dtype, "seed": seed,
-            "gpu_memory_utilization": gpu_memory_utilization, "temperature": temperature, "top_p": top_p,
+            "gpu_memory_utilization": gpu_memory_utilization, "max_model_len": max_model_len,
+            "temperature": temperature, "top_p": top_p,
             "max_tokens": max_new_tokens, "stop_token_ids": _stop_token_ids(model, self._tokenizer),
         }
         (self.exchange / "settings.json").write_text(json.dumps(self.settings, indent=2))

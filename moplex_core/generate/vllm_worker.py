@@ -68,7 +68,7 @@ def read_responses(path: str | Path) -> list[dict[str, Any]]:
 
 def llm_kwargs(settings: dict[str, Any]) -> dict[str, Any]:
     """Arguments of `vllm.LLM`; a hub model's ``revision`` (a commit), when the settings pin one, for
-    the weights and the tokenizer alike."""
+    the weights and the tokenizer alike, and ``max_model_len`` when they set one."""
     kwargs = {
         "model": settings["model"],
         "dtype": settings["dtype"],
@@ -77,6 +77,8 @@ def llm_kwargs(settings: dict[str, Any]) -> dict[str, Any]:
     }
     if settings.get("revision"):
         kwargs.update(revision=settings["revision"], tokenizer_revision=settings["revision"])
+    if settings.get("max_model_len"):
+        kwargs["max_model_len"] = settings["max_model_len"]
     return kwargs
 
 
