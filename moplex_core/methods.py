@@ -33,10 +33,10 @@ METHODS: dict[str, Method] = {m.name: m for m in (
            "one Plackett-Luce policy on the original rankings"),
     Method("mixture_bt", "EM-DPO", ("train.likelihood=bt_pairs", *_ORIGINALS_EXACT),
            "soft EM over k Bradley-Terry models on the pairs of the original rankings"),
-    Method("maxmin_bt", "MaxMin-RLHF", ("train.likelihood=bt_pairs", "train.hard=true", "train.backtracks=0",
-                                        *_ORIGINALS_EXACT),
-           "hard EM over k Bradley-Terry models on pairs (argmax of the alpha-weighted posterior; "
-           "MaxMin-RLHF's own assignment uses the likelihood alone)"),
+    Method("maxmin_bt", "MaxMin-RLHF", ("train.likelihood=bt_pairs", "train.hard=true", "train.mixing=uniform",
+                                        "train.backtracks=0", *_ORIGINALS_EXACT),
+           "hard EM over k Bradley-Terry models on pairs, each ranking to the cluster whose model gives it the "
+           "highest likelihood"),
     Method("moplex", "MoPLEx (Alg. 2)", (), "k Plackett-Luce models on augmented rankings, a anchors"),
     Method("no_pl", "w/o Plackett-Luce models", ("train.likelihood=bt_pairs",),
            "MoPLEx with Bradley-Terry over pairs of the augmented rankings"),

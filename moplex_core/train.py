@@ -150,7 +150,8 @@ def run_train(config: TrainConfig, cache_dir: str | Path, store: ArtifactStore, 
     warm_start = label_start(labels, config.k, inputs.example_ids, cache_dir) if config.init == "labels" else None
     rankings = inputs.rankings(config.likelihood)
     em_config = EMConfig(k=config.k, max_iter=config.em_iterations, tol=config.tol, gamma_min=config.gamma_min,
-                         init=config.init, restarts=config.restarts, hard=config.hard, seed=config.seed,
+                         init=config.init, restarts=config.restarts, hard=config.hard, mixing=config.mixing,
+                         seed=config.seed,
                          backtracks=config.backtracks)
     dtype = resolve_dtype(config.dtype, resolve_device(config.device))
     recorded = {**config.model_dump(mode="json"), "model": model, "resolved_dtype": dtype_name(dtype)}

@@ -101,7 +101,7 @@ VERSIONED = {
                "batch_size": 4, "gamma_min": 0.0, "em_iterations": 3, "tol": 0.1, "init": "kmeans", "restarts": 2,
                "estimation_check": 0, "seed": 1, "dtype": "float64", "share_prompts": False,
                "score_batch_size": 5, "device": "cpu", "chunk_size": 9, "anchor_weighting": "nearest",
-               "anchor_draw": "by_length",
+               "anchor_draw": "by_length", "mixing": "uniform",
                "lora_dropout": 0.1, "backtracks": 1, "exact_fallback": 0.5, "gradient_checkpointing": True},
               {"score_batch_size", "device", "chunk_size", "gradient_checkpointing"}),
     "evaluate": (EvaluateConfig(),

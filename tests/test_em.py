@@ -289,6 +289,25 @@ def test_hard_em_gives_one_hot_posteriors():
     assert set(result.best.gamma.unique().tolist()) <= {0.0, 1.0}
 
 
+def test_uniform_mixing_assigns_each_ranking_by_the_likelihood_alone():
+    # MaxMin-RLHF's assignment: the cluster whose model gives the ranking the highest likelihood. Learned
+    # weights tip borderline rankings to the large cluster (a lopsided start makes one).
+    _, rankings, x = synthetic(k=2, m=4, n=200)
+    start = torch.zeros(200, 2, dtype=torch.float64)
+    start[:170, 0] = start[170:, 1] = 1.0
+    fits = {mixing: fit_mixture(lambda: LinearScorer(2, 2), x, rankings,
+                                EMConfig(k=2, hard=True, mixing=mixing, max_iter=2, tol=0), warm_start=start)
+            for mixing in ("learned", "uniform")}
+    result, scorer = fits["uniform"]
+    assert result.best.alpha.tolist() == [0.5, 0.5]
+    likelihood = rankings.log_likelihood(scorer.score(x, result.best.iteration))  # [n, k]
+    assert torch.equal(result.best.gamma, torch.nn.functional.one_hot(likelihood.argmax(1), 2).to(torch.float64))
+    learned, scorer = fits["learned"]
+    joint = learned.best.alpha.log() + rankings.log_likelihood(scorer.score(x, learned.best.iteration))
+    assert torch.equal(learned.best.gamma, torch.nn.functional.one_hot(joint.argmax(1), 2).to(torch.float64))
+    assert not torch.equal(joint.argmax(1), (joint - learned.best.alpha.log()).argmax(1))  # the prior tipped some
+
+
 def test_an_emptied_cluster_warns_and_stays_finite():
     _, rankings, x = synthetic(k=2, m=6, n=200)
     gamma0 = torch.zeros(200, 3, dtype=torch.float64)

@@ -42,8 +42,9 @@ class TrainConfig(StageConfig):
 
     ``likelihood`` is the observation model of a ranking: ``pl`` (Plackett-Luce, eq. 2 and 5) or
     ``bt_pairs`` (Bradley-Terry over every ordered pair of the ranking, as DPO and the mixture-of-BT
-    baselines see it). ``hard`` replaces the posteriors by their one-hot argmax (MaxMin-RLHF's
-    assignment step). Both exist so that the baselines are presets of this one engine (DESIGN 7).
+    baselines see it). ``hard`` replaces the posteriors by their one-hot argmax, and ``mixing =
+    "uniform"`` holds the mixing weights at 1/k (with ``hard``, MaxMin-RLHF's assignment: each ranking
+    to the cluster whose model gives it the highest likelihood; `moplex_core.em.EMConfig.mixing`). Both exist so that the baselines are presets of this one engine (DESIGN 7).
 
     ``init`` breaks the symmetry of the first M-step (moplex_core.em): ``linearized`` (default), the
     posteriors of a linear PL mixture over each response's output-layer score gradient under the
@@ -96,6 +97,7 @@ class TrainConfig(StageConfig):
     anchor_draw: Literal["uniform", "by_length"] = "uniform"
     likelihood: Literal["pl", "bt_pairs"] = "pl"
     hard: bool = False
+    mixing: Literal["learned", "uniform"] = "learned"
     lora_r: int = Field(16, ge=1)
     lora_alpha: float = Field(32.0, gt=0.0)
     lora_dropout: float = Field(0.0, ge=0.0, lt=1.0)
@@ -177,6 +179,8 @@ class TrainConfig(StageConfig):
             volatile |= {"anchor_weighting", "anchor_draw"}
         if self.anchor_draw == "uniform":  # as every version before the setting drew
             volatile.add("anchor_draw")
+        if self.mixing == "learned":  # as every version before the setting learned them
+            volatile.add("mixing")
         return self.model_dump(mode="json", exclude=volatile) | self._as_the_default()
 
     def _as_the_default(self) -> dict[str, Any]:

@@ -212,7 +212,7 @@ def _run_restart(
 
     n = len(rankings)
     for iteration in range(start, config.max_iter):
-        alpha = gamma.mean(0)
+        alpha = gamma.mean(0) if config.mixing == "learned" else torch.full_like(gamma[0], 1.0 / config.k)  # [k]
         _warn_on_empty_clusters(alpha, n, iteration)
         weights = torch.where(gamma >= config.gamma_min, gamma, 0.0)
         step = _m_and_e_step(scorer, inputs, rankings, weights, alpha, iteration, history[-1] if history else None,

@@ -161,8 +161,12 @@ class EMConfig:
     """Independent runs from different initialisations; the best final log-likelihood is kept (with
     every response exact where a restart's scores are estimated: each restart's anchors are its own)."""
     hard: bool = False
-    """Hard EM: gamma is one-hot at argmax_c (log alpha_c + log P_c), from the start on. MaxMin-RLHF
-    assigns by the likelihood alone; with the alpha prior a large cluster keeps borderline rankings."""
+    """Hard EM: gamma is one-hot at argmax_c (log alpha_c + log P_c), from the start on; with ``mixing =
+    "uniform"`` at argmax_c log P_c, by the likelihood alone, as MaxMin-RLHF assigns."""
+    mixing: Literal["learned", "uniform"] = "learned"
+    """The mixing weights: ``learned``, alpha_c = mean_i gamma_ic each iteration (Algorithm 2; a large
+    cluster keeps borderline rankings, and an emptied one gets none back); ``uniform``, alpha = 1/k
+    throughout (the E-step and the mixture's log-likelihood weigh every cluster alike)."""
     seed: int = 0
     backtracks: int = 0
     """When the log-likelihood falls after an M-step, redo that M-step from where it started with the

@@ -12,7 +12,7 @@ responses stay fixed.
     dpo          DPO                         k = 1, Bradley-Terry over pairs, no generated responses, exact
     single_pl    LiPO (list MLE)             k = 1, no generated responses, exact
     mixture_bt   EM-DPO                      soft EM over pairs, no generated responses, exact
-    maxmin_bt    MaxMin-RLHF                 hard EM over pairs, no generated responses, exact
+    maxmin_bt    MaxMin-RLHF                 hard EM over pairs by the likelihood alone, no generated responses, exact
     moplex       MoPLEx (Alg. 2)             -
     no_pl        w/o Plackett-Luce models    Bradley-Terry over pairs (generated responses kept)
     no_aug       w/o generated responses     no generated responses
