@@ -43,12 +43,13 @@ from moplex_core.display import markdown_cell
 from moplex_core.report import markdown_table, png_bytes
 
 STAGE = "compare"
-CODE_VERSION = "compare-9"  # bump when a change here changes what the report holds (5: NaN cells as -;
+CODE_VERSION = "compare-10"  # bump when a change here changes what the report holds (5: NaN cells as -;
 # 6: how much the test sample's rankings alone move a value, `sampling_note`; 7: comparison.parquet's text
 # columns as Arrow string, without pandas metadata; 8: the Runs table names each evaluation as
 # evaluate/VERSION, not by its absolute path, so the report's bytes do not depend on where the root is; 9: the
 # split the evaluations fitted their matching on, not "validation" whatever it was; the sampling note says
-# that ranking accuracy rests on the rankings with a known pair)
+# that ranking accuracy rests on the rankings with a known pair; 10: the start section says every mixture
+# starts from the same train.init, MoPLEx's, which the baselines' papers do not have)
 SPLIT = "test"
 
 
@@ -321,6 +322,11 @@ def _report(metrics: pd.DataFrame, dataset: str, seeds: list[int], evaluations: 
         "![comparison](plots/comparison.png)",
         "",
         "## What EM kept of its start (training rankings)",
+        "",
+        "Every mixture starts from the same `train.init` (by default `linearized`, a linear Plackett-Luce mixture "
+        "over the base model's output-layer gradients: MoPLEx's start, which the baselines' own papers do not "
+        "have), under its own likelihood; the start column says how much of a method's clustering it owes "
+        "to that start.",
         "",
         em_start_table(metrics) or ("No run has a start to compare with: k = 1 methods have none, and train "
                                     "artifacts before train-5 did not keep it."),
