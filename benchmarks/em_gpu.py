@@ -84,7 +84,7 @@ method, OOM points left out).
 
 ``--cpu`` runs it on the CPU at a size where prompts cost something: a Qwen3 of 4 layers, hidden 256
 (random weights, float32, torch's default threads), k = 3, rows of 256 + 256 tokens, m' in {4, 8},
-a = 2, B = 6 (about 90 s on 2 cores).
+a = 2, B = 6 (76 s on 2 idle cores, 158 s on one busy one).
 
 ``--tiny`` runs the same code on the CPU in float32 on the tests' kind of tiny Qwen3 (2 layers,
 hidden 64; random weights): k = 3, rows of 12 + 16 tokens, m' in {4, 6}, a = 2, B = 6, a 256^3
