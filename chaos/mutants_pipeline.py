@@ -352,7 +352,11 @@ PIPELINE_MUTANTS: list[Mutant] = [
            'tokenizer, config)\n',
            ''),
     Mutant('augment_context_at_its_shard', 'moplex_core/augment.py', "augment's context check left to each shard",
-           '    backend.refuse_prompts_beyond_the_context(sorted(generated), context, config.max_new_tokens)\n',
+           '    if config.backend == "vllm":\n        vllm_backend.refuse_prompts_beyond_the_context(\n'
+           '            sorted(generated), vllm_backend.served_context(config.model, config.vllm_max_model_len), '
+           'config.max_new_tokens)\n    else:\n        hf.refuse_prompts_beyond_the_context(sorted(generated), '
+           'context_length(load_config(config.model).get_text_config()),\n'
+           '                                             config.max_new_tokens)\n',
            ''),
     Mutant('cmp_std_population', 'moplex_core/experiments/compare.py', "compare's std over seeds with ddof = 0",
            'stats = combined.groupby(["method", "cluster"], sort=False)["value"].agg(["mean", "std", "count"])',
@@ -384,7 +388,8 @@ PIPELINE_MUTANTS: list[Mutant] = [
            '        if text and text not in seen:', '        if text:'),
     Mutant('ingest_hub_unpinned_latest', 'moplex_core/ingest.py',
            'an unpinned hub source versioned without the commit it is read at',
-           '            return {"revision": hub_commit(name, config.dataset)}', '            return {"revision": None}'),
+           '            return {"revision": hub_commit(name, config.dataset, revision)}',
+           '            return {"revision": None}'),
     Mutant('train_identity_as_given', 'moplex_core/config/train.py',
            'train settings that change nothing still change the version',
            'return self.model_dump(mode="json", exclude=volatile) | self._as_the_default()',

@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import logging
+import re
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -99,7 +100,9 @@ def code_version(dataset: str) -> str:
 class IngestPlan:
     ref: ArtifactRef
     path: Path
-    inputs: dict[str, str]  # {"source": "sha256:...", "reader": LOCAL_READER} for a local source; else empty
+    # {"source": "sha256:...", "reader": LOCAL_READER} for a local source, {"revision": COMMIT} for a hub
+    # source pinned to no commit (`_inputs`), else empty
+    inputs: dict[str, str]
     complete: bool
 
 
@@ -341,6 +344,9 @@ def rejected_note(rankings_dir: str | Path) -> str | None:
             f"the record to fix, is in {Path(rankings_dir) / 'rejected.parquet'}")
 
 
+COMMIT = re.compile(r"[0-9a-f]{40}")
+"""A git commit as the hub names one: a revision that pins a hub source by itself."""
+
 LOCAL_READER = "local-2"
 """Bumped when reading a local file yields other records from the same bytes, for every dataset read
 from one (an input of their versions; hub sources and the synthetic data keep theirs). local-2: a
@@ -350,14 +356,14 @@ unreadable)."""
 
 def _inputs(config: IngestConfig) -> dict[str, str]:
     """A local source's content is an input of the version, and so is the way it is read
-    (LOCAL_READER); a hub source is pinned by its revision, and one without is read at the commit
-    the hub names now (`hub_commit`), an input of the version."""
+    (LOCAL_READER); a hub source is pinned by its revision where that is a commit, and otherwise (none,
+    a branch, a tag) read at the commit the hub names for it now (`hub_commit`), an input of the version."""
     if config.path is not None:
         return {"source": source_fingerprint(config.path), "reader": LOCAL_READER}
     if config.dataset in HUB_SOURCES or config.hub_name is not None:
         name, revision = config.hub_source()
-        if revision is None:
-            return {"revision": hub_commit(name, config.dataset)}
+        if revision is None or not COMMIT.fullmatch(revision):
+            return {"revision": hub_commit(name, config.dataset, revision)}
     return {}
 
 
@@ -382,7 +388,7 @@ def _records(config: IngestConfig, inputs: dict[str, str]) -> Iterator[Record]:
     if config.path is not None:
         return iter_local_records(config.path)
     name, revision = config.hub_source()
-    return iter_hub_records(name, revision or inputs["revision"], config.dataset, config.hub_parts())
+    return iter_hub_records(name, inputs.get("revision", revision), config.dataset, config.hub_parts())
 
 
 def _source_label(config: IngestConfig, inputs: dict[str, str]) -> str:
@@ -393,4 +399,4 @@ def _source_label(config: IngestConfig, inputs: dict[str, str]) -> str:
     name = config.hub_source()[0] if config.dataset in HUB_SOURCES or config.hub_name else config.dataset
     if config.path is not None:
         return f"{name}@local-{inputs['source'].removeprefix('sha256:')[:12]}"
-    return f"{name}@{config.hub_source()[1] or inputs['revision']}"
+    return f"{name}@{inputs.get('revision', config.hub_source()[1])}"

@@ -214,6 +214,8 @@ def _metric_values(files: list[Path]) -> list[str]:
     index = ["method", "metric"] if "method" in frame and frame["method"].nunique() > 1 else ["metric"]
     table = frame.pivot_table(index=index, columns="split", values="value", aggfunc="mean", sort=False,
                               dropna=False)  # a metric without a value anywhere (ARI of one ranking) shows as "-"
+    rows = frame[index].drop_duplicates()  # what the table holds, in its order: not every method x metric pair
+    table = table.reindex(pd.MultiIndex.from_frame(rows) if len(index) > 1 else pd.Index(rows[index[0]]))
     seeds = frame["seed"].nunique() if "seed" in frame else 1
     title = f"values over all rankings ({' x '.join(index)} x split{f'; mean of {seeds} seeds' if seeds > 1 else ''}):"
     return [title, _indent(table.apply(_row_text, axis=1).to_string())]

@@ -321,7 +321,8 @@ class Hub(http.server.BaseHTTPRequestHandler):  # a dataset's info, at the commi
     sha = "1" * 40
 
     def do_GET(self):
-        known = self.path.split("?")[0] == "/api/datasets/SynthLabsAI/PERSONA"
+        known = self.path.split("?")[0] in ("/api/datasets/SynthLabsAI/PERSONA",
+                                            "/api/datasets/SynthLabsAI/PERSONA/revision/v1")  # a tag
         body = json.dumps({"id": "SynthLabsAI/PERSONA", "sha": Hub.sha} if known else {"error": "not found"}).encode()
         self.send_response(200 if known else 404)
         if not known:
@@ -336,14 +337,18 @@ class Hub(http.server.BaseHTTPRequestHandler):  # a dataset's info, at the commi
 
 server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Hub)
 threading.Thread(target=server.serve_forever, daemon=True).start()
-os.environ.update(HF_ENDPOINT=f"http://127.0.0.1:{server.server_address[1]}", HF_HUB_OFFLINE=sys.argv[2],
+refused = sys.argv[2] == "refused"  # a hub that does not answer: a port nothing listens on
+closed = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Hub)
+closed.server_close()
+port = closed.server_address[1] if refused else server.server_address[1]
+os.environ.update(HF_ENDPOINT=f"http://127.0.0.1:{port}", HF_HUB_OFFLINE="0" if refused else sys.argv[2],
                   HF_HOME=sys.argv[1], HF_HUB_DISABLE_TELEMETRY="1")
 from moplex_core.artifacts import ArtifactStore
 from moplex_core.config import IngestConfig
 from moplex_core.ingest import plan_ingest
 
 for sha, config in (("1" * 40, {}), ("2" * 40, {}), ("2" * 40, {"revision": "3" * 40}),
-                    ("2" * 40, {"hub_name": "nobody/nothing"})):
+                    ("2" * 40, {"hub_name": "nobody/nothing"}), ("4" * 40, {"revision": "v1"})):
     Hub.sha = sha
     try:
         plan = plan_ingest(IngestConfig(dataset="persona", **config), ArtifactStore(sys.argv[1]))
@@ -353,7 +358,7 @@ for sha, config in (("1" * 40, {}), ("2" * 40, {}), ("2" * 40, {"revision": "3" 
 """
 
 
-@pytest.mark.parametrize("offline", ["0", "1"])
+@pytest.mark.parametrize("offline", ["0", "1", "refused"])
 def test_an_unpinned_hub_source_is_versioned_at_the_commit_the_hub_names(tmp_path, offline):
     """PERSONA has no pinned revision: its version holds the commit the hub's main branch is at, so a
     dataset updated there is a new version, not the old rankings reused; offline, that cannot be
@@ -362,16 +367,22 @@ def test_an_unpinned_hub_source_is_versioned_at_the_commit_the_hub_names(tmp_pat
                           text=True, timeout=300, cwd=Path(__file__).resolve().parents[1],
                           env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
     assert proc.returncode == 0, proc.stderr[-3000:]
-    first, updated, pinned, unknown = map(json.loads, proc.stdout.splitlines())
+    first, updated, pinned, unknown, tagged = map(json.loads, proc.stdout.splitlines())
+    if offline == "refused":  # not worth giving up on: the pipeline retries it
+        for kind, message in (first, updated, unknown, tagged):
+            assert kind == "HubUnreachableError" and "did not say which commit it is at" in message
+        assert pinned[1] == {}
+        return
     if offline == "1":
-        for kind, message in (first, updated, unknown):
-            assert kind == "DatasetUnavailableError" and "--set ingest.revision=COMMIT" in message
+        for kind, message in (first, updated, unknown, tagged):
+            assert kind == "DatasetUnavailableError" and "--set revision=COMMIT` on `moplex ingest`" in message
             assert "--repo-type dataset --local-dir DIR" in message
         assert pinned[1] == {}  # a pinned revision needs no hub
         return
     assert first[1] == {"revision": "1" * 40} and updated[1] == {"revision": "2" * 40}
     assert first[0] != updated[0] and pinned[1] == {} and pinned[0] not in (first[0], updated[0])
-    assert unknown[0] == "DatasetUnavailableError" and "nobody/nothing names no revision" in unknown[1]
+    assert unknown[0] == "DatasetUnavailableError" and "nobody/nothing (no revision named): " in unknown[1]
+    assert tagged[1] == {"revision": "4" * 40}  # a tag or branch moves: read, and versioned, at its commit now
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -94,7 +94,7 @@ VERSIONED = {
                  "batch_size": 2, "device": "cpu", "on_shortfall": "keep_fewer", "vllm_gpu_memory_utilization": 0.5, "vllm_timeout_s": 60.0,
                  "vllm_max_model_len": 4096},
                 {"batch_size", "device", "on_shortfall", "vllm_gpu_memory_utilization", "vllm_timeout_s",
-                 "vllm_max_model_len"}),
+                 "vllm_max_model_len"}),  # the backend here is hf: vLLM's setting changes nothing
     "train": (TrainConfig(),
               {"k": 2, "beta": 0.2, "anchors": 3, "estimation": "logpi", "likelihood": "bt_pairs", "hard": True,
                "lora_r": 4, "lora_alpha": 8.0, "lora_targets": ("q_proj",), "lr": 1e-3, "epochs": 2, "first_epochs": 3,
@@ -140,6 +140,13 @@ def test_every_setting_not_left_out_of_the_version_changes_it(stage):
         assert changed == (setting not in left_out), f"{stage}.{setting}"
     moved = EvaluateConfig(splits=("validation", "test"), fit_split="test")  # the matching fitted on another split
     assert moved.identity() != EvaluateConfig(splits=("validation", "test")).identity()
+
+
+def test_vllms_max_model_len_is_versioned_where_vllm_generates():
+    # vLLM ends a generation that reaches max_model_len: another value can cut other texts short
+    vllm = AugmentConfig(model="some/hub-model", backend="vllm", vllm_python="/opt/vllm-env/bin/python")
+    assert "vllm_max_model_len" not in vllm.identity()  # unset: every version made before the setting keeps its name
+    assert vllm.identity() != AugmentConfig(**{**vllm.model_dump(), "vllm_max_model_len": 4096}).identity()
 
 
 @pytest.mark.parametrize(("given", "as_if"), [

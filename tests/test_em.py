@@ -2,6 +2,7 @@
 
 import dataclasses
 import gc
+import json
 import logging
 import shutil
 import signal
@@ -397,6 +398,23 @@ def test_a_checkpoint_dir_refuses_to_resume_another_run(tmp_path):
     with pytest.raises(ValueError, match="warm_start_sha256"):  # the saved start would silently win
         fit_mixture(lambda: LinearScorer(2, 2), x, rankings, EMConfig(k=2, max_iter=2), checkpoint_dir=tmp_path,
                     warm_start=warm)
+    with pytest.raises(ValueError, match="another run .*config"):
+        fit_mixture(lambda: LinearScorer(2, 2), x, rankings, EMConfig(k=2, max_iter=2, mixing="uniform"),
+                    checkpoint_dir=tmp_path)
+
+
+def test_a_checkpoint_dir_resumes_a_run_recorded_before_mixing_and_one_whose_gamma_min_changes_nothing(tmp_path):
+    # The train version stays the same across both, so its checkpoints must be resumed, not refused.
+    _, rankings, x = synthetic(k=2, m=4, n=100)
+    fit_mixture(lambda: LinearScorer(2, 2), x, rankings, EMConfig(k=2, max_iter=2), checkpoint_dir=tmp_path)
+    run = tmp_path / "run.json"
+    record = json.loads(run.read_text())
+    assert "mixing" not in record["config"]  # as a run of before the setting recorded it
+    fit_mixture(lambda: LinearScorer(2, 2), x, rankings, EMConfig(k=2, max_iter=2), checkpoint_dir=tmp_path)
+    hard = tmp_path / "hard"
+    fit_mixture(lambda: LinearScorer(2, 2), x, rankings, EMConfig(k=2, max_iter=2, hard=True, gamma_min=0.3),
+                checkpoint_dir=hard)
+    fit_mixture(lambda: LinearScorer(2, 2), x, rankings, EMConfig(k=2, max_iter=2, hard=True), checkpoint_dir=hard)
 
 
 def test_a_restart_keeps_its_start_and_a_rerun_reads_it_back(tmp_path):

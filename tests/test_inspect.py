@@ -270,6 +270,13 @@ def test_a_metrics_table_shows_its_values_over_all_rankings_by_metric_and_split(
     two = [("k1", *row[1:]) for row in rows] + rows
     pq.write_table(pa.table(dict(zip(("method", "split", "metric", "cluster", "value", "seed"), zip(*two)))), path)
     assert "values over all rankings (method x metric x split; mean of 2 seeds):" in inspect_path(path)
+    two = [("a", "test", "accuracy", "all", 0.5, 0), ("a", "test", "ari", "all", float("nan"), 0),
+           ("b", "test", "accuracy", "all", 0.75, 0), ("b", "test", "rankings", "all", 60.0, 0)]
+    pq.write_table(pa.table(dict(zip(("method", "split", "metric", "cluster", "value", "seed"), zip(*two)))), path)
+    lines = inspect_path(path).splitlines()
+    start = lines.index("  method metric          ") + 1
+    assert lines[start:start + 4] == ["  a      accuracy  0.5000", "         ari            -",  # a's own metrics only
+                                      "  b      accuracy  0.7500", "         rankings      60"]
 
 
 def test_text_from_the_data_reaches_the_terminal_escaped(tmp_path):

@@ -86,6 +86,11 @@ def test_hard_em_that_empties_a_cluster_warns_and_stays_finite():
     assert result.best.alpha[2] == 0
     assert torch.isfinite(result.best.gamma).all() and np.isfinite(result.best.history).all()
     assert (result.best.gamma[:, 2] == 0).all()
+    # by the likelihood alone cluster 0 (scores x5 against x3) takes every ranking from iteration 1 on
+    with pytest.warns(RuntimeWarning, match="iteration 1: cluster\\(s\\) \\[1, 2\\] hold less than half a ranking"):
+        uniform, _ = fit_mixture(lambda: FixedScorer(scores), None, rankings,  # alpha 1/k: warned of all the same
+                                 EMConfig(k=3, max_iter=3, tol=0, hard=True, mixing="uniform"), warm_start=gamma0)
+    assert uniform.best.alpha.tolist() == [1 / 3] * 3 and (uniform.best.gamma[:, 2] == 0).all()
 
 
 @pytest.mark.parametrize("init", ["kmeans", "dirichlet"])

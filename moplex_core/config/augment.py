@@ -37,8 +37,9 @@ class AugmentConfig(StageConfig):
     more: its kernels are not batch-invariant by default (its reproducibility docs), so a resumed
     shard may sample other texts than a clean run; the seeds still fix the draws, and the version
     is the same. What is left out of the version
-    (`identity`): ``batch_size``, ``device``, ``vllm_python``, ``vllm_gpu_memory_utilization``,
-    ``vllm_max_model_len`` and ``vllm_timeout_s`` (where and how fast, not what), ``on_shortfall`` (what to accept, not what is generated), and
+    (`identity`): ``batch_size``, ``device``, ``vllm_python``, ``vllm_gpu_memory_utilization`` and
+    ``vllm_timeout_s`` (where and how fast, not what; ``vllm_max_model_len`` is in, as it can cut a
+    generation short), ``on_shortfall`` (what to accept, not what is generated), and
     ``model`` itself: a local model directory's content is an input of the version (moving it keeps
     the version, retraining it does not).
     """
@@ -75,7 +76,8 @@ class AugmentConfig(StageConfig):
     vllm_gpu_memory_utilization: float = Field(0.9, gt=0.0, le=1.0)
     vllm_max_model_len: int | None = Field(None, ge=1)
     """vLLM's max_model_len: the positions its KV cache is sized for (None: the model's context, which for
-    a long-context model may not fit the card's memory); a prompt and its max_new_tokens must fit it."""
+    a long-context model may not fit the card's memory). A prompt must be shorter (it is refused before
+    any shard otherwise), and vLLM ends a generation that reaches it, so it is in the version."""
     vllm_timeout_s: float | None = Field(None, gt=0.0)
     """How long the vLLM worker may take to load the model, and then to answer each call (one round of
     one shard's prompts: a shard makes up to ``max_attempts`` calls), before it is ended and the stage
@@ -101,9 +103,10 @@ class AugmentConfig(StageConfig):
         return self
 
     def identity(self) -> dict[str, Any]:
-        excluded = {"model", "batch_size", "device", "vllm_python", "vllm_gpu_memory_utilization", "vllm_max_model_len",
-                    "vllm_timeout_s",
+        excluded = {"model", "batch_size", "device", "vllm_python", "vllm_gpu_memory_utilization", "vllm_timeout_s",
                     "on_shortfall"}
+        if self.vllm_max_model_len is None or self.backend != "vllm":  # as every version before the setting
+            excluded.add("vllm_max_model_len")
         if self.backend == "borrow":
             excluded |= set(_SAMPLING_FIELDS)
         return self.model_dump(mode="json", exclude=excluded)

@@ -391,26 +391,34 @@ def iter_hub_records(name: str, revision: str | None, dataset: str,
                 yield Record(f"{name} ({f'{shown}, ' if shown else ''}{split}) row {row}", data)
 
 
-def hub_commit(name: str, dataset: str) -> str:
-    """The commit hub dataset ``name``'s main branch is at now. An unpinned source is read, and
-    versioned, at it: a dataset updated on the hub then makes a new version, not a reuse of the old
-    rankings under the same one. Offline, unknown or gated: `DatasetUnavailableError`; no answer:
-    `HubUnreachableError` (the pipeline retries it)."""
-    import httpx
-    from huggingface_hub import HfApi
-    from huggingface_hub.errors import HfHubHTTPError, OfflineModeIsEnabled, RepositoryNotFoundError
+HTTP_CLIENTS = ("httpx", "httpx2")
+"""The HTTP clients huggingface_hub has used (2.x: httpx2); their errors are the hub not answering."""
 
-    advice = (f"pin a revision (`--set ingest.revision=COMMIT`), or download it where the hub is reachable "
+
+def hub_commit(name: str, dataset: str, revision: str | None = None) -> str:
+    """The commit hub dataset ``name``'s ``revision`` (a branch or tag; None: its main branch) is at
+    now. A source pinned to no commit is read, and versioned, at it: a dataset updated on the hub then
+    makes a new version, not a reuse of the old rankings under the same one. Offline, unknown or gated:
+    `DatasetUnavailableError`; no answer: `HubUnreachableError` (the pipeline retries it)."""
+    from huggingface_hub import HfApi
+    from huggingface_hub.errors import (HfHubHTTPError, OfflineModeIsEnabled, RepositoryNotFoundError,
+                                        RevisionNotFoundError)
+
+    advice = (f"pin a revision (`--set revision=COMMIT` on `moplex ingest`, `--set ingest.revision=COMMIT` on `moplex "
+              f"run`), or download it where the hub is reachable "
               f"(`hf download {name} --repo-type dataset --local-dir DIR`) and pass DIR: `moplex ingest --dataset "
               f"{dataset} --path DIR` (`--set ingest.path=DIR` in a pipeline)")
+    named = f"{name} at {revision!r}" if revision else f"{name} (no revision named)"
     try:
-        return HfApi().dataset_info(name).sha
-    except (OfflineModeIsEnabled, RepositoryNotFoundError) as err:
-        raise DatasetUnavailableError(f"{name} names no revision, and the commit it is at could not be read from the "
-                                      f"Hugging Face hub ({type(err).__name__}: {err}); {advice}") from err
-    except (HfHubHTTPError, httpx.HTTPError, OSError) as err:
-        raise HubUnreachableError(f"the Hugging Face hub did not say which commit {name} is at ({type(err).__name__}: "
-                                  f"{err}); retry, or {advice}") from err
+        return HfApi().dataset_info(name, revision=revision).sha
+    except (OfflineModeIsEnabled, RepositoryNotFoundError, RevisionNotFoundError) as err:
+        raise DatasetUnavailableError(f"{named}: the commit it is at could not be read from the Hugging Face hub "
+                                      f"({type(err).__name__}: {err}); {advice}") from err
+    except Exception as err:  # a server error, or the HTTP client's (httpx or httpx2, by huggingface_hub's version)
+        if not isinstance(err, HfHubHTTPError | OSError) and type(err).__module__.split(".")[0] not in HTTP_CLIENTS:
+            raise
+        raise HubUnreachableError(f"{named}: the Hugging Face hub did not say which commit it is at "
+                                  f"({type(err).__name__}: {err}); retry, or {advice}") from err
 
 
 def _offline(datasets: Any, err: OSError) -> bool:

@@ -29,7 +29,7 @@ def claim_checkpoint_dir(checkpoint_dir: Path, config: EMConfig, rankings: Ranki
     data.update(json.dumps([rankings.model, rankings.example_ids]).encode())
     warm = None if warm_start is None else \
         hashlib.sha256(warm_start.to(torch.float64).contiguous().numpy().tobytes()).hexdigest()
-    identity = {"config": asdict(config), "n": len(rankings), "rankings_sha256": data.hexdigest(),
+    identity = {"config": _config_record(config), "n": len(rankings), "rankings_sha256": data.hexdigest(),
                 "warm_start_sha256": warm}
     run_file = checkpoint_dir / "run.json"
     if run_file.exists():
@@ -44,6 +44,18 @@ def claim_checkpoint_dir(checkpoint_dir: Path, config: EMConfig, rankings: Ranki
     with atomic_path(run_file) as tmp:
         tmp.write_text(json.dumps(identity, indent=2))
 
+
+
+def _config_record(config: EMConfig) -> dict[str, Any]:
+    """``config`` as run.json records it, so that a run the train version calls the same resumes:
+    ``mixing`` only where it is not ``learned`` (records before the setting have none), and a
+    ``gamma_min`` that changes nothing (any above 0 under hard EM) as its default."""
+    record = asdict(config)
+    if config.mixing == "learned":
+        del record["mixing"]
+    if config.hard and config.gamma_min > 0:
+        record["gamma_min"] = EMConfig.__dataclass_fields__["gamma_min"].default
+    return record
 
 
 START_FILE = "start.parquet"

@@ -213,7 +213,7 @@ def _run_restart(
     n = len(rankings)
     for iteration in range(start, config.max_iter):
         alpha = gamma.mean(0) if config.mixing == "learned" else torch.full_like(gamma[0], 1.0 / config.k)  # [k]
-        _warn_on_empty_clusters(alpha, n, iteration)
+        _warn_on_empty_clusters(gamma.mean(0), n, iteration)  # no ranking to train it, whatever its weight
         weights = torch.where(gamma >= config.gamma_min, gamma, 0.0)
         step = _m_and_e_step(scorer, inputs, rankings, weights, alpha, iteration, history[-1] if history else None,
                              config)
@@ -371,13 +371,15 @@ def _warn_if_the_likelihood_fell(history: list[float], iteration: int, across_dr
     warnings.warn(fell + why, RuntimeWarning, stacklevel=3)
 
 
-def _warn_on_empty_clusters(alpha: torch.Tensor, n: int, iteration: int) -> None:
-    empty = (alpha * n < 0.5).nonzero().flatten().tolist()
+def _warn_on_empty_clusters(share: torch.Tensor, n: int, iteration: int) -> None:
+    """Warn of clusters whose share of the rankings (the mean of their responsibilities [k]) is below
+    half a ranking: no ranking trains them."""
+    empty = (share * n < 0.5).nonzero().flatten().tolist()
     if empty:
         warnings.warn(
             f"EM iteration {iteration}: cluster(s) {empty} hold less than half a ranking "
-            f"(alpha = {[round(alpha[c].item(), 8) for c in empty]}); they keep their last parameters "
-            "and receive no weight. Lower k or change the initialisation if this persists.",
+            f"(share {[round(share[c].item(), 8) for c in empty]}); they keep their last parameters, "
+            "as no ranking trains them. Lower k or change the initialisation if this persists.",
             RuntimeWarning,
             stacklevel=3,
         )
