@@ -9,15 +9,13 @@ from __future__ import annotations
 import gzip
 import json
 import logging
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
+from fake_hub import run_probe
 from lm_fixtures import tiny_model_dir  # noqa: F401  (fixture)
 
 from moplex_core.artifacts import ArtifactStore, read_manifest
@@ -263,40 +261,18 @@ def test_an_empty_source_names_its_path(tmp_path):
 
 
 HUB_PROBE = """
-import http.server, json, os, sys, threading
+import json, sys
+import fake_hub
 
-class Hub(http.server.BaseHTTPRequestHandler):  # what the hub answers: an unknown repository, or a server error
-    status = 404
-
-    def do_GET(self):
-        self.send_response(Hub.status)
-        if Hub.status == 404:
-            self.send_header("X-Error-Code", "RepoNotFound")  # as huggingface.co says it
-        else:  # as a busy server may say it: huggingface_hub then waits 1 s a retry, not 1 + 2 + 4 + 8 + 8 s
-            self.send_header("Retry-After", "0")
-        body = b'{"error": "Repository not found"}'
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    do_HEAD = do_GET
-
-    def log_message(self, *args):
-        pass
-
-server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Hub)
-threading.Thread(target=server.serve_forever, daemon=True).start()
-os.environ.update(HF_ENDPOINT=f"http://127.0.0.1:{server.server_address[1]}", HF_HUB_OFFLINE="0",
-                  HF_DATASETS_OFFLINE="0", HF_HOME=sys.argv[1], HF_HUB_DISABLE_TELEMETRY="1")
+status = {"now": 404}  # what the hub answers: an unknown repository, or a server error
+fake_hub.use(fake_hub.serve(lambda path: fake_hub.NOT_FOUND if status["now"] == 404 else fake_hub.BUSY), sys.argv[1])
 from moplex_core.data.sources import iter_hub_records  # the real datasets and huggingface_hub, imported online
 
-for status in (404, 503):
-    Hub.status = status
+for status["now"] in (404, 503):
     try:
         next(iter_hub_records("nobody/nothing", None, "generic"))
     except Exception as err:
-        print(json.dumps([status, type(err).__name__, str(err)]))
+        print(json.dumps([status["now"], type(err).__name__, str(err)]))
 """
 
 
@@ -305,51 +281,31 @@ def test_a_hub_server_error_is_worth_retrying_and_an_unknown_dataset_is_not(tmp_
     """The real datasets library against a local hub: a 404 (unknown or gated repository) is
     DatasetUnavailableError, never retried; a 503 that outlasts huggingface_hub's own retries is
     HubUnreachableError, which the pipeline retries (datasets reports both as FileNotFoundError)."""
-    proc = subprocess.run([sys.executable, "-c", HUB_PROBE, str(tmp_path / "hf")], capture_output=True, text=True,
-                          timeout=300, cwd=Path(__file__).resolve().parents[1],
-                          env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    answers = {status: (kind, message) for status, kind, message in map(json.loads, proc.stdout.splitlines())}
+    answers = {status: (kind, message) for status, kind, message in run_probe(HUB_PROBE, str(tmp_path / "hf"))}
     assert answers[404][0] == "DatasetUnavailableError" and "doesn't exist on the Hub" in answers[404][1]
     assert answers[503][0] == "HubUnreachableError" and "--path DIR" in answers[503][1]
 
 
 COMMIT_PROBE = """
-import http.server, json, os, sys, threading
+import json, sys
+import fake_hub
 
-class Hub(http.server.BaseHTTPRequestHandler):  # a dataset's info, at the commit its main branch is at
-    sha = "1" * 40
+sha = {"now": "1" * 40}  # the commit PERSONA's main branch (and its tag v1) is at
 
-    def do_GET(self):
-        known = self.path.split("?")[0] in ("/api/datasets/SynthLabsAI/PERSONA",
-                                            "/api/datasets/SynthLabsAI/PERSONA/revision/v1")  # a tag
-        body = json.dumps({"id": "SynthLabsAI/PERSONA", "sha": Hub.sha} if known else {"error": "not found"}).encode()
-        self.send_response(200 if known else 404)
-        if not known:
-            self.send_header("X-Error-Code", "RepoNotFound")
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
+def info(path):
+    if path in ("/api/datasets/SynthLabsAI/PERSONA", "/api/datasets/SynthLabsAI/PERSONA/revision/v1"):
+        return 200, {}, {"id": "SynthLabsAI/PERSONA", "sha": sha["now"]}
+    return fake_hub.NOT_FOUND
 
-    def log_message(self, *args):
-        pass
-
-server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Hub)
-threading.Thread(target=server.serve_forever, daemon=True).start()
-refused = sys.argv[2] == "refused"  # a hub that does not answer: a port nothing listens on
-closed = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Hub)
-closed.server_close()
-port = closed.server_address[1] if refused else server.server_address[1]
-os.environ.update(HF_ENDPOINT=f"http://127.0.0.1:{port}", HF_HUB_OFFLINE="0" if refused else sys.argv[2],
-                  HF_HOME=sys.argv[1], HF_HUB_DISABLE_TELEMETRY="1")
+mode = sys.argv[2]  # online, offline, or refused: a hub that does not answer
+fake_hub.use(fake_hub.closed_endpoint() if mode == "refused" else fake_hub.serve(info), sys.argv[1],
+             offline=mode == "offline")
 from moplex_core.artifacts import ArtifactStore
 from moplex_core.config import IngestConfig
 from moplex_core.ingest import plan_ingest
 
-for sha, config in (("1" * 40, {}), ("2" * 40, {}), ("2" * 40, {"revision": "3" * 40}),
-                    ("2" * 40, {"hub_name": "nobody/nothing"}), ("4" * 40, {"revision": "v1"})):
-    Hub.sha = sha
+for sha["now"], config in (("1" * 40, {}), ("2" * 40, {}), ("2" * 40, {"revision": "3" * 40}),
+                           ("2" * 40, {"hub_name": "nobody/nothing"}), ("4" * 40, {"revision": "v1"})):
     try:
         plan = plan_ingest(IngestConfig(dataset="persona", **config), ArtifactStore(sys.argv[1]))
         print(json.dumps([plan.ref.version, plan.inputs]))
@@ -358,29 +314,24 @@ for sha, config in (("1" * 40, {}), ("2" * 40, {}), ("2" * 40, {"revision": "3" 
 """
 
 
-@pytest.mark.parametrize("offline", ["0", "1", "refused"])
-def test_an_unpinned_hub_source_is_versioned_at_the_commit_the_hub_names(tmp_path, offline):
+@pytest.mark.parametrize("mode", ["online", "offline", "refused"])
+def test_an_unpinned_hub_source_is_versioned_at_the_commit_the_hub_names(tmp_path, mode):
     """PERSONA has no pinned revision: its version holds the commit the hub's main branch is at, so a
     dataset updated there is a new version, not the old rankings reused; offline, that cannot be
     known, and the ingest says how to pin it or read a local copy."""
-    proc = subprocess.run([sys.executable, "-c", COMMIT_PROBE, str(tmp_path / "hf"), offline], capture_output=True,
-                          text=True, timeout=300, cwd=Path(__file__).resolve().parents[1],
-                          env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    first, updated, pinned, unknown, tagged = map(json.loads, proc.stdout.splitlines())
-    if offline == "refused":  # not worth giving up on: the pipeline retries it
+    first, updated, pinned, unknown, tagged = run_probe(COMMIT_PROBE, str(tmp_path / "hf"), mode)
+    assert pinned[1] == {}  # a pinned revision needs no hub
+    if mode == "refused":  # not worth giving up on: the pipeline retries it
         for kind, message in (first, updated, unknown, tagged):
             assert kind == "HubUnreachableError" and "did not say which commit it is at" in message
-        assert pinned[1] == {}
         return
-    if offline == "1":
+    if mode == "offline":
         for kind, message in (first, updated, unknown, tagged):
             assert kind == "DatasetUnavailableError" and "--set revision=COMMIT` on `moplex ingest`" in message
             assert "--repo-type dataset --local-dir DIR" in message
-        assert pinned[1] == {}  # a pinned revision needs no hub
         return
     assert first[1] == {"revision": "1" * 40} and updated[1] == {"revision": "2" * 40}
-    assert first[0] != updated[0] and pinned[1] == {} and pinned[0] not in (first[0], updated[0])
+    assert first[0] != updated[0] and pinned[0] not in (first[0], updated[0])
     assert unknown[0] == "DatasetUnavailableError" and "nobody/nothing (no revision named): " in unknown[1]
     assert tagged[1] == {"revision": "4" * 40}  # a tag or branch moves: read, and versioned, at its commit now
 
