@@ -38,6 +38,10 @@ def test_the_table_shows_a_spread_only_over_several_seeds():
     lines = summary_table(pd.DataFrame(rows + oracle)).splitlines()
     # paired by seed: -0.05 and -0.01, mean -0.03, standard error 0.02
     assert lines[-1] == "| 2 | em − oracle (± s.e.) | -0.030 ± 0.020 |"
+    stopped = [{**row, "iterations": n} for row, n in zip(rows, (12, 100))]  # seed 1's best fit ran out of iterations
+    marked = summary_table(pd.DataFrame(stopped + oracle), max_iter=100).splitlines()
+    assert "| 2 | em | 0.850 ± 0.071* |" in marked and marked[-1].startswith("`*`: in at least one seed EM's best fit")
+    assert "*" not in summary_table(pd.DataFrame(stopped + oracle), max_iter=101)
 
 
 def test_impossible_settings_are_refused_in_one_line_before_any_work(capsys):

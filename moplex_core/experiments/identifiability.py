@@ -48,9 +48,7 @@ class StudyConfig:
     max_iter: int = 100
     restarts: int = 4
     """The first from k-means, the others from k-means with other seeds, or from a Dirichlet draw where
-    k-means finds the same partition again (`moplex_core.em`). At k = 4, m = 2 EM ended 4.6 points
-    below the oracle from 2 k-means restarts (a third of which repeated the first) and 2.2 from 4
-    (docs/identifiability.md): local optima, not the data."""
+    k-means finds the same partition again (`moplex_core.em`)."""
     init: str = "kmeans"
 
     def __post_init__(self) -> None:
@@ -201,7 +199,7 @@ def run_study(config: StudyConfig, out_dir: Path, progress: bool = True) -> Stud
 
     parquet = out_dir / "results.parquet"
     results.to_parquet(parquet, index=False)
-    table = summary_table(results)
+    table = summary_table(results, config.max_iter)
     markdown = out_dir / "table.md"
     markdown.write_text(
         "# Identifiability study: held-out clustering accuracy (mean ± sample std over seeds; the em − oracle "
@@ -213,10 +211,11 @@ def run_study(config: StudyConfig, out_dir: Path, progress: bool = True) -> Stud
     return StudyOutputs(results, parquet, plot, markdown, table)
 
 
-def summary_table(results: pd.DataFrame) -> str:
+def summary_table(results: pd.DataFrame, max_iter: int | None = None) -> str:
     """Markdown: one row per (k, method), one column per m, then the augmented m = 2 columns; cells
     are mean ± sample std over seeds. Where both methods ran, a row per k of EM minus the oracle,
-    paired by seed (the same data), mean ± its standard error."""
+    paired by seed (the same data), mean ± its standard error. With ``max_iter``, an EM cell whose best
+    fit stopped there in some seed (not converged) is marked `*`, and a note below says so."""
     def cell(values: pd.Series, error: bool = False) -> str:
         if not len(values):
             return ""
@@ -235,15 +234,23 @@ def summary_table(results: pd.DataFrame) -> str:
     def at(frame: pd.DataFrame, augment: str, m: int | None) -> pd.DataFrame:
         return frame[(frame.augment == augment) & ((frame.m == m) if m is not None else True)]
 
+    def capped(frame: pd.DataFrame) -> str:
+        stopped = max_iter is not None and "iterations" in frame and bool((frame.iterations >= max_iter).any())
+        return "*" if stopped else ""
+
     for k, by_k in results.groupby("k", sort=True):
         for method, frame in by_k.groupby("method", sort=True):
-            lines.append("| " + " | ".join([str(k), method] + [cell(at(frame, a, m).accuracy) for a, m in columns]) + " |")
+            lines.append("| " + " | ".join([str(k), method] + [cell(at(frame, a, m).accuracy) + capped(at(frame, a, m))
+                                                               for a, m in columns]) + " |")
         if set(by_k.method) >= {"em", "oracle"}:
             gaps = []
             for a, m in columns:
                 paired = at(by_k, a, m).pivot_table(index="seed", columns="method", values="accuracy").dropna()
                 gaps.append(cell(paired.em - paired.oracle, error=True) if len(paired) else "")
             lines.append("| " + " | ".join([str(k), "em − oracle (± s.e.)"] + gaps) + " |")
+    if max_iter is not None and "iterations" in results and (results.iterations >= max_iter).any():
+        lines += ["", f"`*`: in at least one seed EM's best fit stopped at max_iter = {max_iter} iterations, not "
+                      "converged (results.parquet's `iterations`)."]
     return "\n".join(lines)
 
 
