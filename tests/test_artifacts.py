@@ -238,6 +238,29 @@ def test_list_locate_and_fingerprint(tmp_path):
         many.locate("demo/x")
 
 
+def test_a_manifest_no_stage_may_trust_is_refused_by_name(tmp_path):
+    store = ArtifactStore(tmp_path)
+    source = write_demo(store, "abc111")
+    manifest = json.loads((source / MANIFEST).read_text())
+    copied = tmp_path / "demo" / "def222"
+    shutil.copytree(source, copied)  # another version's folder copied under this version's name
+    with pytest.raises(ArtifactCorruptError, match="is the manifest of demo/abc111, not of this folder's demo/def222"):
+        store.is_complete("demo", "def222")
+    shutil.rmtree(copied)
+    for edited, problem in [
+        ({**manifest, "files": {k: v for k, v in manifest["files"].items() if k != "part-00002.parquet"}},
+         "lists 2 row shard\\(s\\) where it records 3"),  # a shard dropped from the list: it would go unread
+        ({**manifest, "files": list(manifest["files"])}, "lists its files in another form"),
+        ({**manifest, "files": {k: {"sha256": v["sha256"]} for k, v in manifest["files"].items()}},
+         "lists its files in another form"),
+        ({k: v for k, v in manifest.items() if k != "files"}, "lists no files"),
+    ]:
+        (source / MANIFEST).write_text(json.dumps(edited))
+        for read in (lambda: store.is_complete("demo", "abc111"), lambda: load_table(source), lambda: verify(source)):
+            with pytest.raises(ArtifactCorruptError, match=problem):  # not a KeyError or a short table
+                read()
+
+
 def test_a_folder_no_run_began_in_is_named_for_what_it_is_not_called_unfinished(tmp_path):
     store = ArtifactStore(tmp_path / "root")
     version = write_demo(store, "aab222")

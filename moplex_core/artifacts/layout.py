@@ -136,14 +136,37 @@ def read_manifest(version_dir: str | Path, stages: tuple[str, ...] = ()) -> dict
     if not isinstance(manifest, dict):
         raise ArtifactCorruptError(f"{version_dir / MANIFEST} holds no manifest (a JSON {type(manifest).__name__}): "
                                    "delete the version folder and rerun its stage")
-    outside = [name for name in manifest.get("files") or {} if not _is_own_file_name(name)]
-    if outside:  # an edited manifest: nothing outside the version folder is checked, hashed or read
-        raise ArtifactCorruptError(f"{version_dir / MANIFEST} lists files outside its version folder "
-                                   f"({', '.join(map(repr, outside[:3]))}): delete the version folder and rerun its stage")
+    problem = _manifest_problem(manifest, version_dir)
+    if problem:  # an edited manifest, or one copied into another version's folder
+        raise ArtifactCorruptError(f"{version_dir / MANIFEST} {problem}: delete the version folder and rerun its stage")
     if stages and manifest.get("stage") not in stages:
         wanted = " or ".join(f"{stage}/<version>" for stage in stages)
         raise ArtifactStageError(f"{version_dir} was written by the {manifest.get('stage')!r} stage; give {wanted}")
     return manifest
+
+
+def _manifest_problem(manifest: dict[str, Any], version_dir: Path) -> str | None:
+    """What makes a finished version's manifest one no stage may trust, or None: another version's
+    (its stage and version are not the folder's), a file list that is not name -> sha256 and bytes, a
+    file outside the version folder (nothing there is checked, hashed or read), or row shards that are
+    not part-00000 .. of the count it records (one dropped from the list would go unread)."""
+    stage, version = manifest.get("stage"), manifest.get("version")
+    if (stage, version) != (version_dir.parent.name, version_dir.name) and {"stage", "version"} <= manifest.keys():
+        return f"is the manifest of {stage}/{version}, not of this folder's {version_dir.parent.name}/{version_dir.name}"
+    files = manifest.get("files")
+    if files is None:  # moplex's lists them; a user's own manifest.json (`is_version_folder`) is not checked here
+        return "lists no files" if {"stage", "version", "code_version"} <= manifest.keys() else None
+    if not isinstance(files, dict) or not all(
+            isinstance(entry, dict) and isinstance(entry.get("sha256"), str) and isinstance(entry.get("bytes"), int)
+            for entry in files.values()):
+        return "lists its files in another form than name -> {sha256, bytes}"
+    outside = [name for name in files if not _is_own_file_name(name)]
+    if outside:
+        return f"lists files outside its version folder ({', '.join(map(repr, outside[:3]))})"
+    shards = sorted(name for name in files if SHARD_RE.match(name))
+    if isinstance(manifest.get("shards"), int) and shards != [shard_name(i) for i in range(manifest["shards"])]:
+        return f"lists {len(shards)} row shard(s) where it records {manifest['shards']} (part-00000 on)"
+    return None
 
 
 def _prefix_hint(path: Path) -> str:
