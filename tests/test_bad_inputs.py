@@ -358,6 +358,7 @@ def test_an_unpinned_hub_source_is_versioned_at_the_commit_the_hub_names(tmp_pat
     ("augment.n_generated=-1", "augment.n_generated: Input should be greater than or equal to 1 (got -1)"),
     ("train.anchors=7", "train.anchors a = 7 > m' = 6 responses per example (4 from synthetic + 2 generated)"),
     ("train.dtype=float16", "train.dtype: Input should be 'auto', 'float32', 'bfloat16' or 'float64' (got 'float16')"),
+    ('ingest.labels=["a\udcff", "b", "c"]', "ingest.labels: holds bytes that are not UTF-8 text"),  # a latin-1 \xff
 ])
 def test_config_errors_name_the_key_in_one_line(assignment, expected):
     with pytest.raises(ValueError) as err:

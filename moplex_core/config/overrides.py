@@ -32,6 +32,12 @@ def with_overrides(config: C, assignments: Sequence[str]) -> C:
     replaced: dict[str, tuple[dict[str, Any], set[str]]] = {}  # a block given whole: its settings before, those given
     for assignment in assignments:
         key, sep, raw = assignment.partition("=")
+        try:
+            assignment.encode("utf-8")
+        except UnicodeEncodeError:  # bytes of another encoding, as Python hands them on (surrogateescape)
+            problems.append(f"  {key.encode('utf-8', 'replace').decode()}: holds bytes that are not UTF-8 text (a "
+                            "terminal in another encoding?); a setting is hashed into its version as UTF-8")
+            continue
         if not sep or not key:
             example = assignment if assignment in known else _example_key(data)
             problems.append(f"  {assignment!r}: expected key=value (e.g. {example}=...)")
