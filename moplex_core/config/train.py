@@ -194,10 +194,8 @@ class TrainConfig(StageConfig):
         same: dict[str, Any] = {}
         if self.anchors is None:
             same |= {"estimation": default["estimation"], "estimation_check": default["estimation_check"]}
-        if set(self.lora_targets) == set(default["lora_targets"]):
-            same["lora_targets"] = list(default["lora_targets"])
-        elif len(set(self.lora_targets)) < len(self.lora_targets) or list(self.lora_targets) != sorted(self.lora_targets):
-            same["lora_targets"] = sorted(set(self.lora_targets))
+        targets = set(self.lora_targets)  # as the default's list where it is that set, else sorted
+        same["lora_targets"] = list(default["lora_targets"]) if targets == set(default["lora_targets"]) else sorted(targets)
         if self.first_epochs == self.epochs:
             same["first_epochs"] = default["first_epochs"]
         if self.hard and self.gamma_min > 0:
